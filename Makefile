@@ -1,0 +1,51 @@
+# pretrain-bench — the README's commands. `make demo` and `make test` install into .venv when needed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+TINY := --configfile config/tiny-cpu.yaml
+TINY_NAME := tiny-cpu
+
+.PHONY: install demo test test-unit test-integration lint bench dry-run clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
+	# torch first: deepspeed's build imports it (hence --no-build-isolation, which keeps pip from pulling
+	# a multi-GB CUDA torch into an isolated build environment).
+	$(BIN)/python -m pip install --quiet torch==2.13.0 numpy==2.4.6
+	$(BIN)/python -m pip install --quiet --no-build-isolation -r requirements.txt
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/snakemake --cores 2 --resources gpu=3 $(TINY) --printshellcmds
+	@echo ""
+	@echo "Report: $(CURDIR)/results/$(TINY_NAME)/report/report.html"
+	@echo "        $(CURDIR)/results/$(TINY_NAME)/report/report.md"
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest tests -q
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit -q
+
+test-integration: $(STAMP)
+	$(BIN)/python -m pytest tests/integration -q
+
+lint: $(STAMP)
+	$(BIN)/snakemake --lint --cores 1 $(TINY)
+	$(BIN)/snakemake --lint --cores 1
+
+dry-run: $(STAMP)
+	$(BIN)/snakemake -n --cores 32 --resources gpu=3
+
+bench: $(STAMP)
+	mkdir -p bench-results
+	$(BIN)/python bench/bench_corpus.py bench-results/corpus.json
+	$(BIN)/python bench/bench_tokens.py bench-results/tokens.json
+
+clean:
+	rm -rf results logs benchmarks .snakemake bench-results

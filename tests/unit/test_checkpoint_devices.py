@@ -1,0 +1,101 @@
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow_scripts"))
+
+from pretrain_bench import checkpoint as ckpt  # noqa: E402
+from pretrain_bench.devices import SlotError, allocate_slots  # noqa: E402
+from pretrain_bench.launcher import rank_environment, torchrun_command  # noqa: E402
+from pretrain_bench.metrics import summarise_steps, truncate_jsonl  # noqa: E402
+
+
+def make_ckpt(root, step, commit=True):
+    folder = root / ckpt.tag_for(step)
+    folder.mkdir(parents=True)
+    (folder / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    if commit:
+        ckpt.write_marker(root, step, {"world_size": 3})
+
+
+def test_only_committed_checkpoints_count_and_prune_keeps_newest(tmp_path):
+    for step in (10, 20, 30):
+        make_ckpt(tmp_path, step)
+    make_ckpt(tmp_path, 40, commit=False)  # crashed mid-save
+    assert ckpt.committed_steps(tmp_path) == [10, 20, 30]
+    assert ckpt.read_marker(tmp_path, 30)["world_size"] == 3
+    with pytest.raises(ckpt.CheckpointError, match="step40 is missing or incomplete"):
+        ckpt.read_marker(tmp_path, 40)
+    assert ckpt.prune(tmp_path, keep=2) == [10]
+    assert ckpt.committed_steps(tmp_path) == [20, 30]
+    assert (tmp_path / "step40").is_dir(), "an incomplete checkpoint being written is never pruned"
+    assert ckpt.prune(tmp_path, keep=None) == []
+
+
+def _hold(count, total, lock_dir, queue, hold_s):
+    with allocate_slots(count, total, lock_dir, timeout_s=30) as ids:
+        queue.put((time.monotonic(), ids))
+        time.sleep(hold_s)
+        queue.put((time.monotonic(), ids))
+
+
+def test_concurrent_jobs_get_disjoint_device_slots(tmp_path):
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_hold, args=(1, 3, tmp_path, queue, 0.6)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(20)
+    events = [queue.get(timeout=5) for _ in range(6)]
+    ids = sorted(tuple(e[1]) for e in events[:])
+    assert sorted({i for i in ids}) == [(0,), (1,), (2,)], "three 1-GPU jobs at once hold three different GPUs"
+
+
+def test_slot_allocation_waits_then_times_out(tmp_path):
+    with allocate_slots(2, 2, tmp_path) as held:
+        assert held == [0, 1]
+        with pytest.raises(SlotError, match="no 1 free device slots of 2"):
+            with allocate_slots(1, 2, tmp_path, timeout_s=0.3):
+                pass
+    with pytest.raises(SlotError, match="needs 4 devices but this machine has 2"):
+        with allocate_slots(4, 2, tmp_path):
+            pass
+
+
+def test_rank_environment_threads_and_oversubscription():
+    env = rank_environment("cpu", ranks=3, cores=2, base={})
+    assert env["DS_ACCELERATOR"] == "cpu" and env["OMP_NUM_THREADS"] == "1"
+    assert env["PRETRAIN_BENCH_OVERSUBSCRIBED"] == "1"
+    env = rank_environment("cpu", ranks=2, cores=16, base={})
+    assert env["OMP_NUM_THREADS"] == "8" and env["PRETRAIN_BENCH_OVERSUBSCRIBED"] == "0"
+    assert "DS_ACCELERATOR" not in rank_environment("cuda", 3, 16, {})
+
+
+def test_torchrun_single_node_uses_standalone_free_port():
+    cmd = torchrun_command(Path("pretrain.py"), ["--plan", "p.json"], ranks=3, nodes=1, max_restarts=2)
+    assert "--standalone" in cmd and "--nproc-per-node=3" in cmd and "--max-restarts=2" in cmd
+    assert not any(c.startswith("--master-port") or c.startswith("--rdzv-endpoint") for c in cmd)
+    multi = torchrun_command(Path("pretrain.py"), [], ranks=1, nodes=2, max_restarts=0, rdzv_endpoint="h:29500")
+    assert "--rdzv-endpoint=h:29500" in multi and "--nnodes=2" in multi
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        torchrun_command(Path("pretrain.py"), [], ranks=1, nodes=2, max_restarts=0)
+
+
+def test_summary_excludes_warmup_and_resume_step(tmp_path):
+    records = [{"step": s, "loss": 10.0 - s, "step_time_s": t, "forward_s": 0.1, "backward_s": 0.2,
+                "optimizer_s": 0.05, "after_resume": s == 5}
+               for s, t in [(1, 9.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 7.0), (6, 1.0)]]
+    summary = summarise_steps(records, warmup_steps=1, tokens_per_step=100)
+    assert summary["steady_steps"] == 4  # steps 2, 3, 4, 6
+    assert summary["tokens_per_s"] == pytest.approx(400 / 5.0)
+    assert summary["step_time_s"]["median"] == 1.0 and summary["step_time_s"]["max"] == 2.0
+    assert summary["loss"] == {"first": 9.0, "last": 4.0, "min": 4.0}
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    truncate_jsonl(path, 3)
+    assert [json.loads(l)["step"] for l in path.read_text().splitlines()] == [1, 2, 3]

@@ -1,0 +1,89 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow_scripts"))
+
+from pretrain_bench.flops import flops_per_token, gpu_table_peak  # noqa: E402
+from pretrain_bench.model import build_model, count_parameters, resolve_shape  # noqa: E402
+from pretrain_bench.settings import ConfigError, TrainSettings, check_settings, deepspeed_config  # noqa: E402
+
+
+def settings(**kw):
+    base = dict(gpus=3, device="cpu", comm_backend="gloo", precision="fp32", micro_batch_size=8,
+                grad_accum_steps=1, global_batch_size=24)
+    return TrainSettings.from_config({**base, **kw})
+
+
+def test_global_batch_must_match_micro_accum_ranks():
+    with pytest.raises(ConfigError, match=r"global_batch_size 24 is not micro_batch_size 8 × grad_accum_steps 3 × "
+                                          r"ranks 3 .* = 72"):
+        check_settings(settings(grad_accum_steps=3))
+    check_settings(settings())  # 8 × 1 × 3 = 24 is fine
+
+
+def test_fp16_on_cpu_is_rejected_before_launch():
+    with pytest.raises(ConfigError, match="fp16 is not supported on a CPU run"):
+        check_settings(settings(precision="fp16"))
+    # 'auto' does not know the device yet; the launcher repeats the check with the resolved device
+    check_settings(settings(precision="fp16", device="auto"))
+    with pytest.raises(ConfigError, match="fp16"):
+        check_settings(settings(precision="fp16", device="auto"), device="cpu")
+
+
+def test_nccl_without_cuda_and_offload_param_without_stage3():
+    with pytest.raises(ConfigError, match="nccl needs CUDA"):
+        check_settings(settings(comm_backend="nccl"))
+    with pytest.raises(ConfigError, match="offload_param=cpu needs train.zero_stage 3"):
+        check_settings(settings(offload_param="cpu", zero_stage=2))
+    with pytest.raises(ConfigError, match="unknown key"):
+        TrainSettings.from_config({"gpus": 1, "zero": 2})
+
+
+def test_deepspeed_config_reflects_settings():
+    cfg = deepspeed_config(settings(zero_stage=3, precision="bf16", offload_param="cpu", offload_optimizer="cpu"),
+                           "cpu", total_steps=100)
+    assert cfg["train_batch_size"] == 24 and cfg["train_micro_batch_size_per_gpu"] == 8
+    assert cfg["zero_optimization"]["stage"] == 3
+    assert cfg["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert cfg["bf16"] == {"enabled": True} and "fp16" not in cfg
+    fp16 = deepspeed_config(TrainSettings.from_config({"gpus": 1, "precision": "fp16"}), "cuda", 10)
+    assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0  # 0 = dynamic loss scaling
+    assert fp16["scheduler"]["params"]["total_num_steps"] == 10
+
+
+def test_max_tokens_sets_the_step_count():
+    s = settings(max_tokens=24 * 128 * 10 + 1)
+    assert s.total_steps(128) == 11
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-125m"])
+def test_parameter_count_equals_the_built_model(preset):
+    shape = resolve_shape(preset, {"num_hidden_layers": 2}, tokenizer_vocab=4096)
+    model = build_model(shape, 64, seed=0)
+    assert count_parameters(shape)["total"] == sum(p.numel() for p in model.parameters())
+
+
+def test_deepseek_7b_preset_has_deepseek_llm_shape():
+    shape = resolve_shape("deepseek-7b", {}, tokenizer_vocab=102400)
+    assert (shape.num_hidden_layers, shape.hidden_size, shape.num_attention_heads, shape.intermediate_size,
+            shape.vocab_size) == (30, 4096, 32, 11008, 102400)
+    assert 6.8e9 < count_parameters(shape)["total"] < 7.0e9
+
+
+def test_shape_errors_name_the_field():
+    with pytest.raises(ValueError, match="smaller than the tokenizer"):
+        resolve_shape("llama-125m", {}, tokenizer_vocab=50000)
+    with pytest.raises(ValueError, match="hidden_size 100 is not divisible"):
+        resolve_shape("tiny", {"hidden_size": 100}, 4096)
+
+
+def test_flops_formula_and_gpu_table():
+    # 6N + 12·L·H·Q·T
+    assert flops_per_token(1000, 2, 4, 8, 16) == 6000 + 12 * 2 * 4 * 8 * 16
+    peak, source = gpu_table_peak("NVIDIA GeForce RTX 4090", "fp16")
+    assert peak == 165.2e12 and "RTX 4090" in source
+    assert gpu_table_peak("NVIDIA GeForce RTX 4090 D", "bf16")[0] == 147.0e12
+    assert gpu_table_peak("NVIDIA H200", "bf16")[0] == 989e12
+    assert gpu_table_peak("NVIDIA H200", "fp32") is None

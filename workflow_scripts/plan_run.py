@@ -1,0 +1,17 @@
+"""Snakemake adapter: resolve the config into a run plan (rule plan_pretrain)."""
+import sys
+from pathlib import Path
+
+
+def main(config, index, tokenizer, out_dir, state_dir, plan_path):
+    from pretrain_bench.plan import make_plan, write_plan
+
+    plan = make_plan(config, index=Path(index), tokenizer=Path(tokenizer).parent, out_dir=Path(out_dir),
+                     state_dir=Path(state_dir))
+    write_plan(plan, Path(plan_path))
+
+
+if "snakemake" in globals():
+    sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
+    main(snakemake.config, snakemake.input.index, snakemake.input.tokenizer,  # noqa: F821
+         snakemake.params.out_dir, snakemake.params.state_dir, snakemake.output.plan)  # noqa: F821

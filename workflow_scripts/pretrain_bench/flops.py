@@ -1,0 +1,57 @@
+"""FLOPs per token and per-device peaks, for MFU.
+
+MFU = achieved model FLOP/s ÷ peak FLOP/s. Model FLOPs per token follow the PaLM paper (Chowdhery et al. 2022,
+appendix B): 6N for the dense matmuls forward + backward, plus 12·L·H·Q·T for attention scores and values
+(L layers, H heads, Q head dim, T sequence length). Recomputation (activation checkpointing) is not counted: MFU,
+unlike hardware FLOPs utilisation, charges only the FLOPs the model needs.
+"""
+from __future__ import annotations
+
+FLOPS_FORMULA = "6N + 12*L*H*Q*T (PaLM appendix B; N = non-embedding parameters)"
+
+# Dense peak TFLOP/s per GPU for 16-bit inputs with fp32 accumulation (vendor datasheets, no sparsity).
+GPU_PEAK_TFLOPS_16BIT = {
+    "RTX 4090": 165.2,  # Ada whitepaper: 165.2 dense FP16/BF16 tensor TFLOPS with FP32 accumulate
+    "RTX 4090 D": 147.0,  # 4090 D: 14,592 CUDA cores vs 16,384 (same clock) -> 165.2 * 0.89
+    "A100": 312.0,
+    "H100": 989.0,  # SXM dense BF16
+    "H200": 989.0,
+}
+
+
+def flops_per_token(non_embedding_params: int, layers: int, heads: int, head_dim: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward)."""
+    return 6.0 * non_embedding_params + 12.0 * layers * heads * head_dim * seq_len
+
+
+def gpu_table_peak(device_name: str, precision: str) -> tuple[float, str] | None:
+    """(peak FLOP/s, source) for a known GPU name, or None. fp32 runs use TF32-free CUDA cores: not tabulated."""
+    if precision not in ("fp16", "bf16"):
+        return None
+    name = device_name.upper()
+    # Longest key first so "RTX 4090 D" wins over "RTX 4090".
+    for key in sorted(GPU_PEAK_TFLOPS_16BIT, key=len, reverse=True):
+        if key.upper() in name or key.replace(" ", "").upper() in name.replace(" ", ""):
+            return GPU_PEAK_TFLOPS_16BIT[key] * 1e12, f"datasheet table: {key} {GPU_PEAK_TFLOPS_16BIT[key]} TFLOP/s"
+    return None
+
+
+def measure_matmul_peak(dtype_name: str = "fp32", size: int = 1024, repeats: int = 8, device: str = "cpu") -> float:
+    """Measured FLOP/s of a square matmul on this device with the current thread count (best of `repeats`)."""
+    import time
+
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):  # first call warms caches and kernels
+        if device != "cpu":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best

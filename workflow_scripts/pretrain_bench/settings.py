@@ -1,0 +1,146 @@
+"""Training settings: the `train.*` config as a typed object, pre-launch checks and the DeepSpeed config.
+
+Everything here is pure Python (no torch import) so the Snakefile can reject a bad configuration before any job
+starts, and the launcher can repeat the checks once it knows the real device.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key and the reason."""
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The `train:` block of the config (see schemas/config.schema.yaml for bounds)."""
+
+    gpus: int = 1  # ranks per node
+    nodes: int = 1  # nodes
+    device: str = "auto"  # auto | cuda | cpu
+    comm_backend: str = "nccl"  # nccl | gloo
+    zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3
+    precision: str = "bf16"  # fp16 | bf16 | fp32
+    offload_optimizer: str = "none"  # none | cpu
+    offload_param: str = "none"  # none | cpu (ZeRO-3 only)
+    activation_checkpointing: bool = False  # recompute activations in backward
+    micro_batch_size: int = 8  # samples per rank per micro-step
+    grad_accum_steps: int = 1  # micro-steps per optimizer step
+    global_batch_size: int | None = None  # samples per optimizer step (None: derived)
+    max_steps: int = 1000  # optimizer steps
+    max_tokens: int | None = None  # stop after this many tokens instead of max_steps
+    lr: float = 3e-4  # peak learning rate
+    min_lr: float = 3e-5  # floor of the cosine decay
+    warmup_steps: int = 100  # linear warm-up steps
+    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    grad_clip: float = 1.0  # global gradient-norm clip (0 = off)
+    seed: int = 1234  # weights and data order
+    checkpoint_every: int = 500  # steps between checkpoints
+    keep_checkpoints: int | None = None  # keep the last N complete checkpoints (None: all)
+    warmup_timing_steps: int = 5  # steps left out of steady-state timing
+    max_restarts: int = 0  # torchrun --max-restarts
+    allow_reshape: bool = False  # accept a checkpoint saved at another world size
+
+    @classmethod
+    def from_config(cls, train: dict) -> "TrainSettings":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(train) - known)
+        if unknown:
+            raise ConfigError(f"train: unknown key(s) {unknown}")
+        return cls(**train)
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus * self.nodes
+
+    @property
+    def derived_global_batch(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps * self.world_size
+
+    def total_steps(self, seq_len: int) -> int:
+        """Optimizer steps the run makes: max_steps, or enough steps to cover max_tokens."""
+        if self.max_tokens is None:
+            return self.max_steps
+        tokens_per_step = self.derived_global_batch * seq_len
+        return max(1, -(-self.max_tokens // tokens_per_step))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_settings(s: TrainSettings, device: str | None = None) -> None:
+    """Reject combinations that cannot run. `device` is the resolved device (cuda|cpu) when known."""
+    if s.global_batch_size is not None and s.global_batch_size != s.derived_global_batch:
+        raise ConfigError(
+            f"train.global_batch_size {s.global_batch_size} is not micro_batch_size {s.micro_batch_size} × "
+            f"grad_accum_steps {s.grad_accum_steps} × ranks {s.world_size} (gpus {s.gpus} × nodes {s.nodes}) "
+            f"= {s.derived_global_batch}"
+        )
+    if s.offload_param != "none" and s.zero_stage != 3:
+        raise ConfigError(f"train.offload_param={s.offload_param} needs train.zero_stage 3 (got {s.zero_stage})")
+    if s.offload_optimizer != "none" and s.zero_stage == 0:
+        raise ConfigError("train.offload_optimizer needs train.zero_stage 1, 2 or 3 (got 0)")
+    if s.min_lr > s.lr:
+        raise ConfigError(f"train.min_lr {s.min_lr} is above train.lr {s.lr}")
+    device = device or (s.device if s.device != "auto" else None)
+    if device == "cpu":
+        if s.precision == "fp16":
+            raise ConfigError(
+                "train.precision fp16 is not supported on a CPU run (DeepSpeed's CPU accelerator has no fp16 "
+                "loss scaling): use bf16 or fp32"
+            )
+        if s.comm_backend == "nccl":
+            raise ConfigError("train.comm_backend nccl needs CUDA GPUs; a CPU run uses gloo")
+
+
+def deepspeed_config(s: TrainSettings, device: str, total_steps: int) -> dict:
+    """The DeepSpeed JSON config for these settings (written next to the run as ds_config.json)."""
+    zero: dict = {"stage": s.zero_stage}
+    if s.zero_stage >= 1:
+        zero.update(overlap_comm=device == "cuda", contiguous_gradients=True, reduce_scatter=True)
+    if s.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": s.offload_optimizer, "pin_memory": device == "cuda"}
+    if s.offload_param != "none":
+        zero["offload_param"] = {"device": s.offload_param, "pin_memory": device == "cuda"}
+    warmup = min(s.warmup_steps, max(total_steps - 1, 0))
+    config = {
+        "train_micro_batch_size_per_gpu": s.micro_batch_size,
+        "gradient_accumulation_steps": s.grad_accum_steps,
+        "train_batch_size": s.derived_global_batch,
+        "gradient_clipping": s.grad_clip,
+        "steps_per_print": 10**9,  # our own progress line replaces DeepSpeed's
+        "wall_clock_breakdown": False,
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": s.lr,
+                "betas": [0.9, 0.95],
+                "eps": 1e-8,
+                "weight_decay": s.weight_decay,
+                # FusedAdam needs CUDA; on CPU DeepSpeed's torch_adam switch selects torch.optim.AdamW.
+                **({"torch_adam": True} if device == "cpu" and s.offload_optimizer == "none" else {}),
+            },
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": max(total_steps, 1),
+                "warmup_num_steps": warmup,
+                "warmup_min_ratio": 0.0 if warmup else 1.0,
+                "cos_min_ratio": s.min_lr / s.lr,
+                "warmup_type": "linear",
+            },
+        },
+        "comms_logger": {"enabled": True, "verbose": False, "prof_all": True, "debug": False},
+    }
+    if s.precision == "fp16":
+        # Dynamic loss scaling: loss_scale 0 means dynamic in DeepSpeed.
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                          "hysteresis": 2, "min_loss_scale": 1}
+    elif s.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    if s.activation_checkpointing:
+        config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
+    return config

@@ -1,0 +1,371 @@
+"""The DeepSpeed training loop: one process per rank, started by torchrun through workflow_scripts/launch.py.
+
+A run is described by a plan (plan.json, see `pretrain_bench.plan`). This module trains, measures each step,
+checkpoints with a commit marker, resumes from the newest complete checkpoint, and writes metrics.jsonl,
+summary.json and (for the main run) an HF export.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import checkpoint as ckpt
+from .flops import FLOPS_FORMULA, flops_per_token, gpu_table_peak, measure_matmul_peak
+from .metrics import peak_memory_bytes, read_jsonl, summarise_steps, truncate_jsonl
+from .model import build_model, count_parameters, resolve_shape
+from .provenance import provenance
+from .settings import TrainSettings, check_settings, deepspeed_config
+
+
+class TrainingAborted(RuntimeError):
+    """Training stopped on purpose (non-finite loss, pre-emption); the last complete checkpoint is kept."""
+
+
+class _Preemption:
+    """Turns SIGTERM into a flag checked at step boundaries, so the step in flight finishes and is saved."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+
+def _log(rank: int, message: str) -> None:
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _sync(device: str) -> float:
+    """A timestamp taken after the device finished its queued work (CUDA kernels run asynchronously)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _comm_ms() -> tuple[float, int]:
+    """(total milliseconds, op count) recorded so far by DeepSpeed's comms logger on this rank."""
+    from deepspeed.comm import comm as ds_comm
+
+    logger = getattr(ds_comm, "comms_logger", None)
+    total, count = 0.0, 0
+    for by_size in getattr(logger, "comms_dict", {}).values():
+        for record in by_size.values():
+            count += record[0]
+            total += sum(record[1])
+    return total, count
+
+
+def _gather_floats(values: list[float], device: str) -> list[list[float]]:
+    """All ranks' values (rank order) through torch.distributed, outside DeepSpeed's comms logger."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor)
+    return [p.tolist() for p in parts]
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def resume_fingerprint(plan: dict) -> dict:
+    """What must not change between a checkpoint and the run that resumes it."""
+    keep_out = {"max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "max_restarts",
+                "warmup_timing_steps", "allow_reshape"}
+    train = {k: v for k, v in plan["train"].items() if k not in keep_out}
+    return {"model": plan["model"], "train": train, "data": plan["data_sha256"]}
+
+
+def measure_peak_flops(settings: TrainSettings, device: str, rank_threads: int) -> tuple[float, str]:
+    """Peak FLOP/s per rank: the datasheet for known GPUs, otherwise a matmul measured on every rank at once."""
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        table = gpu_table_peak(name, settings.precision)
+        if table:
+            return table
+        measured = measure_matmul_peak(settings.precision, size=8192, device="cuda")
+        return measured, f"measured: best {settings.precision} 8192² matmul on {name}"
+    dist.barrier()  # all ranks measure together, so oversubscribed cores show up as a lower per-rank peak
+    measured = measure_matmul_peak("fp32" if settings.precision == "fp32" else "bf16", size=512)
+    per_rank = _gather_floats([measured], "cpu")
+    mean = sum(p[0] for p in per_rank) / len(per_rank)
+    dtype = "fp32" if settings.precision == "fp32" else "bf16"
+    return mean, (f"measured: best of 8 {dtype} 512² matmuls, {rank_threads} thread(s) per rank, all "
+                  f"{len(per_rank)} ranks at once, mean over ranks")
+
+
+def run_training(plan: dict) -> dict | None:
+    """Train per the plan on this rank. Returns the summary on rank 0."""
+    import deepspeed
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    settings = TrainSettings.from_config(plan["train"])
+    device = plan["device"]
+    check_settings(settings, device)
+    if world != settings.world_size:
+        raise RuntimeError(f"launched with {world} ranks but train.gpus × train.nodes = {settings.world_size}")
+    threads = int(os.environ.get("PRETRAIN_BENCH_THREADS_PER_RANK", torch.get_num_threads()))
+    torch.set_num_threads(threads)
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    deepspeed.init_distributed(dist_backend=plan["train"]["comm_backend"])
+    preemption = _Preemption()
+
+    out_dir, state_dir = Path(plan["paths"]["out_dir"]), Path(plan["paths"]["state_dir"])
+    ckpt_root = state_dir / "checkpoints"
+    metrics_path = state_dir / "metrics.jsonl"
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        if not plan.get("resume", True):
+            shutil.rmtree(ckpt_root, ignore_errors=True)
+            metrics_path.unlink(missing_ok=True)
+    dist.barrier()
+
+    # 1) data, model, engine
+    from .loader import PackedTokens, RankBatches
+
+    index = json.loads(Path(plan["paths"]["index"]).read_text())
+    seq_len = plan["model"]["seq_len"]
+    data = PackedTokens(Path(plan["paths"]["index"]), "train", seq_len)
+    batches = RankBatches(data, rank=rank, world_size=world, micro_batch_size=settings.micro_batch_size,
+                          seed=settings.seed)
+    shape = resolve_shape(plan["model"]["preset"], plan["model"].get("overrides"), index["vocab_size"])
+    params = count_parameters(shape)
+    _log(rank, f"model {plan['model']['preset']}: {params['total']:,} parameters "
+               f"({params['non_embedding']:,} non-embedding), world size {world}, device {device}")
+    model = build_model(shape, seq_len, settings.seed)
+    if settings.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    total_steps = settings.total_steps(seq_len)
+    ds_config = deepspeed_config(settings, device, total_steps)
+    if rank == 0:
+        (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+    # 2) resume from the newest complete checkpoint
+    fingerprint = resume_fingerprint(plan)
+    start_step, resumed_from = 0, None
+    steps_done = ckpt.committed_steps(ckpt_root) if plan.get("resume", True) else []
+    if steps_done:
+        step = steps_done[-1]
+        marker = ckpt.read_marker(ckpt_root, step)
+        if marker["world_size"] != world and not settings.allow_reshape:
+            raise ckpt.CheckpointError(
+                f"checkpoint {ckpt_root / ckpt.tag_for(step)} was saved with world size {marker['world_size']}, "
+                f"this run has {world}: run with the old train.gpus/nodes, or move {ckpt_root} away to start over"
+            )
+        if marker["fingerprint"] != fingerprint:
+            changed = sorted(k for k in fingerprint if fingerprint[k] != marker["fingerprint"].get(k))
+            raise ckpt.CheckpointError(
+                f"checkpoint {ckpt_root / ckpt.tag_for(step)} belongs to a different configuration "
+                f"({', '.join(changed)} changed): restore the config or move {ckpt_root} away to start over"
+            )
+        _, client = engine.load_checkpoint(str(ckpt_root), tag=ckpt.tag_for(step))
+        batches.load_state_dict(client["loader"])
+        _set_rng_state(torch.load(ckpt_root / ckpt.tag_for(step) / f"rng_rank{rank}.pt", weights_only=False))
+        start_step, resumed_from = step, step
+        if rank == 0:
+            truncate_jsonl(metrics_path, step)
+        _log(rank, f"resumed from {ckpt_root / ckpt.tag_for(step)} (step {step})")
+
+    def save(step: int) -> None:
+        tag = ckpt.tag_for(step)
+        client = {"step": step, "loader": batches.state_dict(), "world_size": world,
+                  "fingerprint": fingerprint}
+        engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client)
+        torch.save(_rng_state(), ckpt_root / tag / f"rng_rank{rank}.pt")
+        dist.barrier()  # every rank's shard is on disk before the marker says so
+        if rank == 0:
+            ckpt.write_marker(ckpt_root, step, {"world_size": world, "fingerprint": fingerprint,
+                                                "loader": batches.state_dict(),
+                                                "tokens": step * settings.derived_global_batch * seq_len})
+            ckpt.prune(ckpt_root, settings.keep_checkpoints)
+        dist.barrier()
+
+    # 3) peak FLOP/s for MFU
+    peak_flops, peak_source = measure_peak_flops(settings, device, threads)
+    if plan.get("peak_tflops"):
+        peak_flops, peak_source = plan["peak_tflops"] * 1e12, "report.peak_tflops in the config"
+    flops_token = flops_per_token(params["non_embedding"], shape.num_hidden_layers, shape.num_attention_heads,
+                                  shape.hidden_size // shape.num_attention_heads, seq_len)
+
+    # 4) the loop
+    tokens_per_step = settings.derived_global_batch * seq_len
+    vocab = shape.vocab_size
+    save_every = settings.checkpoint_every if plan.get("save_checkpoints", True) else None
+    run_device = f"cuda:{local_rank}" if device == "cuda" else "cpu"
+    metrics_file = open(metrics_path, "a") if rank == 0 else None
+    run_start = time.perf_counter()
+    comm_steady_ms, steady_time_s = 0.0, 0.0
+    last_saved = start_step
+    for step in range(start_step + 1, total_steps + 1):
+        skipped_before = engine.skipped_steps
+        comm_before, _ = _comm_ms()
+        forward_s = backward_s = optimizer_s = 0.0
+        losses = []
+        t_step = _sync(device)
+        for _ in range(settings.grad_accum_steps):
+            batch = batches.next_batch().to(run_device)  # (B, T+1)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            t0 = _sync(device)
+            logits = engine(input_ids=inputs).logits  # (B, T, vocab)
+            loss = F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+            t1 = _sync(device)
+            engine.backward(loss)
+            t2 = _sync(device)
+            engine.step()
+            t3 = _sync(device)
+            forward_s, backward_s, optimizer_s = forward_s + t1 - t0, backward_s + t2 - t1, optimizer_s + t3 - t2
+            losses.append(loss.detach().float().item())
+        step_time = time.perf_counter() - t_step
+        comm_ms = _comm_ms()[0] - comm_before
+
+        # Everything below is bookkeeping outside the timed step.
+        local_loss = sum(losses) / len(losses)
+        peak, _ = peak_memory_bytes(device)
+        gathered = _gather_floats([local_loss, float(peak), float(preemption.requested)], run_device)
+        rank_losses = [g[0] for g in gathered]
+        if not all(math.isfinite(v) for v in rank_losses):
+            bad = [r for r, v in enumerate(rank_losses) if not math.isfinite(v)]
+            raise TrainingAborted(
+                f"non-finite loss at step {step} on rank(s) {bad}; no checkpoint written after it, the last "
+                f"complete one is step {last_saved if last_saved else 'none'} in {ckpt_root}"
+            )
+        steady = step > settings.warmup_timing_steps and step != start_step + 1
+        if steady:
+            comm_steady_ms += comm_ms
+            steady_time_s += step_time
+        record = {
+            "step": step, "loss": sum(rank_losses) / world, "lr": engine.get_lr()[0],
+            "grad_norm": engine.get_global_grad_norm(), "step_time_s": step_time,
+            "forward_s": forward_s, "backward_s": backward_s, "optimizer_s": optimizer_s,
+            "tokens_per_s": tokens_per_step / step_time, "tokens": step * tokens_per_step,
+            "comm_s": comm_ms / 1000.0, "peak_mem_bytes": [int(g[1]) for g in gathered],
+            "skipped_steps": engine.skipped_steps, "overflow": engine.skipped_steps > skipped_before,
+            "loss_scale": getattr(engine.optimizer, "cur_scale", None) if settings.precision == "fp16" else None,
+            "after_resume": resumed_from is not None and step == start_step + 1,
+        }
+        if rank == 0:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            if step == 1 or step % max(1, total_steps // 20) == 0 or step == total_steps:
+                elapsed = time.perf_counter() - run_start
+                eta = elapsed / (step - start_step) * (total_steps - step)
+                _log(rank, f"step {step}/{total_steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+                           f"{record['tokens_per_s']:,.0f} tokens/s step {step_time:.3f}s ETA {eta:,.0f}s")
+        if save_every and (step % save_every == 0 or step == total_steps):
+            save(step)
+            last_saved = step
+        if any(g[2] for g in gathered):
+            if save_every and last_saved != step:
+                save(step)
+                last_saved = step
+            raise TrainingAborted(f"SIGTERM received: checkpoint step {last_saved} saved in {ckpt_root}; "
+                                  "exiting non-zero so the job is retried")
+    if metrics_file:
+        metrics_file.close()
+
+    # 5) summary (rank 0)
+    summary = None
+    if rank == 0:
+        records = read_jsonl(metrics_path)
+        steady = summarise_steps(records, settings.warmup_timing_steps, tokens_per_step)
+        tokens_per_s = steady["tokens_per_s"]
+        if world == 1:
+            comm_fraction, comm_note = None, "world size 1: no collectives"
+        elif steady_time_s > 0:
+            comm_fraction = (comm_steady_ms / 1000.0) / steady_time_s
+            comm_note = ("DeepSpeed comms_logger (prof_all) on rank 0: wall-clock of every deepspeed.comm collective "
+                         "(synchronised), summed over steady-state steps ÷ their step time; includes time spent "
+                         "waiting for slower ranks")
+        else:
+            comm_fraction, comm_note = None, "no steady-state steps in this process (resumed at the end)"
+        peak_kind = peak_memory_bytes(device)[1]
+        summary = {
+            "name": plan["name"], "role": plan.get("role", "pretrain"),
+            "world_size": world, "nodes": settings.nodes, "device": device, "zero_stage": settings.zero_stage,
+            "precision": settings.precision, "comm_backend": settings.comm_backend,
+            "micro_batch_size": settings.micro_batch_size, "grad_accum_steps": settings.grad_accum_steps,
+            "global_batch_size": settings.derived_global_batch, "seq_len": seq_len,
+            "steps": total_steps, "tokens_per_step": tokens_per_step, "tokens": total_steps * tokens_per_step,
+            "tokens_per_s": tokens_per_s, "step_time_s": steady["step_time_s"],
+            "phase_time_s": steady["phase_time_s"], "steady_steps": steady["steady_steps"],
+            "warmup_timing_steps": settings.warmup_timing_steps,
+            "peak_mem_bytes": [max(r["peak_mem_bytes"][i] for r in records) for i in range(world)],
+            "peak_mem_kind": peak_kind,
+            "model": {"preset": plan["model"]["preset"], "parameters": params["total"],
+                      "non_embedding_parameters": params["non_embedding"], "layers": shape.num_hidden_layers,
+                      "hidden_size": shape.hidden_size, "heads": shape.num_attention_heads,
+                      "vocab_size": shape.vocab_size},
+            "flops_per_token": flops_token, "flops_formula": FLOPS_FORMULA,
+            "peak_flops_per_rank": peak_flops, "peak_flops_source": peak_source,
+            "mfu": (tokens_per_s * flops_token) / (peak_flops * world) if tokens_per_s else None,
+            "comm_fraction": comm_fraction, "comm_method": comm_note,
+            "loss": steady["loss"], "skipped_steps": records[-1]["skipped_steps"],
+            "oversubscribed": os.environ.get("PRETRAIN_BENCH_OVERSUBSCRIBED") == "1",
+            "threads_per_rank": threads, "resumed_from_step": resumed_from,
+            "checkpoints": ckpt.committed_steps(ckpt_root), "checkpoint_dir": str(ckpt_root),
+            "provenance": provenance(plan["config"], plan["hardware"] | {"threads_per_rank": threads}),
+        }
+    dist.barrier()
+    if rank == 0:
+        if plan.get("export_hf"):
+            export_hf(ckpt_root, ckpt.committed_steps(ckpt_root)[-1], shape, seq_len,
+                      Path(plan["paths"]["tokenizer"]), out_dir / "hf")
+        shutil.copyfile(metrics_path, out_dir / "metrics.jsonl")
+        tmp = out_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        os.replace(tmp, out_dir / "summary.json")
+        _log(rank, f"done: {summary['tokens_per_s']:,.0f} tokens/s steady state, loss "
+                   f"{summary['loss']['first']:.3f} → {summary['loss']['last']:.3f}")
+    dist.barrier()
+    return summary
+
+
+def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Path, target: Path) -> None:
+    """Save a checkpoint as an HF model folder (safetensors + tokenizer) that AutoModelForCausalLM loads."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from .model import llama_config
+
+    state = ckpt.load_fp32_state_dict(ckpt_root, step)
+    model = LlamaForCausalLM(llama_config(shape, seq_len))
+    if shape.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (shape.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ckpt.CheckpointError(f"checkpoint step {step} in {ckpt_root} does not match the model: "
+                                   f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True).save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
