@@ -19,6 +19,9 @@ except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}")
 
 NAME = config["name"]
+# Multi-rank rules start torchrun through this script (it needs its sibling pretrain_bench/ beside it, so it is
+# run from the workflow folder rather than from Snakemake's source cache).
+LAUNCHER = Path(workflow.basedir) / "workflow_scripts" / "launch.py"
 
 
 wildcard_constraints:

@@ -38,6 +38,6 @@ rule pretrain:
     resources:
         gpu=TRAIN.gpus,
     params:
-        launcher=workflow.source_path("../workflow_scripts/launch.py"),
+        launcher=LAUNCHER,
     shell:
         "python {params.launcher} --ranks {resources.gpu} --plan {input.plan} > {log} 2>&1"

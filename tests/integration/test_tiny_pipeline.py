@@ -44,7 +44,7 @@ def test_manifest_counts_match_documents(run):
     train = read_jsonl(run / "corpus" / "train.jsonl")
     val = read_jsonl(run / "corpus" / "val.jsonl")
     assert manifest["documents"] == len(train) + len(val)
-    assert manifest["splits"]["train"]["documents"] == len(train) and len(val) > 0
+    assert manifest["train"]["documents"] == len(train) and len(val) > 0
     assert manifest["bytes"] == sum(len(d["text"].encode()) for d in train + val)
     assert manifest["bytes"] <= 4_000_000  # corpus.max_bytes of the tiny config
 

@@ -56,17 +56,20 @@ def _sync(device: str) -> float:
     return time.perf_counter()
 
 
-def _comm_ms() -> tuple[float, int]:
-    """(total milliseconds, op count) recorded so far by DeepSpeed's comms logger on this rank."""
+def _comm_ms() -> float:
+    """Total milliseconds spent in deepspeed.comm collectives on this rank so far (DeepSpeed's comms logger).
+
+    The logger times each op with a synchronised wall-clock timer that is never reset, and appends the timer's
+    running total (not the op's own duration) to its list, so the largest value per op name is the cumulative
+    time of that op.
+    """
     from deepspeed.comm import comm as ds_comm
 
     logger = getattr(ds_comm, "comms_logger", None)
-    total, count = 0.0, 0
+    total = 0.0
     for by_size in getattr(logger, "comms_dict", {}).values():
-        for record in by_size.values():
-            count += record[0]
-            total += sum(record[1])
-    return total, count
+        total += max((max(record[1]) for record in by_size.values() if record[1]), default=0.0)
+    return total
 
 
 def _gather_floats(values: list[float], device: str) -> list[list[float]]:
@@ -75,6 +78,11 @@ def _gather_floats(values: list[float], device: str) -> list[list[float]]:
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor)
     return [p.tolist() for p in parts]
+
+
+def _number(value) -> float | None:
+    """A plain float from a DeepSpeed figure that may be a tensor, a float or None."""
+    return None if value is None else float(value)
 
 
 def _rng_state() -> dict:
@@ -226,7 +234,7 @@ def run_training(plan: dict) -> dict | None:
     last_saved = start_step
     for step in range(start_step + 1, total_steps + 1):
         skipped_before = engine.skipped_steps
-        comm_before, _ = _comm_ms()
+        comm_before = _comm_ms()
         forward_s = backward_s = optimizer_s = 0.0
         losses = []
         t_step = _sync(device)
@@ -244,7 +252,7 @@ def run_training(plan: dict) -> dict | None:
             forward_s, backward_s, optimizer_s = forward_s + t1 - t0, backward_s + t2 - t1, optimizer_s + t3 - t2
             losses.append(loss.detach().float().item())
         step_time = time.perf_counter() - t_step
-        comm_ms = _comm_ms()[0] - comm_before
+        comm_ms = max(0.0, _comm_ms() - comm_before)
 
         # Everything below is bookkeeping outside the timed step.
         local_loss = sum(losses) / len(losses)
@@ -262,13 +270,13 @@ def run_training(plan: dict) -> dict | None:
             comm_steady_ms += comm_ms
             steady_time_s += step_time
         record = {
-            "step": step, "loss": sum(rank_losses) / world, "lr": engine.get_lr()[0],
-            "grad_norm": engine.get_global_grad_norm(), "step_time_s": step_time,
+            "step": step, "loss": sum(rank_losses) / world, "lr": _number(engine.get_lr()[0]),
+            "grad_norm": _number(engine.get_global_grad_norm()), "step_time_s": step_time,
             "forward_s": forward_s, "backward_s": backward_s, "optimizer_s": optimizer_s,
             "tokens_per_s": tokens_per_step / step_time, "tokens": step * tokens_per_step,
             "comm_s": comm_ms / 1000.0, "peak_mem_bytes": [int(g[1]) for g in gathered],
             "skipped_steps": engine.skipped_steps, "overflow": engine.skipped_steps > skipped_before,
-            "loss_scale": getattr(engine.optimizer, "cur_scale", None) if settings.precision == "fp16" else None,
+            "loss_scale": _number(getattr(engine.optimizer, "cur_scale", None)) if settings.precision == "fp16" else None,
             "after_resume": resumed_from is not None and step == start_step + 1,
         }
         if rank == 0:

@@ -1,0 +1,418 @@
+"""pretrain_bench.corpus: formats, cleaning counters, split, cap, failures, builtin and hf sources, the rule."""
+import gzip
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+ROOT = Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+
+from pretrain_bench.corpus import CorpusError, build_corpus, jsonl_line  # noqa: E402
+from pretrain_bench.download import sha256_file  # noqa: E402
+
+DEFAULTS = {"max_bytes": None, "min_chars": 1, "dedup": True, "val_fraction": 0.1, "encoding_errors": "replace"}
+
+
+def build(tmp_path: Path, sources: list[dict], out: str = "out", **settings) -> dict:
+    return build_corpus(sources, tmp_path / out, cache_dir=tmp_path / "cache", **{**DEFAULTS, **settings})
+
+
+def read_split(out_dir: Path, split: str) -> list[str]:
+    return [json.loads(line)["text"] for line in (out_dir / f"{split}.jsonl").read_text("utf-8").splitlines()]
+
+
+def written(out_dir: Path) -> list[str]:
+    """Every written document, train then val."""
+    return read_split(out_dir, "train") + read_split(out_dir, "val")
+
+
+def is_val(text: str, val_fraction: float) -> bool:
+    """The documented split rule, recomputed independently of the implementation."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") < val_fraction * 2**64
+
+
+def uri(path: Path) -> str:
+    return f"file://{path}"
+
+
+def write_jsonl(path: Path, records: list, compress=None) -> Path:
+    data = "".join(json.dumps(record) + "\n" for record in records).encode()
+    path.write_bytes(compress(data) if compress else data)
+    return path
+
+
+DOCS = [f"document {i}: " + "lorem ipsum " * (i % 7 + 1) for i in range(60)]
+
+
+# ------------------------------------------------------------------------------------------------------ formats
+
+
+def test_txt_one_document_per_file_in_sorted_glob_order(tmp_path):
+    (tmp_path / "data").mkdir()
+    for name, text in [("b.txt", "second file"), ("a.txt", "first file"), ("c.md", "not matched"),
+                       ("sub/d.txt", "nested file")]:
+        (tmp_path / "data" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "data" / name).write_text(text)
+    manifest = build(tmp_path, [{"uri": uri(tmp_path / "data" / "**" / "*.txt")}], val_fraction=0.01)
+    # With three documents and val_fraction 0.01 val comes from the fallback; order is checked on all of them.
+    assert sorted(written(tmp_path / "out")) == ["first file", "nested file", "second file"]
+    train = read_split(tmp_path / "out", "train")
+    assert train == [t for t in ["first file", "second file", "nested file"] if t in train]
+    assert manifest["sources"][0]["details"]["files"] == 3
+
+
+def test_txt_paragraphs_split_on_blank_lines(tmp_path):
+    text = "p1 line1\np1 line2\n\n\np2\n  \t\np3\r\n\r\np4\n\n"
+    (tmp_path / "a.txt").write_text(text, newline="")
+    build(tmp_path, [{"uri": uri(tmp_path / "a.txt"), "split": "paragraphs"}], val_fraction=0.5)
+    assert sorted(written(tmp_path / "out")) == ["p1 line1\np1 line2", "p2", "p3", "p4"]
+
+
+def test_jsonl_text_field_blank_lines_and_null(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"body": "alpha", "id": 1}\n\n{"body": null}\n{"body": "beta \\u00e9\\u4e2d"}\n')
+    manifest = build(tmp_path, [{"uri": uri(path), "text_field": "body"}], val_fraction=0.5)
+    assert sorted(written(tmp_path / "out")) == ["alpha", "beta é中"]
+    assert manifest["sources"][0]["documents_in"] == 3
+    assert manifest["dropped"]["too_short"] == 1  # the null
+
+
+def test_jsonl_missing_field_names_file_line_and_key(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "fine"}, {"content": "no text key"}])
+    with pytest.raises(CorpusError, match=r"d\.jsonl.* line 2: no 'text' key .*\['content'\]"):
+        build(tmp_path, [{"uri": uri(path)}])
+
+
+def test_jsonl_invalid_json_names_the_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "ok"}\n{"text": broken}\n')
+    with pytest.raises(CorpusError, match=r"d\.jsonl.* line 2: invalid JSON"):
+        build(tmp_path, [{"uri": uri(path)}])
+
+
+def test_parquet_text_field(tmp_path):
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"id": list(range(len(DOCS))), "content": DOCS}), path, row_group_size=7)
+    build(tmp_path, [{"uri": uri(path), "text_field": "content"}])
+    assert sorted(written(tmp_path / "out")) == sorted(DOCS)
+    with pytest.raises(CorpusError, match=r"no column 'text'.*\['id', 'content'\]"):
+        build(tmp_path, [{"uri": uri(path)}], out="out2")
+    with pytest.raises(CorpusError, match="'id' .* not a string column"):
+        build(tmp_path, [{"uri": uri(path), "text_field": "id"}], out="out3")
+
+
+@pytest.mark.parametrize("suffix, compress", [(".gz", gzip.compress),
+                                              (".zst", lambda data: zstandard.ZstdCompressor().compress(data))])
+def test_compressed_txt_jsonl_parquet(tmp_path, suffix, compress):
+    (tmp_path / f"a.txt{suffix}").write_bytes(compress("a whole text file\n\nwith two paragraphs".encode()))
+    write_jsonl(tmp_path / f"b.jsonl{suffix}", [{"text": doc} for doc in DOCS[:20]], compress)
+    table_bytes = pa.BufferOutputStream()
+    pq.write_table(pa.table({"text": DOCS[20:40]}), table_bytes)
+    (tmp_path / f"c.parquet{suffix}").write_bytes(compress(table_bytes.getvalue().to_pybytes()))
+    sources = [{"uri": uri(tmp_path / f"a.txt{suffix}")}, {"uri": uri(tmp_path / f"b.jsonl{suffix}")},
+               {"uri": uri(tmp_path / f"c.parquet{suffix}")}]
+    manifest = build(tmp_path, sources)
+    assert sorted(written(tmp_path / "out")) == sorted(["a whole text file\n\nwith two paragraphs", *DOCS[:40]])
+    assert [source["documents_out"] for source in manifest["sources"]] == [1, 20, 20]
+
+
+def test_zst_with_several_frames_is_read_whole(tmp_path):
+    frames = b"".join(zstandard.ZstdCompressor().compress(f'{{"text": "doc {i}"}}\n'.encode()) for i in range(3))
+    (tmp_path / "d.jsonl.zst").write_bytes(frames)
+    build(tmp_path, [{"uri": uri(tmp_path / "d.jsonl.zst")}], val_fraction=0.5)
+    assert sorted(written(tmp_path / "out")) == ["doc 0", "doc 1", "doc 2"]
+
+
+def test_corrupt_gzip_names_the_file(tmp_path):
+    (tmp_path / "d.txt.gz").write_bytes(gzip.compress(b"some text")[:-6])
+    with pytest.raises(CorpusError, match=r"d\.txt\.gz.*cannot read"):
+        build(tmp_path, [{"uri": uri(tmp_path / "d.txt.gz")}])
+
+
+def test_missing_file_and_empty_glob_name_the_uri(tmp_path):
+    missing = uri(tmp_path / "nope.txt")
+    with pytest.raises(CorpusError, match=f"{missing}: no such file"):
+        build(tmp_path, [{"uri": missing}])
+    empty_glob = uri(tmp_path / "*.jsonl")
+    with pytest.raises(CorpusError, match=rf"{empty_glob.replace('*', '[*]')}: the glob matched no files"):
+        build(tmp_path, [{"uri": empty_glob}])
+
+
+def test_unsupported_file_and_misplaced_keys_are_rejected(tmp_path):
+    (tmp_path / "a.csv").write_text("x,y\n")
+    with pytest.raises(CorpusError, match=r"unsupported file .*a\.csv"):
+        build(tmp_path, [{"uri": uri(tmp_path / "a.csv")}])
+    (tmp_path / "a.txt").write_text("text")
+    with pytest.raises(CorpusError, match="'sha256' applies to http"):
+        build(tmp_path, [{"uri": uri(tmp_path / "a.txt"), "sha256": "0" * 64}])
+    with pytest.raises(CorpusError, match="split 'train' is for hf:// sources"):
+        build(tmp_path, [{"uri": uri(tmp_path / "a.txt"), "split": "train"}])
+    with pytest.raises(CorpusError, match="corpus.val_fraction"):
+        build(tmp_path, [{"uri": uri(tmp_path / "a.txt")}], val_fraction=0)
+    with pytest.raises(CorpusError, match="unknown builtin corpus"):
+        build(tmp_path, [{"uri": "builtin://nothing"}])
+
+
+# ----------------------------------------------------------------------------------------------------- cleaning
+
+
+def test_cleaning_counters(tmp_path):
+    docs = ["kept document one", "kept\x00 document\x00 two", "   tiny  ", "kept document one", "", "x" * 9]
+    manifest = build(tmp_path, [{"uri": uri(write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs]))}],
+                     min_chars=9, val_fraction=0.5)
+    assert sorted(written(tmp_path / "out")) == ["kept document one", "kept document two", "xxxxxxxxx"]
+    assert manifest["nul_removed"] == 2
+    assert manifest["dropped"] == {"too_short": 2, "duplicate": 1, "over_cap": 0}
+    source = manifest["sources"][0]
+    assert (source["documents_in"], source["documents_out"]) == (6, 3)
+    assert source["bytes_in"] == sum(len(d.encode()) for d in docs)
+    assert manifest["bytes"] == source["bytes_out"] == len("kept document one" "kept document two" "xxxxxxxxx")
+
+
+def test_dedup_off_keeps_duplicates(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "same text"}] * 3 + [{"text": "other"}])
+    manifest = build(tmp_path, [{"uri": uri(path)}], dedup=False, val_fraction=0.5)
+    assert sorted(written(tmp_path / "out")) == ["other", "same text", "same text", "same text"]
+    assert manifest["dropped"]["duplicate"] == 0
+
+
+def test_replace_counts_only_substituted_characters(tmp_path):
+    # Two invalid sequences become U+FFFD; the U+FFFD already in the file is text, not a replacement.
+    (tmp_path / "a.txt").write_bytes(b"caf\xe9 \xff\xfe ok \xef\xbf\xbd end")
+    (tmp_path / "b.txt").write_text("a clean second file")
+    manifest = build(tmp_path, [{"uri": uri(tmp_path / "*.txt")}], val_fraction=0.5)
+    assert "caf\ufffd \ufffd\ufffd ok \ufffd end" in written(tmp_path / "out")
+    assert manifest["replaced_chars"] == 3  # \xe9, \xff, \xfe: one U+FFFD each
+
+
+def test_strict_encoding_names_file_and_byte_offset(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"hello \xff world")
+    with pytest.raises(CorpusError, match=r"a\.txt .*invalid UTF-8 at byte offset 6"):
+        build(tmp_path, [{"uri": uri(tmp_path / "a.txt")}], encoding_errors="strict")
+    # In jsonl the offset counts from the start of the (decompressed) file, not of the line.
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(b'{"text": "ok"}\n{"text": "bad \xc3("}\n'))
+    with pytest.raises(CorpusError, match=r"d\.jsonl\.gz.* line 2: invalid UTF-8 at byte offset 29"):
+        build(tmp_path, [{"uri": uri(tmp_path / "d.jsonl.gz")}], encoding_errors="strict")
+
+
+def test_lone_surrogate_escape_is_an_encoding_error(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "fine text"}\n{"text": "half a pair \\ud83d here"}\n')
+    with pytest.raises(CorpusError, match=r"d\.jsonl document index 1: lone surrogate '\\ud83d' at character 12"):
+        build(tmp_path, [{"uri": uri(path)}], encoding_errors="strict")
+    manifest = build(tmp_path, [{"uri": uri(path)}], val_fraction=0.5)
+    assert "half a pair \ufffd here" in written(tmp_path / "out")
+    assert manifest["replaced_chars"] == 1
+
+
+@pytest.mark.parametrize("text", ["plain ascii", 'quotes " and \\ backslash', "tab\tcr\rlf\nff\fbs\b",
+                                  "controls \x01\x1f\x7f", "non-ascii é 中 😀 \u2028", ""])
+def test_jsonl_line_matches_json_dumps(text):
+    assert jsonl_line(text) == (json.dumps({"text": text}, ensure_ascii=False) + "\n").encode()
+
+
+# ----------------------------------------------------------------------------------------------- split and cap
+
+
+def test_split_is_by_content_hash_and_stable_when_a_source_is_appended(tmp_path):
+    first = [{"text": f"first source document {i}"} for i in range(300)]
+    second = [{"text": f"second source document {i}"} for i in range(300)]
+    a, b = write_jsonl(tmp_path / "a.jsonl", first), write_jsonl(tmp_path / "b.jsonl", second)
+    build(tmp_path, [{"uri": uri(a)}], out="one", val_fraction=0.2)
+    build(tmp_path, [{"uri": uri(a)}, {"uri": uri(b)}], out="two", val_fraction=0.2)
+    val_one, val_two = set(read_split(tmp_path / "one", "val")), set(read_split(tmp_path / "two", "val"))
+    train_one, train_two = set(read_split(tmp_path / "one", "train")), set(read_split(tmp_path / "two", "train"))
+    assert 30 < len(val_one) < 90  # ~60 expected: a real split, not a degenerate one
+    assert val_one <= val_two and train_one <= train_two
+    assert {t for t in val_two if t.startswith("second")}  # the appended source contributes to val too
+    assert all(is_val(text, 0.2) for text in val_two) and not any(is_val(text, 0.2) for text in train_two)
+
+
+def test_documents_keep_input_order_within_a_split(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
+    build(tmp_path, [{"uri": uri(path)}], val_fraction=0.3)
+    for split in ("train", "val"):
+        texts = read_split(tmp_path / "out", split)
+        assert texts == [d for d in DOCS if d in set(texts)]
+
+
+def test_max_bytes_keeps_a_deterministic_prefix(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
+    cap = 1500
+    expected, used = [], 0
+    for doc in DOCS:  # the documented rule: stop at the first document that does not fit
+        if used + len(doc.encode()) > cap:
+            break
+        expected.append(doc)
+        used += len(doc.encode())
+    one = build(tmp_path, [{"uri": uri(path)}], out="one", max_bytes=cap)
+    two = build(tmp_path, [{"uri": uri(path)}], out="two", max_bytes=cap)
+    assert sorted(written(tmp_path / "one")) == sorted(expected)
+    assert one["bytes"] == used <= cap
+    assert one["dropped"]["over_cap"] == len(DOCS) - len(expected)
+    cut_at = {"source": uri(path), "document_index": len(expected)}
+    assert one["cap"] == {"max_bytes": cap, "reached": True, "cut_at": cut_at}
+    assert (one["train"]["sha256"], one["val"]["sha256"]) == (two["train"]["sha256"], two["val"]["sha256"])
+
+
+def test_empty_val_gets_the_document_nearest_the_boundary(tmp_path):
+    docs = [f"small corpus document {i}" for i in range(5)]
+    assert not any(is_val(d, 0.01) for d in docs)  # the premise: by hash alone val would be empty
+    manifest = build(tmp_path, [{"uri": uri(write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs]))}],
+                     val_fraction=0.01)
+    nearest = min(docs, key=lambda d: hashlib.sha256(d.encode()).digest()[:8])
+    assert read_split(tmp_path / "out", "val") == [nearest]
+    assert read_split(tmp_path / "out", "train") == [d for d in docs if d != nearest]
+    assert manifest["split"]["fallback"]["moved"] == "train->val"
+    assert (manifest["train"]["documents"], manifest["val"]["documents"]) == (4, 1)
+    assert manifest["val"]["bytes"] == len(nearest.encode())
+    assert manifest["train"]["sha256"] == sha256_file(tmp_path / "out" / "train.jsonl")
+
+
+def test_empty_result_fails_before_writing_and_says_what_was_dropped(tmp_path):
+    docs = ["a long enough document", "a long enough document", "tiny", "another long document"]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs])
+    with pytest.raises(CorpusError, match=r"no training text after cleaning.*4 documents read.*"
+                                          r"'too_short': 1, 'duplicate': 1, 'over_cap': 2"):
+        build(tmp_path, [{"uri": uri(path)}], min_chars=10, max_bytes=5)
+    assert list((tmp_path / "out").iterdir()) == []
+    with pytest.raises(CorpusError, match="only 1 document left"):
+        build(tmp_path, [{"uri": uri(path)}], min_chars=10, max_bytes=30)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_failed_build_leaves_the_previous_outputs_whole(tmp_path):
+    good = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
+    before = build(tmp_path, [{"uri": uri(good)}])
+    snapshot = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    # The second source fails after the first was fully cleaned and written to the temporary files.
+    with pytest.raises(CorpusError, match="no such file"):
+        build(tmp_path, [{"uri": uri(good)}, {"uri": uri(tmp_path / "gone.jsonl")}], dedup=False)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == snapshot
+    assert before["train"]["sha256"] == sha256_file(tmp_path / "out" / "train.jsonl")
+
+
+def test_manifest_describes_the_files(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
+    manifest = build(tmp_path, [{"uri": uri(path)}], min_chars=3)
+    out = tmp_path / "out"
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    for split in ("train", "val"):
+        texts = read_split(out, split)
+        assert manifest[split]["documents"] == len(texts) > 0
+        assert manifest[split]["bytes"] == sum(len(t.encode()) for t in texts)
+        assert manifest[split]["sha256"] == sha256_file(out / f"{split}.jsonl")
+    assert manifest["documents"] == len(DOCS)
+    assert manifest["settings"] == {**DEFAULTS, "min_chars": 3}
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "train.jsonl", "val.jsonl"]
+
+
+# ------------------------------------------------------------------------------------------ builtin and hf://
+
+
+def test_builtin_stdlib_is_nonempty_deterministic_and_real(tmp_path):
+    one = build(tmp_path, [{"uri": "builtin://python-stdlib"}], out="one", val_fraction=0.02)
+    two = build(tmp_path, [{"uri": "builtin://python-stdlib"}], out="two", val_fraction=0.02)
+    assert one["train"]["sha256"] == two["train"]["sha256"] and one["val"]["sha256"] == two["val"]["sha256"]
+    assert one["documents"] > 300 and one["val"]["documents"] > 0 and one["bytes"] > 3_000_000
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = set(written(tmp_path / "one"))
+    assert (stdlib / "textwrap.py").read_text("utf-8") in texts
+    assert one["sources"][0]["details"]["root"] == str(stdlib)
+
+
+def test_builtin_stdlib_capped_like_the_tiny_run(tmp_path):
+    manifest = build(tmp_path, [{"uri": "builtin://python-stdlib"}], max_bytes=4_000_000, val_fraction=0.02)
+    assert 3_500_000 < manifest["bytes"] <= 4_000_000
+    assert manifest["val"]["documents"] > 0 and manifest["dropped"]["over_cap"] > 0
+
+
+def test_hf_offline_without_cache_fails_fast_with_the_download_command(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(ROOT / "workflow_scripts")!r})
+        from pathlib import Path
+        from pretrain_bench.corpus import CorpusError, build_corpus
+        try:
+            build_corpus([{{"uri": "hf://Salesforce/wikitext", "config": "wikitext-2-raw-v1", "split": "train"}}],
+                         Path({str(tmp_path / "out")!r}), max_bytes=None, min_chars=1, dedup=True,
+                         val_fraction=0.01, encoding_errors="replace", cache_dir=Path("resources/corpus-cache"))
+        except CorpusError as error:
+            print(error)
+    """)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60)
+    message = result.stdout
+    assert "hf://Salesforce/wikitext" in message and "offline mode is on" in message
+    assert ("HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0 python -c \"import datasets; datasets.load_dataset("
+            "'Salesforce/wikitext', 'wikitext-2-raw-v1', split='train', cache_dir='resources/corpus-cache/hf')\""
+            ) in message
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_hf_source_reads_a_local_dataset(tmp_path):
+    pytest.importorskip("datasets")
+    (tmp_path / "ds").mkdir()
+    write_jsonl(tmp_path / "ds" / "train.jsonl", [{"content": d, "n": i} for i, d in enumerate(DOCS)])
+    source = {"uri": f"hf://{tmp_path / 'ds'}", "split": "train", "text_field": "content"}
+    manifest = build(tmp_path, [source])
+    assert sorted(written(tmp_path / "out")) == sorted(DOCS)
+    assert manifest["sources"][0]["details"]["rows"] == len(DOCS)
+    with pytest.raises(CorpusError, match=r"no column 'text'.*'content'"):
+        build(tmp_path, [{**source, "text_field": "text"}], out="out2")
+
+
+# ---------------------------------------------------------------------------------------- script and rule
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("download_corpus", ROOT / "workflow_scripts" / "download_corpus.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_script_main_logs_success_and_failure(tmp_path):
+    main = load_script().main
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
+    settings = {**DEFAULTS, "cache_dir": str(tmp_path / "cache")}
+    manifest = main(str(tmp_path / "ok.log"), str(tmp_path / "out"), [{"uri": uri(path)}], **settings)
+    assert manifest["documents"] == len(DOCS)
+    assert f"corpus: {len(DOCS)} documents" in (tmp_path / "ok.log").read_text()
+    with pytest.raises(CorpusError):
+        main(str(tmp_path / "bad.log"), str(tmp_path / "out2"), [{"uri": uri(tmp_path / "x.txt")}], **settings)
+    assert "download_corpus failed" in (tmp_path / "bad.log").read_text()
+
+
+@pytest.mark.skipif(shutil.which("snakemake", path=str(Path(sys.executable).parent)) is None,
+                    reason="snakemake not installed in this environment")
+def test_rule_runs_under_snakemake(tmp_path):
+    (tmp_path / "config.yaml").write_text(
+        "name: t\ncorpus:\n  sources:\n    - uri: builtin://python-stdlib\n  max_bytes: 300000\n")
+    (tmp_path / "Snakefile").write_text(textwrap.dedent(f"""
+        configfile: "config.yaml"
+        include: "{ROOT / 'rules' / 'corpus.smk'}"
+        rule all:
+            input: "results/t/corpus/manifest.json"
+    """))
+    snakemake = str(Path(sys.executable).parent / "snakemake")
+    result = subprocess.run([snakemake, "--cores", "1", "--quiet"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    manifest = json.loads((tmp_path / "results/t/corpus/manifest.json").read_text())
+    assert 0 < manifest["bytes"] <= 300000 and manifest["settings"]["val_fraction"] == 0.01
+    assert "corpus:" in (tmp_path / "logs/t/download_corpus.log").read_text()
+    assert (tmp_path / "benchmarks/t/download_corpus.tsv").exists()

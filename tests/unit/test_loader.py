@@ -1,0 +1,126 @@
+"""Loader: packed windows across shard boundaries, rank-disjoint and resumable order, epochs, clear errors."""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow_scripts"))
+
+from pretrain_bench.loader import PackedTokens, RankBatches  # noqa: E402
+from pretrain_bench.shards import build_index  # noqa: E402
+
+SEQ_LEN = 8
+
+
+def write_counting_shards(out: Path, sizes: list[int], split: str = "train") -> Path:
+    """Shards whose concatenated stream is 0, 1, 2, ...: every window's content is known. Returns index.json."""
+    sidecars, first = [], 0
+    for i, size in enumerate(sizes):
+        tokens = np.arange(first, first + size, dtype=np.uint32)
+        first += size
+        (out / f"{split}-{i:05d}.bin").write_bytes(tokens.tobytes())
+        sidecar = {"split": split, "shard": i, "count": len(sizes), "file": f"{split}-{i:05d}.bin",
+                   "tokens": size, "documents": 1, "text_bytes": size,
+                   "sha256": hashlib.sha256(tokens.tobytes()).hexdigest(), "dtype": "uint32",
+                   "vocab_size": 1 << 20, "eos_id": 0, "pad_id": 1}
+        (out / f"{split}-{i:05d}.json").write_text(json.dumps(sidecar))
+        sidecars.append(out / f"{split}-{i:05d}.json")
+    build_index(sidecars, out / "index.json", seq_len=SEQ_LEN)
+    return out / "index.json"
+
+
+@pytest.fixture
+def data(tmp_path) -> PackedTokens:
+    # 301 tokens in uneven shards, one empty: 37 windows of 8+1, several straddling a boundary
+    return PackedTokens(write_counting_shards(tmp_path, [50, 0, 3, 120, 128]), "train", SEQ_LEN)
+
+
+def first_tokens(batch) -> list[int]:
+    """Sample ids of a batch: sample k starts with token k * SEQ_LEN in the counting stream."""
+    return [int(row[0]) // SEQ_LEN for row in batch]
+
+
+def test_samples_are_overlapping_windows_across_shards(data):
+    assert data.num_tokens == 301 and data.num_samples == 37 == len(data)
+    for k in range(data.num_samples):
+        sample = data[k]
+        assert sample.dtype == np.int64
+        assert np.array_equal(sample, np.arange(k * SEQ_LEN, k * SEQ_LEN + SEQ_LEN + 1))
+    with pytest.raises(IndexError):
+        data[37]
+
+
+def test_ranks_never_share_a_sample_within_an_epoch(data):
+    world, micro = 3, 2
+    ranks = [RankBatches(data, rank=r, world_size=world, micro_batch_size=micro, seed=7) for r in range(world)]
+    steps = data.num_samples // (world * micro)  # 6 steps of 6 samples; 1 sample dropped
+    seen = []
+    for _ in range(steps):
+        batches = [loader.next_batch() for loader in ranks]
+        assert all(tuple(batch.shape) == (micro, SEQ_LEN + 1) for batch in batches)
+        seen += [k for batch in batches for k in first_tokens(batch)]
+    assert len(seen) == len(set(seen)) == steps * world * micro
+    assert all(loader.epoch == 0 for loader in ranks)
+    # the same window without rank slicing: rank r's rows are positions [r*micro, (r+1)*micro) of the order
+    order = np.random.default_rng([7, 0]).permutation(data.num_samples)
+    assert seen[:world * micro] == order[:world * micro].tolist()
+
+
+def test_resumed_loader_continues_identically(data):
+    uninterrupted = RankBatches(data, rank=1, world_size=2, micro_batch_size=3, seed=11)
+    stopped = RankBatches(data, rank=1, world_size=2, micro_batch_size=3, seed=11)
+    for _ in range(4):
+        uninterrupted.next_batch()
+        stopped.next_batch()
+    state = json.loads(json.dumps(stopped.state_dict()))  # survives a checkpoint's serialisation
+    assert state == {"epoch": 0, "position": 24, "seed": 11, "world_size": 2, "micro_batch_size": 3}
+    resumed = RankBatches(data, rank=1, world_size=2, micro_batch_size=3, seed=11)
+    resumed.load_state_dict(state)
+    for _ in range(10):  # runs into the next epoch too
+        assert first_tokens(resumed.next_batch()) == first_tokens(uninterrupted.next_batch())
+    assert resumed.state_dict() == uninterrupted.state_dict() and resumed.epoch == 2
+
+
+def test_epoch_rollover_draws_a_new_permutation(data):
+    loader = RankBatches(data, rank=0, world_size=1, micro_batch_size=4, seed=3)
+    per_epoch = data.num_samples // 4  # 9 batches, 1 sample dropped
+    epochs = [[k for _ in range(per_epoch) for k in first_tokens(loader.next_batch())] for _ in range(2)]
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["position"] == 36
+    for epoch, seen in enumerate(epochs):
+        assert seen == np.random.default_rng([3, epoch]).permutation(37)[:36].tolist()
+    assert epochs[0] != epochs[1]
+    loader.next_batch()
+    assert loader.epoch == 2 and loader.position == 4
+
+
+def test_too_few_tokens_names_split_and_counts(tmp_path):
+    data = PackedTokens(write_counting_shards(tmp_path, [40], split="val"), "val", SEQ_LEN)
+    with pytest.raises(ValueError, match=r"split val holds 40 tokens; .* 6 samples .* needs 49"):
+        RankBatches(data, rank=0, world_size=3, micro_batch_size=2, seed=0)
+    assert RankBatches(data, rank=0, world_size=2, micro_batch_size=2, seed=0).samples_per_epoch == 4
+
+
+def test_load_state_dict_rejects_mismatches(data):
+    loader = RankBatches(data, rank=0, world_size=2, micro_batch_size=2, seed=5)
+    for key, value in [("world_size", 3), ("micro_batch_size", 4), ("seed", 6)]:
+        state = {**loader.state_dict(), key: value}
+        with pytest.raises(ValueError, match=f"{key} {value} \\(saved\\) != "):
+            loader.load_state_dict(state)
+    with pytest.raises(ValueError, match="outside the 37 samples"):
+        loader.load_state_dict({**loader.state_dict(), "position": 1000})
+
+
+def test_reshaped_resume_continues_the_epoch_without_repeats(data):
+    before = RankBatches(data, rank=0, world_size=1, micro_batch_size=4, seed=9)
+    seen = [k for _ in range(3) for k in first_tokens(before.next_batch())]
+    after = [RankBatches(data, rank=r, world_size=2, micro_batch_size=3, seed=9) for r in range(2)]
+    for loader in after:
+        loader.load_state_dict(before.state_dict(), allow_reshape=True)
+    while after[0].epoch == 0 and after[0].position + 6 <= after[0].samples_per_epoch:
+        seen += [k for loader in after for k in first_tokens(loader.next_batch())]
+    assert len(seen) == len(set(seen)) == 36  # 12 + 4 windows of 6, then the epoch's last sample is dropped
+

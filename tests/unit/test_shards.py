@@ -1,0 +1,160 @@
+"""Token shards: content equals the corpus, counts equal a direct encode, reproducible bytes, index.json, uint32."""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow_scripts"))
+
+from pretrain_bench.shards import build_index, dtype_for_vocab, encode_shard, shard_byte_range  # noqa: E402
+from pretrain_bench.tokenizer import (  # noqa: E402
+    EOS_TOKEN, load_tokenizer, save_hf_folder, train_bpe, train_tokenizer,
+)
+from test_tokenizer import TRICKY_TEXTS, stdlib_texts, write_jsonl  # noqa: E402
+
+TEXTS = stdlib_texts(200_000) + TRICKY_TEXTS
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    corpus = write_jsonl(folder / "train.jsonl", TEXTS)
+    train_tokenizer(corpus, folder, vocab_size=800, train_bytes=100_000)
+    return folder
+
+
+def shard_split(corpus: Path, tokenizer_dir: Path, out: Path, split: str, count: int, **kwargs) -> list[Path]:
+    """Run every shard job of a split, as Snakemake would; returns the sidecar paths."""
+    sidecars = []
+    for index in range(count):
+        stem = out / f"{split}-{index:05d}"
+        encode_shard(corpus, tokenizer_dir, stem.with_suffix(".bin"), stem.with_suffix(".json"), split=split,
+                     index=index, count=count, **kwargs)
+        sidecars.append(stem.with_suffix(".json"))
+    return sidecars
+
+
+def read_stream(index_path: Path, split: str) -> np.ndarray:
+    index = json.loads(index_path.read_text())
+    files = [index_path.parent / shard["file"] for shard in index["splits"][split]["shards"]]
+    return np.concatenate([np.fromfile(path, dtype=index["dtype"]) for path in files])
+
+
+def split_documents(stream: np.ndarray, eos_id: int) -> list[list[int]]:
+    ends = np.flatnonzero(stream == eos_id)
+    assert ends.size and ends[-1] == stream.size - 1, "every document, the last included, ends with EOS"
+    return [piece.tolist() for piece in np.split(stream, ends + 1)[:-1]]  # each piece ends with its EOS
+
+
+@pytest.fixture(scope="module")
+def sharded(tokenizer_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("shards")
+    train = write_jsonl(out / "train.jsonl", TEXTS)
+    val = write_jsonl(out / "val.jsonl", TEXTS[:3])
+    # a small batch size so the encoder's batching and the shard slicing both really happen
+    sidecars = shard_split(train, tokenizer_dir, out, "train", 3, batch_bytes=20_000)
+    sidecars += shard_split(val, tokenizer_dir, out, "val", 2)
+    build_index(sidecars, out / "index.json", seq_len=64)
+    return out / "index.json"
+
+
+def test_decoding_shards_gives_back_the_corpus(sharded, tokenizer_dir):
+    tokenizer, info = load_tokenizer(tokenizer_dir)
+    documents = split_documents(read_stream(sharded, "train"), info["eos_id"])
+    assert [tokenizer.decode(ids[:-1]) for ids in documents] == TEXTS
+    # the literal "<|endoftext|>" inside a document stayed text: no extra boundary, spelled in ordinary tokens
+    assert EOS_TOKEN in TEXTS[-2] and len(documents) == len(TEXTS)
+
+
+def test_token_counts_equal_a_direct_encode(sharded, tokenizer_dir):
+    tokenizer, _ = load_tokenizer(tokenizer_dir)
+    tokenizer.encode_special_tokens = True
+    index = json.loads(sharded.read_text())
+    direct = sum(len(tokenizer.encode(text, add_special_tokens=False).ids) + 1 for text in TEXTS)
+    assert index["splits"]["train"]["tokens"] == direct == read_stream(sharded, "train").size
+    assert index["splits"]["train"]["documents"] == len(TEXTS)
+    assert index["splits"]["train"]["text_bytes"] == sum(len(text.encode()) for text in TEXTS)
+    assert index["splits"]["val"]["documents"] == 3
+
+
+def test_evaluator_byte_count_matches_the_index(sharded, tokenizer_dir):
+    """Bits per byte divides by the bytes evaluation.token_byte_lengths counts: over a whole split they must be
+    the corpus's UTF-8 bytes, multi-byte characters split across tokens and literal special-token text included."""
+    from pretrain_bench.evaluation import token_byte_lengths
+
+    index = json.loads(sharded.read_text())
+    lengths = token_byte_lengths(tokenizer_dir, index["vocab_size"])
+    for split in ("train", "val"):
+        counted = int(lengths[read_stream(sharded, split)].sum())
+        assert counted == index["splits"][split]["text_bytes"]
+    assert index["splits"]["train"]["text_bytes"] == sum(len(text.encode()) for text in TEXTS)
+
+
+def test_index_fields(sharded, tokenizer_dir):
+    _, info = load_tokenizer(tokenizer_dir)
+    index = json.loads(sharded.read_text())
+    assert {key: index[key] for key in ("dtype", "eos_id", "pad_id", "vocab_size", "seq_len")} == {
+        "dtype": "uint16", "eos_id": info["eos_id"], "pad_id": info["pad_id"], "vocab_size": 800, "seq_len": 64}
+    train = index["splits"]["train"]
+    assert [shard["file"] for shard in train["shards"]] == [f"train-{i:05d}.bin" for i in range(3)]
+    assert sum(shard["tokens"] for shard in train["shards"]) == train["tokens"]
+    for shard in train["shards"]:
+        assert shard["tokens"] > 0  # byte ranges split the documents, not all into one shard
+        assert shard["sha256"] == hashlib.sha256((sharded.parent / shard["file"]).read_bytes()).hexdigest()
+
+
+def test_same_input_gives_byte_identical_shards(sharded, tokenizer_dir, tmp_path):
+    sidecars = shard_split(sharded.parent / "train.jsonl", tokenizer_dir, tmp_path, "train", 3)
+    for sidecar in sidecars:
+        bin_name = sidecar.with_suffix(".bin").name
+        assert (tmp_path / bin_name).read_bytes() == (sharded.parent / bin_name).read_bytes()
+    assert not list(tmp_path.glob("*.tmp-*"))  # temporary files were renamed into place
+
+
+def test_shard_byte_ranges_tile_the_file():
+    for size, count in [(10, 3), (7, 7), (5, 8), (1_000_003, 64)]:
+        ranges = [shard_byte_range(size, i, count) for i in range(count)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == size
+        assert all(stop == next_start for (_, stop), (next_start, _) in zip(ranges, ranges[1:]))
+    with pytest.raises(ValueError, match=r"shard index 3 is outside 0\.\.2"):
+        shard_byte_range(10, 3, 3)
+
+
+@pytest.mark.parametrize("count", [1, 2, 40])
+def test_any_shard_count_gives_the_same_stream(sharded, tokenizer_dir, tmp_path, count):
+    """40 shards over 30-odd documents leaves some shards empty; the stream must not change."""
+    sidecars = shard_split(sharded.parent / "train.jsonl", tokenizer_dir, tmp_path, "train", count)
+    build_index(sidecars, tmp_path / "index.json", seq_len=64)
+    assert np.array_equal(read_stream(tmp_path / "index.json", "train"), read_stream(sharded, "train"))
+
+
+def test_index_rejects_missing_or_damaged_shards(sharded, tmp_path):
+    sidecars = sorted(sharded.parent.glob("train-*.json"))
+    with pytest.raises(ValueError, match=r"split train: expected shards 0\.\.2, got \[0, 2\]"):
+        build_index([sidecars[0], sidecars[2]], tmp_path / "index.json", seq_len=64)
+    for path in sidecars:
+        (tmp_path / path.name).write_text(path.read_text())
+        (tmp_path / path.with_suffix(".bin").name).write_bytes(path.with_suffix(".bin").read_bytes())
+    (tmp_path / "train-00001.bin").write_bytes(b"\0\0")  # truncated
+    with pytest.raises(ValueError, match=r"train-00001\.bin holds 2 bytes"):
+        build_index(sorted(tmp_path.glob("train-*.json")), tmp_path / "index.json", seq_len=64)
+
+
+def test_large_vocabulary_writes_uint32(tmp_path):
+    assert dtype_for_vocab(65_536) == np.uint16 and dtype_for_vocab(65_537) == np.uint32
+    tokenizer = train_bpe(["def f(x):\n    return x\n"] * 5, 300)
+    tokenizer.add_tokens([f"<w{i}>" for i in range(66_000)])  # ids beyond 65,535
+    save_hf_folder(tokenizer, {"eos": EOS_TOKEN, "pad": "<|pad|>", "bos": None}, tmp_path / "tok")
+    texts = ["x <w65999> y <w0>", "def f(x):\n    return <w65000>\n"]
+    corpus = write_jsonl(tmp_path / "val.jsonl", texts)
+    sidecars = shard_split(corpus, tmp_path / "tok", tmp_path, "val", 1)
+    index = build_index(sidecars, tmp_path / "index.json", seq_len=8)
+    assert index["dtype"] == "uint32" and index["vocab_size"] > 65_536
+    stream = read_stream(tmp_path / "index.json", "val")
+    assert stream.max() > 65_535  # high ids survived, not wrapped
+    loaded, info = load_tokenizer(tmp_path / "tok")
+    assert [loaded.decode(ids[:-1]) for ids in split_documents(stream, info["eos_id"])] == texts

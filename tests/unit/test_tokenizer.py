@@ -1,0 +1,171 @@
+"""Tokenizer: training, HF folder, exact round trips, adoption of existing tokenizers, the corpus reader."""
+
+import json
+import random
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow_scripts"))
+
+from pretrain_bench.tokenizer import (  # noqa: E402
+    EOS_TOKEN, PAD_TOKEN, iter_texts, load_tokenizer, sample_windows, train_bpe, train_tokenizer,
+)
+
+# Awkward documents every corpus meets sooner or later: non-ASCII, tabs and CRLF, a literal special-token string.
+TRICKY_TEXTS = [
+    "naïve café — 中文字符 and emoji 😀👩‍👩‍👧 in one line\n",
+    "\tindented\r\n    four spaces\n\n\n        eight\n",
+    f"a document that mentions {EOS_TOKEN} in its text",
+    "",
+]
+
+
+def stdlib_texts(max_bytes: int) -> list[str]:
+    """Python standard-library sources under 20 kB, in a fixed order, up to about max_bytes: a code corpus of
+    many documents (one 200 kB module would otherwise be the whole corpus)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        if path.stat().st_size > 20_000:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        total += len(text.encode())
+        if total >= max_bytes:
+            break
+    return texts
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return path
+
+
+def random_text(rng: random.Random, length: int) -> str:
+    """Code points from every plane except surrogates (not encodable as UTF-8)."""
+    chars = []
+    for _ in range(length):
+        plane = rng.choice([(0x20, 0x7F), (0x00, 0x20), (0x80, 0x800), (0x800, 0xD800), (0xE000, 0x10000),
+                            (0x10000, 0x110000)])
+        chars.append(chr(rng.randrange(*plane)))
+    return "".join(chars)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    texts = stdlib_texts(300_000) + TRICKY_TEXTS
+    return write_jsonl(tmp_path_factory.mktemp("corpus") / "train.jsonl", texts)
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("tokenizer")
+    return out, train_tokenizer(corpus, out, vocab_size=1000, train_bytes=200_000)
+
+
+def test_trained_folder_loads_with_transformers(trained):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder, info = trained
+    assert info["vocab_size"] == 1000 and info["eos_id"] == 0 and info["pad_id"] == 1
+    for hf in (PreTrainedTokenizerFast.from_pretrained(folder), AutoTokenizer.from_pretrained(folder,
+                                                                                              local_files_only=True)):
+        assert hf.eos_token == EOS_TOKEN and hf.eos_token_id == info["eos_id"]
+        assert hf.pad_token == PAD_TOKEN and hf.pad_token_id == info["pad_id"]
+        assert len(hf) == info["vocab_size"]
+        code = "def f(x):\n    if x:\n        return  x . y  ,  z\n"
+        ids = hf.encode(code)
+        assert info["eos_id"] not in ids  # no BOS/EOS added behind the caller's back
+        assert hf.decode(ids) == code
+
+
+def test_round_trips_arbitrary_utf8(trained):
+    from transformers import AutoTokenizer
+
+    folder, _ = trained
+    tokenizer, _ = load_tokenizer(folder)
+    hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    rng = random.Random(0)
+    texts = [random_text(rng, rng.randrange(1, 200)) for _ in range(200)] + TRICKY_TEXTS[:2]
+    for text in texts:
+        assert tokenizer.decode(tokenizer.encode(text).ids) == text
+        assert hf.decode(hf.encode(text)) == text
+
+
+def test_training_is_deterministic_and_uses_the_sample(corpus, tmp_path, trained):
+    folder, info = trained
+    again = train_tokenizer(corpus, tmp_path, vocab_size=1000, train_bytes=200_000)
+    assert (tmp_path / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    assert again == info
+    total_bytes = sum(len(text.encode()) for text in iter_texts(corpus))
+    assert 100_000 < info["train_text_bytes"] < total_bytes  # a sample of ~train_bytes, not the whole split
+
+
+def test_sample_windows_are_spread_and_disjoint():
+    assert sample_windows(1000, 5000) == [(0, 1000)]
+    windows = sample_windows(10_000_000, 64_000, windows=64)
+    assert len(windows) == 64 and sum(stop - start for start, stop in windows) == 64_000
+    assert windows[0][0] == 0 and windows[-1][0] > 9_000_000  # reaches the last sources, not just the first
+    assert all(a_stop <= b_start for (_, a_stop), (b_start, _) in zip(windows, windows[1:]))
+
+
+def test_iter_texts_ranges_partition_documents(corpus):
+    texts = list(iter_texts(corpus))
+    size = corpus.stat().st_size
+    for cuts in ([0, size], [0, 1, 2, size], [0, size // 3, size // 2, size - 1, size]):
+        parts = [text for start, stop in zip(cuts, cuts[1:]) for text in iter_texts(corpus, start, stop)]
+        assert parts == texts
+
+
+def test_iter_texts_names_file_and_offset_of_bad_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n{"txt": "wrong key"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl: line at byte 15 "):
+        list(iter_texts(path))
+
+
+def test_adopts_tokenizer_json_file_and_adds_pad(tmp_path):
+    tokenizer = train_bpe(["hello world"] * 5, 300)
+    tokenizer.add_special_tokens(["</s>"])
+    # a bare tokenizer.json without our pad token: remove it by rebuilding from a vocabulary that lacks it
+    data = json.loads(tokenizer.to_str())
+    data["added_tokens"] = [token for token in data["added_tokens"] if token["content"] not in (PAD_TOKEN, EOS_TOKEN)]
+    for name in (PAD_TOKEN, EOS_TOKEN):
+        data["model"]["vocab"].pop(name, None)
+    (tmp_path / "in.json").write_text(json.dumps(data))
+
+    info = train_tokenizer(tmp_path / "unused.jsonl", tmp_path / "out", vocab_size=300, train_bytes=1,
+                           path=str(tmp_path / "in.json"))
+    adopted, saved = load_tokenizer(tmp_path / "out")
+    assert info["source"] == str(tmp_path / "in.json")
+    assert saved["eos_token"] == "</s>" and saved["eos_id"] == adopted.token_to_id("</s>")
+    assert saved["pad_token"] == PAD_TOKEN and saved["pad_id"] == info["vocab_size"] - 1  # appended
+
+
+def test_adopts_hf_folder_with_its_eos(trained, tmp_path):
+    folder, info = trained
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|pad|>"  # a folder may name any token its EOS: the config wins over known names
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    (tmp_path / "src" / "tokenizer_config.json").write_text(json.dumps(config))
+    adopted = train_tokenizer(Path("unused"), tmp_path / "out", vocab_size=1, train_bytes=1,
+                              path=str(tmp_path / "src"))
+    assert adopted["eos_id"] == info["pad_id"] and adopted["vocab_size"] == info["vocab_size"]
+
+
+def test_adopting_without_eos_fails_naming_the_path(tmp_path):
+    tokenizer = train_bpe(["hello world"] * 5, 300)
+    data = json.loads(tokenizer.to_str())
+    data["added_tokens"] = []
+    data["model"]["vocab"].pop(EOS_TOKEN)
+    (tmp_path / "no-eos.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"no-eos\.json has no end-of-text token"):
+        train_tokenizer(Path("unused"), tmp_path / "out", vocab_size=300, train_bytes=1,
+                        path=str(tmp_path / "no-eos.json"))
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        train_tokenizer(Path("unused"), tmp_path / "out", vocab_size=300, train_bytes=1, path=str(tmp_path))
+

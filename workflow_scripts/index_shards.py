@@ -1,0 +1,17 @@
+"""Snakemake adapter for rule index_shards: see pretrain_bench.shards.build_index."""
+
+import logging
+import sys
+from pathlib import Path
+
+from pretrain_bench.shards import build_index
+
+
+def main(sidecars: list[str], index_json: str, *, seq_len: int) -> None:
+    build_index([Path(path) for path in sidecars], Path(index_json), seq_len=seq_len)
+
+
+if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
+    sys.stderr = open(snakemake.log[0], "w", buffering=1)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    main(snakemake.input.meta, snakemake.output.index, seq_len=snakemake.params.seq_len)

@@ -1,0 +1,177 @@
+"""HTTP(S) download of corpus files: streamed, resumable, retried, checksummed and atomic.
+
+Why this is hand-written: Snakemake's http storage plugin fetches a URL in one request and has no resume after a
+dropped connection, no `Range` handling, no backoff on 5xx answers and no sha256 check. Corpus files are large and
+links are flaky, so a half-downloaded or silently corrupted file must never reach the cleaner. This is the one place
+in pretrain-bench where a downloader of our own is justified; everything else uses Snakemake's machinery.
+
+What `download()` guarantees:
+1) the body streams into `<dest>.part` with connect/read timeouts;
+2) connection errors, timeouts, truncated bodies and 5xx answers are retried with exponential backoff, resuming with
+   `Range: bytes=<size of .part>-`; a server that ignores `Range` (answers 200) restarts the file from zero;
+3) 4xx answers fail at once (retrying a 404 forever helps nobody);
+4) the finished file's sha256 is checked when one is given; a mismatch deletes the `.part` and names URL, expected
+   and actual digest;
+5) only then is `.part` renamed onto `dest` (os.replace), so `dest` exists only complete and verified.
+A `.part` left by retries running out is kept on purpose: the next run resumes it. A lock file serialises
+concurrent downloads of one URL (two Snakemake jobs sharing resources/corpus-cache).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+
+import requests
+
+log = logging.getLogger(__name__)
+
+# Hashing in 1 MiB pieces keeps memory flat for multi-GB files.
+CHUNK_BYTES = 1 << 20
+# Bodies stream in 64 KiB pieces: urllib3 discards a short final read when the connection drops, so this bounds
+# what a dropped connection costs on resume.
+STREAM_CHUNK_BYTES = 1 << 16
+# Never sleep longer than this between attempts, however many retries are configured.
+MAX_BACKOFF_S = 60.0
+
+
+class DownloadError(RuntimeError):
+    """A download failed for good: a 4xx answer, retries used up, or a sha256 mismatch."""
+
+
+class _Retryable(Exception):
+    """A transient failure (5xx, truncated body, odd Content-Range): worth another attempt."""
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in chunks (also used for the corpus manifest's split digests)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def download(
+    url: str,
+    dest: Path,
+    *,
+    sha256: str | None = None,
+    connect_timeout_s: float = 10.0,
+    read_timeout_s: float = 60.0,
+    retries: int = 5,
+    backoff_s: float = 1.0,
+    session: requests.Session | None = None,
+) -> str:
+    """Download `url` to `dest` (see the module docstring) and return the file's hex sha256.
+
+    An existing `dest` is reused when it matches `sha256` (or when no sha256 is given); a mismatching one is
+    fetched again. `retries` is the number of extra attempts after the first; attempt k sleeps
+    `backoff_s * 2**k` seconds (capped at MAX_BACKOFF_S) before trying again.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    expected = sha256.lower() if sha256 else None
+    with open(dest.with_name(dest.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if dest.exists():
+            actual = sha256_file(dest)
+            if expected is None or actual == expected:
+                log.info("using cached %s for %s", dest, url)
+                return actual
+            log.warning("cached %s has sha256 %s, expected %s: downloading again", dest, actual, expected)
+            dest.unlink()
+        part = dest.with_name(dest.name + ".part")
+        own_session = session is None
+        session = session or requests.Session()
+        try:
+            _fetch_with_retries(session, url, part, (connect_timeout_s, read_timeout_s), retries, backoff_s)
+        finally:
+            if own_session:
+                session.close()
+        actual = sha256_file(part)
+        if expected is not None and actual != expected:
+            part.unlink()
+            raise DownloadError(
+                f"sha256 mismatch for {url}: expected {expected}, got {actual}; the download was discarded"
+            )
+        os.replace(part, dest)
+        log.info("downloaded %s -> %s (%d bytes, sha256 %s)", url, dest, dest.stat().st_size, actual)
+        return actual
+
+
+def _fetch_with_retries(session, url, part: Path, timeout, retries: int, backoff_s: float) -> None:
+    """Run `_fetch_once` until the .part file is complete; transient failures sleep and resume."""
+    attempts = retries + 1
+    for attempt in range(attempts):
+        try:
+            _fetch_once(session, url, part, timeout)
+            return
+        except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+                _Retryable) as error:
+            if attempt + 1 == attempts:
+                raise DownloadError(f"{url}: giving up after {attempts} attempts; last error: {error}") from error
+            delay = min(backoff_s * 2**attempt, MAX_BACKOFF_S)
+            log.warning("%s: attempt %d/%d failed (%s); retrying in %.2f s", url, attempt + 1, attempts, error, delay)
+            time.sleep(delay)
+
+
+def _fetch_once(session, url, part: Path, timeout) -> None:
+    """One request: resume `part` from its current size, or restart it when the server will not resume."""
+    offset = part.stat().st_size if part.exists() else 0
+    # identity: a gzip Content-Encoding would make byte offsets (Range) and the sha256 refer to different bytes.
+    headers = {"Accept-Encoding": "identity"}
+    if offset:
+        headers["Range"] = f"bytes={offset}-"
+    with session.get(url, headers=headers, stream=True, timeout=timeout) as response:
+        status = response.status_code
+        if status == 416 and offset:
+            # Range not satisfiable: either .part is already complete (crash before the rename) or it is junk.
+            total = _content_range_total(response.headers.get("Content-Range", ""))
+            if total == offset:
+                return
+            part.unlink()
+            raise _Retryable(f"HTTP 416 for a {offset}-byte .part (server size {total}); restarting from zero")
+        if status >= 500:
+            raise _Retryable(f"HTTP {status} {response.reason}")
+        if status >= 400:
+            raise DownloadError(f"{url}: HTTP {status} {response.reason}")
+        if status == 206:
+            start, total = _parse_content_range(response.headers.get("Content-Range", ""))
+            if start != offset:
+                part.unlink()
+                raise _Retryable(f"asked for byte {offset}, server sent from {start}; restarting from zero")
+            mode = "ab"
+        else:
+            if offset:
+                log.warning("%s: server ignored Range (HTTP %d); restarting from zero", url, status)
+            offset, mode = 0, "wb"
+            length = response.headers.get("Content-Length")
+            total = int(length) if length and length.isdigit() else None
+        with open(part, mode) as handle:
+            for chunk in response.iter_content(STREAM_CHUNK_BYTES):
+                handle.write(chunk)
+    size = part.stat().st_size
+    if total is not None and size != total:
+        # urllib3 usually raises on a short body; this catches servers that close without a length error.
+        raise _Retryable(f"incomplete body: have {size} of {total} bytes")
+
+
+def _parse_content_range(value: str) -> tuple[int | None, int | None]:
+    """'bytes 100-199/200' -> (100, 200); total is None for '*'; (None, None) when unparsable."""
+    try:
+        _, _, spec = value.partition(" ")
+        span, _, total = spec.partition("/")
+        start = int(span.split("-")[0])
+        return start, (None if total == "*" else int(total))
+    except ValueError:
+        return None, None
+
+
+def _content_range_total(value: str) -> int | None:
+    """'bytes */200' (a 416's Content-Range) -> 200."""
+    _, _, total = value.partition("/")
+    return int(total) if total.isdigit() else None

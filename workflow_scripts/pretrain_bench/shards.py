@@ -1,0 +1,141 @@
+"""Token shards: each `shard_tokens` job encodes one contiguous slice of a split into a flat .bin; `index_shards`
+gathers their sidecars into index.json.
+
+Slices are byte ranges of the split's jsonl (shard i of n covers [size*i//n, size*(i+1)//n), a document belonging to
+the range its line starts in), so a job needs neither a counting pass nor the whole corpus in memory, and slices
+are balanced by bytes, which is what encoding time follows. The .bin is the raw token stream, every document
+followed by EOS, readable with `np.memmap(path, dtype)`; same inputs give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from pretrain_bench.tokenizer import iter_texts, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+INDEX_FORMAT = 1
+BATCH_TEXT_BYTES = 4 << 20  # text per encode call: large enough to keep every rayon thread busy, small in memory
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """uint16 while every id (< vocab_size) fits, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def shard_byte_range(file_size: int, index: int, count: int) -> tuple[int, int]:
+    """[start, stop) bytes of the jsonl that shard `index` of `count` encodes."""
+    if not 0 <= index < count:
+        raise ValueError(f"shard index {index} is outside 0..{count - 1} (shards.count = {count})")
+    return file_size * index // count, file_size * (index + 1) // count
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write JSON via a temporary file and os.replace, so readers never see half a file."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _text_batches(texts, batch_bytes: int):
+    """Lists of texts of about `batch_bytes` characters each."""
+    batch, size = [], 0
+    for text in texts:
+        batch.append(text)
+        size += len(text)
+        if size >= batch_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def encode_shard(corpus_jsonl: Path, tokenizer_dir: Path, out_bin: Path, out_json: Path, *, split: str,
+                 index: int, count: int, batch_bytes: int = BATCH_TEXT_BYTES) -> dict:
+    """Encode shard `index` of `count` of `corpus_jsonl` into `out_bin` (+ sidecar `out_json`); returns the sidecar."""
+    corpus_jsonl, out_bin, out_json = Path(corpus_jsonl), Path(out_bin), Path(out_json)
+    tokenizer, info = load_tokenizer(Path(tokenizer_dir))
+    # Corpus text that happens to spell "<|endoftext|>" is text, not a document boundary: only we add EOS.
+    tokenizer.encode_special_tokens = True
+    # encode_batch_fast skips offset tracking, which shards never use (older tokenizers lack it).
+    encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    dtype = dtype_for_vocab(info["vocab_size"])
+    eos = np.array([info["eos_id"]], dtype=dtype)
+    start, stop = shard_byte_range(corpus_jsonl.stat().st_size, index, count)
+
+    digest, tokens, documents, text_bytes = hashlib.sha256(), 0, 0, 0
+    out_bin.parent.mkdir(parents=True, exist_ok=True)
+    tmp_bin = out_bin.with_name(f"{out_bin.name}.tmp-{os.getpid()}")
+    with open(tmp_bin, "wb") as f:
+        for batch in _text_batches(iter_texts(corpus_jsonl, start, stop), batch_bytes):
+            encodings = encode_batch(batch, add_special_tokens=False)
+            # numpy raises OverflowError rather than wrap should an id not fit the dtype
+            pieces = [piece for encoding in encodings for piece in (np.array(encoding.ids, dtype=dtype), eos)]
+            ids = np.concatenate(pieces)  # (tokens in batch,)
+            f.write(memoryview(ids))
+            digest.update(memoryview(ids))
+            tokens += ids.size
+            documents += len(batch)
+            text_bytes += sum(len(text.encode("utf-8", "surrogatepass")) for text in batch)
+    os.replace(tmp_bin, out_bin)
+
+    sidecar = {
+        "split": split, "shard": index, "count": count, "file": out_bin.name,
+        "tokens": tokens, "documents": documents, "text_bytes": text_bytes, "sha256": digest.hexdigest(),
+        "dtype": dtype.name, "vocab_size": info["vocab_size"], "eos_id": info["eos_id"], "pad_id": info["pad_id"],
+        "byte_range": [start, stop],
+    }
+    write_json_atomic(out_json, sidecar)
+    log.info("%s shard %d/%d: %d documents, %d tokens -> %s", split, index, count, documents, tokens, out_bin)
+    return sidecar
+
+
+def build_index(sidecar_paths: list[Path], out_path: Path, *, seq_len: int) -> dict:
+    """Gather shard sidecars into index.json; checks every split is complete and consistent, and each .bin's size."""
+    out_path = Path(out_path)
+    sidecars = []
+    for path in map(Path, sidecar_paths):
+        sidecar = json.loads(path.read_text())
+        sidecar["path"] = path.parent / sidecar["file"]
+        sidecars.append(sidecar)
+    if not sidecars:
+        raise ValueError("build_index got no shard sidecars")
+
+    shared = {}
+    for key in ("dtype", "vocab_size", "eos_id", "pad_id"):
+        values = {sidecar[key] for sidecar in sidecars}
+        if len(values) > 1:
+            raise ValueError(f"shards disagree on {key}: {sorted(values)} (built with different tokenizers?)")
+        shared[key] = values.pop()
+    itemsize = np.dtype(shared["dtype"]).itemsize
+
+    splits = {}
+    for split in sorted({sidecar["split"] for sidecar in sidecars}):
+        shards = sorted((s for s in sidecars if s["split"] == split), key=lambda s: s["shard"])
+        count = shards[0]["count"]
+        if [s["shard"] for s in shards] != list(range(count)) or any(s["count"] != count for s in shards):
+            raise ValueError(f"split {split}: expected shards 0..{count - 1}, got {[s['shard'] for s in shards]}")
+        for s in shards:
+            size = s["path"].stat().st_size
+            if size != s["tokens"] * itemsize:
+                raise ValueError(f"{s['path']} holds {size} bytes, its sidecar says {s['tokens']} x {itemsize}")
+        splits[split] = {
+            "tokens": sum(s["tokens"] for s in shards),
+            "documents": sum(s["documents"] for s in shards),
+            "text_bytes": sum(s["text_bytes"] for s in shards),
+            "shards": [{"file": os.path.relpath(s["path"], out_path.parent), "tokens": s["tokens"],
+                        "documents": s["documents"], "text_bytes": s["text_bytes"], "sha256": s["sha256"]}
+                       for s in shards],
+        }
+    index = {"format": INDEX_FORMAT, **shared, "seq_len": seq_len, "splits": splits}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out_path, index)
+    log.info("index %s: %s", out_path, {split: entry["tokens"] for split, entry in splits.items()})
+    return index

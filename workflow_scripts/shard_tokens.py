@@ -1,0 +1,24 @@
+"""Snakemake adapter for rule shard_tokens: see pretrain_bench.shards.encode_shard."""
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from pretrain_bench.shards import encode_shard
+
+
+def main(corpus_jsonl: str, tokenizer_json: str, out_bin: str, out_json: str, *, split: str, shard: str,
+         count: int, threads: int) -> None:
+    # The tokenizer's Rust thread pool sizes itself from this on first use: stay within the job's cores.
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    encode_shard(Path(corpus_jsonl), Path(tokenizer_json).parent, Path(out_bin), Path(out_json), split=split,
+                 index=int(shard), count=count)
+
+
+if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
+    sys.stderr = open(snakemake.log[0], "w", buffering=1)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    main(snakemake.input.corpus, snakemake.input.tokenizer, snakemake.output.bin, snakemake.output.meta,
+         split=snakemake.wildcards.split, shard=snakemake.wildcards.shard, count=snakemake.params.shard_count,
+         threads=snakemake.threads)

@@ -1,0 +1,23 @@
+"""Snakemake adapter for rule train_tokenizer: see pretrain_bench.tokenizer.train_tokenizer."""
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from pretrain_bench.tokenizer import train_tokenizer
+
+
+def main(train_jsonl: str, tokenizer_json: str, *, vocab_size: int, train_bytes: int, path: str | None,
+         threads: int) -> None:
+    # The Rust trainer sizes its thread pool from this on first use: stay within the job's cores.
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    train_tokenizer(Path(train_jsonl), Path(tokenizer_json).parent, vocab_size=vocab_size, train_bytes=train_bytes,
+                    path=path)
+
+
+if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
+    sys.stderr = open(snakemake.log[0], "w", buffering=1)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    main(snakemake.input.train, snakemake.output.tokenizer_json, vocab_size=snakemake.params.vocab_size,
+         train_bytes=snakemake.params.train_bytes, path=snakemake.params.path, threads=snakemake.threads)
