@@ -46,6 +46,7 @@ bench: $(STAMP)
 	mkdir -p bench-results
 	$(BIN)/python bench/bench_corpus.py bench-results/corpus.json
 	$(BIN)/python bench/bench_tokens.py bench-results/tokens.json
+	$(BIN)/python bench/bench_dag.py bench-results/dag.json
 
 clean:
 	rm -rf results logs benchmarks .snakemake bench-results

@@ -15,6 +15,7 @@ include: "rules/corpus.smk"
 include: "rules/tokenizer.smk"
 include: "rules/train.smk"
 include: "rules/evaluate.smk"
+include: "rules/benchmark.smk"
 include: "rules/report.smk"
 
 

@@ -169,7 +169,8 @@ def main() -> None:
         train_s = timed(lambda: train_tokenizer(work / "train.jsonl", work / "tokenizer", vocab_size=args.vocab_size,
                                                 train_bytes=2_000_000))
         result = {
-            "corpus": {"source": "builtin://python-stdlib train split", "jsonl_bytes": (work / "train.jsonl").stat().st_size},
+            "corpus": {"source": "builtin://python-stdlib, train split",
+                       "jsonl_bytes": (work / "train.jsonl").stat().st_size},
             "tokenizer": {"vocab_size": args.vocab_size, "train_bytes": 2_000_000, "train_s": train_s},
             "sharding": bench_sharding(work, args.repeats),
             "loader": bench_loader(work, draws=200, steps=10),

@@ -1,12 +1,36 @@
-# Held-out evaluation of every kept checkpoint of the main run.
+# Checkpoint evaluation. Each kept checkpoint of the main run is exported as an HF model folder (safetensors +
+# tokenizer), and that export is evaluated on the held-out val split: loss, perplexity, bits per byte, eval
+# tokens/s, greedy and sampled continuations of evaluate.prompts. When evaluate.lm_eval.tasks names any task,
+# lm-evaluation-harness runs them on the export, offline. One job per checkpoint, so checkpoints are evaluated in
+# parallel (one device slot each on GPU). Checkpoints are only read; they live in results/{name}/state/, outside
+# the declared outputs, so train/summary.json stands in for them as input.
 
 
-rule evaluate:
+rule export_checkpoint:
     input:
         plan="results/{name}/train/plan.json",
         summary="results/{name}/train/summary.json",
     output:
-        "results/{name}/eval/step{step}.json",
+        directory("results/{name}/export/step{step}"),
+    log:
+        "logs/{name}/export_checkpoint/step{step}.log",
+    benchmark:
+        "benchmarks/{name}/export_checkpoint/step{step}.tsv"
+    conda:
+        "../envs/pretrain.yaml"
+    threads: 1
+    params:
+        dtype=config["evaluate"]["export_dtype"],
+    script:
+        "../workflow_scripts/export_checkpoint.py"
+
+
+rule evaluate:
+    input:
+        export="results/{name}/export/step{step}",
+        index="results/{name}/shards/index.json",
+    output:
+        report("results/{name}/eval/step{step}.json", category="Evaluation"),
     log:
         "logs/{name}/evaluate/step{step}.log",
     benchmark:
@@ -14,8 +38,54 @@ rule evaluate:
     conda:
         "../envs/pretrain.yaml"
     threads: 1
+    resources:
+        gpu=EVAL_GPUS,
     params:
         max_tokens=config["evaluate"]["max_tokens"],
         batch_size=config["evaluate"]["batch_size"],
+        device=EVAL_DEVICE,
+        precision=config["evaluate"]["precision"],
+        prompts=config["evaluate"]["prompts"],
+        generation=config["evaluate"]["generation"],
+        lock_dir=GPU_LOCK_DIR,
     script:
         "../workflow_scripts/evaluate_checkpoint.py"
+
+
+rule lm_eval_data:
+    input:
+        val="results/{name}/corpus/val.jsonl",
+    output:
+        directory("results/{name}/lm_eval/data"),
+    log:
+        "logs/{name}/lm_eval_data.log",
+    conda:
+        "../envs/pretrain.yaml"
+    script:
+        "../workflow_scripts/build_lm_eval_data.py"
+
+
+rule lm_eval:
+    input:
+        export="results/{name}/export/step{step}",
+        data="results/{name}/lm_eval/data",
+    output:
+        report("results/{name}/lm_eval/step{step}.json", category="Evaluation"),
+    log:
+        "logs/{name}/lm_eval/step{step}.log",
+    benchmark:
+        "benchmarks/{name}/lm_eval/step{step}.tsv"
+    conda:
+        "../envs/pretrain.yaml"
+    threads: 1
+    resources:
+        gpu=EVAL_GPUS,
+    params:
+        tasks=LM_EVAL_TASKS,
+        limit=config["evaluate"]["lm_eval"]["limit"],
+        batch_size=config["evaluate"]["lm_eval"]["batch_size"],
+        device=EVAL_DEVICE,
+        precision=config["evaluate"]["precision"],
+        lock_dir=GPU_LOCK_DIR,
+    script:
+        "../workflow_scripts/run_lm_eval.py"

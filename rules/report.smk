@@ -1,4 +1,5 @@
-# The report: built only from summary.json, metrics.jsonl and eval/*.json of this run.
+# The report: built only from this run's JSON files — the main run's summary.json, metrics.jsonl and eval/*.json,
+# and the benchmark's matrix.json and bench/<cell>/rep<r>/summary.json.
 
 
 rule report:
@@ -6,10 +7,12 @@ rule report:
         summary="results/{name}/train/summary.json",
         metrics="results/{name}/train/metrics.jsonl",
         evals=lambda wildcards: eval_outputs(wildcards.name),
+        matrix="results/{name}/bench/matrix.json",
+        bench=lambda wildcards: bench_summaries(wildcards.name),
     output:
         md=report("results/{name}/report/report.md", category="Report"),
         html=report("results/{name}/report/report.html", category="Report"),
-        plots=directory("results/{name}/report/plots"),
+        plots=report(directory("results/{name}/report/plots"), patterns=["{plot}.png"], category="Report"),
     log:
         "logs/{name}/report.log",
     conda:

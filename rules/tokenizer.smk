@@ -5,13 +5,15 @@
 rule train_tokenizer:
     input:
         train="results/{name}/corpus/train.jsonl",
+        # an adopted tokenizer is an input too: editing it re-runs the stages after it
+        adopted=config["tokenizer"]["path"] or [],
     output:
         tokenizer_json="results/{name}/tokenizer/tokenizer.json",
         tokenizer_config="results/{name}/tokenizer/tokenizer_config.json",
     log:
-        "logs/{name}/train_tokenizer/train_tokenizer.log",
+        "logs/{name}/train_tokenizer.log",
     benchmark:
-        "benchmarks/{name}/train_tokenizer/train_tokenizer.tsv"
+        "benchmarks/{name}/train_tokenizer.tsv"
     conda:
         "../envs/pretrain.yaml"
     threads: 8
@@ -61,9 +63,9 @@ rule index_shards:
     output:
         index=report("results/{name}/shards/index.json", category="Tokens"),
     log:
-        "logs/{name}/index_shards/index_shards.log",
+        "logs/{name}/index_shards.log",
     benchmark:
-        "benchmarks/{name}/index_shards/index_shards.tsv"
+        "benchmarks/{name}/index_shards.tsv"
     conda:
         "../envs/pretrain.yaml"
     params:

@@ -1,21 +1,26 @@
-"""Snakemake adapter: evaluate one checkpoint (rule evaluate)."""
+"""Snakemake adapter: evaluate one checkpoint's HF export on the val shards (rule evaluate)."""
 import json
 import sys
 from pathlib import Path
 
 
-def main(plan_path, step, out_path, max_tokens, batch_size, threads):
+def main(export_dir, index_path, out_path, *, max_tokens, batch_size, device, precision, prompts, generation,
+         lock_dir, threads):
     import torch
 
-    from pretrain_bench.evaluation import evaluate_checkpoint
+    from pretrain_bench.evaluation import EvalSettings, GenerationSettings, evaluate_export
 
     torch.set_num_threads(max(1, threads))
-    plan = json.loads(Path(plan_path).read_text())
-    result = evaluate_checkpoint(plan, int(step), Path(out_path), max_tokens=max_tokens, batch_size=batch_size)
+    settings = EvalSettings(max_tokens=max_tokens, batch_size=batch_size, device=device, precision=precision,
+                            prompts=tuple(prompts), generation=GenerationSettings(**generation))
+    result = evaluate_export(Path(export_dir), Path(index_path), Path(out_path), settings, lock_dir=Path(lock_dir))
     print(json.dumps(result, indent=2), file=sys.stderr)
 
 
 if "snakemake" in globals():
     sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
-    main(snakemake.input.plan, snakemake.wildcards.step, snakemake.output[0],  # noqa: F821
-         snakemake.params.max_tokens, snakemake.params.batch_size, snakemake.threads)  # noqa: F821
+    params = snakemake.params  # noqa: F821
+    main(snakemake.input.export, snakemake.input.index, snakemake.output[0],  # noqa: F821
+         max_tokens=params.max_tokens, batch_size=params.batch_size, device=params.device,
+         precision=params.precision, prompts=params.prompts, generation=params.generation,
+         lock_dir=params.lock_dir, threads=snakemake.threads)  # noqa: F821

@@ -12,6 +12,6 @@ def main(sidecars: list[str], index_json: str, *, seq_len: int) -> None:
 
 
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
-    sys.stderr = open(snakemake.log[0], "w", buffering=1)
+    sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: F821
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    main(snakemake.input.meta, snakemake.output.index, seq_len=snakemake.params.seq_len)
+    main(snakemake.input.meta, snakemake.output.index, seq_len=snakemake.params.seq_len)  # noqa: F821

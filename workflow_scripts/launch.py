@@ -1,6 +1,10 @@
-"""Launcher for multi-rank rules: `python workflow_scripts/launch.py --ranks {resources.gpu} --plan PLAN`.
+"""Launcher for multi-rank rules: `python workflow_scripts/launch.py --ranks RANKS_PER_NODE --plan PLAN`.
 
-Thin: parses arguments and hands over to pretrain_bench.launcher (see there for devices, slots and ports).
+Multi-node by hand (train.nodes > 1, no scheduler): run the same command on every node, adding `--node-rank K`
+(0 on the node that hosts the rendezvous) and `--rdzv-endpoint HOST:PORT` unless train.rdzv_endpoint is set.
+Inside a SLURM allocation the launcher starts itself on every node with srun; no extra argument is needed.
+
+Thin: parses arguments and hands over to pretrain_bench.launcher (see there for devices, slots and rendezvous).
 """
 import argparse
 import json
@@ -15,14 +19,22 @@ from pretrain_bench.devices import SlotError  # noqa: E402
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--ranks", type=int, required=True, help="ranks on this node (the job's resources.gpu)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, required=True, help="ranks on this node (train.gpus)")
     parser.add_argument("--plan", type=Path, required=True, help="plan.json written by the plan rule")
     parser.add_argument("--lock-dir", type=Path, default=Path(".pretrain-bench/gpu-slots"))
+    parser.add_argument("--node-rank", type=int, default=None,
+                        help="this node's rank in a multi-node run started by hand (0 hosts the rendezvous)")
+    parser.add_argument("--rdzv-endpoint", default=None,
+                        help="host:port of the rendezvous on node rank 0 (default: train.rdzv_endpoint)")
     args = parser.parse_args(argv)
     plan = json.loads(args.plan.read_text())
+    # How srun starts this launcher again on every node of a SLURM allocation.
+    relaunch = [sys.executable, str(Path(__file__).resolve()), "--ranks", str(args.ranks),
+                "--plan", str(args.plan.resolve()), "--lock-dir", str(args.lock_dir.resolve())]
     try:
-        return launch(plan, args.plan, args.ranks, Path(__file__).resolve().parent / "pretrain.py", args.lock_dir)
+        return launch(plan, args.plan, args.ranks, Path(__file__).resolve().parent / "pretrain.py", args.lock_dir,
+                      node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, relaunch=relaunch)
     except (ConfigError, SlotError, ValueError) as error:
         print(f"error: {args.plan}: {error}", file=sys.stderr)
         return 2

@@ -17,8 +17,8 @@ def main(corpus_jsonl: str, tokenizer_json: str, out_bin: str, out_json: str, *,
 
 
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
-    sys.stderr = open(snakemake.log[0], "w", buffering=1)
+    sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: F821
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    main(snakemake.input.corpus, snakemake.input.tokenizer, snakemake.output.bin, snakemake.output.meta,
-         split=snakemake.wildcards.split, shard=snakemake.wildcards.shard, count=snakemake.params.shard_count,
-         threads=snakemake.threads)
+    main(snakemake.input.corpus, snakemake.input.tokenizer, snakemake.output.bin, snakemake.output.meta,  # noqa: F821
+         split=snakemake.wildcards.split, shard=snakemake.wildcards.shard,  # noqa: F821
+         count=snakemake.params.shard_count, threads=snakemake.threads)  # noqa: F821

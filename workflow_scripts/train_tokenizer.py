@@ -17,7 +17,7 @@ def main(train_jsonl: str, tokenizer_json: str, *, vocab_size: int, train_bytes:
 
 
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
-    sys.stderr = open(snakemake.log[0], "w", buffering=1)
+    sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: F821
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    main(snakemake.input.train, snakemake.output.tokenizer_json, vocab_size=snakemake.params.vocab_size,
-         train_bytes=snakemake.params.train_bytes, path=snakemake.params.path, threads=snakemake.threads)
+    main(snakemake.input.train, snakemake.output.tokenizer_json, vocab_size=snakemake.params.vocab_size,  # noqa: F821
+         train_bytes=snakemake.params.train_bytes, path=snakemake.params.path, threads=snakemake.threads)  # noqa: F821

@@ -1,14 +1,25 @@
-"""Held-out evaluation of a checkpoint: loss, perplexity and bits per byte on the val shards.
+"""Held-out evaluation of a checkpoint's HF export: loss, perplexity, bits per byte, eval speed, continuations.
+
+Held-out tokens: `max_tokens // seq_len` packed val samples (see loader.PackedTokens), evenly spaced over the
+split (sample k * num_samples // count for k < count), so the subset is deterministic and covers the whole split
+rather than its first few documents. Every target token counts, end-of-text predictions included.
 
 Bits per byte is tokenizer-independent: the summed loss in nats over the evaluated target tokens, divided by
 ln 2 and by the UTF-8 bytes those tokens stand for. With a byte-level BPE every character of a token's string
-stands for exactly one byte, so the byte count is exact; special tokens (end-of-text) stand for none.
+stands for exactly one byte, so the byte count is exact; special tokens (end-of-text) stand for none. For other
+tokenizers each token's decoded text is counted, which can be off by a byte at word boundaries
+(`bits_per_byte_exact` says which).
+
+Continuations: for each prompt a greedy one and a sampled one (temperature, top-k, torch seeded with
+`generation.seed` before each prompt, so each sample is reproducible on its own).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +27,35 @@ import torch
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True)
+class GenerationSettings:
+    """`evaluate.generation` of the config."""
+
+    max_new_tokens: int = 48  # tokens generated per prompt and mode (fewer when end-of-text comes first)
+    temperature: float = 0.8  # softmax temperature of the sampled continuation
+    top_k: int = 50  # the sampled continuation draws from the k most likely tokens (0 = all)
+    seed: int = 1234  # torch seed set before each prompt's sampled continuation
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """The `evaluate:` block of the config that eval/step<N>.json depends on (see schemas/config.schema.yaml)."""
+
+    max_tokens: int = 262144  # held-out target tokens per checkpoint (rounded down to whole samples, at least one)
+    batch_size: int = 8  # samples per forward pass
+    device: str = "auto"  # auto | cuda | cpu (the rule passes train.device when evaluate.device is null)
+    precision: str = "fp32"  # weights and activations of the forward passes: fp32 | bf16 | fp16
+    prompts: tuple[str, ...] = ()  # continued greedily and by sampling
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+
+
 def token_byte_lengths(tokenizer_dir: Path, vocab_size: int) -> np.ndarray:
     """UTF-8 bytes each token id stands for (0 for special tokens and ids beyond the tokenizer)."""
+    return _token_byte_lengths(tokenizer_dir, vocab_size)[0]
+
+
+def _token_byte_lengths(tokenizer_dir: Path, vocab_size: int) -> tuple[np.ndarray, bool]:
+    """(bytes per token id, whether the counts are exact: byte-level BPE)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
@@ -29,26 +67,50 @@ def token_byte_lengths(tokenizer_dir: Path, vocab_size: int) -> np.ndarray:
         if token_id >= vocab_size or token in special:
             continue
         lengths[token_id] = len(token) if byte_level else len(tok.decode([token_id]).encode("utf-8"))
-    return lengths
+    return lengths, byte_level
+
+
+def eval_sample_indices(num_samples: int, seq_len: int, max_tokens: int) -> np.ndarray:
+    """The val samples evaluated: max_tokens // seq_len of them (at least 1), evenly spaced over the split."""
+    if num_samples < 1:
+        raise ValueError("the val split holds less than one sample of seq_len + 1 tokens: nothing to evaluate")
+    count = min(num_samples, max(1, max_tokens // seq_len))
+    return np.arange(count, dtype=np.int64) * num_samples // count
+
+
+def _sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 @torch.no_grad()
 def evaluate_model(model, data, byte_lengths: np.ndarray, *, max_tokens: int, batch_size: int) -> dict:
-    """Loss over the first samples of `data` (a PackedTokens) covering at most max_tokens target tokens."""
+    """Loss over the evenly spaced samples of `data` (a PackedTokens) covering at most max_tokens target tokens.
+
+    eval_tokens_per_s times the forward passes and the loss (device synchronised), after one untimed warm-up batch.
+    """
     model.eval()
-    seq_len = data[0].shape[0] - 1
-    samples = min(data.num_samples, max(1, max_tokens // seq_len))
-    total_nll, total_tokens, total_bytes = 0.0, 0, 0
-    start = time.perf_counter()
-    for first in range(0, samples, batch_size):
-        batch = torch.from_numpy(np.stack([data[k] for k in range(first, min(first + batch_size, samples))]))
+    device = next(model.parameters()).device
+    indices = eval_sample_indices(data.num_samples, data.seq_len, max_tokens)
+    batches = [indices[first:first + batch_size] for first in range(0, len(indices), batch_size)]
+
+    def batch_nll(rows: np.ndarray) -> tuple[float, np.ndarray]:
+        batch = torch.from_numpy(np.stack([data[int(k)] for k in rows])).to(device)  # (B, T+1)
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
         logits = model(input_ids=inputs).logits.float()  # (B, T, vocab)
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
-        total_nll += nll.item()
-        total_tokens += targets.numel()
-        total_bytes += int(byte_lengths[targets.numpy()].sum())
-    elapsed = time.perf_counter() - start
+        return nll.item(), targets.cpu().numpy()
+
+    batch_nll(batches[0])  # warm-up: first-call allocations and kernel selection stay out of the timing
+    total_nll, total_tokens, total_bytes = 0.0, 0, 0
+    start = _sync(device)
+    for rows in batches:
+        nll, targets = batch_nll(rows)
+        total_nll += nll
+        total_tokens += targets.size
+        total_bytes += int(byte_lengths[targets].sum())
+    elapsed = _sync(device) - start
     loss = total_nll / total_tokens
     return {
         "loss": loss,
@@ -56,34 +118,106 @@ def evaluate_model(model, data, byte_lengths: np.ndarray, *, max_tokens: int, ba
         "bits_per_byte": total_nll / math.log(2) / total_bytes if total_bytes else None,
         "tokens": total_tokens,
         "bytes": total_bytes,
-        "samples": samples,
+        "samples": len(indices),
         "eval_tokens_per_s": total_tokens / elapsed,
+        "eval_time_s": elapsed,
     }
 
 
-def evaluate_checkpoint(plan: dict, step: int, out_path: Path, *, max_tokens: int, batch_size: int) -> dict:
-    """Evaluate committed checkpoint `step` of the run described by plan; writes eval/step<N>.json atomically."""
-    from transformers import LlamaForCausalLM
+@torch.no_grad()
+def generate_continuations(model, tokenizer, prompts, settings: GenerationSettings, *, seq_len: int) -> list[dict]:
+    """A greedy and a sampled continuation of each prompt: [{prompt, mode, text, new_tokens, stopped_at_eos}]."""
+    from transformers import GenerationConfig
 
-    from . import checkpoint as ckpt
+    model.eval()
+    device = next(model.parameters()).device
+    modes = {
+        "greedy": GenerationConfig(do_sample=False),
+        "sampled": GenerationConfig(do_sample=True, temperature=settings.temperature, top_k=settings.top_k,
+                                    top_p=1.0),
+    }
+    records = []
+    for number, prompt in enumerate(prompts):
+        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids.to(device)  # (1, P)
+        if ids.shape[1] == 0:
+            raise ValueError(f"evaluate.prompts[{number}] is empty")
+        if ids.shape[1] + settings.max_new_tokens > seq_len:
+            raise ValueError(
+                f"evaluate.prompts[{number}] is {ids.shape[1]} tokens; with evaluate.generation.max_new_tokens "
+                f"{settings.max_new_tokens} it runs past model.seq_len {seq_len}, the context the model was trained on"
+            )
+        for mode, config in modes.items():
+            config.update(max_new_tokens=settings.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id, use_cache=True)
+            if mode == "sampled":
+                torch.manual_seed(settings.seed)  # seeds CUDA too
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            new = out[0, ids.shape[1]:].tolist()
+            records.append({
+                "prompt": prompt, "mode": mode,
+                "text": tokenizer.decode(new, skip_special_tokens=True),
+                "new_tokens": len(new),
+                "stopped_at_eos": bool(new) and new[-1] == tokenizer.eos_token_id,
+            })
+    return records
+
+
+@contextlib.contextmanager
+def evaluation_device(requested: str, lock_dir: Path):
+    """'cpu', or 'cuda:<id>' holding one GPU slot (devices.allocate_slots) for the duration of the block.
+
+    A scheduler's CUDA_VISIBLE_DEVICES is respected: the job then uses the first device it was given.
+    """
+    import os
+
+    from .devices import allocate_slots, cuda_device_count, resolve_device
+
+    device = resolve_device(requested)
+    if device != "cuda":
+        yield "cpu"
+    elif "CUDA_VISIBLE_DEVICES" in os.environ:
+        yield "cuda:0"
+    else:
+        with allocate_slots(1, cuda_device_count(), Path(lock_dir)) as ids:
+            torch.cuda.set_device(ids[0])  # so that current_device() (hardware_description) names this GPU
+            yield f"cuda:{ids[0]}"
+
+
+def load_export(export_dir: Path, device: str, precision: str):
+    """(model, tokenizer) of an HF export, in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .export import torch_dtype
+
+    model = AutoModelForCausalLM.from_pretrained(export_dir, local_files_only=True, dtype=torch_dtype(precision))
+    tokenizer = AutoTokenizer.from_pretrained(export_dir, local_files_only=True)
+    return model.to(device).eval(), tokenizer
+
+
+def evaluate_export(export_dir: Path, index_path: Path, out_path: Path, settings: EvalSettings, *,
+                    lock_dir: Path = Path(".pretrain-bench/gpu-slots")) -> dict:
+    """Evaluate the HF export of one checkpoint on the val shards; writes eval/step<N>.json atomically."""
+    from .devices import hardware_description
+    from .export import read_export_info
     from .loader import PackedTokens
-    from .model import llama_config, resolve_shape
 
-    index = json.loads(Path(plan["paths"]["index"]).read_text())
-    root = Path(plan["paths"]["state_dir"]) / "checkpoints"
-    marker = ckpt.read_marker(root, step)  # names the path when missing or incomplete
-    shape = resolve_shape(plan["model"]["preset"], plan["model"].get("overrides"), index["vocab_size"])
-    seq_len = plan["model"]["seq_len"]
-    model = LlamaForCausalLM(llama_config(shape, seq_len))
-    state = ckpt.load_fp32_state_dict(root, step)
-    if shape.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    model.load_state_dict(state, strict=not shape.tie_word_embeddings)
-    data = PackedTokens(Path(plan["paths"]["index"]), "val", seq_len)
-    result = evaluate_model(model, data, token_byte_lengths(Path(plan["paths"]["tokenizer"]), shape.vocab_size),
-                            max_tokens=max_tokens, batch_size=batch_size)
-    result.update(step=step, train_tokens=marker.get("tokens"), checkpoint=str(root / ckpt.tag_for(step)),
-                  split="val")
+    info = read_export_info(export_dir)
+    seq_len = info["seq_len"]
+    data = PackedTokens(Path(index_path), "val", seq_len)
+    with evaluation_device(settings.device, lock_dir) as device:
+        model, tokenizer = load_export(Path(export_dir), device, settings.precision)
+        byte_lengths, exact = _token_byte_lengths(Path(export_dir), model.config.vocab_size)
+        result = evaluate_model(model, data, byte_lengths, max_tokens=settings.max_tokens,
+                                batch_size=settings.batch_size)
+        generations = generate_continuations(model, tokenizer, settings.prompts, settings.generation,
+                                             seq_len=seq_len)
+        hardware = hardware_description(torch.device(device).type)
+    result.update(
+        step=info["step"], train_tokens=info["train_tokens"], checkpoint=info["checkpoint"], split="val",
+        bits_per_byte_exact=exact, seq_len=seq_len, batch_size=settings.batch_size,
+        sample_selection="evenly spaced", device=device, precision=settings.precision, hardware=hardware,
+        export=str(export_dir), generation=asdict(settings.generation), generations=generations,
+    )
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")

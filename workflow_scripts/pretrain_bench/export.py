@@ -1,31 +1,102 @@
-"""HF export: a committed DeepSpeed checkpoint as a `transformers` model folder (safetensors + tokenizer)."""
+"""HF export: a committed DeepSpeed checkpoint as a `transformers` model folder (safetensors + tokenizer).
+
+The folder loads with `AutoModelForCausalLM.from_pretrained(dir, local_files_only=True)` and `AutoTokenizer`.
+Its weights are the checkpoint's fp32 master weights (for ZeRO 1-3 gathered from every rank's optimizer shards by
+DeepSpeed's zero_to_fp32), cast to `dtype`; its config names the tokenizer's end-of-text and padding ids so that
+`generate` stops where the training stream separated documents. `pretrain_bench_export.json` beside the weights says
+which checkpoint it came from. Exporting only reads the checkpoint.
+"""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 from . import checkpoint as ckpt
 
+EXPORT_INFO = "pretrain_bench_export.json"
+DTYPES = ("fp32", "bf16", "fp16")
 
-def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Path, target: Path) -> None:
-    """Save a checkpoint as an HF model folder (safetensors + tokenizer) that AutoModelForCausalLM loads."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
+
+def torch_dtype(name: str):
+    """fp32 | bf16 | fp16 → the torch dtype."""
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {list(DTYPES)}")
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def read_checkpoint_weights(ckpt_root: Path, step: int) -> dict:
+    """The fp32 state dict of committed checkpoint `step`; any failure names the checkpoint folder."""
+    folder = Path(ckpt_root) / ckpt.tag_for(step)
+    ckpt.read_marker(ckpt_root, step)  # missing or uncommitted: CheckpointError naming the folder
+    try:
+        return ckpt.load_fp32_state_dict(ckpt_root, step)
+    except ckpt.CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError, AssertionError) as error:
+        # e.g. a rank's optimizer shard missing from a copied checkpoint: DeepSpeed's own message is kept.
+        raise ckpt.CheckpointError(f"checkpoint {folder} is incomplete or unreadable: "
+                                   f"{type(error).__name__}: {error}") from error
+
+
+def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Path, target: Path, *,
+              dtype: str = "fp32", info: dict | None = None) -> Path:
+    """Save checkpoint `step` as an HF model folder at `target` (replaced atomically); returns target."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
 
     from .model import llama_config
 
-    state = ckpt.load_fp32_state_dict(ckpt_root, step)
-    model = LlamaForCausalLM(llama_config(shape, seq_len))
+    target = Path(target)
+    state = read_checkpoint_weights(ckpt_root, step)
     if shape.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    with no_init_weights():  # the weights are replaced below: skip the (slow, for 7B) random initialisation
+        model = LlamaForCausalLM(llama_config(shape, seq_len))
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (shape.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
-        raise ckpt.CheckpointError(f"checkpoint step {step} in {ckpt_root} does not match the model: "
+        raise ckpt.CheckpointError(f"checkpoint {Path(ckpt_root) / ckpt.tag_for(step)} does not match the model: "
                                    f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.tie_weights()  # assign=True replaced the embedding Parameter: point the tied head at it again
+    model.to(torch_dtype(dtype))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    # LlamaConfig's default ids (bos 1, eos 2) are not this tokenizer's: generate() would stop on a random token.
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(model.config, key, getattr(tokenizer, key))
+    model.config.use_cache = True  # training turns the KV cache off; inference wants it
+    model.generation_config = GenerationConfig.from_model_config(model.config)
+
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    marker = ckpt.read_marker(ckpt_root, step)
+    description = {"step": step, "train_tokens": marker.get("tokens"), "dtype": dtype, "seq_len": seq_len,
+                   "checkpoint": str(Path(ckpt_root) / ckpt.tag_for(step)), **(info or {})}
+    (tmp / EXPORT_INFO).write_text(json.dumps(description, indent=2))
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
+    return target
+
+
+def export_checkpoint(plan: dict, step: int, target: Path, *, dtype: str = "fp32") -> dict:
+    """Export checkpoint `step` of the run described by plan (plan.json) to `target`; returns its description."""
+    from .model import resolve_shape
+
+    index = json.loads(Path(plan["paths"]["index"]).read_text())
+    shape = resolve_shape(plan["model"]["preset"], plan["model"].get("overrides"), index["vocab_size"])
+    root = Path(plan["paths"]["state_dir"]) / "checkpoints"
+    export_hf(root, step, shape, plan["model"]["seq_len"], Path(plan["paths"]["tokenizer"]), Path(target),
+              dtype=dtype, info={"model": plan["model"], "run": plan["name"]})
+    return read_export_info(target)
+
+
+def read_export_info(export_dir: Path) -> dict:
+    path = Path(export_dir) / EXPORT_INFO
+    if not path.is_file():
+        raise FileNotFoundError(f"{export_dir} is not a pretrain-bench export (no {EXPORT_INFO})")
+    return json.loads(path.read_text())

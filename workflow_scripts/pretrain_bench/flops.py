@@ -7,7 +7,7 @@ unlike hardware FLOPs utilisation, charges only the FLOPs the model needs.
 """
 from __future__ import annotations
 
-FLOPS_FORMULA = "6N + 12*L*H*Q*T (PaLM appendix B; N = non-embedding parameters)"
+FLOPS_FORMULA = "6N + 12*L*H*Q*T (PaLM appendix B; N = parameters in matmuls: all but the input embedding)"
 
 # Dense peak TFLOP/s per GPU for 16-bit inputs with fp32 accumulation (vendor datasheets, no sparsity).
 GPU_PEAK_TFLOPS_16BIT = {
@@ -19,9 +19,9 @@ GPU_PEAK_TFLOPS_16BIT = {
 }
 
 
-def flops_per_token(non_embedding_params: int, layers: int, heads: int, head_dim: int, seq_len: int) -> float:
+def flops_per_token(matmul_params: int, layers: int, heads: int, head_dim: int, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward)."""
-    return 6.0 * non_embedding_params + 12.0 * layers * heads * head_dim * seq_len
+    return 6.0 * matmul_params + 12.0 * layers * heads * head_dim * seq_len
 
 
 def gpu_table_peak(device_name: str, precision: str) -> tuple[float, str] | None:

@@ -1,9 +1,13 @@
 """Start one training run on N local ranks with torchrun: device choice, device slots, threads, rendezvous.
 
 Used by every multi-rank rule (`pretrain`, benchmark cells) through workflow_scripts/launch.py.
-- Ranks per node come from the job's `resources.gpu`.
+- Ranks per node: `train.gpus`, which the caller's `--ranks` repeats (the job's reservation).
 - Single node: `torchrun --standalone`, whose c10d rendezvous binds port 0, so two jobs started at once can never
-  pick the same port. Multi-node: `--rdzv-endpoint` from the plan.
+  pick the same port.
+- Multi-node (`train.nodes` > 1): one torchrun agent per node, all meeting at a c10d rendezvous (`--rdzv-endpoint`,
+  else `train.rdzv_endpoint`) that node rank 0 hosts. By hand: start launch.py on every node with `--node-rank`.
+  Inside a SLURM allocation: the launcher starts itself once per node with `srun` and, when no endpoint is set,
+  puts the rendezvous on the allocation's first node (`scontrol show hostnames`).
 - CUDA: disjoint device ids per concurrent job through `devices.allocate_slots`, unless CUDA_VISIBLE_DEVICES was
   set by a scheduler. CPU: DS_ACCELERATOR=cpu, gloo, max(1, cores // ranks) threads per rank.
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -36,8 +41,23 @@ def rank_environment(device: str, ranks: int, cores: int, base: dict) -> dict:
     return env
 
 
+# Set on the per-node tasks the launcher starts with srun: "this process is one node of a multi-node run".
+SLURM_NODE_TASK = "PRETRAIN_BENCH_SLURM_NODE_TASK"
+# torchrun's default c10d port, for a rendezvous on another machine, where no free port can be looked up.
+DEFAULT_RDZV_PORT = 29400
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """'host:port' → (host, port); raises ValueError naming the endpoint."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"rendezvous endpoint {endpoint!r} is not host:port")
+    return host, int(port)
+
+
 def torchrun_command(script: Path, script_args: list[str], *, ranks: int, nodes: int, max_restarts: int,
-                     rdzv_endpoint: str | None = None, node_rank: int | None = None) -> list[str]:
+                     rdzv_endpoint: str | None = None, node_rank: int | None = None,
+                     rdzv_id: str = "pretrain-bench") -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
            f"--max-restarts={max_restarts}"]
     if nodes == 1:
@@ -45,17 +65,101 @@ def torchrun_command(script: Path, script_args: list[str], *, ranks: int, nodes:
     else:
         if not rdzv_endpoint:
             raise ValueError("train.nodes > 1 needs train.rdzv_endpoint (host:port of the first node)")
-        cmd += [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+        parse_endpoint(rdzv_endpoint)
+        cmd += [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+                f"--rdzv-id={rdzv_id}"]
         if node_rank is not None:
-            cmd.append(f"--node-rank={node_rank}")
+            # c10d numbers the nodes itself (torchrun ignores --node-rank for it). Node 0 hosts the rendezvous
+            # store, so agents that share a host name, or reach the host by another name, never both try to serve it.
+            cmd.append(f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'}")
     return cmd + [str(script), *script_args]
 
 
-def launch(plan: dict, plan_path: Path, ranks: int, script: Path, lock_dir: Path) -> int:
-    """Run torchrun for this plan; returns its exit code. SIGTERM is passed on so ranks can checkpoint."""
+def slurm_job(job_id: str) -> dict[str, str]:
+    """`scontrol show job` as key → value. Read from slurmctld because Snakemake's SLURM job step strips most
+    SLURM_* variables (the node list among them) from the environment it runs the rule in."""
+    out = subprocess.run(["scontrol", "show", "job", "--oneliner", job_id], check=True, capture_output=True,
+                         text=True).stdout
+    fields: dict[str, str] = {}
+    for token in out.split():
+        key, sep, value = token.partition("=")
+        if sep:
+            fields.setdefault(key, value)
+    return fields
+
+
+def slurm_hostnames(nodelist: str) -> list[str]:
+    """A SLURM node list ('gpu[01-03]') expanded into host names, in allocation order."""
+    return subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True,
+                          text=True).stdout.split()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def slurm_fan_out(nodes: int, relaunch: list[str], rdzv_endpoint: str | None, job_id: str) -> list[str]:
+    """The srun command that starts `relaunch` (this launcher) once on every node of SLURM job `job_id`.
+
+    The rendezvous defaults to the allocation's first node: a free port when that is this node (the batch step
+    runs on the first node), else torchrun's default port.
+    """
+    job = slurm_job(job_id)
+    hosts = slurm_hostnames(job["NodeList"])
+    if len(hosts) != nodes:
+        raise ValueError(f"train.nodes={nodes} but SLURM job {job_id} holds {len(hosts)} node(s) "
+                         f"({job['NodeList']}): submit it with resources.nodes = train.nodes")
+    if not rdzv_endpoint:
+        port = free_port() if job.get("BatchHost") == hosts[0] else DEFAULT_RDZV_PORT
+        rdzv_endpoint = f"{hosts[0]}:{port}"
+    cmd = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+           "--label"]
+    if job.get("CPUs/Task", "").isdigit():
+        cmd.append(f"--cpus-per-task={job['CPUs/Task']}")  # srun ≥ 22.05 no longer inherits the job's value
+    return cmd + [*relaunch, "--rdzv-endpoint", rdzv_endpoint]
+
+
+def _terminate_with_parent() -> None:
+    """In the torchrun child: SIGTERM it if this launcher dies, so it stops its ranks (which checkpoint)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def launch(plan: dict, plan_path: Path, ranks: int, script: Path, lock_dir: Path, *, node_rank: int | None = None,
+           rdzv_endpoint: str | None = None, relaunch: list[str] | None = None) -> int:
+    """Run torchrun for this plan (or, for a multi-node run in a SLURM allocation, srun one launcher per node);
+    returns its exit code. SIGTERM is passed on so ranks can checkpoint.
+
+    `relaunch` is the command that starts this launcher again (launch.py with --ranks/--plan), for srun.
+    """
     settings = TrainSettings.from_config(plan["train"])
     if ranks != settings.gpus:
-        raise ValueError(f"resources.gpu={ranks} but train.gpus={settings.gpus}: they must agree")
+        raise ValueError(f"--ranks {ranks} (ranks per node) but train.gpus={settings.gpus}: they must agree")
+    check_settings(settings)
+    rdzv_endpoint = rdzv_endpoint or settings.rdzv_endpoint
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if job_id:
+        print(f"SLURM_JOB_ID={job_id} node={os.environ.get('SLURMD_NODENAME', '?')} host={socket.gethostname()}",
+              file=sys.stderr, flush=True)
+    if settings.nodes > 1:
+        if job_id and SLURM_NODE_TASK not in os.environ and node_rank is None:
+            if not relaunch:
+                raise ValueError("a multi-node run in a SLURM allocation needs the launcher's own command (relaunch)")
+            cmd = slurm_fan_out(settings.nodes, relaunch, rdzv_endpoint, job_id)
+            return _run(cmd, dict(os.environ, **{SLURM_NODE_TASK: "1"}))
+        if node_rank is None:
+            node_rank = int(os.environ["SLURM_NODEID"]) if SLURM_NODE_TASK in os.environ else 0
+        if not 0 <= node_rank < settings.nodes:
+            raise ValueError(f"node rank {node_rank} is outside 0..{settings.nodes - 1} (train.nodes={settings.nodes})")
+        if not rdzv_endpoint:
+            raise ValueError(f"train.nodes={settings.nodes} outside SLURM needs train.rdzv_endpoint or "
+                             "--rdzv-endpoint: host:port on the node started with --node-rank 0")
+        print(f"node rank {node_rank} of {settings.nodes}, rendezvous {rdzv_endpoint}", file=sys.stderr, flush=True)
     device = resolve_device(plan["device_request"])
     check_settings(settings, device)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -66,16 +170,23 @@ def launch(plan: dict, plan_path: Path, ranks: int, script: Path, lock_dir: Path
     slots = nullcontext(None)
     if device == "cuda" and "CUDA_VISIBLE_DEVICES" not in os.environ:
         slots = allocate_slots(ranks, cuda_device_count(), lock_dir)
+    rdzv_id = job_id or f"{plan['name']}-{plan.get('role', 'pretrain')}"
     cmd = torchrun_command(script, ["--plan", str(plan_path)], ranks=ranks, nodes=settings.nodes,
-                           max_restarts=settings.max_restarts, rdzv_endpoint=plan.get("rdzv_endpoint"))
+                           max_restarts=settings.max_restarts, rdzv_endpoint=rdzv_endpoint, node_rank=node_rank,
+                           rdzv_id=rdzv_id)
     with slots as device_ids:
         if device_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, device_ids))
             print(f"device slots: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}", file=sys.stderr, flush=True)
-        print("launch: " + " ".join(cmd), file=sys.stderr, flush=True)
-        proc = subprocess.Popen(cmd, env=env)
-        previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
-        try:
-            return proc.wait()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        return _run(cmd, env)
+
+
+def _run(cmd: list[str], env: dict) -> int:
+    """Run cmd to the end, passing SIGTERM on."""
+    print("launch: " + " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_terminate_with_parent)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+    try:
+        return proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

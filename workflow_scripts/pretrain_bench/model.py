@@ -74,7 +74,11 @@ def count_parameters(shape: ModelShape) -> dict[str, int]:
     embedding = v * h
     head = 0 if shape.tie_word_embeddings else v * h
     total = shape.num_hidden_layers * per_layer + embedding + head + h  # + final norm
-    return {"total": total, "embedding": embedding, "non_embedding": total - embedding, "per_layer": per_layer}
+    # Parameters that take part in a matmul per token: everything but the input embedding lookup, plus the LM
+    # head even when it shares the embedding's weights (it is still a vocab × hidden matmul).
+    matmul = total - embedding + (embedding if shape.tie_word_embeddings else 0)
+    return {"total": total, "embedding": embedding, "non_embedding": total - embedding, "per_layer": per_layer,
+            "matmul": matmul}
 
 
 def llama_config(shape: ModelShape, seq_len: int):

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from .memory_model import check_fits
 from .settings import TrainSettings, check_settings
 
 
@@ -22,6 +23,9 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
         train["global_batch_size"] = None  # a cell with other ranks derives its own global batch
     settings = TrainSettings.from_config(train)
     check_settings(settings)
+    # Pre-flight: stop before anything is allocated when the run is predicted not to fit (benchmark.force skips).
+    index_vocab = json.loads(Path(index).read_text()).get("vocab_size")
+    preflight = check_fits(config, settings, index_vocab, what=f"the {role} run")
     return {
         "name": config["name"],
         "role": role,
@@ -37,6 +41,7 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
         "save_checkpoints": save_checkpoints,
         "export_hf": export_hf,
         "peak_tflops": (config.get("report") or {}).get("peak_tflops"),
+        "preflight": preflight,
     }
 
 

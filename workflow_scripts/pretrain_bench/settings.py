@@ -18,6 +18,7 @@ class TrainSettings:
 
     gpus: int = 1  # ranks per node
     nodes: int = 1  # nodes
+    rdzv_endpoint: str | None = None  # host:port of the c10d rendezvous when nodes > 1 (None: derived under SLURM)
     device: str = "auto"  # auto | cuda | cpu
     comm_backend: str = "nccl"  # nccl | gloo
     zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3
@@ -104,6 +105,7 @@ def deepspeed_config(s: TrainSettings, device: str, total_steps: int) -> dict:
     if s.offload_param != "none":
         zero["offload_param"] = {"device": s.offload_param, "pin_memory": device == "cuda"}
     warmup = min(s.warmup_steps, max(total_steps - 1, 0))
+    # DeepSpeed wants at least one warm-up step; "no warm-up" is one step that already starts at the full rate.
     config = {
         "train_micro_batch_size_per_gpu": s.micro_batch_size,
         "gradient_accumulation_steps": s.grad_accum_steps,
@@ -127,7 +129,7 @@ def deepspeed_config(s: TrainSettings, device: str, total_steps: int) -> dict:
             "type": "WarmupCosineLR",
             "params": {
                 "total_num_steps": max(total_steps, 1),
-                "warmup_num_steps": warmup,
+                "warmup_num_steps": max(warmup, 1),
                 "warmup_min_ratio": 0.0 if warmup else 1.0,
                 "cos_min_ratio": s.min_lr / s.lr,
                 "warmup_type": "linear",

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,21 @@ def _text_batches(texts, batch_bytes: int):
         yield batch
 
 
+def _encoded_batches(texts, encode_batch, batch_bytes: int):
+    """(batch, encodings) pairs in order. The encoder releases the GIL, so a worker thread encodes batch n + 1
+    while the caller writes batch n and this generator reads batch n + 2: reading and writing cost no wall time
+    beyond the encoding (bench/bench_tokens.py). At most two batches are in flight."""
+    with ThreadPoolExecutor(max_workers=1) as encoder:
+        pending = None
+        for batch in _text_batches(texts, batch_bytes):
+            submitted = (batch, encoder.submit(encode_batch, batch, add_special_tokens=False))
+            if pending is not None:
+                yield pending[0], pending[1].result()
+            pending = submitted
+        if pending is not None:
+            yield pending[0], pending[1].result()
+
+
 def encode_shard(corpus_jsonl: Path, tokenizer_dir: Path, out_bin: Path, out_json: Path, *, split: str,
                  index: int, count: int, batch_bytes: int = BATCH_TEXT_BYTES) -> dict:
     """Encode shard `index` of `count` of `corpus_jsonl` into `out_bin` (+ sidecar `out_json`); returns the sidecar."""
@@ -74,8 +90,7 @@ def encode_shard(corpus_jsonl: Path, tokenizer_dir: Path, out_bin: Path, out_jso
     out_bin.parent.mkdir(parents=True, exist_ok=True)
     tmp_bin = out_bin.with_name(f"{out_bin.name}.tmp-{os.getpid()}")
     with open(tmp_bin, "wb") as f:
-        for batch in _text_batches(iter_texts(corpus_jsonl, start, stop), batch_bytes):
-            encodings = encode_batch(batch, add_special_tokens=False)
+        for batch, encodings in _encoded_batches(iter_texts(corpus_jsonl, start, stop), encode_batch, batch_bytes):
             # numpy raises OverflowError rather than wrap should an id not fit the dtype
             pieces = [piece for encoding in encodings for piece in (np.array(encoding.ids, dtype=dtype), eos)]
             ids = np.concatenate(pieces)  # (tokens in batch,)

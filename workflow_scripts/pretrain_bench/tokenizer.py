@@ -53,7 +53,8 @@ def iter_texts(jsonl: Path, start: int = 0, stop: int | None = None) -> Iterator
             try:
                 text = json.loads(line)["text"]
             except (ValueError, KeyError, TypeError) as error:
-                raise ValueError(f"{jsonl}: line at byte {line_start} is not a JSON object with a 'text' field") from error
+                message = f"{jsonl}: line at byte {line_start} is not a JSON object with a 'text' field"
+                raise ValueError(message) from error
             if not isinstance(text, str):
                 raise ValueError(f"{jsonl}: line at byte {line_start} has a non-string 'text'")
             yield text

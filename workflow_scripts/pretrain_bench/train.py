@@ -3,6 +3,9 @@
 A run is described by a plan (plan.json, see `pretrain_bench.plan`). This module trains, measures each step,
 checkpoints with a commit marker, resumes from the newest complete checkpoint, and writes metrics.jsonl,
 summary.json and (for the main run) an HF export.
+
+Fault injection for tests: PRETRAIN_BENCH_INJECT_NAN_AT_STEP=N makes the last rank report a NaN loss at step N,
+exercising the abort path (no checkpoint after it, the last good one kept) without having to diverge a model.
 """
 from __future__ import annotations
 
@@ -81,6 +84,22 @@ def _gather_floats(values: list[float], device: str) -> list[list[float]]:
     return [p.tolist() for p in parts]
 
 
+def _lock_state_dir(state_dir: Path):
+    """Hold an exclusive flock on <state_dir>/run.lock for the life of this process, or return None if taken.
+
+    The kernel drops the lock when the process dies, however it dies, so a crashed run never blocks its rerun.
+    """
+    import fcntl
+
+    handle = open(state_dir / "run.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        return None
+    return handle
+
+
 def _number(value) -> float | None:
     """A plain float from a DeepSpeed figure that may be a tensor, a float or None."""
     return None if value is None else float(value)
@@ -148,12 +167,18 @@ def run_training(plan: dict) -> dict | None:
     out_dir, state_dir = Path(plan["paths"]["out_dir"]), Path(plan["paths"]["state_dir"])
     ckpt_root = state_dir / "checkpoints"
     metrics_path = state_dir / "metrics.jsonl"
+    run_device = f"cuda:{local_rank}" if device == "cuda" else "cpu"
+    state_lock = None
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         state_dir.mkdir(parents=True, exist_ok=True)
-        if not plan.get("resume", True):
-            shutil.rmtree(ckpt_root, ignore_errors=True)
-            metrics_path.unlink(missing_ok=True)
+        state_lock = _lock_state_dir(state_dir)
+    if not _gather_floats([float(state_lock is not None or rank != 0)], run_device)[0][0]:
+        raise ckpt.CheckpointError(f"{state_dir} is in use by another training run (its run.lock is held); "
+                                   "two runs must never write the same checkpoints")
+    if rank == 0 and not plan.get("resume", True):
+        shutil.rmtree(ckpt_root, ignore_errors=True)
+        metrics_path.unlink(missing_ok=True)
     dist.barrier()
 
     # 1) data, model, engine
@@ -221,18 +246,24 @@ def run_training(plan: dict) -> dict | None:
     peak_flops, peak_source = measure_peak_flops(settings, device, threads)
     if plan.get("peak_tflops"):
         peak_flops, peak_source = plan["peak_tflops"] * 1e12, "report.peak_tflops in the config"
-    flops_token = flops_per_token(params["non_embedding"], shape.num_hidden_layers, shape.num_attention_heads,
+    flops_token = flops_per_token(params["matmul"], shape.num_hidden_layers, shape.num_attention_heads,
                                   shape.hidden_size // shape.num_attention_heads, seq_len)
 
     # 4) the loop
     tokens_per_step = settings.derived_global_batch * seq_len
     vocab = shape.vocab_size
     save_every = settings.checkpoint_every if plan.get("save_checkpoints", True) else None
-    run_device = f"cuda:{local_rank}" if device == "cuda" else "cpu"
     metrics_file = open(metrics_path, "a") if rank == 0 else None
+    board = None
+    if rank == 0:
+        from tensorboardX import SummaryWriter
+
+        # purge_step drops events past a resumed checkpoint, like truncate_jsonl does for metrics.jsonl
+        board = SummaryWriter(str(state_dir / "tensorboard"), purge_step=start_step + 1)
     run_start = time.perf_counter()
     comm_steady_ms, steady_time_s = 0.0, 0.0
     last_saved = start_step
+    inject_nan_step = int(os.environ.get("PRETRAIN_BENCH_INJECT_NAN_AT_STEP", "0"))
     for step in range(start_step + 1, total_steps + 1):
         skipped_before = engine.skipped_steps
         comm_before = _comm_ms()
@@ -257,6 +288,8 @@ def run_training(plan: dict) -> dict | None:
 
         # Everything below is bookkeeping outside the timed step.
         local_loss = sum(losses) / len(losses)
+        if step == inject_nan_step and rank == world - 1:
+            local_loss = float("nan")  # fault injection, see module docstring
         peak, _ = peak_memory_bytes(device)
         gathered = _gather_floats([local_loss, float(peak), float(preemption.requested)], run_device)
         rank_losses = [g[0] for g in gathered]
@@ -283,6 +316,10 @@ def run_training(plan: dict) -> dict | None:
         if rank == 0:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "comm_s"):
+                if record[key] is not None:
+                    board.add_scalar(f"train/{key}", record[key], step)
+            board.add_scalar("train/peak_mem_gib_max", max(record["peak_mem_bytes"]) / 2**30, step)
             if step == 1 or step % max(1, total_steps // 20) == 0 or step == total_steps:
                 elapsed = time.perf_counter() - run_start
                 eta = elapsed / (step - start_step) * (total_steps - step)
@@ -299,6 +336,7 @@ def run_training(plan: dict) -> dict | None:
                                   "exiting non-zero so the job is retried")
     if metrics_file:
         metrics_file.close()
+        board.close()
 
     # 5) summary (rank 0)
     summary = None
@@ -329,7 +367,8 @@ def run_training(plan: dict) -> dict | None:
             "peak_mem_bytes": [max(r["peak_mem_bytes"][i] for r in records) for i in range(world)],
             "peak_mem_kind": peak_kind,
             "model": {"preset": plan["model"]["preset"], "parameters": params["total"],
-                      "non_embedding_parameters": params["non_embedding"], "layers": shape.num_hidden_layers,
+                      "non_embedding_parameters": params["non_embedding"],
+                      "matmul_parameters": params["matmul"], "layers": shape.num_hidden_layers,
                       "hidden_size": shape.hidden_size, "heads": shape.num_attention_heads,
                       "vocab_size": shape.vocab_size},
             "flops_per_token": flops_token, "flops_formula": FLOPS_FORMULA,
@@ -348,6 +387,7 @@ def run_training(plan: dict) -> dict | None:
             export_hf(ckpt_root, ckpt.committed_steps(ckpt_root)[-1], shape, seq_len,
                       Path(plan["paths"]["tokenizer"]), out_dir / "hf")
         shutil.copyfile(metrics_path, out_dir / "metrics.jsonl")
+        shutil.copytree(state_dir / "tensorboard", out_dir / "tensorboard", dirs_exist_ok=True)
         tmp = out_dir / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2))
         os.replace(tmp, out_dir / "summary.json")

@@ -1,0 +1,86 @@
+# The benchmark matrix: every runnable cell of benchmark.matrix × benchmark.repeats is one training launch on
+# resources.gpu = the cell's ranks (rules/common.smk decides at DAG time which cells run; bench/matrix.json lists
+# all of them with the reasons the others were left out). A timed cell takes every core (threads), so no other job
+# shares the machine unless benchmark.allow_concurrent. Runs keep no checkpoints and no HF export; their scratch
+# state lives in bench-state/, outside the declared outputs.
+
+
+rule measure_peak:
+    output:
+        peak=report("results/{name}/bench/peak.json", category="Benchmark"),
+    log:
+        "logs/{name}/bench/measure_peak.log",
+    benchmark:
+        "benchmarks/{name}/bench/measure_peak.tsv"
+    conda:
+        "../envs/pretrain.yaml"
+    threads: BENCH_THREADS
+    params:
+        device=TRAIN.device,
+        precision=TRAIN.precision,
+    script:
+        "../workflow_scripts/measure_peak.py"
+
+
+rule bench_matrix:
+    input:
+        peak="results/{name}/bench/peak.json",
+    output:
+        matrix=report("results/{name}/bench/matrix.json", category="Benchmark"),
+    log:
+        "logs/{name}/bench/bench_matrix.log",
+    conda:
+        "../envs/pretrain.yaml"
+    params:
+        matrix=BENCH_MATRIX,
+    script:
+        "../workflow_scripts/write_bench_matrix.py"
+
+
+rule plan_bench_cell:
+    input:
+        index="results/{name}/shards/index.json",
+        tokenizer="results/{name}/tokenizer/tokenizer.json",
+    output:
+        plan="results/{name}/bench/{cell}/rep{rep}/plan.json",
+    log:
+        "logs/{name}/bench/{cell}/rep{rep}/plan.log",
+    wildcard_constraints:
+        rep=r"\d+",
+    conda:
+        "../envs/pretrain.yaml"
+    params:
+        overrides=lambda wildcards: bench_overrides(wildcards.cell),
+        out_dir=subpath(output.plan, parent=True),
+        state_dir="results/{name}/bench-state/{cell}/rep{rep}",
+    script:
+        "../workflow_scripts/plan_bench_cell.py"
+
+
+rule bench_cell:
+    input:
+        plan="results/{name}/bench/{cell}/rep{rep}/plan.json",
+        index="results/{name}/shards/index.json",
+    output:
+        summary=report(
+            "results/{name}/bench/{cell}/rep{rep}/summary.json",
+            category="Benchmark",
+            subcategory="{cell}",
+            labels={"cell": "{cell}", "repeat": "{rep}"},
+        ),
+        metrics="results/{name}/bench/{cell}/rep{rep}/metrics.jsonl",
+    log:
+        "logs/{name}/bench/{cell}/rep{rep}/train.log",
+    benchmark:
+        "benchmarks/{name}/bench/{cell}/rep{rep}.tsv"
+    wildcard_constraints:
+        rep=r"\d+",
+    conda:
+        "../envs/pretrain.yaml"
+    threads: BENCH_THREADS
+    resources:
+        gpu=lambda wildcards: bench_cell(wildcards.cell)["gpus"],
+    params:
+        launcher=LAUNCHER,
+    shell:
+        "python {params.launcher} --ranks {resources.gpu} --plan {input.plan} > {log} 2>&1"

@@ -1,0 +1,248 @@
+"""The tiny benchmark matrix end to end through Snakemake, and the report built from it.
+
+One run of the pipeline (a short main run plus 1, 2, 3 gloo ranks × ZeRO 1, 2, 2 repeats each); nccl cells and
+cells with a micro batch of 100,000 are declared too, and must be reported, not run. The report's tables are
+recomputed here from the summaries, every PNG is opened, the HTML is rendered by headless Chromium.
+"""
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+NAME = "itest-bench"
+RESULTS = ROOT / "results" / NAME
+OVERLAY = {
+    "name": NAME,
+    # a short main run: two kept checkpoints, so the eval curves have two points
+    "train": {"max_steps": 12, "checkpoint_every": 6, "warmup_timing_steps": 2},
+    "evaluate": {"lm_eval": {"tasks": []}, "max_tokens": 8192},
+    "benchmark": {"repeats": 2, "matrix": {"micro_batch_size": [8, 100000]}},
+}
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--enable-logging=stderr", "--v=0", "--window-size=1280,2400"]
+
+
+def snakemake(overlay: Path, *args, check=True):
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--resources", "gpu=3",
+           "--configfile", "config/tiny-cpu.yaml", str(overlay), *args]
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=3600)
+    if check and proc.returncode != 0:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (ROOT / "logs" / NAME).rglob("*.log"))
+        pytest.fail(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def overlay(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "overlay.yaml"
+    path.write_text(yaml.safe_dump(OVERLAY))
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(overlay):
+    for folder in (RESULTS, ROOT / "logs" / NAME, ROOT / "benchmarks" / NAME):
+        shutil.rmtree(folder, ignore_errors=True)
+    snakemake(overlay)
+    return RESULTS
+
+
+def matrix_of(run):
+    return json.loads((run / "bench" / "matrix.json").read_text())
+
+
+def runs_of(run):
+    from pretrain_bench.report import load_bench
+
+    return load_bench(sorted((run / "bench").glob("*/rep*/summary.json")))
+
+
+def test_runnable_cells_ran_twice_and_the_others_were_reported_not_run(run):
+    matrix = matrix_of(run)
+    by_status = {}
+    for entry in matrix["cells"]:
+        by_status.setdefault(entry["status"], []).append(entry)
+    assert len(matrix["cells"]) == 3 * 2 * 2 * 2
+    assert sorted(e["cell"] for e in by_status["run"]) == sorted(
+        f"ranks{g}-zero{z}-fp32-gloo" for g in (1, 2, 3) for z in (1, 2))
+    assert len(by_status["unsupported"]) == 12 and all("nccl needs CUDA" in e["reason"]
+                                                         for e in by_status["unsupported"])
+    assert len(by_status["predicted_oom"]) == 6
+    for entry in by_status["predicted_oom"] + by_status["unsupported"]:
+        assert not (run / "bench" / entry["cell"]).exists(), "a left-out cell must not run"
+        assert not (ROOT / "logs" / NAME / "bench" / entry["cell"]).exists()
+    runs = runs_of(run)
+    assert set(runs) == {e["cell"] for e in by_status["run"]}
+    for entry in by_status["run"]:
+        reps = runs[entry["cell"]]
+        assert len(reps) == 2
+        for summary in reps:
+            assert summary["role"] == "bench" and summary["world_size"] == entry["gpus"]
+            assert summary["zero_stage"] == entry["zero_stage"] and summary["steps"] == 8
+            assert summary["warmup_timing_steps"] == 2 and summary["steady_steps"] == 6
+            assert summary["global_batch_size"] == 8 * entry["gpus"] and summary["checkpoints"] == []
+            assert summary["tokens_per_s"] > 0 and len(summary["peak_mem_bytes"]) == entry["gpus"]
+    assert not list((run / "bench-state").rglob("COMMITTED.json")), "bench cells keep no checkpoints"
+
+
+def test_timed_cells_never_overlapped(run):
+    """Each cell took every core: their [start, end] intervals (end = summary mtime, start = end - runtime)."""
+    intervals = []
+    for tsv in (ROOT / "benchmarks" / NAME / "bench").rglob("rep*.tsv"):
+        seconds = float(tsv.read_text().splitlines()[1].split("\t")[0])
+        cell, rep = tsv.parent.name, tsv.stem
+        end = (run / "bench" / cell / rep / "summary.json").stat().st_mtime
+        intervals.append((end - seconds, end, f"{cell}/{rep}"))
+    assert len(intervals) == 12
+    intervals.sort()
+    for (start_a, end_a, a), (start_b, _, b) in zip(intervals, intervals[1:]):
+        assert start_b >= end_a - 1.0, f"{a} and {b} ran at the same time"
+
+
+def _md_table(md: str, heading: str) -> list[list[str]]:
+    section = md.split(heading, 1)[1]
+    lines = [line for line in section.split("\n\n", 2)[1].splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines[2:]]
+
+
+def test_report_tables_equal_a_recomputation_from_the_summaries(run):
+    from pretrain_bench.report import GIB, fmt
+    from pretrain_bench.tables import fmt_duration
+
+    md = (run / "report" / "report.md").read_text()
+    html = (run / "report" / "report.html").read_text()
+    runs = runs_of(run)
+    target = yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text())["report"]["target_corpus_tokens"]
+
+    def span(values, digits):
+        return f"{fmt(statistics.median(values), digits)} ({fmt(min(values), digits)}–{fmt(max(values), digits)})"
+
+    seeds = _md_table(md, "## 1. The seeds' table")
+    assert len(seeds) == 6
+    for series, ranks, batch, repeats, tps, speedup, efficiency, mem, epoch, oversubscribed in seeds:
+        zero = re.match(r"ZeRO-(\d)", series).group(1)
+        reps = runs[f"ranks{ranks}-zero{zero}-fp32-gloo"]
+        base = statistics.median(s["tokens_per_s"] for s in runs[f"ranks1-zero{zero}-fp32-gloo"])
+        values = [s["tokens_per_s"] for s in reps]
+        med = statistics.median(values)
+        assert tps == span(values, 0)
+        assert speedup == f"{fmt(med / base, 2)}×"
+        assert efficiency == fmt(med / base / int(ranks) * 100, 0)
+        assert mem == span([max(s["peak_mem_bytes"]) / GIB for s in reps], 2)
+        assert epoch == fmt_duration(target / med)
+        assert batch == fmt(8 * int(ranks)) and repeats == "2"
+        assert oversubscribed == ("yes" if any(s["oversubscribed"] for s in reps) else "no")
+        assert f"<td>{tps}</td><td>{speedup}</td><td>{efficiency}</td><td>{mem}</td>" in html
+
+    mfu = _md_table(md, "## 5. MFU per cell")
+    assert len(mfu) == 6
+    for cell, ranks, mfu_pct, peak, source, flops in mfu:
+        reps = runs[cell]
+        assert mfu_pct == span([s["mfu"] * 100 for s in reps], 2)
+        assert peak == span([s["peak_flops_per_rank"] / 1e12 for s in reps], 3)
+        assert source == reps[0]["peak_flops_source"] and flops == fmt(reps[0]["flops_per_token"], 0)
+
+    comm = _md_table(md, "## 4. Communication")
+    assert len(comm) == 4  # the 2- and 3-rank cells
+    for cell, ranks, backend, share in comm:
+        assert share == span([s["comm_fraction"] * 100 for s in runs[cell]], 1)
+
+    memory = {row[0]: row for row in _md_table(md, "## 3. Memory by ZeRO stage")}
+    matrix = {e["cell"]: e for e in matrix_of(run)["cells"]}
+    for cell, row in memory.items():
+        est = matrix[cell]["estimate"]
+        assert row[4] == span([max(s["peak_mem_bytes"]) / GIB for s in runs[cell]], 3)
+        assert row[5] == fmt((est["per_rank"] + est["host_states"]) / GIB, 3)  # CPU: RSS holds everything
+
+    # the main run's table still equals its summary
+    summary = json.loads((run / "train" / "summary.json").read_text())
+    assert fmt(summary["tokens_per_s"]) in md and fmt(summary["mfu"] * 100, 2) in md
+
+
+def test_left_out_cells_are_in_the_report_with_their_reason(run):
+    md = (run / "report" / "report.md").read_text()
+    html = (run / "report" / "report.html").read_text()
+    for entry in matrix_of(run)["cells"]:
+        if entry["status"] != "run":
+            row = next(line for line in md.splitlines() if line.startswith(f"| {entry['cell']} |"))
+            label = "predicted OOM" if entry["status"] == "predicted_oom" else "not supported here"
+            assert label in row and entry["reason"] in row
+            assert entry["reason"] in html
+    assert re.search(r"predicted OOM: needs [\d,.]+ GiB \(\d ranks? × [\d,.]+ GiB\), has [\d,.]+ GiB host RAM", md)
+    assert "NCCL vs Gloo: not measured" in md
+    assert "Claims checked" in md and "impossible as described" in md
+
+
+def test_every_plot_is_a_valid_png(run):
+    from PIL import Image
+
+    plots = sorted((run / "report" / "plots").glob("*.png"))
+    assert {p.stem for p in plots} == {"throughput", "loss", "eval", "scaling", "memory", "communication"}
+    for path in plots:
+        with Image.open(path) as image:
+            image.verify()
+        with Image.open(path) as image:
+            assert image.format == "PNG" and image.size[0] > 500 and image.size[1] > 200
+    html = (run / "report" / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == len(plots)
+
+
+def _chromium():
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    if os.environ.get("PRETRAIN_BENCH_REQUIRE_CHROMIUM"):
+        pytest.fail("headless Chromium is required (apt-get install chromium) but not installed")
+    pytest.skip("chromium is not installed (CI installs it: .ci/run)")
+
+
+def _render(chromium: str, page: Path, screenshot: Path, profile: Path) -> list[str]:
+    """Console messages of a page rendered headless (Chromium logs each as INFO:CONSOLE on stderr)."""
+    proc = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--screenshot={screenshot}",
+                           page.resolve().as_uri()], capture_output=True, text=True, timeout=120)
+    assert screenshot.is_file() and screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", proc.stderr[-2000:]
+    return [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]
+
+
+def test_html_renders_in_headless_chromium_without_console_errors(run, tmp_path):
+    chromium = _chromium()
+    control = tmp_path / "control.html"
+    control.write_text('<!DOCTYPE html><html><head><link rel="icon" href="data:,"></head><body>'
+                       '<img src="missing.png"><script>console.error("control-error")</script></body></html>')
+    caught = _render(chromium, control, tmp_path / "control.png", tmp_path / "profile-control")
+    assert any("control-error" in line for line in caught), "the console check must see a known error"
+    shot = run / "report" / "screenshot.png"
+    messages = _render(chromium, run / "report" / "report.html", shot, tmp_path / "profile")
+    assert messages == [], messages
+    from PIL import Image
+
+    with Image.open(shot) as image:
+        colours = image.convert("L").getextrema()
+    assert colours[0] < 100 < colours[1], "the screenshot shows text, not a blank page"
+
+
+def test_snakemake_report_archive(run, overlay, tmp_path):
+    archive = tmp_path / "report.zip"
+    snakemake(overlay, "--report", str(archive))
+    with zipfile.ZipFile(archive) as zipped:
+        names = zipped.namelist()
+    assert any(n.endswith("report/report.html") for n in names)
+    assert any("scaling.png" in n for n in names) and any("matrix.json" in n for n in names)
+    assert sum("summary.json" in n for n in names) >= 12
+
+
+def test_rerun_has_nothing_to_do(run, overlay):
+    proc = snakemake(overlay, "-n")
+    assert "Nothing to be done" in proc.stdout + proc.stderr

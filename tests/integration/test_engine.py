@@ -1,0 +1,161 @@
+"""The training engine on CPU through the real launcher: ZeRO stages, exact resume after kill -9, pre-emption,
+non-finite loss, incompatible checkpoints, concurrent launches."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+
+from pretrain_bench.checkpoint import committed_steps  # noqa: E402
+from pretrain_bench.plan import make_plan, write_plan  # noqa: E402
+
+NAME = "itest-engine"
+LAUNCHER = ROOT / "workflow_scripts" / "launch.py"
+
+
+@pytest.fixture(scope="module")
+def data():
+    """Tokenizer and shards of the tiny config, built once by Snakemake."""
+    results = ROOT / "results" / NAME
+    targets = [f"results/{NAME}/shards/index.json", f"results/{NAME}/tokenizer/tokenizer.json"]
+    cmd = [sys.executable, "-m", "snakemake", *targets, "--cores", "2", "--configfile", "config/tiny-cpu.yaml",
+           "--config", f"name={NAME}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import yaml
+
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    overlay = yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text())
+    for key, value in overlay.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    config["name"] = NAME
+    return config, results
+
+
+def plan_for(data, run_dir: Path, **train):
+    config, results = data
+    overrides = {"max_steps": 8, "checkpoint_every": 4, "warmup_timing_steps": 1, **train}
+    config = {**config, "train": {**config["train"], **overrides}}
+    plan = make_plan(config, index=results / "shards" / "index.json", tokenizer=results / "tokenizer",
+                     out_dir=run_dir / "out", state_dir=run_dir / "state", export_hf=False)
+    path = run_dir / "plan.json"
+    write_plan(plan, path)
+    return path
+
+
+def start(plan_path: Path, ranks: int, log: Path, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(LAUNCHER), "--ranks", str(ranks), "--plan", str(plan_path)],
+                            cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+
+
+def run(plan_path: Path, ranks: int, log: Path, timeout=600, env=None) -> int:
+    proc = start(plan_path, ranks, log, env)
+    try:
+        return proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "state" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+def test_zero_stages_0_to_3_train_concurrently_and_shut_down(data, tmp_path):
+    # Two launches at once also proves the rendezvous ports cannot collide (torchrun --standalone binds port 0).
+    for pair in ((0, 1), (2, 3)):
+        procs = []
+        for stage in pair:
+            plan = plan_for(data, tmp_path / f"z{stage}", gpus=2, global_batch_size=None, zero_stage=stage,
+                            max_steps=3, checkpoint_every=3)
+            procs.append((stage, start(plan, 2, tmp_path / f"z{stage}.log")))
+        for stage, proc in procs:
+            assert proc.wait(600) == 0, (tmp_path / f"z{stage}.log").read_text()[-3000:]
+    for stage in range(4):
+        summary = json.loads((tmp_path / f"z{stage}" / "out" / "summary.json").read_text())
+        assert summary["zero_stage"] == stage and summary["world_size"] == 2
+        assert committed_steps(tmp_path / f"z{stage}" / "state" / "checkpoints") == [3]
+        ds = json.loads((tmp_path / f"z{stage}" / "out" / "ds_config.json").read_text())
+        assert ds["zero_optimization"]["stage"] == stage
+    # The same data and seed give the same first loss whatever the stage: only the partitioning differs.
+    first = {s: losses(tmp_path / f"z{s}")[0] for s in range(4)}
+    assert max(first.values()) - min(first.values()) < 1e-4, first
+
+
+def test_kill_9_then_rerun_resumes_with_identical_losses(data, tmp_path):
+    reference = tmp_path / "reference"
+    assert run(plan_for(data, reference, max_steps=12), 3, tmp_path / "ref.log") == 0
+    crashed = tmp_path / "crashed"
+    plan = plan_for(data, crashed, max_steps=12)
+    proc = start(plan, 3, tmp_path / "crash.log")
+    deadline = time.monotonic() + 600
+    while not committed_steps(crashed / "state" / "checkpoints"):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "crash.log").read_text()[-3000:]
+        time.sleep(0.2)
+    time.sleep(1.0)  # let it run into the next steps, then crash hard: every process of the job at once
+    root = psutil.Process(proc.pid)
+    job = [root, *root.children(recursive=True)]
+    assert len(job) >= 5, "launcher, torchrun and three ranks"
+    for process in job:
+        process.kill()
+    proc.wait()
+    psutil.wait_procs(job, timeout=30)
+    assert not (crashed / "out" / "summary.json").exists()
+    kept = committed_steps(crashed / "state" / "checkpoints")
+    assert run(plan, 3, tmp_path / "resume.log") == 0, (tmp_path / "resume.log").read_text()[-3000:]
+    summary = json.loads((crashed / "out" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == kept[-1] and summary["resumed_from_step"] in (4, 8)
+    assert losses(crashed) == losses(reference), "every per-step loss equals the uninterrupted run, bit for bit"
+    assert "resumed from" in (tmp_path / "resume.log").read_text()
+
+
+def test_resume_refuses_other_world_size_or_config(data, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run(plan_for(data, run_dir, max_steps=4), 3, tmp_path / "a.log") == 0
+    # a longer run at another world size: refused, checkpoint untouched
+    plan = plan_for(data, run_dir, max_steps=8, gpus=2, global_batch_size=None)
+    assert run(plan, 2, tmp_path / "b.log") != 0
+    log = (tmp_path / "b.log").read_text()
+    assert "was saved with world size 3, this run has 2" in log
+    # a changed learning rate: refused, naming what changed
+    plan = plan_for(data, run_dir, max_steps=8, lr=1e-3)
+    assert run(plan, 3, tmp_path / "c.log") != 0
+    assert "belongs to a different configuration (train changed)" in (tmp_path / "c.log").read_text()
+    assert committed_steps(run_dir / "state" / "checkpoints") == [4]
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_nonzero(data, tmp_path):
+    run_dir = tmp_path / "run"
+    plan = plan_for(data, run_dir, gpus=1, global_batch_size=None, max_steps=200, checkpoint_every=1000)
+    proc = start(plan, 1, tmp_path / "term.log")
+    metrics = run_dir / "state" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "term.log").read_text()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # the launcher, as a scheduler would
+    assert proc.wait(300) != 0
+    steps = committed_steps(run_dir / "state" / "checkpoints")
+    assert len(steps) == 1 and 3 <= steps[0] < 200
+    assert "SIGTERM received: checkpoint step" in (tmp_path / "term.log").read_text()
+
+
+def test_non_finite_loss_aborts_and_keeps_last_good_checkpoint(data, tmp_path):
+    run_dir = tmp_path / "run"
+    plan = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=8, checkpoint_every=2)
+    assert run(plan, 2, tmp_path / "nan.log", env={"PRETRAIN_BENCH_INJECT_NAN_AT_STEP": "5"}) != 0
+    log = (tmp_path / "nan.log").read_text()
+    assert "non-finite loss at step 5 on rank(s) [1]" in log
+    assert "the last complete one is step 4" in log
+    assert committed_steps(run_dir / "state" / "checkpoints") == [2, 4], "nothing saved at or after the bad step"
+    assert not (run_dir / "out" / "summary.json").exists()

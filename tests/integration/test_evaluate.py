@@ -1,0 +1,258 @@
+"""Checkpoint evaluation through Snakemake on a short tiny run (20 steps, checkpoints 10 and 20): HF exports that
+match the DeepSpeed model, eval/step<N>.json, lm-eval on the shipped tasks, checkpoints left untouched."""
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+NAME = "itest-eval"
+RESULTS = ROOT / "results" / NAME
+STEPS = (10, 20)
+SEQ_LEN, GLOBAL_BATCH = 128, 24  # config/tiny-cpu.yaml
+OVERLAY = {"name": NAME, "train": {"max_steps": 20, "checkpoint_every": 10},
+           "evaluate": {"max_tokens": 4096, "lm_eval": {"limit": 4}}}
+TINY = yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text())
+TARGETS = [f"results/{NAME}/{kind}/step{step}{suffix}" for step in STEPS
+           for kind, suffix in (("export", ""), ("eval", ".json"), ("lm_eval", ".json"))]
+
+
+def snakemake(overlay: Path, *targets, options=(), check=True):
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--resources", "gpu=3", *options,
+           "--configfile", "config/tiny-cpu.yaml", str(overlay), "--", *targets]
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
+    if check and proc.returncode != 0:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (ROOT / "logs" / NAME).rglob("*.log"))
+        pytest.fail(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs}")
+    return proc
+
+
+def tree_digest(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(folder)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    for folder in (RESULTS, ROOT / "logs" / NAME, ROOT / "benchmarks" / NAME):
+        shutil.rmtree(folder, ignore_errors=True)
+    overlay = tmp_path_factory.mktemp("config") / "overlay.yaml"
+    overlay.write_text(yaml.safe_dump(OVERLAY))
+    snakemake(overlay, f"results/{NAME}/train/summary.json")
+    checkpoints = RESULTS / "state" / "checkpoints"
+    before = {step: tree_digest(checkpoints / f"step{step}") for step in STEPS}
+    snakemake(overlay, *TARGETS)
+    after = {step: tree_digest(checkpoints / f"step{step}") for step in STEPS}
+    return {"overlay": overlay, "before": before, "after": after}
+
+
+def load_eval(step):
+    return json.loads((RESULTS / "eval" / f"step{step}.json").read_text())
+
+
+def load_export(step):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = RESULTS / "export" / f"step{step}"
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+    return model, AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def test_evaluating_never_modifies_a_checkpoint(run):
+    assert run["before"] == run["after"]
+    assert all((RESULTS / "state" / "checkpoints" / f"step{s}" / "COMMITTED.json").is_file() for s in STEPS)
+
+
+def test_eval_files_hold_the_contract_fields(run):
+    for step in STEPS:
+        result = load_eval(step)
+        assert (result["step"], result["split"], result["train_tokens"]) == (step, "val", step * GLOBAL_BATCH * SEQ_LEN)
+        assert result["checkpoint"] == f"results/{NAME}/state/checkpoints/step{step}"
+        assert (result["samples"], result["tokens"]) == (4096 // SEQ_LEN, 4096)
+        assert 4 < result["loss"] < math.log(4096) + 1 and result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+        assert result["bits_per_byte"] == pytest.approx(result["loss"] * result["tokens"] / math.log(2) / result["bytes"])
+        assert result["bits_per_byte_exact"] and 2 < result["bytes"] / result["tokens"] < 6  # Python source
+        assert result["eval_tokens_per_s"] > 0 and result["device"] == "cpu"
+        prompts = TINY["evaluate"]["prompts"]
+        assert [(g["prompt"], g["mode"]) for g in result["generations"]] == [
+            (p, mode) for p in prompts for mode in ("greedy", "sampled")]
+
+
+def test_eval_loss_is_the_exports_loss_on_the_evenly_spaced_samples(run):
+    from pretrain_bench.evaluation import eval_sample_indices
+    from pretrain_bench.loader import PackedTokens
+
+    result = load_eval(20)
+    model, _ = load_export(20)
+    data = PackedTokens(RESULTS / "shards" / "index.json", "val", SEQ_LEN)
+    indices = eval_sample_indices(data.num_samples, SEQ_LEN, 4096)
+    assert len(set(indices.tolist())) == 32 and indices[-1] > data.num_samples * 0.9, "spread over the whole split"
+    batch = torch.from_numpy(np.stack([data[int(k)] for k in indices]))  # (32, T+1)
+    with torch.no_grad():
+        logits = model(input_ids=batch[:, :-1]).logits  # (32, T, vocab)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)).item()
+    assert result["loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_continuations_reproduce_from_the_export(run):
+    from transformers import GenerationConfig
+
+    result = load_eval(20)
+    model, tokenizer = load_export(20)
+    settings = {"max_new_tokens": 48, "temperature": 0.8, "top_k": 50, "seed": 1234}
+    assert result["generation"] == settings
+    for record in result["generations"][:2]:
+        ids = tokenizer(record["prompt"], add_special_tokens=False, return_tensors="pt").input_ids
+        config = GenerationConfig(do_sample=record["mode"] == "sampled", temperature=0.8, top_k=50,
+                                  max_new_tokens=48, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id)
+        torch.manual_seed(settings["seed"])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        assert tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == record["text"]
+
+
+DEEPSPEED_LOGITS = r"""
+import json, os, sys
+from pathlib import Path
+import deepspeed, torch
+sys.path.insert(0, "workflow_scripts")
+from pretrain_bench.model import build_model, resolve_shape
+from pretrain_bench.settings import TrainSettings, deepspeed_config
+
+plan = json.loads(Path(sys.argv[1]).read_text())
+step, out = int(sys.argv[2]), sys.argv[3]
+index = json.loads(Path(plan["paths"]["index"]).read_text())
+shape = resolve_shape(plan["model"]["preset"], plan["model"]["overrides"], index["vocab_size"])
+deepspeed.init_distributed(dist_backend="gloo")
+# The run's ZeRO stage and precision on one rank; the weights come from the checkpoint, not from this seed.
+settings = TrainSettings.from_config({**plan["train"], "gpus": 1, "global_batch_size": None})
+model = build_model(shape, plan["model"]["seq_len"], seed=99)
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                  config=deepspeed_config(settings, "cpu", 10))
+engine.load_checkpoint(str(Path(plan["paths"]["state_dir"]) / "checkpoints"), tag=f"step{step}",
+                       load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False)
+engine.eval()
+ids = torch.from_numpy(__import__("numpy").random.default_rng(0).integers(2, index["vocab_size"], (2, 96)))
+with torch.no_grad():
+    torch.save({"input_ids": ids, "logits": engine(input_ids=ids).logits}, out)
+"""
+
+
+def test_export_logits_match_the_deepspeed_engine(run, tmp_path):
+    """A DeepSpeed engine (world size 1, gloo, CPU) loads the 3-rank ZeRO-2 checkpoint's module weights; the HF
+    export, built from the ZeRO optimizer shards by zero_to_fp32, gives the same logits (fp32: max |Δ| ≤ 1e-5)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+               WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="2")
+    for step in STEPS:
+        out = tmp_path / f"ds{step}.pt"
+        proc = subprocess.run([sys.executable, "-c", DEEPSPEED_LOGITS, f"results/{NAME}/train/plan.json", str(step),
+                               str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        reference = torch.load(out)
+        model, _ = load_export(step)
+        with torch.no_grad():
+            logits = model(input_ids=reference["input_ids"]).logits  # (2, 96, vocab)
+        difference = (logits - reference["logits"]).abs().max().item()
+        print(f"step {step}: max |logits export - DeepSpeed| = {difference:.3g}")
+        assert difference <= 1e-5
+        assert reference["logits"].abs().max() > 1, "real logits, not an all-zero output"
+    a, _ = load_export(10)
+    b, _ = load_export(20)
+    assert not torch.equal(a.lm_head.weight, b.lm_head.weight), "each step exports its own weights"
+
+
+def rolling_loglikelihood(model, tokens: list[int], prefix: int, max_length: int) -> float:
+    """log p(tokens | prefix) in disjoint windows of max_length, each conditioned on the token before it."""
+    stream = [prefix] + tokens
+    total = 0.0
+    for start in range(1, len(stream), max_length):
+        window = torch.tensor([stream[start - 1:start - 1 + max_length + 1]])  # (1, ≤ max_length + 1)
+        with torch.no_grad():
+            logits = model(input_ids=window[:, :-1]).logits[0].float()  # (W, vocab)
+        total += -F.cross_entropy(logits, window[0, 1:], reduction="sum").item()
+    return total
+
+
+def test_lm_eval_numbers_are_the_export_models_own(run):
+    """lm-eval's figures recomputed from first principles with the export and the task data files."""
+    summary = json.loads((RESULTS / "lm_eval" / "step20.json").read_text())
+    assert summary["samples"] == {"pretrain_bench_last_word": 4, "pretrain_bench_doc_perplexity": 4}
+    assert (summary["step"], summary["max_length"], summary["limit"]) == (20, SEQ_LEN, 4)
+    model, tokenizer = load_export(20)
+    data = RESULTS / "lm_eval" / "data"
+
+    # last word: the target's log-likelihood given the (left-truncated) context; acc when it is the greedy path
+    logliks, hits = [], []
+    for line in (data / "last_word.jsonl").read_text().splitlines()[:4]:
+        example = json.loads(line)
+        context, target = example["context"], example["target"]
+        spaces = len(context) - len(context.rstrip())  # lm-eval moves trailing spaces into the continuation
+        context, target = context[:len(context) - spaces], context[len(context) - spaces:] + target
+        whole = tokenizer.encode(context + target)
+        context_ids = tokenizer.encode(context)
+        target_ids = whole[len(context_ids):]
+        window = torch.tensor([whole[-(SEQ_LEN + 1):][:-1]])
+        with torch.no_grad():
+            logits = model(input_ids=window).logits[0, -len(target_ids):]  # (len(target), vocab)
+        logliks.append(-F.cross_entropy(logits, torch.tensor(target_ids), reduction="sum").item())
+        hits.append(logits.argmax(-1).tolist() == target_ids)
+    last_word = summary["tasks"]["pretrain_bench_last_word"]
+    assert last_word["perplexity"] == pytest.approx(math.exp(-sum(logliks) / len(logliks)), rel=1e-4)
+    assert last_word["acc"] == pytest.approx(sum(hits) / len(hits))
+
+    # documents: rolling log-likelihood over the first 4 val documents, per UTF-8 byte
+    texts = [json.loads(line)["text"] for line in (data / "documents.jsonl").read_text().splitlines()[:4]]
+    loglik = sum(rolling_loglikelihood(model, tokenizer.encode(text), tokenizer.eos_token_id, SEQ_LEN)
+                 for text in texts)
+    text_bytes = sum(len(text.encode()) for text in texts)
+    documents = summary["tasks"]["pretrain_bench_doc_perplexity"]
+    assert documents["bits_per_byte"] == pytest.approx(-loglik / text_bytes / math.log(2), rel=1e-4)
+    assert documents["byte_perplexity"] == pytest.approx(math.exp(-loglik / text_bytes), rel=1e-4)
+
+
+def test_a_missing_checkpoint_fails_naming_its_path(run):
+    proc = snakemake(run["overlay"], f"results/{NAME}/eval/step15.json", check=False)
+    assert proc.returncode != 0
+    log = (ROOT / "logs" / NAME / "export_checkpoint" / "step15.log").read_text()
+    assert f"checkpoint results/{NAME}/state/checkpoints/step15 is missing or incomplete (no COMMITTED.json)" in log
+    assert not (RESULTS / "export" / "step15").exists()
+
+
+def test_an_incomplete_zero_checkpoint_fails_naming_its_path(run, tmp_path):
+    from pretrain_bench.checkpoint import CheckpointError
+    from pretrain_bench.export import export_checkpoint
+
+    shutil.copytree(RESULTS / "state" / "checkpoints" / "step10", tmp_path / "checkpoints" / "step10")
+    shards = sorted((tmp_path / "checkpoints" / "step10").glob("*optim_states.pt"))
+    assert len(shards) == 3, "one optimizer shard per rank"
+    shards[1].unlink()  # a copy that lost one rank's shard, marker and all else intact
+    plan = json.loads((RESULTS / "train" / "plan.json").read_text())
+    plan["paths"]["state_dir"] = str(tmp_path)
+    folder = tmp_path / "checkpoints" / "step10"
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {folder} is incomplete or unreadable")):
+        export_checkpoint(plan, 10, tmp_path / "export")
+
+
+def test_rerun_has_nothing_to_do(run):
+    proc = snakemake(run["overlay"], *TARGETS, options=["-n"])
+    assert "Nothing to be done" in proc.stdout + proc.stderr

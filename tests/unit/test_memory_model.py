@@ -1,0 +1,152 @@
+"""The pre-flight memory model: ZeRO formulas, activations, the guard on the main run and its advice."""
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+
+from pretrain_bench import memory_model  # noqa: E402
+from pretrain_bench.memory_model import (GB, GIB, Budget, check_fits, estimate, judge,  # noqa: E402
+                                         model_state_bytes)
+from pretrain_bench.plan import make_plan  # noqa: E402
+from pretrain_bench.settings import ConfigError, TrainSettings  # noqa: E402
+
+PSI = 7_000_000_000
+
+
+def states(psi, n, stage, precision="fp16", **kw):
+    s = model_state_bytes(psi, n, stage, precision, **kw)
+    return s["params"] + s["grads"] + s["optimizer"]
+
+
+def test_zero_paper_mixed_precision_formulas():
+    # ZeRO paper §3.1 / Fig. 1 with K = 12, N = 3: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N.
+    assert states(PSI, 3, 0) == 16 * PSI
+    assert states(PSI, 3, 1) == pytest.approx(4 * PSI + 12 * PSI / 3, abs=3)
+    assert states(PSI, 3, 2) == pytest.approx(2 * PSI + 14 * PSI / 3, abs=3)
+    assert states(PSI, 3, 3) == pytest.approx(16 * PSI / 3, abs=3)
+    # the seeds' "physics": 112 GB on one GPU, ~46.7 GB per GPU on three with ZeRO-2
+    assert states(PSI, 1, 0) / GB == pytest.approx(112)
+    assert states(PSI, 3, 2) / GB == pytest.approx(46.67, abs=0.01)
+    assert states(PSI, 3, 2, precision="bf16") == states(PSI, 3, 2)
+
+
+def test_fp32_constants_follow_deepspeed():
+    assert states(PSI, 4, 0, "fp32") == 16 * PSI
+    assert states(PSI, 4, 1, "fp32") == pytest.approx(8 * PSI + 12 * PSI / 4, abs=3)
+    assert states(PSI, 4, 2, "fp32") == pytest.approx(4 * PSI + 16 * PSI / 4, abs=3)
+    assert states(PSI, 4, 3, "fp32") == pytest.approx(16 * PSI / 4, abs=3)
+
+
+def test_offload_moves_the_optimizer_part_to_the_host():
+    s = model_state_bytes(PSI, 3, 2, "fp16", offload_optimizer="cpu")
+    assert s["optimizer"] == 0 and s["grads"] == 0 and s["params"] == 2 * PSI  # ~2Ψ = 14 GB stays on the GPU
+    assert s["host"] == pytest.approx(16 * PSI / 3, abs=3)  # 12Ψ/N Adam + master and 4Ψ/N fp32 gradients
+    s3 = model_state_bytes(PSI, 3, 3, "fp16", offload_optimizer="cpu", offload_param="cpu")
+    assert s3["params"] == s3["grads"] == s3["optimizer"] == 0
+    assert "host RAM" in s3["formula"]
+
+
+def run(**kw):
+    base = dict(parameters=10_000_000, layers=4, hidden_size=256, kv_size=256, ffn_size=688, vocab_size=4096,
+                seq_len=128, micro_batch_size=8, ranks=2, zero_stage=2, precision="fp32", device="cpu")
+    return memory_model.RunShape(**{**base, **kw})
+
+
+def test_activations_scale_with_tokens_and_checkpointing_saves():
+    one = memory_model.activation_bytes(run(micro_batch_size=1))
+    assert memory_model.activation_bytes(run(micro_batch_size=4)) == 4 * one
+    assert memory_model.activation_bytes(run(activation_checkpointing=True)) < memory_model.activation_bytes(run())
+    assert memory_model.activation_bytes(run(precision="bf16")) < memory_model.activation_bytes(run())
+
+
+def test_cpu_ranks_share_host_ram():
+    est = estimate(run(ranks=3))
+    budget = Budget("cpu", 4 * GIB, "test", 4 * GIB, "test")
+    verdict = judge(est, run(ranks=3), budget)
+    assert verdict.need_bytes == 3 * est.per_rank and verdict.fits
+    small = Budget("cpu", GIB, "test", GIB, "test")
+    assert not judge(est, run(ranks=3), small).fits
+
+
+def default_config():
+    return yaml.safe_load((ROOT / "config.yaml").read_text())
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(memory_model, "_nvidia_smi_memory", lambda: [])
+
+
+def test_default_config_is_stopped_in_seconds_with_what_would_fit(no_gpu):
+    config = default_config()
+    started = time.perf_counter()
+    with pytest.raises(ConfigError) as error:
+        check_fits(config, TrainSettings.from_config(config["train"]), what="the main run")
+    assert time.perf_counter() - started < 2
+    message = str(error.value)
+    # DeepSeek-7B's 6.91e9 parameters: 2Ψ + 14Ψ/3 = 46.1 GB of model states per GPU
+    assert "model states alone need 46.1 GB" in message and "2Ψ + 14Ψ/N" in message
+    assert "has 24.0 GiB" in message and "benchmark.device_memory_gib" in message
+    assert "train.offload_optimizer: cpu" in message and "host RAM" in message
+    assert "train.zero_stage: 3" in message
+    assert "num_hidden_layers" in message
+    offload = next(line for line in message.splitlines() if "optimizer offload:" in line)
+    assert offload.endswith("[fits]")
+    zero3 = next(line for line in message.splitlines() if "- ZeRO-3: " in line)
+    assert zero3.endswith("[does not fit]")
+
+
+def test_guard_passes_on_big_gpus_and_with_force(monkeypatch):
+    config = default_config()
+    settings = TrainSettings.from_config(config["train"])
+    monkeypatch.setattr(memory_model, "_nvidia_smi_memory", lambda: [141 * GIB] * 3)
+    config["benchmark"]["host_memory_gib"] = 16
+    with pytest.raises(ConfigError, match="host RAM 83.2 GiB for 3 ranks, has 16.0 GiB"):
+        check_fits(config, settings)  # each rank builds the fp32 model (4Ψ) in host RAM first
+    config["benchmark"]["host_memory_gib"] = 512
+    assert check_fits(config, settings)["fits"]
+    monkeypatch.setattr(memory_model, "_nvidia_smi_memory", lambda: [])
+    config["benchmark"]["force"] = True
+    assert check_fits(config, settings)["fits"] is False  # reported, not raised
+
+
+def test_make_plan_runs_the_guard_before_anything_else(tmp_path, no_gpu):
+    config = default_config()
+    index = tmp_path / "index.json"
+    index.write_text(json.dumps({"vocab_size": 102400}))
+    with pytest.raises(ConfigError, match="pre-flight: the pretrain run is predicted not to fit"):
+        make_plan(config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "out", state_dir=tmp_path / "state")
+    fits = make_plan(config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "o", state_dir=tmp_path / "s",
+                     train_overrides={"offload_optimizer": "cpu"})
+    assert fits["preflight"]["fits"] and fits["preflight"]["estimate"]["optimizer"] == 0
+
+
+def test_tiny_config_fits_on_this_machine():
+    config = default_config()
+    tiny = yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text())
+    for key, value in tiny.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    result = check_fits(config, TrainSettings.from_config(config["train"]))
+    assert result["fits"] and result["budget"]["device"] == "cpu"
+    assert result["estimate"]["per_rank"] < 2 * GIB
+
+
+def test_fewer_layers_advice_fits_and_more_would_not(no_gpu):
+    config = default_config()
+    settings = TrainSettings.from_config(config["train"])
+    shape = memory_model.run_shape(config, settings, "cuda")
+    budget = memory_model.detect_budget("cuda", config["benchmark"])
+    layers = memory_model._max_layers(shape, budget)
+    per_layer = memory_model._per_layer_params(shape)
+
+    def fits(n):
+        smaller = replace(shape, layers=n, parameters=shape.parameters - (shape.layers - n) * per_layer)
+        return judge(estimate(smaller), smaller, budget).fits
+    assert 1 <= layers < shape.layers and fits(layers) and not fits(layers + 1)

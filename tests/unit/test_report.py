@@ -1,0 +1,180 @@
+"""The report's tables recomputed from synthetic summaries, the claims computed (never typed), the files valid."""
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+
+from pretrain_bench import claims  # noqa: E402
+from pretrain_bench.report import GIB, build_report, build_tables, fmt  # noqa: E402
+from pretrain_bench.tables import fmt_duration, spread  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def summary(ranks=1, zero=2, tokens_per_s=1000.0, mem_gib=1.0, comm=None, mfu=0.2, backend="gloo", device="cpu"):
+    return {
+        "name": "unit", "role": "bench", "world_size": ranks, "nodes": 1, "device": device, "zero_stage": zero,
+        "precision": "fp32", "comm_backend": backend, "micro_batch_size": 8, "grad_accum_steps": 1,
+        "global_batch_size": 8 * ranks, "seq_len": 128, "steps": 8, "tokens_per_step": 1024 * ranks,
+        "tokens": 8192 * ranks, "tokens_per_s": tokens_per_s,
+        "step_time_s": {"median": 1024 * ranks / tokens_per_s, "min": 0.1, "max": 2.0, "mean": 1.0},
+        "phase_time_s": {"forward": 0.1, "backward": 0.2, "optimizer": 0.05}, "steady_steps": 6,
+        "warmup_timing_steps": 2, "peak_mem_bytes": [int(mem_gib * GIB) - i * 1000 for i in range(ranks)],
+        "peak_mem_kind": "peak RSS of the rank process (getrusage)",
+        "model": {"preset": "tiny", "parameters": 2_557_632, "non_embedding_parameters": 1_771_200, "layers": 4,
+                  "hidden_size": 192, "heads": 6, "vocab_size": 4096},
+        "flops_per_token": 1.2e7, "flops_formula": "6N + 12*L*H*Q*T", "peak_flops_per_rank": 5e10,
+        "peak_flops_source": "measured: test", "mfu": mfu, "comm_fraction": comm if ranks > 1 else None,
+        "comm_method": "test comms", "loss": {"first": 8.0, "last": 6.0, "min": 5.9}, "skipped_steps": 0,
+        "oversubscribed": ranks > 2, "threads_per_rank": 1, "resumed_from_step": None, "checkpoints": [4, 8],
+        "checkpoint_dir": "x",
+        "provenance": {"git_commit": "abc123", "config_sha256": "f" * 64, "versions": {"torch": "2.13.0"},
+                       "hardware": {"device": device, "cpu_count": 2, "processor": "test"}},
+    }
+
+
+def entry(ranks, zero, backend="gloo", status="run", reason=None):
+    est = {"params": 100, "grads": 100, "optimizer": 100, "activations": 50, "buffers": 10, "runtime": 600,
+           "init": 0, "host_states": 0, "state_formula": "4Ψ + 16Ψ/N", "buffer_formula": "b",
+           "model_states": 300, "per_rank": 960}
+    return {"cell": f"ranks{ranks}-zero{zero}-fp32-{backend}", "gpus": ranks, "zero_stage": zero,
+            "precision": "fp32", "comm_backend": backend, "micro_batch_size": 8, "offload_optimizer": "none",
+            "status": status, "reason": reason, "forced": False, "estimate": est if status == "run" else None,
+            "time_estimate": {"min_step_time_s": 0.01, "min_cell_time_s": 0.08} if status == "run" else None}
+
+
+MATRIX = {
+    "device": "cpu", "steps": 8, "warmup_steps": 2, "repeats": 2, "force": False, "allow_concurrent": False,
+    "budget": {"device": "cpu", "device_bytes": 16 * GIB, "device_source": "test", "host_bytes": 16 * GIB,
+               "host_source": "test", "gpu_count": None},
+    "peak": {"device": "cpu", "peak_flops": 1.5e11, "peak_source": "measured: test", "hardware": {"cpu_count": 2}},
+    "cells": [entry(1, 2), entry(2, 2), entry(3, 2), entry(1, 1),
+              entry(2, 2, "nccl", "unsupported", "comm_backend nccl needs CUDA GPUs"),
+              entry(3, 1, "gloo", "predicted_oom", "predicted OOM: needs 40.0 GiB (3 ranks × 13.3 GiB), has 16.0 GiB")],
+}
+RUNS = {
+    "ranks1-zero2-fp32-gloo": [summary(1, tokens_per_s=1000, mem_gib=0.8), summary(1, tokens_per_s=1100, mem_gib=0.9)],
+    "ranks2-zero2-fp32-gloo": [summary(2, tokens_per_s=1500, comm=0.3), summary(2, tokens_per_s=1700, comm=0.4)],
+    "ranks3-zero2-fp32-gloo": [summary(3, tokens_per_s=1800, comm=0.5), summary(3, tokens_per_s=2000, comm=0.45)],
+    "ranks1-zero1-fp32-gloo": [summary(1, zero=1, tokens_per_s=900), summary(1, zero=1, tokens_per_s=950)],
+}
+
+
+def test_seeds_table_equals_a_recomputation():
+    tables = build_tables(summary(3), [], 1e12, MATRIX, RUNS)
+    rows = {r["cell"]: r for r in tables["scaling"]}
+    assert set(rows) == set(RUNS)
+    base = statistics.median([1000, 1100])
+    for ranks, tps in ((2, [1500, 1700]), (3, [1800, 2000])):
+        row = rows[f"ranks{ranks}-zero2-fp32-gloo"]
+        med = statistics.median(tps)
+        assert row["tokens_per_s"] == f"{fmt(med, 0)} ({fmt(min(tps), 0)}–{fmt(max(tps), 0)})"
+        assert row["speedup"] == f"{fmt(med / base, 2)}×"
+        assert row["efficiency_pct"] == fmt(med / base / ranks * 100, 0)
+        assert row["epoch"] == fmt_duration(1e12 / med)
+        mem = [max(s["peak_mem_bytes"]) for s in RUNS[row["cell"]]]
+        assert row["mem_gib"] == spread(mem, 2, 1 / GIB)
+    assert rows["ranks1-zero1-fp32-gloo"]["speedup"] == "1.00×"  # its own baseline: a separate series
+    assert rows["ranks3-zero2-fp32-gloo"]["oversubscribed"] == "yes"
+
+
+def test_matrix_memory_communication_and_mfu_tables():
+    tables = build_tables(summary(3), [], 1e12, MATRIX, RUNS)
+    status = {r["cell"]: r for r in tables["matrix"]}
+    assert status["ranks2-zero2-fp32-nccl"]["status"] == "left out: not supported here"
+    assert status["ranks3-zero1-fp32-gloo"]["status"] == "predicted OOM"
+    assert status["ranks3-zero1-fp32-gloo"]["reason"].startswith("predicted OOM: needs 40.0 GiB")
+    assert status["ranks3-zero1-fp32-gloo"]["repeats"] == "0"
+    memory = {r["cell"]: r for r in tables["memory"]}
+    # CPU: peak RSS counts everything, so the prediction compared is the whole per-rank figure
+    assert memory["ranks2-zero2-fp32-gloo"]["predicted_gib"] == fmt(960 / GIB, 3)
+    comm = {r["cell"]: r for r in tables["communication"]}
+    assert "ranks1-zero2-fp32-gloo" not in comm
+    assert comm["ranks3-zero2-fp32-gloo"]["comm_pct"] == f"{fmt(47.5)} ({fmt(45.0)}–{fmt(50.0)})"
+    assert tables["backends"] == []  # no cell ran with both backends
+    mfu = {r["cell"]: r for r in tables["mfu"]}
+    assert mfu["ranks2-zero2-fp32-gloo"]["mfu_pct"] == f"{fmt(20.0, 2)} ({fmt(20.0, 2)}–{fmt(20.0, 2)})"
+    prov = tables["provenance"]["bench"]
+    assert prov["files"] == 8 and prov["git_commit"] == "abc123" and prov["oversubscribed"] == "2 of 8 runs"
+
+
+def test_claims_are_computed_from_the_claims_data(monkeypatch):
+    rows = build_tables(summary(3), [], 1e12, MATRIX, RUNS)["claims"]
+    by_claim = {r["claim"]: r for r in rows}
+    one = by_claim["1 GPU: throughput and memory"]
+    assert fmt(claims.CLAIMS["one_gpu"]["tokens_per_s"]) in one["claimed"]
+    assert "memory impossible without offload" in one["verdict"]
+    assert "below what ZeRO-2 can reach" in by_claim["3 GPUs, ZeRO-2: memory per GPU"]["verdict"]
+    assert "not testable" in by_claim["NCCL vs Gloo"]["verdict"]
+    assert "impossible as described" in by_claim["8 × RTX 4090 D, DDP, 70B"]["verdict"]
+    # change a claimed figure: the row follows, so nothing is typed into the report by hand
+    monkeypatch.setitem(claims.CLAIMS, "one_gpu", {**claims.CLAIMS["one_gpu"], "tokens_per_s": 4321})
+    again = {r["claim"]: r for r in build_tables(summary(3), [], 1e12, MATRIX, RUNS)["claims"]}
+    assert "4,321 tokens/s" in again["1 GPU: throughput and memory"]["claimed"]
+
+
+def test_templates_type_no_claimed_figure():
+    text = "".join(p.read_text() for p in (ROOT / "workflow_scripts/pretrain_bench/templates").glob("*.j2"))
+    for figure in ("1,200", "1200", "3,400", "3400", "2.8", "22 GB", "18 GB", "30%", "14 days", "3,584"):
+        assert figure not in text
+
+
+def test_report_files_render_from_json(tmp_path):
+    main = summary(3)
+    (tmp_path / "summary.json").write_text(json.dumps(main))
+    metrics = [{"step": s, "loss": 8 - s * 0.1, "tokens_per_s": 900 + s, "step_time_s": 1.0,
+                "after_resume": False} for s in range(1, 9)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    evals = []
+    for step in (4, 8):
+        path = tmp_path / f"step{step}.json"
+        path.write_text(json.dumps({"step": step, "train_tokens": step * 3072, "loss": 7.0 - step / 10,
+                                    "perplexity": 900.0 / step, "bits_per_byte": 3.0 - step / 100, "tokens": 4096,
+                                    "eval_tokens_per_s": 5000.0, "generations": [
+                                        {"prompt": "def f(x):\n", "mode": "greedy", "text": "return x | 1\n"},
+                                        {"prompt": "def f(x):\n", "mode": "sampled", "text": "<b>pass</b>"}]}))
+        evals.append(path)
+    (tmp_path / "matrix.json").write_text(json.dumps(MATRIX))
+    bench = []
+    for cell, runs in RUNS.items():
+        for rep, run in enumerate(runs, start=1):
+            path = tmp_path / "bench" / cell / f"rep{rep}" / "summary.json"
+            path.parent.mkdir(parents=True)
+            path.write_text(json.dumps(run))
+            bench.append(path)
+    out = tmp_path / "report"
+    tables = build_report(tmp_path / "summary.json", tmp_path / "metrics.jsonl", evals, out / "report.md",
+                          out / "report.html", out / "plots", target_corpus_tokens=1e12,
+                          matrix_path=tmp_path / "matrix.json", bench_paths=bench)
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    for row in tables["scaling"]:
+        assert f"| {row['tokens_per_s']} | {row['speedup']} | {row['efficiency_pct']} |" in md
+        assert f"<td>{row['tokens_per_s']}</td><td>{row['speedup']}</td>" in html
+    assert "predicted OOM: needs 40.0 GiB" in md and "predicted OOM: needs 40.0 GiB" in html
+    assert "return x \\| 1<br>" in md  # a pipe in a generation does not break the Markdown table
+    assert "&lt;b&gt;pass&lt;/b&gt;" in html and "<b>pass</b>" not in html
+    assert "extrapolated" in md and "predicted" in md and "Oversubscribed" in md
+    assert md.count("Provenance:") >= 6
+    for name in ("throughput", "loss", "eval", "scaling", "memory", "communication"):
+        assert (out / "plots" / f"{name}.png").read_bytes()[:8] == PNG
+        assert f"](plots/{name}.png)" in md
+    assert html.count("data:image/png;base64,") == 6
+    assert not re.search(r"""(src|href)=["'](?!data:)""", html), "the HTML loads nothing from outside"
+
+
+def test_no_benchmark_cell_still_renders(tmp_path):
+    tables = build_tables(summary(3), [], 1e12, {**MATRIX, "cells": [MATRIX["cells"][-1]]}, {})
+    assert tables["scaling"] == [] and tables["memory"] == [] and tables["provenance"]["bench"] is None
+    assert {r["claim"] for r in tables["claims"]} >= {"NCCL vs Gloo", "time per epoch"}
+
+
+@pytest.mark.parametrize("seconds,text", [(90, "1.5 min"), (7200, "2.0 h"), (86400 * 5, "5.0 days"),
+                                          (86400 * 365.25 * 26, "26.0 years")])
+def test_durations_read_naturally(seconds, text):
+    assert fmt_duration(seconds) == text

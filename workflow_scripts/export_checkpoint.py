@@ -1,0 +1,21 @@
+"""Snakemake adapter: export one committed DeepSpeed checkpoint as an HF model folder (rule export_checkpoint)."""
+import json
+import sys
+from pathlib import Path
+
+
+def main(plan_path, step, out_dir, dtype, threads):
+    import torch
+
+    from pretrain_bench.export import export_checkpoint
+
+    torch.set_num_threads(max(1, threads))
+    plan = json.loads(Path(plan_path).read_text())
+    info = export_checkpoint(plan, int(step), Path(out_dir), dtype=dtype)
+    print(json.dumps(info, indent=2), file=sys.stderr)
+
+
+if "snakemake" in globals():
+    sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
+    main(snakemake.input.plan, snakemake.wildcards.step, snakemake.output[0],  # noqa: F821
+         snakemake.params.dtype, snakemake.threads)  # noqa: F821

@@ -1,0 +1,398 @@
+"""Pre-flight memory model: will a run fit, and if not, what would?
+
+Per rank (GPU, or the host for a CPU run) a run needs
+    model states (ZeRO paper)  + activations (estimate)  + DeepSpeed buffers  + runtime overhead,
+and, while the model is built, the whole unpartitioned model (train.py builds it without `deepspeed.zero.Init`).
+Every term carries its formula so the report can print it beside what was measured. Pure Python: the Snakefile
+calls this at DAG time (no torch import) and `plan.make_plan` calls it before a run allocates anything.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass, replace
+
+from .model import count_parameters, resolve_shape
+from .settings import ConfigError, TrainSettings
+
+GIB = 1024**3
+GB = 10**9
+
+# Bytes a rank holds beyond tensors the model accounts for. CPU: peak RSS of an idle rank (interpreter, torch,
+# DeepSpeed, transformers, gloo) measured at ~0.45-0.65 GiB on Linux. CUDA: the CUDA context and allocator slack,
+# which torch.cuda.max_memory_allocated does not count but the device must still hold.
+RUNTIME_BYTES = {"cpu": int(0.6 * GIB), "cuda": int(1.0 * GIB)}
+# Host RAM of a CUDA rank process (CUDA libraries, pinned staging) besides the offloaded states.
+CUDA_RANK_HOST_BYTES = int(2.0 * GIB)
+# DeepSpeed's default reduce_bucket_size (elements): ZeRO-1/2 keep one gradient bucket of this size, two with
+# overlap_comm (on for CUDA in settings.deepspeed_config). CUDA allocates it whole; on CPU only the pages the
+# gradients touch become resident, so the bucket counts as min(bucket, Ψ).
+REDUCE_BUCKET_ELEMENTS = 500_000_000
+PREFETCH_BUCKET_ELEMENTS = 50_000_000  # ZeRO-3 stage3_prefetch_bucket_size default
+FALLBACK_DEVICE_MEMORY_GIB = 24.0  # the articles' RTX 4090, used when no GPU can be detected
+
+STATE_FORMULAS = {
+    # ZeRO paper (Rajbhandari et al. 2020, §3.1 and Fig. 1): mixed-precision Adam holds 2Ψ (16-bit params) +
+    # 2Ψ (16-bit grads) + KΨ with K = 12 (fp32 master params, momentum, variance).
+    "mixed": {0: "16Ψ (2Ψ params + 2Ψ grads + 12Ψ Adam/master)", 1: "4Ψ + 12Ψ/N", 2: "2Ψ + 14Ψ/N",
+              3: "16Ψ/N"},
+    # fp32 (derived for DeepSpeed): stage 0 is plain AdamW, 4Ψ params + 4Ψ grads + 8Ψ momentum/variance; ZeRO-1/2
+    # also clone an fp32 "master" copy of their partition (stage_1_and_2.py, single_partition_of_fp32_groups), so
+    # K = 12 again; ZeRO-3 updates its fp32 partition in place (no copy), K = 8.
+    "fp32": {0: "16Ψ (4Ψ params + 4Ψ grads + 8Ψ Adam)", 1: "8Ψ + 12Ψ/N", 2: "4Ψ + 16Ψ/N", 3: "16Ψ/N"},
+}
+ACTIVATION_FORMULA = (
+    "tokens × [L × (b·(6H + 2H_kv + 4F) + 4·2H) + V·(b + 8)] bytes, tokens = micro batch × seq_len, b = bytes per "
+    "activation (2 for fp16/bf16, 4 for fp32): per layer the RMSNorm inputs and fp32 copies, Q/K/V, attention "
+    "output (SDPA, no s² scores kept), SwiGLU gate/up/act/product; logits plus their fp32 copy and log-softmax "
+    "(adapted from Korthikanti et al. 2022 to LLaMA blocks without dropout); with activation checkpointing "
+    "L × b·H layer inputs + one layer recomputed"
+)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the memory model needs to know about one run."""
+
+    parameters: int  # Ψ, all trainable parameters
+    layers: int  # L
+    hidden_size: int  # H
+    kv_size: int  # H_kv = key/value heads × head dim
+    ffn_size: int  # F, SwiGLU intermediate width
+    vocab_size: int  # V
+    seq_len: int
+    micro_batch_size: int
+    ranks: int  # N, data-parallel ranks (gpus × nodes)
+    zero_stage: int
+    precision: str  # fp16 | bf16 | fp32
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    activation_checkpointing: bool = False
+    device: str = "cuda"  # cuda | cpu
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted bytes per rank (device memory; host RAM for a CPU run) and per rank on the host."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    runtime: int
+    init: int  # the whole model on the device while it is built and before ZeRO partitions it
+    host_states: int  # offloaded states per rank (host RAM)
+    state_formula: str
+    buffer_formula: str
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def per_rank(self) -> int:
+        """Peak bytes one rank needs on its device."""
+        return max(self.model_states + self.activations + self.buffers, self.init) + self.runtime
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "model_states": self.model_states, "per_rank": self.per_rank}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Memory this machine offers: per GPU (cuda) and host RAM; for a CPU run the host is the device."""
+
+    device: str
+    device_bytes: int  # per GPU; for cpu the host RAM shared by all ranks
+    device_source: str
+    host_bytes: int | None  # None: unknown (planning for GPUs this machine does not have)
+    host_source: str
+    gpu_count: int | None = None  # None: not detected
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    fits: bool
+    need_bytes: int  # per GPU (cuda) or all ranks together (cpu)
+    have_bytes: int
+    host_need_bytes: int
+    host_fits: bool
+    text: str
+
+
+def model_state_bytes(psi: int, ranks: int, stage: int, precision: str, offload_optimizer: str = "none",
+                      offload_param: str = "none") -> dict:
+    """Bytes per rank of parameters, gradients and optimizer states, and the part offloaded to the host."""
+    n = ranks
+    if precision == "fp32":
+        param_b, grad_b, opt_b = 4, 4, (8 if stage in (0, 3) else 12)
+    else:
+        param_b, grad_b, opt_b = 2, 2, 12
+    params = param_b * psi / n if stage == 3 else param_b * psi
+    grads = grad_b * psi / n if stage >= 2 else grad_b * psi
+    optimizer = opt_b * psi / n if stage >= 1 else opt_b * psi
+    host = 0.0
+    if offload_optimizer == "cpu" and stage >= 1:
+        # ZeRO-Offload: optimizer states (and, from stage 2, the fp32 gradient partition) live in host RAM.
+        host += optimizer
+        optimizer = 0.0
+        if stage >= 2:
+            host += 4 * psi / n
+            grads = 0.0
+    if offload_param == "cpu" and stage == 3:
+        host += params
+        params = 0.0
+    formula = STATE_FORMULAS["fp32" if precision == "fp32" else "mixed"][stage]
+    if offload_optimizer == "cpu" and stage >= 1:
+        formula += " with the optimizer part in host RAM"
+    if offload_param == "cpu" and stage == 3:
+        formula += " and the parameters in host RAM"
+    return {"params": int(params), "grads": int(grads), "optimizer": int(optimizer), "host": int(host),
+            "formula": formula}
+
+
+def activation_bytes(run: RunShape) -> int:
+    """Activation memory of one micro-batch on one rank (see ACTIVATION_FORMULA)."""
+    b = 4 if run.precision == "fp32" else 2
+    tokens = run.micro_batch_size * run.seq_len
+    h, kv, f = run.hidden_size, run.kv_size, run.ffn_size
+    per_layer = b * (6 * h + 2 * kv + 4 * f) + 4 * 2 * h
+    logits = run.vocab_size * (b + 8) if b == 2 else run.vocab_size * 8  # fp32 logits need no .float() copy
+    if run.activation_checkpointing:
+        layers = run.layers * b * h + per_layer
+    else:
+        layers = run.layers * per_layer
+    return int(tokens * (layers + logits + 3 * b * h))  # + embedding output and final norm
+
+
+def buffer_bytes(run: RunShape) -> tuple[int, str]:
+    """DeepSpeed's gradient / prefetch buckets at their default sizes."""
+    grad_b = 4 if run.precision == "fp32" else 2
+    psi = run.parameters
+    if run.zero_stage == 3:
+        elements = REDUCE_BUCKET_ELEMENTS + PREFETCH_BUCKET_ELEMENTS
+        if run.device == "cpu":
+            elements = min(elements, psi)
+        return elements * grad_b, "ZeRO-3 reduce + prefetch buckets (5e8 + 5e7 elements)"
+    copies = 2 if (run.device == "cuda" and run.zero_stage >= 1) else 1
+    elements = REDUCE_BUCKET_ELEMENTS if run.device == "cuda" else min(REDUCE_BUCKET_ELEMENTS, psi)
+    if run.zero_stage == 0:
+        elements = min(REDUCE_BUCKET_ELEMENTS, psi)
+    label = "gradient bucket" + (" × 2 (overlap_comm)" if copies == 2 else "")
+    return copies * elements * grad_b, f"{label}, reduce_bucket_size 5e8 elements"
+
+
+def estimate(run: RunShape) -> Estimate:
+    states = model_state_bytes(run.parameters, run.ranks, run.zero_stage, run.precision, run.offload_optimizer,
+                               run.offload_param)
+    buffers, buffer_formula = buffer_bytes(run)
+    # The model is built in fp32 on the host and cast before DeepSpeed moves it to the device whole.
+    init = (4 if run.precision == "fp32" else 2) * run.parameters
+    if run.device == "cpu":
+        init = 4 * run.parameters  # the fp32 model exists in RAM before the cast
+    return Estimate(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
+                    activations=activation_bytes(run), buffers=buffers, runtime=RUNTIME_BYTES[run.device],
+                    init=init, host_states=states["host"], state_formula=states["formula"],
+                    buffer_formula=buffer_formula)
+
+
+def judge(est: Estimate, run: RunShape, budget: Budget) -> Verdict:
+    """Does the estimate fit the budget? On CUDA per GPU (and host RAM for all ranks); on CPU all ranks share RAM."""
+    n = run.ranks
+    if run.device == "cpu":
+        need = n * (est.per_rank + est.host_states)
+        fits = need <= budget.host_bytes
+        text = (f"needs {gib(need)} GiB ({n} rank{'s' * (n > 1)} × {gib(est.per_rank + est.host_states)} GiB), "
+                f"has {gib(budget.host_bytes)} GiB host RAM")
+        return Verdict(fits, need, budget.host_bytes, need, fits, text)
+    # Host RAM while each rank builds its fp32 model, or afterwards with offloaded states.
+    host_need = n * (max(4 * run.parameters, est.host_states) + CUDA_RANK_HOST_BYTES)
+    host_fits = budget.host_bytes is None or host_need <= budget.host_bytes
+    fits = est.per_rank <= budget.device_bytes and host_fits
+    text = f"needs {gib(est.per_rank)} GiB per GPU, has {gib(budget.device_bytes)} GiB"
+    if budget.host_bytes is None:
+        if est.host_states:
+            text += f"; host RAM {gib(host_need)} GiB for {n} ranks (not checked: {budget.host_source})"
+    elif not host_fits or est.host_states:
+        text += f"; host RAM {gib(host_need)} GiB for {n} ranks, has {gib(budget.host_bytes)} GiB"
+    return Verdict(fits, est.per_rank, budget.device_bytes, host_need, host_fits, text)
+
+
+def gib(value: float) -> str:
+    return f"{value / GIB:,.1f}"
+
+
+# ---- from the config -------------------------------------------------------------------------------------------
+
+def config_vocab_size(config: dict) -> int:
+    """The vocabulary the model will have, known before the tokenizer exists (the trained BPE's vocab_size)."""
+    return int((config.get("tokenizer") or {}).get("vocab_size") or 32000)
+
+
+def run_shape(config: dict, settings: TrainSettings, device: str, vocab_size: int | None = None) -> RunShape:
+    shape = resolve_shape(config["model"]["preset"], (config["model"].get("overrides") or {}),
+                          vocab_size or config_vocab_size(config))
+    counts = count_parameters(shape)
+    head_dim = shape.hidden_size // shape.num_attention_heads
+    return RunShape(parameters=counts["total"], layers=shape.num_hidden_layers, hidden_size=shape.hidden_size,
+                    kv_size=shape.num_key_value_heads * head_dim, ffn_size=shape.intermediate_size,
+                    vocab_size=shape.vocab_size, seq_len=config["model"].get("seq_len", 128),
+                    micro_batch_size=settings.micro_batch_size, ranks=settings.world_size,
+                    zero_stage=settings.zero_stage, precision=settings.precision,
+                    offload_optimizer=settings.offload_optimizer, offload_param=settings.offload_param,
+                    activation_checkpointing=settings.activation_checkpointing, device=device)
+
+
+def resolve_device_cheaply(requested: str) -> str:
+    """cuda|cpu without importing torch unless a GPU driver is present (DAG time must stay fast)."""
+    if requested != "auto":
+        return requested
+    if _nvidia_smi_memory():
+        return "cuda"
+    if shutil.which("nvidia-smi") is None and os.path.exists("/dev/nvidiactl"):
+        from .devices import cuda_device_count
+
+        return "cuda" if cuda_device_count() else "cpu"
+    return "cpu"
+
+
+def _nvidia_smi_memory() -> list[int]:
+    """Total memory in bytes of each visible GPU, from nvidia-smi ([] when there is none or no nvidia-smi)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    sizes = [int(float(line.strip())) * 1024**2 for line in out.splitlines() if line.strip()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() and all(p.strip().isdigit() for p in visible.split(",")):
+        sizes = [sizes[int(i)] for i in visible.split(",") if int(i) < len(sizes)]
+    return sizes
+
+
+def host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def detect_budget(device: str, bench: dict | None = None) -> Budget:
+    """Memory of this machine: nvidia-smi per GPU, physical RAM; config values where detection is impossible."""
+    bench = bench or {}
+    host_override = bench.get("host_memory_gib")
+    if host_override:
+        host, host_source = int(host_override * GIB), "benchmark.host_memory_gib in the config"
+    else:
+        host, host_source = host_memory_bytes(), "physical RAM of this machine"
+    if device == "cpu":
+        return Budget("cpu", host, host_source, host, host_source, None)
+    sizes = _nvidia_smi_memory()
+    if sizes:
+        return Budget("cuda", min(sizes), f"nvidia-smi: smallest of {len(sizes)} GPU(s)", host, host_source,
+                      len(sizes))
+    fallback = bench.get("device_memory_gib") or FALLBACK_DEVICE_MEMORY_GIB
+    if not host_override:  # this machine is not the one with the GPUs: its RAM says nothing about theirs
+        host, host_source = None, "no GPU here, set benchmark.host_memory_gib to check the GPU machine's RAM"
+    return Budget("cuda", int(fallback * GIB), "benchmark.device_memory_gib, no GPU detected on this machine",
+                  host, host_source, None)
+
+
+# ---- what would fit ----------------------------------------------------------------------------------------------
+
+def alternatives(run: RunShape, budget: Budget, max_gpus: int = 1024) -> list[dict]:
+    """Settings that change what a run needs, each with its prediction; those that fit first."""
+    options = []
+
+    def consider(label: str, changed: RunShape, settings_text: str):
+        est = estimate(changed)
+        verdict = judge(est, changed, budget)
+        options.append({"label": label, "settings": settings_text, "fits": verdict.fits, "text": verdict.text,
+                        "host_need_bytes": verdict.host_need_bytes, "per_rank_bytes": est.per_rank})
+
+    offload_stage = max(run.zero_stage, 2)
+    if run.offload_optimizer != "cpu":
+        consider("optimizer offload", replace(run, zero_stage=offload_stage, offload_optimizer="cpu"),
+                 f"train.offload_optimizer: cpu" + ("" if run.zero_stage >= 2 else ", train.zero_stage: 2"))
+    if run.zero_stage != 3:
+        consider("ZeRO-3", replace(run, zero_stage=3), "train.zero_stage: 3")
+    if run.zero_stage != 3 or run.offload_param != "cpu":
+        consider("ZeRO-3 with optimizer and parameter offload",
+                 replace(run, zero_stage=3, offload_optimizer="cpu", offload_param="cpu"),
+                 "train.zero_stage: 3, train.offload_optimizer: cpu, train.offload_param: cpu")
+    if not run.activation_checkpointing:
+        consider("activation checkpointing", replace(run, activation_checkpointing=True),
+                 "train.activation_checkpointing: true")
+    layers = _max_layers(run, budget)
+    if layers and layers < run.layers:
+        per_layer = _per_layer_params(run)
+        smaller = replace(run, layers=layers, parameters=run.parameters - (run.layers - layers) * per_layer)
+        consider(f"fewer layers ({layers} of {run.layers})", smaller,
+                 f"model.overrides: {{num_hidden_layers: {layers}}} ({smaller.parameters / 1e9:,.2f}e9 parameters)")
+    if run.device == "cuda":
+        for gpus in range(run.ranks + 1, max_gpus + 1):
+            more = replace(run, ranks=gpus, zero_stage=3)
+            if judge(estimate(more), more, budget).fits:
+                consider(f"ZeRO-3 on {gpus} GPUs", more, f"train.zero_stage: 3, train.gpus × nodes = {gpus}")
+                break
+    return sorted(options, key=lambda o: not o["fits"])
+
+
+def _per_layer_params(run: RunShape) -> int:
+    h, kv, f = run.hidden_size, run.kv_size, run.ffn_size
+    return 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+
+
+def _max_layers(run: RunShape, budget: Budget) -> int:
+    per_layer = _per_layer_params(run)
+    best = 0
+    for layers in range(1, run.layers + 1):
+        smaller = replace(run, layers=layers, parameters=run.parameters - (run.layers - layers) * per_layer)
+        if judge(estimate(smaller), smaller, budget).fits:
+            best = layers
+        else:
+            break
+    return best
+
+
+def explain(run: RunShape, est: Estimate, verdict: Verdict, budget: Budget, what: str) -> str:
+    """The pre-flight message: the figures, then what would fit."""
+    where = "per GPU" if run.device == "cuda" else "per rank"
+    lines = [
+        f"pre-flight: {what} is predicted not to fit: {verdict.text} ({budget.device_source}).",
+        f"  model states alone need {est.model_states / GB:,.1f} GB ({gib(est.model_states)} GiB) {where} "
+        f"for Ψ = {run.parameters / 1e9:,.2f}e9 parameters, ZeRO-{run.zero_stage}, {run.precision}, N = {run.ranks} "
+        f"(ZeRO paper: {est.state_formula});",
+        f"  plus activations ~{gib(est.activations)} GiB (micro batch {run.micro_batch_size} × seq_len "
+        f"{run.seq_len}), buffers {gib(est.buffers)} GiB ({est.buffer_formula}), runtime {gib(est.runtime)} GiB.",
+        "What would fit:",
+    ]
+    options = alternatives(run, budget)
+    for option in options:
+        mark = "fits" if option["fits"] else "does not fit"
+        lines.append(f"  - {option['label']}: {option['settings']} → {option['text']} [{mark}]")
+    if not any(o["fits"] for o in options):
+        lines.append("  (none of the single changes above is enough on this machine)")
+    lines.append("Set benchmark.force: true to launch anyway.")
+    return "\n".join(lines)
+
+
+def check_fits(config: dict, settings: TrainSettings, vocab_size: int | None = None,
+               what: str = "the training run") -> dict:
+    """Raise ConfigError with the figures and what would fit when the run is predicted not to fit."""
+    bench = config.get("benchmark") or {}
+    device = resolve_device_cheaply(settings.device)
+    run = run_shape(config, settings, device, vocab_size)
+    budget = detect_budget(device, bench)
+    est = estimate(run)
+    verdict = judge(est, run, budget)
+    if not verdict.fits and not bench.get("force", False):
+        raise ConfigError(explain(run, est, verdict, budget, what))
+    return {"estimate": est.as_dict(), "budget": budget.as_dict(), "fits": verdict.fits, "text": verdict.text}

@@ -1,0 +1,40 @@
+"""The machine's peak FLOP/s, measured once per run name (rule measure_peak) for the report and time estimates.
+
+CUDA: the datasheet figure for a known GPU (16-bit tensor cores, fp32 accumulate) and a measured bf16 matmul on
+one GPU. CPU: a matmul measured on all cores at once in one process (the ceiling every CPU cell shares).
+Each run's own MFU still uses the peak its summary.json names; this file is the reference beside it.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+
+def measure_hardware_peak(requested_device: str, precision: str) -> dict:
+    import torch
+
+    from .devices import hardware_description, resolve_device
+    from .flops import gpu_table_peak, measure_matmul_peak
+
+    device = resolve_device(requested_device)
+    started = time.perf_counter()
+    result: dict = {"device": device, "hardware": hardware_description(device)}
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        measured = measure_matmul_peak("bf16", size=8192, repeats=20, device="cuda")
+        table = gpu_table_peak(name, "bf16")
+        result.update(measured_flops=measured, measured_method=f"best of 20 bf16 8192² matmuls on one {name}",
+                      table_flops=table[0] if table else None, table_source=table[1] if table else None)
+        result["peak_flops"], result["peak_source"] = (table if table else
+                                                       (measured, "measured: " + result["measured_method"]))
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(cores)
+        dtype = "fp32" if precision == "fp32" else "bf16"
+        measured = max(measure_matmul_peak(dtype, size=size, repeats=8) for size in (512, 1024, 2048))
+        method = f"best {dtype} square matmul (512², 1024², 2048²; 8 repeats each) in one process on {cores} cores"
+        result.update(measured_flops=measured, measured_method=method, table_flops=None, table_source=None,
+                      peak_flops=measured, peak_source="measured: " + method)
+    result["precision"] = precision
+    result["seconds"] = time.perf_counter() - started
+    return result

@@ -1,0 +1,266 @@
+"""The report's tables, computed only from a run's JSON files (summary.json, matrix.json, eval/*.json).
+
+Every function here is pure (dicts in, rows of formatted strings out) so a test can recompute any table from the
+same files and compare it with the rendered report. One number format (`fmt`) serves every table.
+"""
+from __future__ import annotations
+
+import statistics
+
+GIB = 1024**3
+
+
+def fmt(value, digits: int = 1) -> str:
+    """One number format for every table, so tests can reproduce the strings."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:,.{digits}f}"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    if seconds < 3600:
+        return f"{seconds / 60:,.1f} min"
+    if seconds < 86400 * 2:
+        return f"{seconds / 3600:,.1f} h"
+    if seconds < 86400 * 730:
+        return f"{seconds / 86400:,.1f} days"
+    return f"{seconds / (86400 * 365.25):,.1f} years"
+
+
+def spread(values: list[float], digits: int = 1, scale: float = 1.0) -> str:
+    """'median (min–max)' over repeats; just the value when there is one."""
+    values = [v * scale for v in values if v is not None]
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return fmt(values[0], digits)
+    return f"{fmt(statistics.median(values), digits)} ({fmt(min(values), digits)}–{fmt(max(values), digits)})"
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+# ---- the main run ------------------------------------------------------------------------------------------------
+
+def main_run_tables(summary: dict, evals: list[dict], target_corpus_tokens: float) -> dict:
+    """The main (pretrain) run: its throughput row, held-out evaluation rows and epoch extrapolation."""
+    step = summary["step_time_s"]
+    throughput = [{
+        "ranks": str(summary["world_size"]),
+        "device": summary["device"],
+        "zero_stage": str(summary["zero_stage"]),
+        "precision": summary["precision"],
+        "comm_backend": summary["comm_backend"],
+        "global_batch": fmt(summary["global_batch_size"]),
+        "tokens_per_s": fmt(summary["tokens_per_s"]),
+        "step_time": f"{fmt(step['median'], 3)} ({fmt(step['min'], 3)}–{fmt(step['max'], 3)})",
+        "peak_mem_gib": " / ".join(fmt(b / GIB, 2) for b in summary["peak_mem_bytes"]),
+        "mfu_pct": fmt(summary["mfu"] * 100 if summary["mfu"] is not None else None, 2),
+        "comm_pct": fmt(summary["comm_fraction"] * 100 if summary["comm_fraction"] is not None else None, 1),
+    }]
+    epoch_s = target_corpus_tokens / summary["tokens_per_s"] if summary["tokens_per_s"] else None
+    evaluation = [{
+        "step": fmt(e["step"]),
+        "train_tokens": fmt(e.get("train_tokens")),
+        "loss": fmt(e["loss"], 4),
+        "perplexity": fmt(e["perplexity"], 2),
+        "bits_per_byte": fmt(e["bits_per_byte"], 4),
+        "eval_tokens": fmt(e["tokens"]),
+        "eval_tokens_per_s": fmt(e.get("eval_tokens_per_s"), 0),
+    } for e in sorted(evals, key=lambda e: e["step"])]
+    generations = [{
+        "step": fmt(e["step"]), "prompt": g["prompt"], "mode": g["mode"], "text": g["text"],
+    } for e in sorted(evals, key=lambda e: e["step"]) for g in e.get("generations") or []]
+    return {
+        "throughput": throughput,
+        "evaluation": evaluation,
+        "generations": generations,
+        "epoch": {"target_tokens": fmt(float(target_corpus_tokens), 0), "seconds": epoch_s,
+                  "text": fmt_duration(epoch_s)},
+    }
+
+
+# ---- benchmark cells ---------------------------------------------------------------------------------------------
+
+def cell_stats(runs: list[dict]) -> dict:
+    """Figures of one cell over its repeats (raw numbers; the worst rank's peak memory per repeat)."""
+    def field(key):
+        return [r.get(key) for r in runs]
+    return {
+        "repeats": len(runs),
+        "tokens_per_s": field("tokens_per_s"),
+        "step_time_s": [r["step_time_s"]["median"] for r in runs],
+        "mem_bytes": [max(r["peak_mem_bytes"]) for r in runs],
+        "mfu": field("mfu"),
+        "comm_fraction": field("comm_fraction"),
+        "peak_flops_per_rank": field("peak_flops_per_rank"),
+        "oversubscribed": any(r.get("oversubscribed") for r in runs),
+        "global_batch_size": runs[0]["global_batch_size"],
+        "tokens_per_step": runs[0]["tokens_per_step"],
+    }
+
+
+def group_key(entry: dict) -> tuple:
+    """Cells that differ only in their rank count form one scaling series."""
+    return (entry["zero_stage"], entry["precision"], entry["comm_backend"], entry["micro_batch_size"],
+            entry["offload_optimizer"])
+
+
+def group_label(entry: dict) -> str:
+    label = f"ZeRO-{entry['zero_stage']}, {entry['precision']}, {entry['comm_backend']}"
+    label += f", micro batch {entry['micro_batch_size']}"
+    if entry["offload_optimizer"] != "none":
+        label += ", optimizer offload"
+    return label
+
+
+def scaling_rows(matrix: dict, runs_by_cell: dict[str, list[dict]], target_corpus_tokens: float) -> list[dict]:
+    """The seeds' table: per series, 1 vs N ranks — tokens/s, speedup, efficiency, memory, time per epoch."""
+    entries = [e for e in matrix["cells"] if runs_by_cell.get(e["cell"])]
+    rows = []
+    for key in sorted({group_key(e) for e in entries}, key=str):
+        series = sorted((e for e in entries if group_key(e) == key), key=lambda e: e["gpus"])
+        base = next((e for e in series if e["gpus"] == 1), None)
+        base_tps = median(cell_stats(runs_by_cell[base["cell"]])["tokens_per_s"]) if base else None
+        for entry in series:
+            stats = cell_stats(runs_by_cell[entry["cell"]])
+            tps = median(stats["tokens_per_s"])
+            speedup = tps / base_tps if base_tps and tps else None
+            rows.append({
+                "series": group_label(entry), "cell": entry["cell"], "ranks": str(entry["gpus"]),
+                "global_batch": fmt(stats["global_batch_size"]), "repeats": str(stats["repeats"]),
+                "tokens_per_s": spread(stats["tokens_per_s"], 0),
+                "speedup": f"{fmt(speedup, 2)}×" if speedup else "n/a",
+                "efficiency_pct": fmt(speedup / entry["gpus"] * 100, 0) if speedup else "n/a",
+                "mem_gib": spread(stats["mem_bytes"], 2, 1 / GIB),
+                "epoch": fmt_duration(target_corpus_tokens / tps) if tps else "n/a",
+                "oversubscribed": "yes" if stats["oversubscribed"] else "no",
+                "_tps": stats["tokens_per_s"], "_speedup": speedup, "_gpus": entry["gpus"],
+            })
+    return rows
+
+
+def measurable_prediction(estimate: dict, device: str) -> int:
+    """The part of the predicted peak that the run's own measurement counts.
+
+    CUDA: torch.cuda.max_memory_allocated leaves out the CUDA context (runtime). CPU: peak RSS holds everything,
+    offloaded states included.
+    """
+    if device == "cuda":
+        return estimate["per_rank"] - estimate["runtime"]
+    return estimate["per_rank"] + estimate["host_states"]
+
+
+def memory_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]:
+    """Per cell: measured peak per rank against the memory model's prediction, by ZeRO stage."""
+    rows = []
+    entries = [e for e in matrix["cells"] if runs_by_cell.get(e["cell"]) and e.get("estimate")]
+    for entry in sorted(entries, key=lambda e: (e["gpus"], e["zero_stage"], e["cell"])):
+        est = entry["estimate"]
+        stats = cell_stats(runs_by_cell[entry["cell"]])
+        predicted = measurable_prediction(est, matrix["device"])
+        measured = median(stats["mem_bytes"])
+        rows.append({
+            "cell": entry["cell"], "zero_stage": str(entry["zero_stage"]), "ranks": str(entry["gpus"]),
+            "precision": entry["precision"], "measured_gib": spread(stats["mem_bytes"], 3, 1 / GIB),
+            "predicted_gib": fmt(predicted / GIB, 3),
+            "states_gib": fmt(est["model_states"] / GIB, 3), "activations_gib": fmt(est["activations"] / GIB, 3),
+            "other_gib": fmt((predicted - est["model_states"] - est["activations"]) / GIB, 3),
+            "ratio": fmt(measured / predicted, 2) if predicted else "n/a",
+            "formula": est["state_formula"],
+            "_measured": measured, "_predicted": predicted, "_states": est["model_states"],
+        })
+    return rows
+
+
+def communication_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]:
+    """Communication share of step time per multi-rank cell."""
+    rows = []
+    for entry in matrix["cells"]:
+        runs = runs_by_cell.get(entry["cell"])
+        if not runs or entry["gpus"] < 2:
+            continue
+        stats = cell_stats(runs)
+        rows.append({"cell": entry["cell"], "ranks": str(entry["gpus"]), "comm_backend": entry["comm_backend"],
+                     "comm_pct": spread(stats["comm_fraction"], 1, 100),
+                     "_comm": median(stats["comm_fraction"])})
+    return rows
+
+
+def backend_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]:
+    """NCCL against Gloo for cells that ran with both and are otherwise equal."""
+    by_key = {}
+    for entry in matrix["cells"]:
+        if runs_by_cell.get(entry["cell"]):
+            key = (entry["gpus"], entry["zero_stage"], entry["precision"], entry["micro_batch_size"],
+                   entry["offload_optimizer"])
+            by_key.setdefault(key, {})[entry["comm_backend"]] = entry
+    rows = []
+    for key, pair in sorted(by_key.items()):
+        if {"nccl", "gloo"} <= set(pair):
+            nccl = median(cell_stats(runs_by_cell[pair["nccl"]["cell"]])["tokens_per_s"])
+            gloo = median(cell_stats(runs_by_cell[pair["gloo"]["cell"]])["tokens_per_s"])
+            rows.append({"ranks": str(key[0]), "zero_stage": str(key[1]), "precision": key[2],
+                         "nccl_tokens_per_s": fmt(nccl, 0), "gloo_tokens_per_s": fmt(gloo, 0),
+                         "nccl_faster_pct": fmt((nccl / gloo - 1) * 100, 1),
+                         "_ratio": nccl / gloo})
+    return rows
+
+
+def mfu_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]:
+    rows = []
+    for entry in matrix["cells"]:
+        runs = runs_by_cell.get(entry["cell"])
+        if not runs:
+            continue
+        stats = cell_stats(runs)
+        rows.append({"cell": entry["cell"], "ranks": str(entry["gpus"]), "mfu_pct": spread(stats["mfu"], 2, 100),
+                     "peak_tflops": spread(stats["peak_flops_per_rank"], 3, 1e-12),
+                     "peak_source": runs[0].get("peak_flops_source", "n/a"),
+                     "flops_per_token": fmt(runs[0].get("flops_per_token"), 0)})
+    return rows
+
+
+STATUS_LABELS = {"run": "ran", "unsupported": "left out: not supported here", "predicted_oom": "predicted OOM"}
+
+
+def matrix_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]:
+    """Every declared cell: what happened to it, the pre-flight prediction and the time estimate."""
+    rows = []
+    for entry in matrix["cells"]:
+        runs = runs_by_cell.get(entry["cell"]) or []
+        est = entry.get("estimate")
+        estimate = entry.get("time_estimate")
+        measured_step = median([r["step_time_s"]["median"] for r in runs]) if runs else None
+        status = STATUS_LABELS[entry["status"]] + (" (forced)" if entry.get("forced") else "")
+        rows.append({
+            "cell": entry["cell"], "status": status, "reason": entry.get("reason") or "",
+            "predicted_gib": fmt(est["per_rank"] / GIB, 2) if est else "n/a",
+            "min_step_s": fmt(estimate["min_step_time_s"], 4) if estimate else "n/a",
+            "measured_step_s": fmt(measured_step, 3),
+            "repeats": str(len(runs)),
+        })
+    return rows
+
+
+def provenance(summaries: list[dict]) -> dict:
+    """Where a table's numbers came from: one line per distinct value, never silently merged."""
+    def distinct(values):
+        return sorted({str(v) for v in values})
+    hardware = [s["provenance"]["hardware"] for s in summaries]
+    versions = [s["provenance"]["versions"] for s in summaries]
+    return {
+        "files": len(summaries),
+        "git_commit": ", ".join(distinct(s["provenance"]["git_commit"] for s in summaries)) or "n/a",
+        "config_sha256": ", ".join(distinct(s["provenance"]["config_sha256"] for s in summaries)) or "n/a",
+        "versions": " | ".join(distinct(", ".join(f"{k} {v}" for k, v in sorted(ver.items())) for ver in versions)),
+        "hardware": " | ".join(distinct(
+            ", ".join(f"{k}={v}" for k, v in sorted(h.items()) if k != "threads_per_rank") for h in hardware)),
+        "oversubscribed": f"{sum(bool(s.get('oversubscribed')) for s in summaries)} of {len(summaries)} runs",
+    }

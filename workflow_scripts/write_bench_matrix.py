@@ -1,0 +1,22 @@
+"""Snakemake adapter: write the benchmark matrix decided at DAG time, with time estimates (rule bench_matrix)."""
+import json
+import sys
+from pathlib import Path
+
+
+def main(config, matrix, peak_path, out_path):
+    from pretrain_bench.bench_matrix import time_estimate
+
+    peak = json.loads(Path(peak_path).read_text())
+    matrix = {**matrix, "peak": peak, "cells": [
+        {**entry, "time_estimate": time_estimate(entry, config, peak, matrix["steps"])} for entry in matrix["cells"]
+    ]}
+    Path(out_path).write_text(json.dumps(matrix, indent=2))
+    for entry in matrix["cells"]:
+        print(f"{entry['cell']}: {entry['status']}" + (f" ({entry['reason']})" if entry["reason"] else ""),
+              file=sys.stderr)
+
+
+if "snakemake" in globals():
+    sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
+    main(snakemake.config, snakemake.params.matrix, snakemake.input.peak, snakemake.output.matrix)  # noqa: F821
