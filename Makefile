@@ -35,6 +35,12 @@ test-unit: $(STAMP)
 test-integration: $(STAMP)
 	$(BIN)/python -m pytest tests/integration -q
 
+# A throw-away SLURM cluster on this machine (installs Debian's slurm-wlm + munge when missing, as root), the tiny
+# pipeline through profiles/slurm on it, one and two nodes; and two hand-launched "nodes" without a scheduler.
+.PHONY: test-slurm
+test-slurm: $(STAMP)
+	$(BIN)/python -m pytest tests/integration/test_slurm.py tests/integration/test_multinode.py -q
+
 lint: $(STAMP)
 	$(BIN)/snakemake --lint --cores 1 $(TINY)
 	$(BIN)/snakemake --lint --cores 1
@@ -47,6 +53,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_corpus.py bench-results/corpus.json
 	$(BIN)/python bench/bench_tokens.py bench-results/tokens.json
 	$(BIN)/python bench/bench_dag.py bench-results/dag.json
+	$(BIN)/python bench/bench_trainer.py bench-results/trainer.json
 
 clean:
 	rm -rf results logs benchmarks .snakemake bench-results

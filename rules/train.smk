@@ -1,6 +1,12 @@
-# Pretraining: resolve the config into a plan, then launch DeepSpeed on resources.gpu ranks.
+# Pretraining: resolve the config into a plan, then launch DeepSpeed on train.gpus ranks on each of train.nodes nodes.
 # Resumable state (checkpoints, the live metrics.jsonl) lives in results/{name}/state/, outside the declared
 # outputs, because Snakemake deletes a failed job's outputs; a rerun resumes from the newest complete checkpoint.
+
+
+# A multi-node run under SLURM (profiles/slurm) is one allocation of train.nodes nodes, one task and train.gpus
+# GPUs on each (`gres` counts per node, `gpu` the whole job). `mpi` stops the executor from wrapping the job in a
+# one-node srun step: the launcher itself starts one torchrun agent per node with srun.
+PRETRAIN_MULTI_NODE = {"mpi": "srun", "tasks": TRAIN.nodes, "gres": f"gpu:{TRAIN.gpus}"} if TRAIN.nodes > 1 else {}
 
 
 rule plan_pretrain:
@@ -36,8 +42,14 @@ rule pretrain:
         "../envs/pretrain.yaml"
     threads: workflow.cores
     resources:
-        gpu=TRAIN.gpus,
+        # GPUs the job holds on all its nodes: what `--resources gpu=N` counts locally (rank slots, on CPU too) and
+        # what the SLURM executor asks for as --gpus (a cluster without GPUs sets it to 0, see README).
+        gpu=TRAIN.gpus * TRAIN.nodes,
+        nodes=TRAIN.nodes,
+        tasks_per_gpu=0,  # SLURM: no --ntasks-per-gpu, which the executor would otherwise derive from `tasks`
+        **PRETRAIN_MULTI_NODE,
     params:
         launcher=LAUNCHER,
+        ranks_per_node=TRAIN.gpus,
     shell:
-        "python {params.launcher} --ranks {resources.gpu} --plan {input.plan} > {log} 2>&1"
+        "python {params.launcher} --ranks {params.ranks_per_node} --plan {input.plan} > {log} 2>&1"

@@ -6,10 +6,13 @@ without accounting, cgroups or task binding.
   slurmd processes on 127.0.0.N under other names: Debian's SLURM needs distinct node host names, not machines.
 - Every node advertises `cpus` CPUs and `gpus` `gpu` generic resources backed by empty files: jobs that ask for
   GPUs (`--gpus`, `--gres=gpu:N`) are scheduled exactly as on a GPU cluster, while their ranks run on the CPU.
+- The client commands are wrapped (in <folder>/bin, first on cluster.env's PATH) to always read this cluster's
+  slurm.conf: Snakemake's SLURM job step strips SLURM_CONF with the other SLURM_* variables before it calls srun,
+  so inside jobs only the default /etc/slurm/slurm.conf would be found, which a real cluster has and this one not.
 - Job status comes from squeue only (AccountingStorageType=accounting_storage/none, no slurmdbd); finished jobs stay
   visible to squeue and `scontrol show job` for MinJobAge seconds.
 
-By hand:  python tests/integration/slurm_cluster.py [--nodes 2] DIR   (prints the SLURM_CONF to export; Ctrl-C stops)
+By hand:  python tests/integration/slurm_cluster.py [--nodes 2] [DIR]   (prints the SLURM_CONF to export; Ctrl-C stops)
 """
 from __future__ import annotations
 
@@ -19,10 +22,12 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
+CLIENTS = ("sbatch", "srun", "salloc", "squeue", "scontrol", "scancel", "sinfo", "sacct")
+BINARIES = ("munged", "slurmctld", "slurmd", *CLIENTS)
 PACKAGES = ("slurm-wlm", "munge")
 
 
@@ -64,26 +69,30 @@ def first_node_name() -> str:
 class SlurmCluster:
     """`with SlurmCluster(folder, nodes=2) as cluster:` — cluster.env has SLURM_CONF for sbatch/squeue/srun."""
 
-    def __init__(self, folder: Path, *, nodes: int = 1, cpus: int = 2, gpus: int = 3, mem_mb: int = 16000,
-                 min_job_age_s: int = 900):
-        self.folder = Path(folder).resolve()
+    def __init__(self, folder: Path | None = None, *, nodes: int = 1, cpus: int = 2, gpus: int = 3,
+                 mem_mb: int = 16000, min_job_age_s: int = 900):
+        # A short path of its own by default: munge's socket path must fit a sockaddr_un (108 bytes) and its folder
+        # must be traversable by everyone, which pytest's private tmp folders are not.
+        self.folder = Path(folder or tempfile.mkdtemp(prefix="pretrain-bench-slurm-")).resolve()
         first = first_node_name()
         self.nodes = [first] + [f"{first}-n{i}" for i in range(2, nodes + 1)]
         self.cpus, self.gpus, self.mem_mb, self.min_job_age_s = cpus, gpus, mem_mb, min_job_age_s
         self.conf = self.folder / "slurm.conf"
-        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+        self.bin = self.folder / "bin"
+        self.env = dict(os.environ, SLURM_CONF=str(self.conf), PATH=f"{self.bin}{os.pathsep}{os.environ['PATH']}")
         self.daemons: list[tuple[str, subprocess.Popen]] = []
 
     # 1) configuration
     def write_config(self) -> None:
         f = self.folder
-        for sub in ("state", "spool", "logs"):
+        for sub in ("state", "logs", "bin", *(f"spool/{node}" for node in self.nodes)):
             (f / sub).mkdir(parents=True, exist_ok=True)
-        # munged refuses a socket in a folder others cannot traverse
-        for folder in (f, *f.parents):
-            if folder == Path("/") or folder.stat().st_mode & 0o005 == 0o005:
-                break
-            folder.chmod(folder.stat().st_mode | 0o005)
+        for name in CLIENTS:
+            if shutil.which(name):
+                wrapper = self.bin / name
+                wrapper.write_text(f'#!/bin/sh\nSLURM_CONF={self.conf} exec {shutil.which(name)} "$@"\n')
+                wrapper.chmod(0o755)
+        f.chmod(0o755)  # munged refuses a socket in a folder others cannot traverse
         key = f / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
@@ -210,7 +219,7 @@ class SlurmCluster:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("folder", type=Path)
+    parser.add_argument("folder", type=Path, nargs="?", default=None)
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--cpus", type=int, default=2)
     args = parser.parse_args()

@@ -132,6 +132,15 @@ def test_resume_refuses_other_world_size_or_config(data, tmp_path):
     assert run(plan, 3, tmp_path / "c.log") != 0
     assert "belongs to a different configuration (train changed)" in (tmp_path / "c.log").read_text()
     assert committed_steps(run_dir / "state" / "checkpoints") == [4]
+    # with train.allow_reshape: converted through a universal checkpoint and resumed at world size 2
+    plan = plan_for(data, run_dir, max_steps=8, gpus=2, global_batch_size=None, allow_reshape=True)
+    assert run(plan, 2, tmp_path / "d.log") == 0, (tmp_path / "d.log").read_text()[-3000:]
+    summary = json.loads((run_dir / "out" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["resumed_from_step"] == 4
+    assert "saved at world size 3, now 2" in (tmp_path / "d.log").read_text()
+    assert (run_dir / "state" / "checkpoints" / "step4-universal" / "zero").is_dir()
+    resumed = losses(run_dir)
+    assert len(resumed) == 8 and resumed[4] < resumed[0], "training continued from the trained weights"
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_nonzero(data, tmp_path):

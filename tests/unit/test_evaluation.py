@@ -89,6 +89,21 @@ def test_export_loads_with_auto_classes_and_reproduces_the_logits(run):
     assert info["checkpoint"] == str(run["root"] / "checkpoints" / "step7")
 
 
+def test_export_of_an_untied_model_keeps_its_own_head(run, tmp_path):
+    shape = ModelShape(1, 32, 2, 2, 64, 512, tie_word_embeddings=False)
+    model = build_model(shape, SEQ_LEN, seed=1).eval()
+    (tmp_path / "checkpoints" / "step3").mkdir(parents=True)
+    torch.save({"module": model.state_dict()}, tmp_path / "checkpoints" / "step3" / "mp_rank_00_model_states.pt")
+    ckpt.write_marker(tmp_path / "checkpoints", 3, {"tokens": 1})
+    export_hf(tmp_path / "checkpoints", 3, shape, SEQ_LEN, run["root"] / "tokenizer", tmp_path / "export")
+    exported, _ = load_export(tmp_path / "export", "cpu", "fp32")
+    assert torch.equal(exported.lm_head.weight, model.lm_head.weight)
+    assert exported.lm_head.weight.data_ptr() != exported.model.embed_tokens.weight.data_ptr()
+    ids = torch.arange(3, 40)[None]  # (1, 37)
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
 def test_export_in_bf16_stores_bf16_weights(run, tmp_path):
     from safetensors import safe_open
 
@@ -116,7 +131,8 @@ def test_missing_or_incomplete_checkpoints_fail_naming_their_path(run, tmp_path)
     (root / "step7" / "marker.bak").rename(root / "step7" / ckpt.MARKER)
     # committed, but a ZeRO rank's shard is damaged (a partial copy): DeepSpeed's error, with the folder named
     (root / "step7" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"truncated")
-    with pytest.raises(ckpt.CheckpointError, match=re.escape(f"checkpoint {root / 'step7'} is incomplete or unreadable")):
+    unreadable = re.escape(f"checkpoint {root / 'step7'} is incomplete or unreadable")
+    with pytest.raises(ckpt.CheckpointError, match=unreadable):
         export_hf(root, STEP, **export)
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
 

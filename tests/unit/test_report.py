@@ -56,7 +56,8 @@ MATRIX = {
     "peak": {"device": "cpu", "peak_flops": 1.5e11, "peak_source": "measured: test", "hardware": {"cpu_count": 2}},
     "cells": [entry(1, 2), entry(2, 2), entry(3, 2), entry(1, 1),
               entry(2, 2, "nccl", "unsupported", "comm_backend nccl needs CUDA GPUs"),
-              entry(3, 1, "gloo", "predicted_oom", "predicted OOM: needs 40.0 GiB (3 ranks × 13.3 GiB), has 16.0 GiB")],
+              entry(3, 1, "gloo", "predicted_oom",
+                    "predicted OOM: needs 40.0 GiB (3 ranks × 13.3 GiB), has 16.0 GiB")],
 }
 RUNS = {
     "ranks1-zero2-fp32-gloo": [summary(1, tokens_per_s=1000, mem_gib=0.8), summary(1, tokens_per_s=1100, mem_gib=0.9)],
@@ -157,7 +158,7 @@ def test_report_files_render_from_json(tmp_path):
         assert f"| {row['tokens_per_s']} | {row['speedup']} | {row['efficiency_pct']} |" in md
         assert f"<td>{row['tokens_per_s']}</td><td>{row['speedup']}</td>" in html
     assert "predicted OOM: needs 40.0 GiB" in md and "predicted OOM: needs 40.0 GiB" in html
-    assert "return x \\| 1<br>" in md  # a pipe in a generation does not break the Markdown table
+    assert "` return x \\| 1⏎ `" in md  # a pipe or a line break in a generation does not break the table
     assert "&lt;b&gt;pass&lt;/b&gt;" in html and "<b>pass</b>" not in html
     assert "extrapolated" in md and "predicted" in md and "Oversubscribed" in md
     assert md.count("Provenance:") >= 6

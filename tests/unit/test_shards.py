@@ -158,3 +158,12 @@ def test_large_vocabulary_writes_uint32(tmp_path):
     assert stream.max() > 65_535  # high ids survived, not wrapped
     loaded, info = load_tokenizer(tmp_path / "tok")
     assert [loaded.decode(ids[:-1]) for ids in split_documents(stream, info["eos_id"])] == texts
+
+
+def test_failed_shard_leaves_no_files(tokenizer_dir, tmp_path):
+    corpus = write_jsonl(tmp_path / "train.jsonl", TEXTS[:3])
+    with open(corpus, "a") as f:
+        f.write("not json\n")
+    with pytest.raises(ValueError, match=r"train\.jsonl: line at byte \d+ is not a JSON object"):
+        shard_split(corpus, tokenizer_dir, tmp_path, "train", 1, batch_bytes=100)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["train.jsonl"]

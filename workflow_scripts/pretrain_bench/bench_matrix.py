@@ -22,7 +22,7 @@ DEFAULTS = {"steps": 30, "warmup_steps": 10, "repeats": 3, "allow_concurrent": F
 class BenchSettings:
     """The `benchmark:` block of the config."""
 
-    matrix: dict  # axis -> list of values (gpus, zero_stage, precision, comm_backend[, micro_batch_size, offload_optimizer])
+    matrix: dict  # axis -> list of values, for every axis in AXES
     steps: int  # optimizer steps per launch
     warmup_steps: int  # steps left out of the timing (train.warmup_timing_steps of a cell)
     repeats: int  # launches per cell

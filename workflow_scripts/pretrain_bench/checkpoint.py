@@ -64,6 +64,7 @@ def prune(root: Path, keep: int | None, protect: set[int] = frozenset()) -> list
         # Remove the marker first: a crash during rmtree leaves an incomplete (ignored) folder, not a broken one.
         (folder / MARKER).unlink()
         shutil.rmtree(folder)
+        shutil.rmtree(Path(root) / f"{tag_for(step)}-universal", ignore_errors=True)
     return doomed
 
 
@@ -83,3 +84,33 @@ def load_fp32_state_dict(root: Path, step: int) -> dict:
             raise CheckpointError(f"checkpoint {folder} has no mp_rank_00_model_states.pt")
         state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
     return {k: v.float() for k, v in state.items()}
+
+
+def universal_tag(root: Path, step: int, rank: int) -> str:
+    """Tag of a universal (world-size-independent) copy of checkpoint `step`, made once by rank 0.
+
+    DeepSpeed's ds_to_universal merges the ZeRO partitions into per-parameter files that any world size can load
+    (with `checkpoint.load_universal` in the DeepSpeed config). The copy is written to a temporary folder and
+    renamed when complete; the original checkpoint is never modified.
+    """
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    tag = f"{tag_for(step)}-universal"
+    target = Path(root) / tag
+    if rank == 0 and not (target / "zero").is_dir():
+        tmp = Path(root) / f"{tag}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        result = subprocess.run(
+            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+             str(Path(root) / tag_for(step)), "--output_folder", str(tmp), "--inject_missing_state",
+             "--num_extract_workers", "1", "--num_merge_workers", "1"],
+            capture_output=True, text=True)
+        if result.returncode:
+            raise CheckpointError(f"converting {Path(root) / tag_for(step)} to a universal checkpoint failed:\n"
+                                  f"{result.stderr[-2000:]}")
+        os.replace(tmp, target)
+    dist.barrier()
+    return tag

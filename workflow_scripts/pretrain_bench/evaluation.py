@@ -11,7 +11,19 @@ tokenizers each token's decoded text is counted, which can be off by a byte at w
 (`bits_per_byte_exact` says which).
 
 Continuations: for each prompt a greedy one and a sampled one (temperature, top-k, torch seeded with
-`generation.seed` before each prompt, so each sample is reproducible on its own).
+`generation.seed` before each prompt, so a prompt's sample does not depend on its place in the list; with a weak
+model the samples of different prompts can therefore look alike).
+
+eval/step<N>.json (one per checkpoint; the report reads it):
+  loss, perplexity, bits_per_byte   mean nats per target token, exp(loss), nats / ln 2 / UTF-8 bytes
+  tokens, bytes, samples            target tokens and the bytes they stand for; val samples evaluated
+  eval_tokens_per_s, eval_time_s    forward + loss throughput and time (after one untimed warm-up batch)
+  step, train_tokens, checkpoint    which checkpoint (train_tokens from its commit marker), its folder
+  split ("val"), bits_per_byte_exact, seq_len, batch_size, sample_selection ("evenly spaced")
+  device ("cpu" | "cuda:<id>"), precision, hardware (devices.hardware_description), export (the HF folder)
+  generation                        {max_new_tokens, temperature, top_k, seed}
+  generations                       [{prompt, mode: "greedy" | "sampled", text, new_tokens, stopped_at_eos}],
+                                    prompts in config order, greedy before sampled; text excludes the prompt
 """
 from __future__ import annotations
 

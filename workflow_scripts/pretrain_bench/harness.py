@@ -12,6 +12,11 @@ local HF datasets cache.
 
 lm-eval runs its `hf` model type on the export folder with `max_length` = the trained seq_len: the LLaMA config
 allows 2048 positions, but the model never saw more than seq_len, and lm-eval would otherwise fill 2048.
+
+lm_eval/step<N>.json: step, train_tokens, checkpoint, export; tasks {task: {metric: value, metric_stderr: value}}
+(lm-eval's "acc,none" keys without the ",none" filter suffix); samples {task: examples evaluated}; limit,
+max_length, batch_size, device, precision, bootstrap_iters, eval_time_s, lm_eval_version, task_versions; and
+lm_eval_results, lm-eval's own results dict unchanged.
 """
 from __future__ import annotations
 

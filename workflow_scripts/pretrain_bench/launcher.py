@@ -75,13 +75,19 @@ def torchrun_command(script: Path, script_args: list[str], *, ranks: int, nodes:
     return cmd + [str(script), *script_args]
 
 
+def _scontrol(*args: str) -> str:
+    try:
+        return subprocess.run(["scontrol", *args], check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        raise ValueError(f"scontrol {' '.join(args)} failed: {str(detail).strip()}") from error
+
+
 def slurm_job(job_id: str) -> dict[str, str]:
     """`scontrol show job` as key → value. Read from slurmctld because Snakemake's SLURM job step strips most
     SLURM_* variables (the node list among them) from the environment it runs the rule in."""
-    out = subprocess.run(["scontrol", "show", "job", "--oneliner", job_id], check=True, capture_output=True,
-                         text=True).stdout
     fields: dict[str, str] = {}
-    for token in out.split():
+    for token in _scontrol("show", "job", "--oneliner", job_id).split():
         key, sep, value = token.partition("=")
         if sep:
             fields.setdefault(key, value)
@@ -90,8 +96,7 @@ def slurm_job(job_id: str) -> dict[str, str]:
 
 def slurm_hostnames(nodelist: str) -> list[str]:
     """A SLURM node list ('gpu[01-03]') expanded into host names, in allocation order."""
-    return subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True,
-                          text=True).stdout.split()
+    return _scontrol("show", "hostnames", nodelist).split()
 
 
 def free_port() -> int:

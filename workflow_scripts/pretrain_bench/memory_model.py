@@ -43,11 +43,11 @@ STATE_FORMULAS = {
     "fp32": {0: "16Ψ (4Ψ params + 4Ψ grads + 8Ψ Adam)", 1: "8Ψ + 12Ψ/N", 2: "4Ψ + 16Ψ/N", 3: "16Ψ/N"},
 }
 ACTIVATION_FORMULA = (
-    "tokens × [L × (b·(6H + 2H_kv + 4F) + 4·2H) + V·(b + 8)] bytes, tokens = micro batch × seq_len, b = bytes per "
-    "activation (2 for fp16/bf16, 4 for fp32): per layer the RMSNorm inputs and fp32 copies, Q/K/V, attention "
-    "output (SDPA, no s² scores kept), SwiGLU gate/up/act/product; logits plus their fp32 copy and log-softmax "
-    "(adapted from Korthikanti et al. 2022 to LLaMA blocks without dropout); with activation checkpointing "
-    "L × b·H layer inputs + one layer recomputed"
+    "tokens × [L × (b·(6H + 2H_kv + 4F) + 4·2H) + V·(b + 8)] bytes, tokens = micro batch × seq_len, "
+    "b = bytes per activation (2 for fp16/bf16, 4 for fp32, where the logits need no fp32 copy: V·8): per layer "
+    "the RMSNorm inputs and fp32 copies, Q/K/V, attention output (SDPA keeps no s² scores), SwiGLU "
+    "gate/up/act/product; logits plus their fp32 copy and log-softmax (adapted from Korthikanti et al. 2022 to "
+    "LLaMA blocks without dropout); with activation checkpointing L × b·H layer inputs + one layer recomputed"
 )
 
 
@@ -217,9 +217,9 @@ def judge(est: Estimate, run: RunShape, budget: Budget) -> Verdict:
     text = f"needs {gib(est.per_rank)} GiB per GPU, has {gib(budget.device_bytes)} GiB"
     if budget.host_bytes is None:
         if est.host_states:
-            text += f"; host RAM {gib(host_need)} GiB for {n} ranks (not checked: {budget.host_source})"
+            text += f"; host RAM {gib(host_need)} GiB for {n} rank{'s' * (n > 1)} (not checked: {budget.host_source})"
     elif not host_fits or est.host_states:
-        text += f"; host RAM {gib(host_need)} GiB for {n} ranks, has {gib(budget.host_bytes)} GiB"
+        text += f"; host RAM {gib(host_need)} GiB for {n} rank{'s' * (n > 1)}, has {gib(budget.host_bytes)} GiB"
     return Verdict(fits, est.per_rank, budget.device_bytes, host_need, host_fits, text)
 
 

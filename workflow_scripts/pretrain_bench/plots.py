@@ -62,6 +62,8 @@ def throughput_plot(records: list[dict], warmup_steps: int, checkpoints: list[in
 def eval_plot(evals: list[dict], path: Path) -> Path:
     """Held-out loss, perplexity and bits per byte against steps (top) and training tokens (bottom)."""
     plt = _pyplot()
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
     ev = sorted(evals, key=lambda e: e["step"])
     fig, axes = plt.subplots(2, 3, figsize=(11, 6))
     metrics = [("loss", "loss (nats/token)"), ("perplexity", "perplexity"), ("bits_per_byte", "bits per byte")]
@@ -70,6 +72,8 @@ def eval_plot(evals: list[dict], path: Path) -> Path:
             ax = axes[row][column]
             ax.plot([e.get(x_key) or 0 for e in ev], [e[key] for e in ev], "o-", color=f"C{column}")
             ax.set(xlabel=x_label, ylabel=label)
+            ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+            ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))
             if key == "perplexity":
                 ax.set_yscale("log")
     fig.suptitle("Held-out evaluation of each kept checkpoint")
@@ -115,21 +119,29 @@ def memory_plot(rows: list[dict], device: str, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(11, 4))
     gib = 1024**3
     x = list(range(len(rows)))
-    ax.bar([i - 0.2 for i in x], [r["_measured"] / gib for r in rows], width=0.4, label="measured (median)")
-    ax.bar([i + 0.2 for i in x], [r["_predicted"] / gib for r in rows], width=0.4, label="predicted", alpha=0.7)
-    ax.bar([i + 0.2 for i in x], [r["_states"] / gib for r in rows], width=0.4, fill=False, hatch="//",
-           label="of which model states (ZeRO formula)")
+    states = [r["_states"] / gib for r in rows]
+    activations = [r["_activations"] / gib for r in rows]
+    other = [(r["_predicted"] - r["_states"] - r["_activations"]) / gib for r in rows]
+    ax.bar([i - 0.2 for i in x], [r["_measured"] / gib for r in rows], width=0.4, color="C0",
+           label="measured (worst rank, median)")
+    right = [i + 0.2 for i in x]
+    ax.bar(right, states, width=0.4, color="C1", hatch="//", edgecolor="white", label="predicted: model states")
+    ax.bar(right, activations, width=0.4, bottom=states, color="C2", label="predicted: activations")
+    ax.bar(right, other, width=0.4, bottom=[a + b for a, b in zip(states, activations)], color="C7",
+           label="predicted: buffers + runtime")
+    top = max([r["_measured"] for r in rows] + [r["_predicted"] for r in rows]) / gib
+    ax.set_ylim(0, top * 1.35)
     ax.set_xticks(x)
     ax.set_xticklabels([f"ZeRO-{r['zero_stage']}\n{r['ranks']} rank(s)\n{r['precision']}" for r in rows], fontsize=8)
     kind = "allocator peak" if device == "cuda" else "peak RSS"
     ax.set(ylabel=f"GiB per rank ({kind})", title="Memory per rank by ZeRO stage: measured vs predicted")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, ncol=4, loc="upper center")
     return _save(fig, path)
 
 
 def communication_plot(rows: list[dict], path: Path) -> Path:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(11, 3.5))
+    fig, ax = plt.subplots(figsize=(11, 3))
     values = [(r["_comm"] or 0) * 100 for r in rows]
     ax.bar(range(len(rows)), values, color="C4")
     ax.set_xticks(range(len(rows)))

@@ -16,8 +16,8 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from . import plots as plotting
 from .claims import CLAIMS, SETUP, check_claims
-from .tables import (GIB, backend_rows, communication_rows, fmt, fmt_duration, main_run_tables, matrix_rows,
-                     memory_rows, mfu_rows, provenance, scaling_rows)
+from .tables import (GIB, backend_rows, communication_rows, fmt, fmt_duration, headline, main_run_tables,
+                     matrix_rows, memory_rows, mfu_rows, provenance, scaling_rows)
 
 __all__ = ["GIB", "fmt", "fmt_duration", "build_tables", "load_bench", "build_report"]
 
@@ -48,7 +48,7 @@ def build_tables(summary: dict, evals: list[dict], target_corpus_tokens: float, 
     bench_summaries = [s for runs in runs_by_cell.values() for s in runs]
     tables.update(
         matrix=matrix_rows(matrix, runs_by_cell), scaling=scaling, memory=memory, communication=comms,
-        backends=backends, mfu=mfu_rows(matrix, runs_by_cell),
+        backends=backends, mfu=mfu_rows(matrix, runs_by_cell), headline=headline(matrix, scaling, backends),
         claims=check_claims(scaling, memory, backends, comms, target_corpus_tokens, matrix["device"]),
         provenance={"main": provenance([summary]), "bench": provenance(bench_summaries) if bench_summaries else None},
     )
@@ -62,8 +62,15 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def _cell(text) -> str:
-    """A Markdown table cell: pipes escaped, line breaks kept visible."""
-    return str(text).replace("|", "\\|").replace("\r", "").replace("\n", "<br>")
+    """A Markdown table cell: pipes escaped, line breaks shown as ⏎."""
+    return str(text).replace("|", "\\|").replace("\r", "").replace("\n", "⏎")
+
+
+def _code(text) -> str:
+    """Verbatim text in a Markdown table cell (a code span; ⏎ marks line breaks)."""
+    text = _cell(text)
+    fence = "``" if "`" in text else "`"
+    return f"{fence} {text} {fence}"  # CommonMark drops one padding space on each side
 
 
 def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path], out_md: Path, out_html: Path,
@@ -80,8 +87,8 @@ def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path],
     plot_dir.mkdir(parents=True, exist_ok=True)
     device = (matrix or {}).get("device", summary["device"])
     paths = {
-        "throughput": plotting.throughput_plot(records, summary["warmup_timing_steps"], summary.get("checkpoints") or [],
-                                               plot_dir / "throughput.png"),
+        "throughput": plotting.throughput_plot(records, summary["warmup_timing_steps"],
+                                               summary.get("checkpoints") or [], plot_dir / "throughput.png"),
         "loss": plotting.loss_plot(records, evals, plot_dir / "loss.png"),
     }
     if evals:
@@ -98,6 +105,7 @@ def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path],
     env = Environment(loader=FileSystemLoader(Path(__file__).parent / "templates"), undefined=StrictUndefined,
                       autoescape=False, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
     env.filters["cell"] = _cell
+    env.filters["code"] = _code
     bench = [s for runs in runs_by_cell.values() for s in runs]
     context = {
         "summary": summary, "tables": tables, "fmt": fmt, "plots": plots, "matrix": matrix,

@@ -60,8 +60,8 @@ def _text_batches(texts, batch_bytes: int):
 
 def _encoded_batches(texts, encode_batch, batch_bytes: int):
     """(batch, encodings) pairs in order. The encoder releases the GIL, so a worker thread encodes batch n + 1
-    while the caller writes batch n and this generator reads batch n + 2: reading and writing cost no wall time
-    beyond the encoding (bench/bench_tokens.py). At most two batches are in flight."""
+    while the caller writes batch n and this generator reads batch n + 2: reading and writing overlap the
+    encoding instead of adding to it (bench/bench_tokens.py). At most two batches are in flight."""
     with ThreadPoolExecutor(max_workers=1) as encoder:
         pending = None
         for batch in _text_batches(texts, batch_bytes):
@@ -89,17 +89,22 @@ def encode_shard(corpus_jsonl: Path, tokenizer_dir: Path, out_bin: Path, out_jso
     digest, tokens, documents, text_bytes = hashlib.sha256(), 0, 0, 0
     out_bin.parent.mkdir(parents=True, exist_ok=True)
     tmp_bin = out_bin.with_name(f"{out_bin.name}.tmp-{os.getpid()}")
-    with open(tmp_bin, "wb") as f:
-        for batch, encodings in _encoded_batches(iter_texts(corpus_jsonl, start, stop), encode_batch, batch_bytes):
-            # numpy raises OverflowError rather than wrap should an id not fit the dtype
-            pieces = [piece for encoding in encodings for piece in (np.array(encoding.ids, dtype=dtype), eos)]
-            ids = np.concatenate(pieces)  # (tokens in batch,)
-            f.write(memoryview(ids))
-            digest.update(memoryview(ids))
-            tokens += ids.size
-            documents += len(batch)
-            text_bytes += sum(len(text.encode("utf-8", "surrogatepass")) for text in batch)
-    os.replace(tmp_bin, out_bin)
+    try:
+        with open(tmp_bin, "wb") as f:
+            texts = iter_texts(corpus_jsonl, start, stop)
+            for batch, encodings in _encoded_batches(texts, encode_batch, batch_bytes):
+                # numpy raises OverflowError rather than wrap should an id not fit the dtype
+                pieces = [piece for encoding in encodings for piece in (np.array(encoding.ids, dtype=dtype), eos)]
+                ids = np.concatenate(pieces)  # (tokens in batch,)
+                f.write(memoryview(ids))
+                digest.update(memoryview(ids))
+                tokens += ids.size
+                documents += len(batch)
+                text_bytes += sum(len(text.encode("utf-8", "surrogatepass")) for text in batch)
+        os.replace(tmp_bin, out_bin)
+    except BaseException:
+        tmp_bin.unlink(missing_ok=True)  # Snakemake removes a failed job's outputs, not our temporary file
+        raise
 
     sidecar = {
         "split": split, "shard": index, "count": count, "file": out_bin.name,

@@ -74,9 +74,7 @@ def main_run_tables(summary: dict, evals: list[dict], target_corpus_tokens: floa
         "eval_tokens": fmt(e["tokens"]),
         "eval_tokens_per_s": fmt(e.get("eval_tokens_per_s"), 0),
     } for e in sorted(evals, key=lambda e: e["step"])]
-    generations = [{
-        "step": fmt(e["step"]), "prompt": g["prompt"], "mode": g["mode"], "text": g["text"],
-    } for e in sorted(evals, key=lambda e: e["step"]) for g in e.get("generations") or []]
+    generations = generation_rows(evals)
     return {
         "throughput": throughput,
         "evaluation": evaluation,
@@ -84,6 +82,47 @@ def main_run_tables(summary: dict, evals: list[dict], target_corpus_tokens: floa
         "epoch": {"target_tokens": fmt(float(target_corpus_tokens), 0), "seconds": epoch_s,
                   "text": fmt_duration(epoch_s)},
     }
+
+
+def generation_rows(evals: list[dict]) -> list[dict]:
+    """Continuations of the first and the last evaluated checkpoint: one row per (step, prompt)."""
+    with_text = sorted((e for e in evals if e.get("generations")), key=lambda e: e["step"])
+    shown = with_text[:1] + with_text[1:][-1:]
+    rows = []
+    for e in shown:
+        by_prompt: dict[str, dict] = {}
+        for g in e["generations"]:
+            by_prompt.setdefault(g["prompt"], {})[g["mode"]] = g["text"]
+        rows += [{"step": fmt(e["step"]), "prompt": prompt, "greedy": texts.get("greedy", ""),
+                  "sampled": texts.get("sampled", "")} for prompt, texts in by_prompt.items()]
+    return rows
+
+
+def headline(matrix: dict, scaling: list[dict], backends: list[dict]) -> dict:
+    """The few sentences at the top: scaling per series, what was left out, warnings about the timings."""
+    lines = []
+    series: dict[str, list[dict]] = {}
+    for row in scaling:
+        series.setdefault(row["series"], []).append(row)
+    for label, rows in series.items():
+        one = next((r for r in rows if r["_gpus"] == 1), None)
+        top = max(rows, key=lambda r: r["_gpus"])
+        if one and top is not one:
+            lines.append(f"{label}: 1 → {top['ranks']} ranks, {fmt(median(one['_tps']), 0)} → "
+                         f"{fmt(median(top['_tps']), 0)} tokens/s ({top['speedup']}, {top['efficiency_pct']}% "
+                         f"scaling efficiency)")
+    for row in backends:
+        lines.append(f"NCCL vs Gloo at {row['ranks']} ranks, ZeRO-{row['zero_stage']}: NCCL "
+                     f"{row['nccl_faster_pct']}% faster")
+    reasons: dict[str, int] = {}
+    for entry in matrix["cells"]:
+        if entry["status"] != "run":
+            key = "predicted OOM" if entry["status"] == "predicted_oom" else entry["reason"]
+            reasons[key] = reasons.get(key, 0) + 1
+    if reasons:
+        lines.append("left out: " + "; ".join(f"{count} cell(s): {reason}" for reason, count in reasons.items()))
+    superlinear = [r["cell"] for r in scaling if r["_speedup"] and r["_speedup"] / r["_gpus"] > 1.05]
+    return {"lines": lines, "superlinear": superlinear}
 
 
 # ---- benchmark cells ---------------------------------------------------------------------------------------------
@@ -175,6 +214,7 @@ def memory_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]
             "ratio": fmt(measured / predicted, 2) if predicted else "n/a",
             "formula": est["state_formula"],
             "_measured": measured, "_predicted": predicted, "_states": est["model_states"],
+            "_activations": est["activations"],
         })
     return rows
 
@@ -233,7 +273,8 @@ STATUS_LABELS = {"run": "ran", "unsupported": "left out: not supported here", "p
 def matrix_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]:
     """Every declared cell: what happened to it, the pre-flight prediction and the time estimate."""
     rows = []
-    for entry in matrix["cells"]:
+    order = {"run": 0, "predicted_oom": 1, "unsupported": 2}
+    for entry in sorted(matrix["cells"], key=lambda e: order[e["status"]]):
         runs = runs_by_cell.get(entry["cell"]) or []
         est = entry.get("estimate")
         estimate = entry.get("time_estimate")

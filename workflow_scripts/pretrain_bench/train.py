@@ -123,7 +123,7 @@ def _set_rng_state(state: dict) -> None:
 def resume_fingerprint(plan: dict) -> dict:
     """What must not change between a checkpoint and the run that resumes it."""
     keep_out = {"max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "max_restarts",
-                "warmup_timing_steps", "allow_reshape"}
+                "warmup_timing_steps", "allow_reshape", "gpus", "nodes", "global_batch_size"}
     train = {k: v for k, v in plan["train"].items() if k not in keep_out}
     return {"model": plan["model"], "train": train, "data": plan["data_sha256"]}
 
@@ -200,11 +200,9 @@ def run_training(plan: dict) -> dict | None:
     ds_config = deepspeed_config(settings, device, total_steps)
     if rank == 0:
         (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-
-    # 2) resume from the newest complete checkpoint
+    # 2) what to resume from: checked before DeepSpeed starts, so a wrong checkpoint fails in seconds
     fingerprint = resume_fingerprint(plan)
-    start_step, resumed_from = 0, None
+    start_step, resumed_from, reshape = 0, None, False
     steps_done = ckpt.committed_steps(ckpt_root) if plan.get("resume", True) else []
     if steps_done:
         step = steps_done[-1]
@@ -212,7 +210,8 @@ def run_training(plan: dict) -> dict | None:
         if marker["world_size"] != world and not settings.allow_reshape:
             raise ckpt.CheckpointError(
                 f"checkpoint {ckpt_root / ckpt.tag_for(step)} was saved with world size {marker['world_size']}, "
-                f"this run has {world}: run with the old train.gpus/nodes, or move {ckpt_root} away to start over"
+                f"this run has {world}: run with the old train.gpus/nodes, set train.allow_reshape to convert it "
+                f"through a universal checkpoint, or move {ckpt_root} away to start over"
             )
         if marker["fingerprint"] != fingerprint:
             changed = sorted(k for k in fingerprint if fingerprint[k] != marker["fingerprint"].get(k))
@@ -220,13 +219,27 @@ def run_training(plan: dict) -> dict | None:
                 f"checkpoint {ckpt_root / ckpt.tag_for(step)} belongs to a different configuration "
                 f"({', '.join(changed)} changed): restore the config or move {ckpt_root} away to start over"
             )
-        _, client = engine.load_checkpoint(str(ckpt_root), tag=ckpt.tag_for(step))
-        batches.load_state_dict(client["loader"])
-        _set_rng_state(torch.load(ckpt_root / ckpt.tag_for(step) / f"rng_rank{rank}.pt", weights_only=False))
+        reshape = marker["world_size"] != world
+        if reshape:
+            ds_config["checkpoint"] = {"load_universal": True}
+            if rank == 0:
+                (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+    if steps_done:
+        tag = ckpt.tag_for(step)
+        if reshape:
+            tag = ckpt.universal_tag(ckpt_root, step, rank)  # rank 0 converts once, the others wait
+        _, client = engine.load_checkpoint(str(ckpt_root), tag=tag)
+        # The loader position is global (samples consumed), so it carries over to another world size.
+        batches.load_state_dict(marker["loader"], **({"allow_reshape": True} if reshape else {}))
+        if not reshape:
+            _set_rng_state(torch.load(ckpt_root / tag / f"rng_rank{rank}.pt", weights_only=False))
         start_step, resumed_from = step, step
         if rank == 0:
             truncate_jsonl(metrics_path, step)
-        _log(rank, f"resumed from {ckpt_root / ckpt.tag_for(step)} (step {step})")
+        _log(rank, f"resumed from {ckpt_root / tag} (step {step}"
+                   + (f", saved at world size {marker['world_size']}, now {world})" if reshape else ")"))
 
     def save(step: int) -> None:
         tag = ckpt.tag_for(step)

@@ -1,0 +1,134 @@
+"""Trainer overhead and CPU MFU: our DeepSpeed trainer at one rank against a plain PyTorch AdamW loop.
+
+Same model (~12M parameters, LLaMA architecture), same batch (8 × 128 tokens), same data, same threads (all
+cores), fp32 on CPU. The plain loop is the limit: forward, cross-entropy, backward, clip, AdamW step, nothing else.
+Targets: trainer ≥ 0.95× the plain loop's tokens/s; MFU against the matmul peak measured here ≥ 60%.
+Writes JSON (default bench-results/trainer.json).
+
+    python bench/bench_trainer.py [out.json] [--steps 30]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+
+NAME = "bench-trainer"
+MODEL_OVERRIDES = {"hidden_size": 384, "num_attention_heads": 6, "num_key_value_heads": 6,
+                   "intermediate_size": 1024, "num_hidden_layers": 6}
+
+
+def build_data() -> tuple[dict, Path]:
+    import yaml
+
+    targets = [f"results/{NAME}/shards/index.json", f"results/{NAME}/tokenizer/tokenizer.json"]
+    subprocess.run([sys.executable, "-m", "snakemake", *targets, "--cores", str(os.cpu_count()), "--configfile",
+                    "config/tiny-cpu.yaml", "--config", f"name={NAME}", "--quiet"], cwd=ROOT, check=True)
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    for key, value in yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text()).items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    config["name"] = NAME
+    config["model"]["overrides"] = MODEL_OVERRIDES
+    return config, ROOT / "results" / NAME
+
+
+def run_trainer(config: dict, results: Path, steps: int, warmup: int, zero_stage: int, work: Path) -> dict:
+    from pretrain_bench.plan import make_plan, write_plan
+
+    train = {"gpus": 1, "global_batch_size": None, "zero_stage": zero_stage, "max_steps": steps,
+             "warmup_timing_steps": warmup, "checkpoint_every": 10**6}
+    plan = make_plan({**config, "train": {**config["train"], **train}}, index=results / "shards" / "index.json",
+                     tokenizer=results / "tokenizer", out_dir=work / f"z{zero_stage}", state_dir=work / f"s{zero_stage}",
+                     role="bench", resume=False, save_checkpoints=False, export_hf=False)
+    plan_path = work / f"plan-z{zero_stage}.json"
+    write_plan(plan, plan_path)
+    log = work / f"trainer-z{zero_stage}.log"
+    with open(log, "w") as handle:
+        code = subprocess.run([sys.executable, str(ROOT / "workflow_scripts" / "launch.py"), "--ranks", "1",
+                               "--plan", str(plan_path)], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT).returncode
+    if code:
+        raise SystemExit(f"trainer failed, see {log}")
+    return json.loads((work / f"z{zero_stage}" / "summary.json").read_text())
+
+
+def run_plain_loop(config: dict, results: Path, steps: int, warmup: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from pretrain_bench.loader import PackedTokens, RankBatches
+    from pretrain_bench.model import build_model, resolve_shape
+
+    torch.set_num_threads(os.cpu_count())
+    index = json.loads((results / "shards" / "index.json").read_text())
+    seq_len, train = config["model"]["seq_len"], config["train"]
+    shape = resolve_shape(config["model"]["preset"], MODEL_OVERRIDES, index["vocab_size"])
+    model = build_model(shape, seq_len, train["seed"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=train["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    batches = RankBatches(PackedTokens(results / "shards" / "index.json", "train", seq_len), rank=0, world_size=1,
+                          micro_batch_size=train["micro_batch_size"], seed=train["seed"])
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        batch = batches.next_batch()  # (B, T+1)
+        logits = model(input_ids=batch[:, :-1]).logits  # (B, T, vocab)
+        loss = F.cross_entropy(logits.float().reshape(-1, shape.vocab_size), batch[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    steady = times[warmup:]
+    tokens = train["micro_batch_size"] * seq_len
+    return {"tokens_per_s": tokens * len(steady) / sum(steady), "step_time_s_median": statistics.median(steady)}
+
+
+def main() -> None:
+    import tempfile
+
+    import torch
+
+    from pretrain_bench.flops import flops_per_token, measure_matmul_peak
+    from pretrain_bench.model import count_parameters, resolve_shape
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", nargs="?", default="bench-results/trainer.json")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    config, results = build_data()
+    work = Path(tempfile.mkdtemp(prefix="bench-trainer-"))
+    plain = run_plain_loop(config, results, args.steps, args.warmup)
+    trainer = {stage: run_trainer(config, results, args.steps, args.warmup, stage, work) for stage in (0, 2)}
+    torch.set_num_threads(os.cpu_count())
+    peak = max(measure_matmul_peak("fp32", size=1024) for _ in range(3))
+    index = json.loads((results / "shards" / "index.json").read_text())
+    shape = resolve_shape("tiny", MODEL_OVERRIDES, index["vocab_size"])
+    params = count_parameters(shape)
+    per_token = flops_per_token(params["matmul"], shape.num_hidden_layers, shape.num_attention_heads,
+                                shape.hidden_size // shape.num_attention_heads, config["model"]["seq_len"])
+    result = {
+        "what": "1 rank, CPU, fp32, same model/batch/data/threads: DeepSpeed trainer vs plain PyTorch AdamW loop",
+        "parameters": params["total"], "threads": os.cpu_count(), "steps": args.steps, "warmup_steps": args.warmup,
+        "plain_loop_tokens_per_s": plain["tokens_per_s"],
+        "measured_matmul_peak_flops": peak, "flops_per_token": per_token,
+        "plain_loop_mfu": plain["tokens_per_s"] * per_token / peak,
+        "trainer": {f"zero{stage}": {"tokens_per_s": s["tokens_per_s"],
+                                     "ratio_to_plain_loop": s["tokens_per_s"] / plain["tokens_per_s"],
+                                     "mfu_vs_bench_peak": s["tokens_per_s"] * per_token / peak,
+                                     "mfu_reported": s["mfu"], "peak_used_by_trainer": s["peak_flops_per_rank"]}
+                    for stage, s in trainer.items()},
+        "targets": {"ratio_to_plain_loop": 0.95, "mfu": 0.60},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

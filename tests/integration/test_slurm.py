@@ -1,0 +1,156 @@
+"""The tiny pipeline on a real SLURM cluster, through `--profile profiles/slurm` (snakemake-executor-plugin-slurm).
+
+The cluster (tests/integration/slurm_cluster.py) is Debian's slurm-wlm + munge, started here for the module: two
+nodes on this machine, 2 CPUs and 3 (file-backed) `gpu` GRES each, no accounting. First the pipeline up to training
+runs on one node (every job an sbatch allocation, training 3 gloo ranks), then training again on both nodes (one
+torchrun agent per node through srun, c10d rendezvous on the first node found with `scontrol show hostnames`).
+Installs slurm-wlm and munge when missing (root + apt-get); skips only when that is impossible, and fails instead
+where PRETRAIN_BENCH_REQUIRE_SLURM=1 (CI).
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from slurm_cluster import SlurmCluster, ensure_slurm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+NAME = "itest-slurm"
+RESULTS = ROOT / "results" / NAME
+STEPS = 20
+SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: \S*/rule_(\w+)/")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = ensure_slurm()
+    if reason and os.environ.get("PRETRAIN_BENCH_REQUIRE_SLURM") == "1":  # CI (.ci/run) installs them: must run
+        pytest.fail(reason)
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(nodes=2, cpus=2, gpus=3)
+    cluster.start()
+    yield cluster
+    daemons = [proc for _, proc in cluster.daemons]
+    cluster.stop()
+    assert all(proc.poll() is not None for proc in daemons), "munged, slurmctld and the slurmds are stopped"
+    shutil.rmtree(cluster.folder, ignore_errors=True)
+
+
+def snakemake(cluster, tmp_path, train: dict, *args) -> str:
+    """Run the tiny pipeline up to training with the SLURM profile; returns Snakemake's output."""
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text(yaml.safe_dump({"name": NAME, "train": {"max_steps": STEPS, "checkpoint_every": 10,
+                                                               "warmup_timing_steps": 2, **train}}))
+    cmd = [sys.executable, "-m", "snakemake", f"results/{NAME}/train/summary.json",
+           "--profile", "profiles/slurm", "--configfile", "config/tiny-cpu.yaml", str(overlay),
+           # The test nodes: 2 CPUs and 16 GB each; status checks soon after submission (squeue stays reliable
+           # while MinJobAge >= 3 x this delay).
+           "--cores", "2", "--set-resources", "pretrain:mem_mb=4000", "pretrain:runtime=30",
+           "--slurm-init-seconds-before-status-checks", "2", "--rerun-triggers", "mtime", *args]
+    env = dict(cluster.env, PATH=f"{Path(sys.executable).parent}:{cluster.env['PATH']}")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (ROOT / "logs" / NAME).rglob("*.log"))
+        pytest.fail(f"snakemake failed ({proc.returncode}):\n{output[-5000:]}\n{logs}\n{cluster.logs()}")
+    return output
+
+
+def submitted_jobs(output: str) -> dict[str, list[str]]:
+    """rule → SLURM job ids, from Snakemake's output."""
+    jobs: dict[str, list[str]] = {}
+    for job_id, rule in SUBMITTED.findall(output):
+        jobs.setdefault(rule, []).append(job_id)
+    return jobs
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def single_node(cluster, tmp_path_factory):
+    for folder in (RESULTS, ROOT / "logs" / NAME, ROOT / "benchmarks" / NAME):
+        shutil.rmtree(folder, ignore_errors=True)
+    output = snakemake(cluster, tmp_path_factory.mktemp("single"), {})
+    return output, (ROOT / "logs" / NAME / "pretrain.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def two_nodes(cluster, single_node, tmp_path_factory):
+    # Same corpus, tokenizer and shards; a new plan and a fresh training state (the old one has world size 3).
+    shutil.rmtree(RESULTS / "state", ignore_errors=True)
+    output = snakemake(cluster, tmp_path_factory.mktemp("two"), {"nodes": 2, "gpus": 1, "global_batch_size": 16},
+                       "--forcerun", "plan_pretrain")
+    return output, (ROOT / "logs" / NAME / "pretrain.log").read_text()
+
+
+def test_every_job_ran_as_a_slurm_job(cluster, single_node):
+    output, _ = single_node
+    jobs = submitted_jobs(output)
+    assert set(jobs) == {"download_corpus", "train_tokenizer", "shard_tokens", "index_shards", "plan_pretrain",
+                         "pretrain"}, output[-3000:]
+    assert len(jobs["shard_tokens"]) == 4  # 2 shards × train/val
+    run_names = set()
+    for rule, ids in jobs.items():
+        for job_id in ids:
+            job = cluster.job(job_id)
+            assert job["JobState"] == "COMPLETED" and job["Comment"].startswith(f"rule_{rule}"), job
+            run_names.add(job["JobName"])
+    assert len(run_names) == 1, "one Snakemake run: all jobs carry its run id as job name"
+
+
+def test_training_ranks_ran_inside_the_slurm_allocation(cluster, single_node):
+    output, log = single_node
+    (job_id,) = submitted_jobs(output)["pretrain"]
+    job = cluster.job(job_id)
+    # The GPU request of rule pretrain (train.gpus) reached sbatch as --gpus; one node, `cores` CPUs.
+    assert job["NumNodes"] == "1" and job["TresPerJob"] == "gres:gpu:3" and job["CPUs/Task"] == "2", job
+    assert f"SLURM_JOB_ID={job_id} node={job['NodeList']}" in log, log[-3000:]
+    assert "--nproc-per-node=3" in log and "--standalone" in log
+
+
+def test_single_node_training_outputs(single_node):
+    summary = json.loads((RESULTS / "train" / "summary.json").read_text())
+    records = read_jsonl(RESULTS / "train" / "metrics.jsonl")
+    assert summary["world_size"] == 3 and summary["nodes"] == 1 and summary["device"] == "cpu"
+    assert summary["steps"] == STEPS and [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert summary["loss"]["last"] < summary["loss"]["first"] - 0.5
+    assert summary["tokens_per_step"] == 24 * 128
+    assert (RESULTS / "train" / "hf" / "config.json").exists()
+    index = json.loads((RESULTS / "shards" / "index.json").read_text())
+    assert index["splits"]["train"]["shards"] and index["splits"]["val"]["shards"]
+
+
+def test_two_node_training_through_srun_and_rendezvous_on_the_first_node(cluster, two_nodes):
+    output, log = two_nodes
+    jobs = submitted_jobs(output)
+    assert set(jobs) == {"plan_pretrain", "pretrain"}, "upstream outputs were reused"
+    (job_id,) = jobs["pretrain"]
+    job = cluster.job(job_id)
+    assert job["JobState"] == "COMPLETED" and job["NumNodes"] == "2" and job["NumTasks"] == "2", job
+    hosts = cluster.nodes
+    assert job["NodeList"] == ",".join(hosts), job
+    # train.gpus GPUs on every node (--gres per node), train.gpus × train.nodes for the job (--gpus)
+    assert job["TresPerNode"] == "gres:gpu:1" and job["TresPerJob"] == "gres:gpu:2", job
+    assert "launch: srun --nodes=2 --ntasks=2 --ntasks-per-node=1" in log, log[-3000:]
+    endpoint = re.search(rf"--rdzv-endpoint {re.escape(hosts[0])}:(\d+)", log)
+    assert endpoint, log[-3000:]
+    for task, host in enumerate(hosts):  # srun --label prefixes every line with the task (= node) number
+        assert f"{task}: SLURM_JOB_ID={job_id} node={host}" in log, log[-3000:]
+        assert f"{task}: node rank {task} of 2, rendezvous {hosts[0]}:{endpoint.group(1)}" in log
+    summary = json.loads((RESULTS / "train" / "summary.json").read_text())
+    records = read_jsonl(RESULTS / "train" / "metrics.jsonl")
+    assert summary["world_size"] == 2 and summary["nodes"] == 2 and summary["global_batch_size"] == 16
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert summary["loss"]["last"] < summary["loss"]["first"] - 0.5
+
