@@ -59,6 +59,8 @@ rule lm_eval_data:
         directory("results/{name}/lm_eval/data"),
     log:
         "logs/{name}/lm_eval_data.log",
+    benchmark:
+        "benchmarks/{name}/lm_eval_data.tsv"
     conda:
         "../envs/pretrain.yaml"
     script:

@@ -17,9 +17,11 @@ By hand:  python tests/integration/slurm_cluster.py [--nodes 2] [DIR]   (prints 
 from __future__ import annotations
 
 import argparse
+import getpass
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -96,20 +98,24 @@ class SlurmCluster:
         key = f / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        for i in range(self.gpus):
-            (f / f"fake-gpu{i}").touch()
+        for i in range(self.gpus):  # character devices like /dev/null where allowed (root), else plain files
+            try:
+                os.mknod(f / f"fake-gpu{i}", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+            except PermissionError:
+                (f / f"fake-gpu{i}").touch()
         node_lines = []
         for i, name in enumerate(self.nodes, start=1):
             node_lines.append(
                 f"NodeName={name} NodeHostname={name} NodeAddr=127.0.0.{i} Port={free_port()} CPUs={self.cpus} "
                 f"RealMemory={self.mem_mb} Gres=gpu:{self.gpus} State=UNKNOWN")
         controller = socket.gethostname().split(".")[0]
+        user = getpass.getuser()
         self.conf.write_text("\n".join([
             "ClusterName=pretrainbench",
             f"SlurmctldHost={controller}(127.0.0.1)",
             f"SlurmctldPort={free_port()}",
-            "SlurmUser=root",
-            "SlurmdUser=root",
+            f"SlurmUser={user}",  # root in CI; the daemons run as whoever starts the cluster
+            f"SlurmdUser={user}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
             f"AuthInfo=socket={f / 'munge.socket'}",
@@ -138,9 +144,7 @@ class SlurmCluster:
             "PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
             "",
         ]))
-        (f / "gres.conf").write_text(f"NodeName={','.join(self.nodes)} Name=gpu File={f}/fake-gpu[0-{self.gpus - 1}]\n"
-                                     if self.gpus > 1 else
-                                     f"NodeName={','.join(self.nodes)} Name=gpu File={f}/fake-gpu0\n")
+        (f / "gres.conf").write_text(f"NodeName={','.join(self.nodes)} Name=gpu File={f}/fake-gpu[0-{self.gpus - 1}]\n")
 
     # 2) daemons
     def _start(self, name: str, cmd: list[str]) -> None:

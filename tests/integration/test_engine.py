@@ -76,8 +76,9 @@ def test_zero_stages_0_to_3_train_concurrently_and_shut_down(data, tmp_path):
     for pair in ((0, 1), (2, 3)):
         procs = []
         for stage in pair:
+            offload = {"offload_optimizer": "cpu"} if stage == 2 else {}  # ZeRO-Offload (DeepSpeedCPUAdam)
             plan = plan_for(data, tmp_path / f"z{stage}", gpus=2, global_batch_size=None, zero_stage=stage,
-                            max_steps=3, checkpoint_every=3)
+                            max_steps=3, checkpoint_every=3, **offload)
             procs.append((stage, start(plan, 2, tmp_path / f"z{stage}.log")))
         for stage, proc in procs:
             assert proc.wait(600) == 0, (tmp_path / f"z{stage}.log").read_text()[-3000:]
@@ -87,6 +88,7 @@ def test_zero_stages_0_to_3_train_concurrently_and_shut_down(data, tmp_path):
         assert committed_steps(tmp_path / f"z{stage}" / "state" / "checkpoints") == [3]
         ds = json.loads((tmp_path / f"z{stage}" / "out" / "ds_config.json").read_text())
         assert ds["zero_optimization"]["stage"] == stage
+        assert ("offload_optimizer" in ds["zero_optimization"]) == (stage == 2)
     # The same data and seed give the same first loss whatever the stage: only the partitioning differs.
     first = {s: losses(tmp_path / f"z{s}")[0] for s in range(4)}
     assert max(first.values()) - min(first.values()) < 1e-4, first

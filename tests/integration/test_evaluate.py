@@ -24,7 +24,8 @@ RESULTS = ROOT / "results" / NAME
 STEPS = (10, 20)
 SEQ_LEN, GLOBAL_BATCH = 128, 24  # config/tiny-cpu.yaml
 OVERLAY = {"name": NAME, "train": {"max_steps": 20, "checkpoint_every": 10},
-           "evaluate": {"max_tokens": 4096, "lm_eval": {"limit": 4}}}
+           "evaluate": {"max_tokens": 4096, "lm_eval": {"limit": 4, "tasks": ["pretrain_bench_last_word",
+                                                                            "pretrain_bench_doc_perplexity"]}}}
 TINY = yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text())
 TARGETS = [f"results/{NAME}/{kind}/step{step}{suffix}" for step in STEPS
            for kind, suffix in (("export", ""), ("eval", ".json"), ("lm_eval", ".json"))]
