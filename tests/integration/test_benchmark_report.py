@@ -53,8 +53,9 @@ def overlay(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(overlay):
-    for folder in (RESULTS, ROOT / "logs" / NAME, ROOT / "benchmarks" / NAME):
-        shutil.rmtree(folder, ignore_errors=True)
+    if not os.environ.get("PRETRAIN_BENCH_REUSE_RESULTS"):  # set it to re-check a finished run without rerunning
+        for folder in (RESULTS, ROOT / "logs" / NAME, ROOT / "benchmarks" / NAME):
+            shutil.rmtree(folder, ignore_errors=True)
     snakemake(overlay)
     return RESULTS
 
@@ -112,9 +113,11 @@ def test_timed_cells_never_overlapped(run):
 
 
 def _md_table(md: str, heading: str) -> list[list[str]]:
-    section = md.split(heading, 1)[1]
-    lines = [line for line in section.split("\n\n", 2)[1].splitlines() if line.startswith("|")]
-    return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines[2:]]
+    """Rows (without header) of the first Markdown table after a heading."""
+    lines = md.split(heading, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines[start + 2:end]]
 
 
 def test_report_tables_equal_a_recomputation_from_the_summaries(run):

@@ -154,3 +154,12 @@ def test_two_node_training_through_srun_and_rendezvous_on_the_first_node(cluster
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert summary["loss"]["last"] < summary["loss"]["first"] - 0.5
 
+
+
+def test_multi_node_plan_in_a_one_node_allocation_is_refused(cluster, two_nodes):
+    plan = RESULTS / "train" / "plan.json"  # train.nodes = 2, left by the two-node run
+    env = dict(cluster.env, PATH=f"{Path(sys.executable).parent}:{cluster.env['PATH']}")
+    proc = subprocess.run(["srun", "--nodes=1", "--ntasks=1", sys.executable, "workflow_scripts/launch.py",
+                           "--ranks", "1", "--plan", str(plan)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and re.search(r"train.nodes=2 but SLURM job \d+ holds 1 node", proc.stderr), proc.stderr

@@ -83,6 +83,20 @@ def test_seeds_table_equals_a_recomputation():
         assert row["mem_gib"] == spread(mem, 2, 1 / GIB)
     assert rows["ranks1-zero1-fp32-gloo"]["speedup"] == "1.00×"  # its own baseline: a separate series
     assert rows["ranks3-zero2-fp32-gloo"]["oversubscribed"] == "yes"
+    assert tables["headline"]["noisy"] == {} and tables["headline"]["superlinear"] == []
+    assert tables["headline"]["lines"][0] == (f"ZeRO-2, fp32, gloo, micro batch 8: 1 → 3 ranks, {fmt(base, 0)} → "
+                                              f"{fmt(1900.0, 0)} tokens/s ({fmt(1900 / base, 2)}×, "
+                                              f"{fmt(1900 / base / 3 * 100, 0)}% scaling efficiency)")
+    assert "1 cell(s): comm_backend nccl needs CUDA GPUs" in tables["headline"]["lines"][-1]
+
+
+def test_noisy_and_superlinear_timings_are_flagged():
+    runs = {**RUNS, "ranks1-zero2-fp32-gloo": [summary(1, tokens_per_s=300), summary(1, tokens_per_s=1000)],
+            "ranks2-zero2-fp32-gloo": [summary(2, tokens_per_s=1500, comm=0.3), summary(2, tokens_per_s=1520,
+                                                                                    comm=0.3)]}
+    headline = build_tables(summary(3), [], 1e12, MATRIX, runs)["headline"]
+    assert headline["noisy"] == {"ranks1-zero2-fp32-gloo": pytest.approx(700 / 650)}
+    assert "ranks2-zero2-fp32-gloo" in headline["superlinear"]  # 1510 / 650 / 2 ranks = 116%
 
 
 def test_matrix_memory_communication_and_mfu_tables():

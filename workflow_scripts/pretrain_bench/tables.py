@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 
 GIB = 1024**3
+NOISY_SPREAD = 0.25  # (max - min) / median of a cell's tokens/s over repeats above which timings are flagged
 
 
 def fmt(value, digits: int = 1) -> str:
@@ -122,7 +123,11 @@ def headline(matrix: dict, scaling: list[dict], backends: list[dict]) -> dict:
     if reasons:
         lines.append("left out: " + "; ".join(f"{count} cell(s): {reason}" for reason, count in reasons.items()))
     superlinear = [r["cell"] for r in scaling if r["_speedup"] and r["_speedup"] / r["_gpus"] > 1.05]
-    return {"lines": lines, "superlinear": superlinear}
+    # repeats that disagree by more than a quarter of their median: the machine was not quiet
+    spreads = {r["cell"]: (max(r["_tps"]) - min(r["_tps"])) / median(r["_tps"]) for r in scaling if len(r["_tps"]) > 1}
+    noisy = {cell: value for cell, value in spreads.items() if value > NOISY_SPREAD}
+    return {"lines": lines, "superlinear": superlinear, "noisy": noisy, "noisy_threshold_pct": NOISY_SPREAD * 100,
+            "noisy_text": ", ".join(f"{cell} ±{fmt(value * 50, 0)}%" for cell, value in sorted(noisy.items()))}
 
 
 # ---- benchmark cells ---------------------------------------------------------------------------------------------

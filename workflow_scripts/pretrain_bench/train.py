@@ -123,7 +123,7 @@ def _set_rng_state(state: dict) -> None:
 def resume_fingerprint(plan: dict) -> dict:
     """What must not change between a checkpoint and the run that resumes it."""
     keep_out = {"max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "max_restarts",
-                "warmup_timing_steps", "allow_reshape", "gpus", "nodes", "global_batch_size"}
+                "warmup_timing_steps", "allow_reshape", "gpus", "nodes", "global_batch_size", "rdzv_endpoint"}
     train = {k: v for k, v in plan["train"].items() if k not in keep_out}
     return {"model": plan["model"], "train": train, "data": plan["data_sha256"]}
 
@@ -392,7 +392,8 @@ def run_training(plan: dict) -> dict | None:
             "oversubscribed": os.environ.get("PRETRAIN_BENCH_OVERSUBSCRIBED") == "1",
             "threads_per_rank": threads, "resumed_from_step": resumed_from,
             "checkpoints": ckpt.committed_steps(ckpt_root), "checkpoint_dir": str(ckpt_root),
-            "provenance": provenance(plan["config"], plan["hardware"] | {"threads_per_rank": threads}),
+            "provenance": provenance(plan["config"], plan["hardware"] | {"threads_per_rank": threads})
+            | {"slurm_job_id": os.environ.get("SLURM_JOB_ID")},
         }
     dist.barrier()
     if rank == 0:
