@@ -137,8 +137,8 @@ def check_claims(scaling: list[dict], memory: list[dict], backends: list[dict], 
         "claimed": f"{fmt(CLAIMS['zero2_memory_cut']['cut_pct'])}% "
                    f"({fmt(one['memory_gb'])} → {fmt(three['memory_gb'])} GB is {fmt(claimed_cut * 100)}%)",
         "physics": f"model states 16Ψ → 2Ψ + 14Ψ/3: {fmt(cut * 100)}% less (activations unchanged)",
-        "measured": (f"ZeRO-2, 1 → {top['ranks']} ranks: peak per rank {'+' if measured_cut <= 0 else '−'}"
-                     f"{fmt(abs(measured_cut) * 100)}% ({zero2['1']['measured_gib']} → {top['measured_gib']} GiB)"
+        "measured": (f"ZeRO-2, 1 → {top['ranks']} ranks: peak per rank {round(-measured_cut * 100, 1) + 0.0:+,.1f}% "
+                     f"({zero2['1']['measured_gib']} → {top['measured_gib']} GiB)"
                      if measured_cut is not None else "needs ZeRO-2 cells at 1 and N ranks"),
         "verdict": (f"the model predicts a {'larger' if cut > claimed_cut else 'smaller'} cut of model states"
                     + ("; the 1-GPU starting point is itself impossible (row 1)" if not fits else "")),

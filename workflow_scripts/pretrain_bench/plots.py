@@ -98,7 +98,7 @@ def scaling_plot(rows: list[dict], path: Path) -> Path:
         if base:
             top = max(ranks)
             ax_tps.plot([1, top], [base, base * top], ls="--", color=color, alpha=0.5,
-                        label="ideal (1-rank × ranks)" if number == 0 else None)
+                        label="ideal with one device per rank (1-rank × ranks)" if number == 0 else None)
             eff = [(p["_speedup"] or 0) / p["_gpus"] * 100 for p in points]
             ax_eff.plot(ranks, eff, "o-", color=color, label=label)
     ax_eff.axhline(100, ls="--", color="grey", label="ideal")

@@ -393,7 +393,9 @@ def run_training(plan: dict) -> dict | None:
             "threads_per_rank": threads, "resumed_from_step": resumed_from,
             "checkpoints": ckpt.committed_steps(ckpt_root), "checkpoint_dir": str(ckpt_root),
             "provenance": provenance(plan["config"], plan["hardware"] | {"threads_per_rank": threads})
-            | {"slurm_job_id": os.environ.get("SLURM_JOB_ID")},
+            | {"slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+               # 1-, 5- and 15-minute load averages at the end: busy-machine timings are traceable
+               "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
         }
     dist.barrier()
     if rank == 0:
