@@ -19,6 +19,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "workflow_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+
+from support import TINY_CONFIG, run_snakemake  # noqa: E402
 NAME = "itest-bench"
 RESULTS = ROOT / "results" / NAME
 OVERLAY = {
@@ -34,14 +37,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 
 
 def snakemake(overlay: Path, *args, check=True):
-    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--resources", "gpu=3",
-           "--configfile", "config/tiny-cpu.yaml", str(overlay), *args]
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=3600)
-    if check and proc.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (ROOT / "logs" / NAME).rglob("*.log"))
-        pytest.fail(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs}")
-    return proc
+    return run_snakemake(NAME, *args, configfiles=(TINY_CONFIG, overlay), check=check)
 
 
 @pytest.fixture(scope="module")

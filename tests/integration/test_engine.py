@@ -13,6 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "workflow_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+
+from support import tiny_config  # noqa: E402
 
 from pretrain_bench.checkpoint import committed_steps  # noqa: E402
 from pretrain_bench.plan import make_plan, write_plan  # noqa: E402
@@ -30,13 +33,7 @@ def data():
            "--config", f"name={NAME}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    import yaml
-
-    config = yaml.safe_load((ROOT / "config.yaml").read_text())
-    overlay = yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text())
-    for key, value in overlay.items():
-        config[key] = {**config[key], **value} if isinstance(value, dict) else value
-    config["name"] = NAME
+    config = tiny_config(NAME)
     return config, results
 
 

@@ -1,6 +1,5 @@
 """Checkpoint evaluation through Snakemake on a short tiny run (20 steps, checkpoints 10 and 20): HF exports that
 match the DeepSpeed model, eval/step<N>.json, lm-eval on the shipped tasks, checkpoints left untouched."""
-import hashlib
 import json
 import math
 import os
@@ -19,6 +18,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "workflow_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+
+from support import TINY_CONFIG, run_snakemake, tree_digest  # noqa: E402
 NAME = "itest-eval"
 RESULTS = ROOT / "results" / NAME
 STEPS = (10, 20)
@@ -32,22 +34,8 @@ TARGETS = [f"results/{NAME}/{kind}/step{step}{suffix}" for step in STEPS
 
 
 def snakemake(overlay: Path, *targets, options=(), check=True):
-    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--resources", "gpu=3", *options,
-           "--configfile", "config/tiny-cpu.yaml", str(overlay), "--", *targets]
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
-    if check and proc.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (ROOT / "logs" / NAME).rglob("*.log"))
-        pytest.fail(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs}")
-    return proc
-
-
-def tree_digest(folder: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(folder)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+    return run_snakemake(NAME, *options, "--", *targets, configfiles=(TINY_CONFIG, overlay), check=check,
+                         timeout=1800)
 
 
 @pytest.fixture(scope="module")

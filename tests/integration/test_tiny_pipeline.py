@@ -3,7 +3,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,19 +11,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "workflow_scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from support import run_snakemake  # noqa: E402
 NAME = "itest-tiny"
 RESULTS = ROOT / "results" / NAME
 
 
 def snakemake(*args, check=True):
-    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--resources", "gpu=3",
-           "--configfile", "config/tiny-cpu.yaml", "--config", f"name={NAME}", *args]
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
-    if check and proc.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (ROOT / "logs" / NAME).rglob("*.log"))
-        pytest.fail(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs}")
-    return proc
+    return run_snakemake(NAME, "--config", f"name={NAME}", *args, check=check)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 A checkpoint here is the plain (ZeRO-0) layout, mp_rank_00_model_states.pt + COMMITTED.json; the DeepSpeed ZeRO
 layout and the comparison with a DeepSpeed engine's logits are in tests/integration/test_evaluate.py.
 """
-import hashlib
 import json
 import math
 import re
@@ -17,6 +16,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow_scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+
+from support import tree_digest  # noqa: E402
 
 from pretrain_bench import checkpoint as ckpt  # noqa: E402
 from pretrain_bench.evaluation import (  # noqa: E402
@@ -36,13 +38,6 @@ STEP = 7
 SHAPE = ModelShape(2, 64, 4, 2, 128, 512, tie_word_embeddings=True)
 
 
-def tree_digest(folder: Path) -> str:
-    """sha256 over every file's relative path and bytes: any write, rename or deletion changes it."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(folder)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,44 @@
+"""What several test modules need: running Snakemake on the tiny config, the merged tiny config, folder digests."""
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_CONFIG = "config/tiny-cpu.yaml"
+
+
+def run_snakemake(name: str, *args, configfiles=(TINY_CONFIG,), check=True, timeout=3600, env=None):
+    """`snakemake --cores 2 --resources gpu=3 --configfile … ARGS` in the repository; on failure the test fails
+    showing Snakemake's stderr and the tail of every job log of run `name`."""
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--resources", "gpu=3",
+           "--configfile", *map(str, configfiles), *args]
+    env = dict(env or os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+    if check and proc.returncode != 0:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (ROOT / "logs" / name).rglob("*.log"))
+        pytest.fail(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs}")
+    return proc
+
+
+def tiny_config(name: str) -> dict:
+    """config.yaml with the tiny overlay applied the way Snakemake applies --configfile, and another name."""
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    for key, value in yaml.safe_load((ROOT / TINY_CONFIG).read_text()).items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    config["name"] = name
+    return config
+
+
+def tree_digest(folder: Path) -> str:
+    """sha256 over every file's relative path and bytes: any write, rename or deletion changes it."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(folder)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
