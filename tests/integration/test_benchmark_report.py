@@ -29,7 +29,7 @@ OVERLAY = {
     # a short main run: two kept checkpoints, so the eval curves have two points
     "train": {"max_steps": 12, "checkpoint_every": 6, "warmup_timing_steps": 2},
     "evaluate": {"lm_eval": {"tasks": []}, "max_tokens": 8192},
-    "benchmark": {"repeats": 2, "matrix": {"micro_batch_size": [8, 100000]}},
+    "benchmark": {"repeats": 2, "matrix": {"micro_batch_size": [8, 100000], "zero_stage": [1, 2]}},
 }
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
