@@ -33,6 +33,9 @@ rule bench_matrix:
         "../envs/pretrain.yaml"
     params:
         matrix=BENCH_MATRIX,
+        model=config["model"],
+        vocab_size=VOCAB_SIZE,
+        grad_accum_steps=TRAIN.grad_accum_steps,
     script:
         "../workflow_scripts/write_bench_matrix.py"
 
@@ -50,7 +53,7 @@ rule plan_bench_cell:
     conda:
         "../envs/pretrain.yaml"
     params:
-        overrides=lambda wildcards: bench_overrides(wildcards.cell),
+        config=lambda wildcards: cell_plan_config(wildcards.cell),
         out_dir=subpath(output.plan, parent=True),
         state_dir="results/{name}/bench-state/{cell}/rep{rep}",
     script:
@@ -81,6 +84,7 @@ rule bench_cell:
     resources:
         gpu=lambda wildcards: bench_cell(wildcards.cell)["gpus"],
     params:
+        python=PYTHON,
         launcher=LAUNCHER,
     shell:
-        "python {params.launcher} --ranks {resources.gpu} --plan {input.plan} > {log} 2>&1"
+        "{params.python} {params.launcher} --ranks {resources.gpu} --plan {input.plan} > {log} 2>&1"

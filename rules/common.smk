@@ -7,9 +7,11 @@ from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow_scripts"))
 
+from pretrain_bench.config_types import coerce_command_line_types  # noqa: E402
 from pretrain_bench.settings import ConfigError, TrainSettings, check_settings  # noqa: E402
 
 
+coerce_command_line_types(config, Path(workflow.basedir) / "schemas" / "config.schema.yaml")
 validate(config, schema="../schemas/config.schema.yaml")
 
 try:
@@ -22,6 +24,11 @@ NAME = config["name"]
 # Multi-rank rules start torchrun through this script (it needs its sibling pretrain_bench/ beside it, so it is
 # run from the workflow folder rather than from Snakemake's source cache).
 LAUNCHER = Path(workflow.basedir) / "workflow_scripts" / "launch.py"
+# Shell rules start the launcher with the interpreter Snakemake runs with (a venv's, activated or not); under
+# --sdm conda with the rule's environment's own python, which conda puts first on PATH.
+from snakemake.settings.types import DeploymentMethod  # noqa: E402
+
+PYTHON = "python" if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method else sys.executable
 
 
 wildcard_constraints:
@@ -31,9 +38,7 @@ wildcard_constraints:
 
 def checkpoint_steps():
     """Steps at which the main run leaves a complete checkpoint that is still kept at the end."""
-    total = TRAIN.total_steps(config["model"]["seq_len"])
-    steps = sorted(set(range(TRAIN.checkpoint_every, total + 1, TRAIN.checkpoint_every)) | {total})
-    return steps[-TRAIN.keep_checkpoints :] if TRAIN.keep_checkpoints else steps
+    return TRAIN.checkpoint_steps(config["model"]["seq_len"])
 
 
 def eval_outputs(name):
@@ -73,8 +78,10 @@ def evaluation_outputs(name):
 # out (unsupported on this device, or predicted not to fit). bench/matrix.json records the same decisions.
 from snakemake.logging import logger  # noqa: E402
 
-from pretrain_bench.bench_matrix import BenchSettings, plan_matrix  # noqa: E402
-from pretrain_bench.memory_model import check_fits  # noqa: E402
+from pretrain_bench.bench_matrix import BenchSettings, Cell, cost_preview, plan_matrix, planning_peak, preview_text  # noqa: E402
+from pretrain_bench.memory_fit import fit_run, summary_line  # noqa: E402
+from pretrain_bench.memory_model import config_vocab_size  # noqa: E402
+from pretrain_bench.plan import cell_train, plan_config  # noqa: E402
 
 
 def available_ranks():
@@ -87,16 +94,36 @@ def available_ranks():
 try:
     BENCH = BenchSettings.from_config(config)
     BENCH_MATRIX = plan_matrix(config, available_ranks=available_ranks())
+    VOCAB_SIZE = config_vocab_size(config)
 except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}")
 BENCH_CELLS = {entry["cell"]: entry for entry in BENCH_MATRIX["cells"] if entry["status"] == "run"}
+BENCH_ENABLED = bool(BENCH_MATRIX["cells"])
 # A timed cell takes every core, so nothing else (no other cell, no training, no evaluation) shares the machine.
 BENCH_THREADS = 1 if BENCH.allow_concurrent else workflow.cores
 
-try:  # the main run's pre-flight: plan_pretrain stops with these figures; say so at once, even in a dry run
-    check_fits(config, TRAIN, what="the main run (rule pretrain)")
+
+def main_plan_config():
+    """What plan_pretrain hands its script: the part of the config a training run reads."""
+    return plan_config(config)
+
+
+def cell_plan_config(cell):
+    """What plan_bench_cell hands its script for one cell: the main run's with the cell's train block."""
+    return plan_config(config, train=cell_train(config, Cell(**bench_overrides(cell)).train_overrides(BENCH)))
+
+
+# The main run's pre-flight, at once, even in a dry run: what train.memory_fit chooses, or why plan_pretrain will
+# stop; then what the run and the benchmark matrix are predicted to cost.
+try:
+    MAIN_FIT = fit_run(main_plan_config(), TRAIN, VOCAB_SIZE, what="the main run (rule pretrain)",
+                       nvme_path=TRAIN.nvme_path or f"results/{NAME}/state/nvme")
+    logger.info(summary_line(MAIN_FIT[1]))
 except ConfigError as error:
     logger.warning(f"{error}\n(rule plan_pretrain will stop here, before training allocates anything)")
+    MAIN_FIT = (TRAIN, None)
+logger.info(preview_text(cost_preview(BENCH_MATRIX, MAIN_FIT[0], config["model"], VOCAB_SIZE,
+                                      *planning_peak(config, BENCH_MATRIX["device"], NAME))))
 
 
 def bench_cell(cell):
@@ -120,10 +147,15 @@ def bench_summaries(name):
                   rep=range(1, BENCH.repeats + 1))
 
 
+def bench_matrix_outputs(name):
+    """bench/matrix.json when the benchmark matrix has any cell (benchmark.enabled and non-empty axes), else none."""
+    return [f"results/{name}/bench/matrix.json"] if BENCH_ENABLED else []
+
+
 def final_outputs():
     return [
         f"results/{NAME}/report/report.md",
         f"results/{NAME}/report/report.html",
-        f"results/{NAME}/bench/matrix.json",
+        *bench_matrix_outputs(NAME),
         *evaluation_outputs(NAME),
     ]

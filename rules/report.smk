@@ -7,7 +7,7 @@ rule report:
         summary="results/{name}/train/summary.json",
         metrics="results/{name}/train/metrics.jsonl",
         evals=lambda wildcards: eval_outputs(wildcards.name),
-        matrix="results/{name}/bench/matrix.json",
+        matrix=lambda wildcards: bench_matrix_outputs(wildcards.name),
         bench=lambda wildcards: bench_summaries(wildcards.name),
     output:
         md=report("results/{name}/report/report.md", category="Report"),

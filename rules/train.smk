@@ -20,6 +20,8 @@ rule plan_pretrain:
     conda:
         "../envs/pretrain.yaml"
     params:
+        # the part of the config a training run reads: editing it replans (and so retrains), nothing else does
+        config=main_plan_config(),
         out_dir=subpath(output.plan, parent=True),
         state_dir="results/{name}/state",
     script:
@@ -49,7 +51,8 @@ rule pretrain:
         tasks_per_gpu=0,  # SLURM: no --ntasks-per-gpu, which the executor would otherwise derive from `tasks`
         **PRETRAIN_MULTI_NODE,
     params:
+        python=PYTHON,
         launcher=LAUNCHER,
         ranks_per_node=TRAIN.gpus,
     shell:
-        "python {params.launcher} --ranks {params.ranks_per_node} --plan {input.plan} > {log} 2>&1"
+        "{params.python} {params.launcher} --ranks {params.ranks_per_node} --plan {input.plan} > {log} 2>&1"

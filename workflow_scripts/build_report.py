@@ -7,9 +7,15 @@ def main(summary, metrics, evals, matrix, bench, out_md, out_html, plot_dir, tar
     from pretrain_bench.report import build_report
 
     build_report(Path(summary), Path(metrics), [Path(p) for p in evals], Path(out_md), Path(out_html),
-                 Path(plot_dir), target_corpus_tokens=target_corpus_tokens, matrix_path=Path(matrix),
+                 Path(plot_dir), target_corpus_tokens=target_corpus_tokens, matrix_path=_single(matrix),
                  bench_paths=[Path(p) for p in bench])
     print(f"report: {out_md} and {out_html}", file=sys.stderr)
+
+
+def _single(paths) -> Path | None:
+    """The one path of an optional input (bench/matrix.json, absent when benchmark.enabled is false)."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    return Path(paths[0]) if paths else None
 
 
 if "snakemake" in globals():

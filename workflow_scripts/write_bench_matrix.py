@@ -4,12 +4,13 @@ import sys
 from pathlib import Path
 
 
-def main(config, matrix, peak_path, out_path):
+def main(matrix, model, vocab_size, grad_accum_steps, peak_path, out_path):
     from pretrain_bench.bench_matrix import time_estimate
 
     peak = json.loads(Path(peak_path).read_text())
     matrix = {**matrix, "peak": peak, "cells": [
-        {**entry, "time_estimate": time_estimate(entry, config, peak, matrix["steps"])} for entry in matrix["cells"]
+        {**entry, "time_estimate": time_estimate(entry, model, vocab_size, grad_accum_steps, peak, matrix["steps"])}
+        for entry in matrix["cells"]
     ]}
     Path(out_path).write_text(json.dumps(matrix, indent=2))
     for entry in matrix["cells"]:
@@ -19,4 +20,5 @@ def main(config, matrix, peak_path, out_path):
 
 if "snakemake" in globals():
     sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
-    main(snakemake.config, snakemake.params.matrix, snakemake.input.peak, snakemake.output.matrix)  # noqa: F821
+    main(snakemake.params.matrix, snakemake.params.model, snakemake.params.vocab_size,  # noqa: F821
+         snakemake.params.grad_accum_steps, snakemake.input.peak, snakemake.output.matrix)  # noqa: F821

@@ -128,7 +128,7 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
     def span(values, digits):
         return f"{fmt(statistics.median(values), digits)} ({fmt(min(values), digits)}–{fmt(max(values), digits)})"
 
-    seeds = _md_table(md, "## 1. The seeds' table")
+    seeds = _md_table(md, "## 1. The source articles' table")
     assert len(seeds) == 6
     for series, ranks, batch, repeats, tps, speedup, efficiency, mem, epoch, oversubscribed in seeds:
         zero = re.match(r"ZeRO-(\d)", series).group(1)

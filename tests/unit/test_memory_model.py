@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 from pretrain_bench import memory_model  # noqa: E402
-from pretrain_bench.memory_model import (GB, GIB, Budget, check_fits, estimate, judge,  # noqa: E402
-                                         model_state_bytes)
+from pretrain_bench.memory_fit import fit_run  # noqa: E402
+from pretrain_bench.memory_model import GB, GIB, Budget, estimate, judge, model_state_bytes  # noqa: E402
 from pretrain_bench.plan import make_plan  # noqa: E402
 from pretrain_bench.settings import ConfigError, TrainSettings  # noqa: E402
 
@@ -31,7 +31,7 @@ def test_zero_paper_mixed_precision_formulas():
     assert states(PSI, 3, 1) == pytest.approx(4 * PSI + 12 * PSI / 3, abs=3)
     assert states(PSI, 3, 2) == pytest.approx(2 * PSI + 14 * PSI / 3, abs=3)
     assert states(PSI, 3, 3) == pytest.approx(16 * PSI / 3, abs=3)
-    # the seeds' "physics": 112 GB on one GPU, ~46.7 GB per GPU on three with ZeRO-2
+    # the source articles' "physics": 112 GB on one GPU, ~46.7 GB per GPU on three with ZeRO-2
     assert states(PSI, 1, 0) / GB == pytest.approx(112)
     assert states(PSI, 3, 2) / GB == pytest.approx(46.67, abs=0.01)
     assert states(PSI, 3, 2, precision="bf16") == states(PSI, 3, 2)
@@ -79,6 +79,11 @@ def default_config():
     return yaml.safe_load((ROOT / "config.yaml").read_text())
 
 
+def check_fits(config, settings, what="the training run"):
+    """The pre-flight as train.memory_fit: strict runs it: the record, or ConfigError."""
+    return fit_run(config, replace(settings, memory_fit="strict"), what=what)[1]
+
+
 @pytest.fixture
 def no_gpu(monkeypatch):
     monkeypatch.setattr(memory_model, "_nvidia_smi_memory", lambda: [])
@@ -105,12 +110,13 @@ def test_default_config_is_stopped_in_seconds_with_what_would_fit(no_gpu):
 
 def test_guard_passes_on_big_gpus_and_with_force(monkeypatch):
     config = default_config()
-    settings = TrainSettings.from_config(config["train"])
+    settings = TrainSettings.from_config({**config["train"], "memory_fit": "strict"})
     monkeypatch.setattr(memory_model, "_nvidia_smi_memory", lambda: [141 * GIB] * 3)
-    config["benchmark"]["host_memory_gib"] = 16
-    with pytest.raises(ConfigError, match="host RAM 83.2 GiB for 3 ranks, has 16.0 GiB"):
-        check_fits(config, settings)  # each rank builds the fp32 model (4Ψ) in host RAM first
-    config["benchmark"]["host_memory_gib"] = 512
+    # GPUs detected: this machine's RAM counts (benchmark.host_memory_gib describes a machine without them here)
+    monkeypatch.setattr(memory_model, "host_memory_bytes", lambda: 4 * GIB)
+    with pytest.raises(ConfigError, match="host RAM 6.0 GiB for 3 ranks, has 4.0 GiB"):
+        check_fits(config, settings)  # 2 GiB per CUDA rank process; the model is built on the GPU, not here
+    monkeypatch.setattr(memory_model, "host_memory_bytes", lambda: 512 * GIB)
     assert check_fits(config, settings)["fits"]
     monkeypatch.setattr(memory_model, "_nvidia_smi_memory", lambda: [])
     config["benchmark"]["force"] = True
@@ -119,12 +125,13 @@ def test_guard_passes_on_big_gpus_and_with_force(monkeypatch):
 
 def test_make_plan_runs_the_guard_before_anything_else(tmp_path, no_gpu):
     config = default_config()
+    config["train"]["memory_fit"] = "strict"
     index = tmp_path / "index.json"
     index.write_text(json.dumps({"vocab_size": 102400}))
     with pytest.raises(ConfigError, match="pre-flight: the pretrain run is predicted not to fit"):
         make_plan(config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "out", state_dir=tmp_path / "state")
-    fits = make_plan(config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "o", state_dir=tmp_path / "s",
-                     train_overrides={"offload_optimizer": "cpu"})
+    config["train"]["offload_optimizer"] = "cpu"
+    fits = make_plan(config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "o", state_dir=tmp_path / "s")
     assert fits["preflight"]["fits"] and fits["preflight"]["estimate"]["optimizer"] == 0
 
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass
 
-from .memory_model import Budget, detect_budget, estimate, judge, resolve_device_cheaply, run_shape
+from .memory_model import (Budget, config_vocab_size, detect_budget, estimate, judge, resolve_device_cheaply,
+                           run_shape)
+from .plan import cell_train
 from .settings import ConfigError, TrainSettings, check_settings
 
 AXES = ("gpus", "zero_stage", "precision", "comm_backend", "micro_batch_size", "offload_optimizer")
-DEFAULTS = {"steps": 30, "warmup_steps": 10, "repeats": 3, "allow_concurrent": False, "force": False,
-            "device_memory_gib": 24.0, "host_memory_gib": None}
+DEFAULTS = {"enabled": True, "steps": 30, "warmup_steps": 10, "repeats": 3, "allow_concurrent": False,
+            "force": False, "device_memory_gib": 24.0, "host_memory_gib": None, "disk_gib": None,
+            "assumed_gpu": "RTX 4090"}
 
 
 @dataclass(frozen=True)
@@ -23,21 +26,25 @@ class BenchSettings:
     """The `benchmark:` block of the config."""
 
     matrix: dict  # axis -> list of values, for every axis in AXES
+    enabled: bool  # false: no matrix at all (a train-only run)
     steps: int  # optimizer steps per launch
     warmup_steps: int  # steps left out of the timing (train.warmup_timing_steps of a cell)
     repeats: int  # launches per cell
     allow_concurrent: bool  # let cells share the machine (timings then contended)
     force: bool  # launch cells (and the main run) predicted not to fit
     device_memory_gib: float  # memory per GPU when none can be detected
-    host_memory_gib: float | None  # host RAM to plan with (None: detect)
+    host_memory_gib: float | None  # host RAM of the GPU machine planned for when none is detected
+    disk_gib: float | None  # free disk at train.nvme_path on that machine
+    assumed_gpu: str  # the GPU planned for when none is detected (its datasheet peak predicts run times)
 
     @classmethod
     def from_config(cls, config: dict) -> "BenchSettings":
         bench = {**DEFAULTS, **(config.get("benchmark") or {})}
         train = config["train"]
         matrix = dict(bench.get("matrix") or {})
-        for axis in AXES:  # an axis the matrix leaves out keeps the main run's value
-            matrix[axis] = list(matrix.get(axis) or [train.get(axis, TrainSettings.__dataclass_fields__[axis].default)])
+        for axis in AXES:  # an axis the matrix leaves out keeps the main run's value; an empty list: no cells
+            default = [train.get(axis, TrainSettings.__dataclass_fields__[axis].default)]
+            matrix[axis] = list(matrix[axis]) if axis in matrix and matrix[axis] is not None else default
         if bench["warmup_steps"] >= bench["steps"]:
             raise ConfigError(f"benchmark.warmup_steps {bench['warmup_steps']} leaves no timed step of "
                               f"benchmark.steps {bench['steps']}")
@@ -70,12 +77,14 @@ class Cell:
 
 
 def cells(bench: BenchSettings) -> list[Cell]:
+    """Every combination of the matrix's values; none when benchmark.enabled is false or an axis is empty."""
+    if not bench.enabled:
+        return []
     return [Cell(*values) for values in itertools.product(*(bench.matrix[axis] for axis in AXES))]
 
 
 def cell_settings(config: dict, cell: Cell, bench: BenchSettings) -> TrainSettings:
-    train = {**config["train"], **cell.train_overrides(bench), "global_batch_size": None}
-    return TrainSettings.from_config(train)
+    return TrainSettings.from_config(cell_train(config, cell.train_overrides(bench)))
 
 
 def plan_matrix(config: dict, available_ranks: int | None = None, budget: Budget | None = None) -> dict:
@@ -86,6 +95,7 @@ def plan_matrix(config: dict, available_ranks: int | None = None, budget: Budget
     bench = BenchSettings.from_config(config)
     device = resolve_device_cheaply(config["train"].get("device", "auto"))
     budget = budget or detect_budget(device, config.get("benchmark"))
+    vocab_size = config_vocab_size(config)
     entries = []
     for cell in cells(bench):
         entry = {"cell": cell.name(config["train"]), **asdict(cell), "status": "run", "reason": None,
@@ -104,7 +114,7 @@ def plan_matrix(config: dict, available_ranks: int | None = None, budget: Budget
             entry.update(status="unsupported",
                          reason=f"needs {cell.gpus} ranks, snakemake --resources gpu={available_ranks}")
             continue
-        run = run_shape(config, settings, device)
+        run = run_shape(config, settings, device, vocab_size)
         est = estimate(run)
         verdict = judge(est, run, budget)
         entry.update(estimate=est.as_dict(), need_bytes=verdict.need_bytes, have_bytes=verdict.have_bytes,
@@ -114,7 +124,8 @@ def plan_matrix(config: dict, available_ranks: int | None = None, budget: Budget
                 entry.update(forced=True, reason=f"predicted OOM ({verdict.text}), launched: benchmark.force")
             else:
                 entry.update(status="predicted_oom", reason=f"predicted OOM: {verdict.text}")
-    return {"device": device, "budget": budget.as_dict(), "steps": bench.steps, "warmup_steps": bench.warmup_steps,
+    return {"device": device, "budget": budget.as_dict(), "enabled": bool(entries), "steps": bench.steps,
+            "warmup_steps": bench.warmup_steps,
             "repeats": bench.repeats, "allow_concurrent": bench.allow_concurrent, "force": bench.force,
             "cells": entries}
 
@@ -123,21 +134,109 @@ def runnable(matrix: dict) -> list[str]:
     return [entry["cell"] for entry in matrix["cells"] if entry["status"] == "run"]
 
 
-def time_estimate(entry: dict, config: dict, peak: dict, steps: int) -> dict | None:
+def time_estimate(entry: dict, model: dict, vocab_size: int, grad_accum_steps: int, peak: dict,
+                  steps: int) -> dict | None:
     """Lower bound on a cell's step time from the measured hardware peak (100% MFU), for the report."""
+    if entry["status"] != "run" or not peak.get("peak_flops"):
+        return None
+    tokens_per_step = entry["micro_batch_size"] * grad_accum_steps * entry["gpus"] * model["seq_len"]
+    # CPU ranks share one machine's peak; each GPU brings its own.
+    aggregate = peak["peak_flops"] * (entry["gpus"] if peak["device"] == "cuda" else 1)
+    step_s = tokens_per_step * model_flops_per_token(model, vocab_size) / aggregate
+    return {"min_step_time_s": step_s, "min_cell_time_s": step_s * steps, "aggregate_peak_flops": aggregate,
+            "formula": "tokens per step × FLOPs per token ÷ peak (per GPU × ranks; on CPU the whole machine)"}
+
+
+def model_flops_per_token(model: dict, vocab_size: int) -> float:
     from .flops import flops_per_token
     from .model import count_parameters, resolve_shape
 
-    if entry["status"] != "run" or not peak.get("peak_flops"):
-        return None
-    shape = resolve_shape(config["model"]["preset"], config["model"].get("overrides") or {},
-                          config["tokenizer"]["vocab_size"])
-    seq_len = config["model"].get("seq_len", 128)
-    per_token = flops_per_token(count_parameters(shape)["non_embedding"], shape.num_hidden_layers,
-                                shape.num_attention_heads, shape.hidden_size // shape.num_attention_heads, seq_len)
-    tokens_per_step = entry["micro_batch_size"] * config["train"].get("grad_accum_steps", 1) * entry["gpus"] * seq_len
-    # CPU ranks share one machine's peak; each GPU brings its own.
-    aggregate = peak["peak_flops"] * (entry["gpus"] if peak["device"] == "cuda" else 1)
-    step_s = tokens_per_step * per_token / aggregate
-    return {"min_step_time_s": step_s, "min_cell_time_s": step_s * steps, "aggregate_peak_flops": aggregate,
-            "formula": "tokens per step × FLOPs per token ÷ peak (per GPU × ranks; on CPU the whole machine)"}
+    shape = resolve_shape(model["preset"], model.get("overrides") or {}, vocab_size)
+    return flops_per_token(count_parameters(shape)["matmul"], shape.num_hidden_layers, shape.num_attention_heads,
+                           shape.hidden_size // shape.num_attention_heads, model["seq_len"])
+
+
+# Stated assumptions of the DAG-time cost preview (labelled as such wherever it is printed): a share of the peak
+# that a well-tuned run reaches, and the seconds one launch spends starting ranks before its first step.
+PREVIEW_MFU = {"cuda": 0.30, "cpu": 0.30}
+PREVIEW_STARTUP_S = {"cuda": 60.0, "cpu": 20.0}
+
+
+def cost_preview(matrix: dict, main: TrainSettings, model: dict, vocab_size: int, peak_flops: float | None,
+                 peak_source: str) -> dict:
+    """Predicted wall time of the main run and of the benchmark matrix, before anything runs.
+
+    step time = tokens per step × FLOPs per token ÷ (peak × ranks on CUDA, the machine's peak on CPU) ÷ MFU, at
+    100 % MFU (a hard lower bound) and at PREVIEW_MFU (a typical figure), plus PREVIEW_STARTUP_S per launch.
+    """
+    device = matrix["device"]
+    launches = [(entry["gpus"], entry["micro_batch_size"] * main.grad_accum_steps * entry["gpus"], matrix["steps"])
+                for entry in matrix["cells"] if entry["status"] == "run" for _ in range(matrix["repeats"])]
+    main_run = [(main.world_size, main.derived_global_batch, main.total_steps(model["seq_len"]))]
+    per_token = model_flops_per_token(model, vocab_size)
+
+    def seconds(runs, mfu):
+        if not peak_flops:
+            return None
+        total = 0.0
+        for ranks, batch, steps in runs:
+            aggregate = peak_flops * (ranks if device == "cuda" else 1) * mfu
+            total += steps * batch * model["seq_len"] * per_token / aggregate + PREVIEW_STARTUP_S[device]
+        return total
+
+    mfu = PREVIEW_MFU[device]
+    return {"launches": len(launches), "peak_flops": peak_flops, "peak_source": peak_source, "mfu": mfu,
+            "startup_s": PREVIEW_STARTUP_S[device],
+            "main": {"min_s": seconds(main_run, 1.0), "typical_s": seconds(main_run, mfu)},
+            "matrix": {"min_s": seconds(launches, 1.0), "typical_s": seconds(launches, mfu)}}
+
+
+def planning_peak(config: dict, device: str, name: str) -> tuple[float | None, str]:
+    """(peak FLOP/s per rank, source) for the cost preview, without running anything: report.peak_tflops, else the
+    datasheet of the GPUs found here (or of benchmark.assumed_gpu when none is), else on CPU the peak that rule
+    measure_peak measured in an earlier run of this name."""
+    import json
+    from pathlib import Path
+
+    from .flops import gpu_table_peak
+    from .memory_model import gpu_names
+
+    if (config.get("report") or {}).get("peak_tflops"):
+        return config["report"]["peak_tflops"] * 1e12, "report.peak_tflops"
+    precision = config["train"]["precision"]
+    if device == "cuda":
+        names = gpu_names()
+        gpu = names[0] if names else (config.get("benchmark") or {}).get("assumed_gpu", "RTX 4090")
+        table = gpu_table_peak(gpu, precision)
+        where = "detected" if names else "benchmark.assumed_gpu, no GPU detected here"
+        return table if table else (None, f"no datasheet peak for {gpu} ({where}) in {precision}")
+    measured = Path("results") / name / "bench" / "peak.json"
+    if measured.is_file():
+        return json.loads(measured.read_text())["peak_flops"], f"measured earlier: {measured}"
+    return None, "CPU peak not measured yet"
+
+
+def preview_text(preview: dict) -> str:
+    """The lines `snakemake -n` prints: predicted, with the formula's assumptions named."""
+    def span(part):
+        if part["min_s"] is None:
+            return "unknown until the peak is known (rule measure_peak, or report.peak_tflops)"
+        return f"≥ {_duration(part['min_s'])} at 100 % MFU, ~{_duration(part['typical_s'])} at {preview['mfu']:.0%} MFU"
+
+    peak = (f"{preview['peak_flops'] / 1e12:,.3g} TFLOP/s per rank ({preview['peak_source']})"
+            if preview["peak_flops"] else preview["peak_source"])
+    return (f"predicted wall time (steps × tokens × FLOPs per token ÷ peak ÷ MFU + {preview['startup_s']:.0f} s "
+            f"start-up per launch; peak {peak}):\n"
+            f"  main run (rule pretrain): {span(preview['main'])}\n"
+            f"  benchmark matrix ({preview['launches']} launches): "
+            + (span(preview["matrix"]) if preview["launches"] else "off (no cells to run)"))
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"

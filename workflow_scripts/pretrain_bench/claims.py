@@ -11,13 +11,13 @@ from .memory_model import GIB, Budget, RunShape, estimate, judge, model_state_by
 from .model import PRESETS, count_parameters
 from .tables import fmt, fmt_duration
 
-SOURCE = "four articles summarised in SOURCE-EXPERIMENT.md (GPU cloud vendor and developer portal, in Chinese)"
+SOURCE = "the source articles (docs/reference-experiment.md)"
 
 # The setup the articles describe (one box): what the physics column assumes.
 SETUP = {
     "gpu": "RTX 4090", "gpus": 3, "gpu_memory_gib": 24, "host_ram_gb": 128, "model": "deepseek-7b",
     "seq_len": 128, "micro_batch_size": 8, "precision": "fp16", "corpus": "1 TB text corpus",
-    "source": SOURCE + ", 'Setup they describe'",
+    "source": SOURCE + ", 'The setup they describe'",
 }
 
 CLAIMS = {

@@ -2,7 +2,9 @@
 
 Per rank (GPU, or the host for a CPU run) a run needs
     model states (ZeRO paper)  + activations (estimate)  + DeepSpeed buffers  + runtime overhead,
-and, while the model is built, the whole unpartitioned model (train.py builds it without `deepspeed.zero.Init`).
+and, while the model is built, the whole unpartitioned model in the training precision (model.build_model builds
+it directly on the rank's device and in that dtype, so no fp32 copy ever exists in host RAM on a CUDA run).
+Offloaded states live in host RAM (`cpu`) or on the disk at train.nvme_path (`nvme`, ZeRO-Infinity).
 Every term carries its formula so the report can print it beside what was measured. Pure Python: the Snakefile
 calls this at DAG time (no torch import) and `plan.make_plan` calls it before a run allocates anything.
 """
@@ -12,6 +14,7 @@ import os
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from .model import count_parameters, resolve_shape
 from .settings import ConfigError, TrainSettings
@@ -31,6 +34,12 @@ CUDA_RANK_HOST_BYTES = int(2.0 * GIB)
 REDUCE_BUCKET_ELEMENTS = 500_000_000
 PREFETCH_BUCKET_ELEMENTS = 50_000_000  # ZeRO-3 stage3_prefetch_bucket_size default
 FALLBACK_DEVICE_MEMORY_GIB = 24.0  # the articles' RTX 4090, used when no GPU can be detected
+# ZeRO-Infinity's pinned host staging buffers (DeepSpeed runtime/zero/offload_config.py defaults): parameter swap
+# buffers buffer_count 5 × buffer_size 1e8 elements (16-bit), and optimizer swap buffers buffer_count 4 × one
+# sub-group (stage3 sub_group_size 1e9 elements, at most the rank's partition) × 4 bytes (fp32).
+NVME_PARAM_BUFFER_ELEMENTS = 5 * 100_000_000
+NVME_OPTIMIZER_BUFFERS = 4
+SUB_GROUP_ELEMENTS = 1_000_000_000
 
 STATE_FORMULAS = {
     # ZeRO paper (Rajbhandari et al. 2020, §3.1 and Fig. 1): mixed-precision Adam holds 2Ψ (16-bit params) +
@@ -66,8 +75,8 @@ class RunShape:
     ranks: int  # N, data-parallel ranks (gpus × nodes)
     zero_stage: int
     precision: str  # fp16 | bf16 | fp32
-    offload_optimizer: str = "none"
-    offload_param: str = "none"
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_param: str = "none"  # none | cpu | nvme (ZeRO-3)
     activation_checkpointing: bool = False
     device: str = "cuda"  # cuda | cpu
 
@@ -83,9 +92,10 @@ class Estimate:
     buffers: int
     runtime: int
     init: int  # the whole model on the device while it is built and before ZeRO partitions it
-    host_states: int  # offloaded states per rank (host RAM)
+    host_states: int  # offloaded states and staging buffers per rank (host RAM)
     state_formula: str
     buffer_formula: str
+    disk_states: int = 0  # states per rank offloaded to NVMe (train.nvme_path)
 
     @property
     def model_states(self) -> int:
@@ -110,6 +120,8 @@ class Budget:
     host_bytes: int | None  # None: unknown (planning for GPUs this machine does not have)
     host_source: str
     gpu_count: int | None = None  # None: not detected
+    disk_bytes: int | None = None  # free bytes at train.nvme_path (None: not known)
+    disk_source: str = "not checked"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -123,11 +135,13 @@ class Verdict:
     host_need_bytes: int
     host_fits: bool
     text: str
+    disk_need_bytes: int = 0
+    disk_fits: bool = True
 
 
 def model_state_bytes(psi: int, ranks: int, stage: int, precision: str, offload_optimizer: str = "none",
                       offload_param: str = "none") -> dict:
-    """Bytes per rank of parameters, gradients and optimizer states, and the part offloaded to the host."""
+    """Bytes per rank of parameters, gradients and optimizer states, and the parts offloaded to host or NVMe."""
     n = ranks
     if precision == "fp32":
         param_b, grad_b, opt_b = 4, 4, (8 if stage in (0, 3) else 12)
@@ -136,24 +150,30 @@ def model_state_bytes(psi: int, ranks: int, stage: int, precision: str, offload_
     params = param_b * psi / n if stage == 3 else param_b * psi
     grads = grad_b * psi / n if stage >= 2 else grad_b * psi
     optimizer = opt_b * psi / n if stage >= 1 else opt_b * psi
-    host = 0.0
-    if offload_optimizer == "cpu" and stage >= 1:
-        # ZeRO-Offload: optimizer states (and, from stage 2, the fp32 gradient partition) live in host RAM.
-        host += optimizer
+    offloaded = {"cpu": 0.0, "nvme": 0.0}
+    if offload_optimizer != "none" and stage >= 1:
+        # ZeRO-Offload / ZeRO-Infinity: optimizer states (and, from stage 2, the fp32 gradient partition, which
+        # stays in host RAM even when the optimizer states are swapped to NVMe) leave the device.
+        offloaded[offload_optimizer] += optimizer
         optimizer = 0.0
         if stage >= 2:
-            host += 4 * psi / n
+            offloaded["cpu"] += 4 * psi / n
             grads = 0.0
-    if offload_param == "cpu" and stage == 3:
-        host += params
+        if offload_optimizer == "nvme":  # pinned swap buffers, one fp32 sub-group each
+            offloaded["cpu"] += NVME_OPTIMIZER_BUFFERS * min(SUB_GROUP_ELEMENTS, psi / n) * 4
+    if offload_param != "none" and stage == 3:
+        offloaded[offload_param] += params
         params = 0.0
+        if offload_param == "nvme":
+            offloaded["cpu"] += NVME_PARAM_BUFFER_ELEMENTS * param_b
     formula = STATE_FORMULAS["fp32" if precision == "fp32" else "mixed"][stage]
-    if offload_optimizer == "cpu" and stage >= 1:
-        formula += " with the optimizer part in host RAM"
-    if offload_param == "cpu" and stage == 3:
-        formula += " and the parameters in host RAM"
-    return {"params": int(params), "grads": int(grads), "optimizer": int(optimizer), "host": int(host),
-            "formula": formula}
+    where = {"cpu": "host RAM", "nvme": "NVMe (train.nvme_path)"}
+    if offload_optimizer != "none" and stage >= 1:
+        formula += f" with the optimizer part in {where[offload_optimizer]}"
+    if offload_param != "none" and stage == 3:
+        formula += f" and the parameters in {where[offload_param]}"
+    return {"params": int(params), "grads": int(grads), "optimizer": int(optimizer), "host": int(offloaded["cpu"]),
+            "disk": int(offloaded["nvme"]), "formula": formula}
 
 
 def activation_bytes(run: RunShape) -> int:
@@ -191,36 +211,43 @@ def estimate(run: RunShape) -> Estimate:
     states = model_state_bytes(run.parameters, run.ranks, run.zero_stage, run.precision, run.offload_optimizer,
                                run.offload_param)
     buffers, buffer_formula = buffer_bytes(run)
-    # The model is built in fp32 on the host and cast before DeepSpeed moves it to the device whole.
+    # model.build_model builds the whole model on the rank's device in the training dtype (one copy, b·Ψ) before
+    # DeepSpeed partitions it; nothing is built in fp32 first, on the host or elsewhere.
     init = (4 if run.precision == "fp32" else 2) * run.parameters
-    if run.device == "cpu":
-        init = 4 * run.parameters  # the fp32 model exists in RAM before the cast
     return Estimate(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
                     activations=activation_bytes(run), buffers=buffers, runtime=RUNTIME_BYTES[run.device],
                     init=init, host_states=states["host"], state_formula=states["formula"],
-                    buffer_formula=buffer_formula)
+                    buffer_formula=buffer_formula, disk_states=states["disk"])
 
 
 def judge(est: Estimate, run: RunShape, budget: Budget) -> Verdict:
-    """Does the estimate fit the budget? On CUDA per GPU (and host RAM for all ranks); on CPU all ranks share RAM."""
+    """Does the estimate fit the budget? On CUDA per GPU, host RAM and NVMe disk for all ranks; on CPU all ranks
+    share RAM."""
     n = run.ranks
+    disk_need = n * est.disk_states
+    disk_fits = not disk_need or budget.disk_bytes is None or disk_need <= budget.disk_bytes
+    disk_text = ""
+    if disk_need:
+        have = f"has {gib(budget.disk_bytes)} GiB free" if budget.disk_bytes is not None else budget.disk_source
+        disk_text = f"; NVMe {gib(disk_need)} GiB for {n} rank{'s' * (n > 1)}, {have}"
     if run.device == "cpu":
         need = n * (est.per_rank + est.host_states)
-        fits = need <= budget.host_bytes
+        fits = need <= budget.host_bytes and disk_fits
         text = (f"needs {gib(need)} GiB ({n} rank{'s' * (n > 1)} × {gib(est.per_rank + est.host_states)} GiB), "
-                f"has {gib(budget.host_bytes)} GiB host RAM")
-        return Verdict(fits, need, budget.host_bytes, need, fits, text)
-    # Host RAM while each rank builds its fp32 model, or afterwards with offloaded states.
-    host_need = n * (max(4 * run.parameters, est.host_states) + CUDA_RANK_HOST_BYTES)
+                f"has {gib(budget.host_bytes)} GiB host RAM{disk_text}")
+        return Verdict(fits, need, budget.host_bytes, need, need <= budget.host_bytes, text, disk_need, disk_fits)
+    # Host RAM: each rank process (CUDA libraries, staging) plus what it offloaded; the model is built on the GPU.
+    host_need = n * (est.host_states + CUDA_RANK_HOST_BYTES)
     host_fits = budget.host_bytes is None or host_need <= budget.host_bytes
-    fits = est.per_rank <= budget.device_bytes and host_fits
+    fits = est.per_rank <= budget.device_bytes and host_fits and disk_fits
     text = f"needs {gib(est.per_rank)} GiB per GPU, has {gib(budget.device_bytes)} GiB"
     if budget.host_bytes is None:
         if est.host_states:
             text += f"; host RAM {gib(host_need)} GiB for {n} rank{'s' * (n > 1)} (not checked: {budget.host_source})"
     elif not host_fits or est.host_states:
         text += f"; host RAM {gib(host_need)} GiB for {n} rank{'s' * (n > 1)}, has {gib(budget.host_bytes)} GiB"
-    return Verdict(fits, est.per_rank, budget.device_bytes, host_need, host_fits, text)
+    return Verdict(fits, est.per_rank, budget.device_bytes, host_need, host_fits, text + disk_text, disk_need,
+                   disk_fits)
 
 
 def gib(value: float) -> str:
@@ -230,8 +257,18 @@ def gib(value: float) -> str:
 # ---- from the config -------------------------------------------------------------------------------------------
 
 def config_vocab_size(config: dict) -> int:
-    """The vocabulary the model will have, known before the tokenizer exists (the trained BPE's vocab_size)."""
-    return int((config.get("tokenizer") or {}).get("vocab_size") or 32000)
+    """The vocabulary the model will have, known before the shards exist: an adopted tokenizer's (tokenizer.path,
+    the same rows the tokenizer stage will report: largest id + 1, a pad token added when it has none), else the
+    BPE's tokenizer.vocab_size."""
+    tokenizer = config.get("tokenizer") or {}
+    if tokenizer.get("path"):
+        from .tokenizer import adopt_tokenizer, tokenizer_info
+
+        try:
+            return tokenizer_info(*adopt_tokenizer(Path(tokenizer["path"])))["vocab_size"]
+        except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ConfigError(f"tokenizer.path {tokenizer['path']}: {error}") from error
+    return int(tokenizer.get("vocab_size") or 32000)
 
 
 def run_shape(config: dict, settings: TrainSettings, device: str, vocab_size: int | None = None) -> RunShape:
@@ -261,20 +298,30 @@ def resolve_device_cheaply(requested: str) -> str:
     return "cpu"
 
 
-def _nvidia_smi_memory() -> list[int]:
-    """Total memory in bytes of each visible GPU, from nvidia-smi ([] when there is none or no nvidia-smi)."""
+def _nvidia_smi(field: str) -> list[str]:
+    """One nvidia-smi field per visible GPU ([] when there is none or no nvidia-smi)."""
     if shutil.which("nvidia-smi") is None:
         return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    sizes = [int(float(line.strip())) * 1024**2 for line in out.splitlines() if line.strip()]
+    values = [line.strip() for line in out.splitlines() if line.strip()]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() and all(p.strip().isdigit() for p in visible.split(",")):
-        sizes = [sizes[int(i)] for i in visible.split(",") if int(i) < len(sizes)]
-    return sizes
+        values = [values[int(i)] for i in visible.split(",") if int(i) < len(values)]
+    return values
+
+
+def _nvidia_smi_memory() -> list[int]:
+    """Total memory in bytes of each visible GPU, from nvidia-smi ([] when there is none or no nvidia-smi)."""
+    return [int(float(value)) * 1024**2 for value in _nvidia_smi("memory.total")]
+
+
+def gpu_names() -> list[str]:
+    """Names of the visible GPUs, from nvidia-smi ([] when there is none)."""
+    return _nvidia_smi("name")
 
 
 def host_memory_bytes() -> int:
@@ -284,25 +331,44 @@ def host_memory_bytes() -> int:
         return 0
 
 
-def detect_budget(device: str, bench: dict | None = None) -> Budget:
-    """Memory of this machine: nvidia-smi per GPU, physical RAM; config values where detection is impossible."""
+def free_disk_bytes(path: str | Path) -> int:
+    """Free bytes on the file system that holds `path` (its nearest existing parent: it may not exist yet)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def detect_budget(device: str, bench: dict | None = None, nvme_path: str | Path | None = None) -> Budget:
+    """Memory of this machine: nvidia-smi per GPU, physical RAM, free disk at `nvme_path`.
+
+    When a CUDA run is planned on a machine without GPUs, the machine it is meant for is described by
+    benchmark.device_memory_gib, benchmark.host_memory_gib and benchmark.disk_gib (the articles' 3 × 24 GiB box
+    with 128 GB of RAM and a 2 TB disk in config.yaml); a machine with GPUs is measured.
+    """
     bench = bench or {}
-    host_override = bench.get("host_memory_gib")
-    if host_override:
-        host, host_source = int(host_override * GIB), "benchmark.host_memory_gib in the config"
-    else:
-        host, host_source = host_memory_bytes(), "physical RAM of this machine"
+    host, host_source = host_memory_bytes(), "physical RAM of this machine"
+    disk, disk_source = None, "not checked"
+    if nvme_path is not None:
+        disk, disk_source = free_disk_bytes(nvme_path), f"free space at {nvme_path}"
     if device == "cpu":
-        return Budget("cpu", host, host_source, host, host_source, None)
+        return Budget("cpu", host, host_source, host, host_source, None, disk, disk_source)
     sizes = _nvidia_smi_memory()
     if sizes:
         return Budget("cuda", min(sizes), f"nvidia-smi: smallest of {len(sizes)} GPU(s)", host, host_source,
-                      len(sizes))
+                      len(sizes), disk, disk_source)
+    # No GPU here: this machine's RAM and disk say nothing about the GPU machine's.
     fallback = bench.get("device_memory_gib") or FALLBACK_DEVICE_MEMORY_GIB
-    if not host_override:  # this machine is not the one with the GPUs: its RAM says nothing about theirs
+    if bench.get("host_memory_gib"):
+        host, host_source = int(bench["host_memory_gib"] * GIB), "benchmark.host_memory_gib, no GPU detected here"
+    else:
         host, host_source = None, "no GPU here, set benchmark.host_memory_gib to check the GPU machine's RAM"
+    if bench.get("disk_gib"):
+        disk, disk_source = int(bench["disk_gib"] * GIB), "benchmark.disk_gib, no GPU detected here"
+    elif nvme_path is not None:
+        disk, disk_source = None, "not checked: no GPU here, set benchmark.disk_gib"
     return Budget("cuda", int(fallback * GIB), "benchmark.device_memory_gib, no GPU detected on this machine",
-                  host, host_source, None)
+                  host, host_source, None, disk, disk_source)
 
 
 # ---- what would fit ----------------------------------------------------------------------------------------------
@@ -382,17 +448,3 @@ def explain(run: RunShape, est: Estimate, verdict: Verdict, budget: Budget, what
         lines.append("  (none of the single changes above is enough on this machine)")
     lines.append("Set benchmark.force: true to launch anyway.")
     return "\n".join(lines)
-
-
-def check_fits(config: dict, settings: TrainSettings, vocab_size: int | None = None,
-               what: str = "the training run") -> dict:
-    """Raise ConfigError with the figures and what would fit when the run is predicted not to fit."""
-    bench = config.get("benchmark") or {}
-    device = resolve_device_cheaply(settings.device)
-    run = run_shape(config, settings, device, vocab_size)
-    budget = detect_budget(device, bench)
-    est = estimate(run)
-    verdict = judge(est, run, budget)
-    if not verdict.fits and not bench.get("force", False):
-        raise ConfigError(explain(run, est, verdict, budget, what))
-    return {"estimate": est.as_dict(), "budget": budget.as_dict(), "fits": verdict.fits, "text": verdict.text}

@@ -90,10 +90,26 @@ def llama_config(shape: ModelShape, seq_len: int):
     return LlamaConfig(max_position_embeddings=max(seq_len, 2048), use_cache=False, **kwargs)
 
 
-def build_model(shape: ModelShape, seq_len: int, seed: int):
-    """A freshly initialised `LlamaForCausalLM` (fp32 weights; DeepSpeed casts for bf16/fp16)."""
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def build_model(shape: ModelShape, seq_len: int, seed: int, precision: str = "fp32", device: str = "cpu"):
+    """A freshly initialised `LlamaForCausalLM`, built directly on `device` in the training precision.
+
+    One copy of the weights in the dtype training uses, where training uses it: a 7B model on 3 CUDA ranks needs no
+    host RAM to be built (an fp32 build on the host first took 4Ψ bytes per rank), and a CPU rank holds 2Ψ in
+    bf16 instead of 4Ψ + 2Ψ while DeepSpeed casts. Initialisation draws from the seeded generator of that device.
+    """
     import torch
     from transformers import LlamaForCausalLM
 
+    dtype = getattr(torch, TORCH_DTYPES[precision])
     torch.manual_seed(seed)
-    return LlamaForCausalLM(llama_config(shape, seq_len))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(llama_config(shape, seq_len))
+    finally:
+        torch.set_default_dtype(previous)
+    return model

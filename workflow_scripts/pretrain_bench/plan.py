@@ -1,7 +1,9 @@
 """A run plan: everything one training run needs, resolved from the config into one JSON file.
 
 The plan is the pretrain rule's input (so Snakemake reruns training when a setting that matters changes) and the
-only thing the launcher and the ranks read: no rank parses config.yaml.
+only thing the launcher and the ranks read: no rank parses config.yaml. A plan is made from `plan_config(config)`,
+the part of the config a training run uses, which the plan rules receive as `params:` — so an edit anywhere else
+(an evaluation prompt, the report) never replans or retrains, and an edit here always does.
 """
 from __future__ import annotations
 
@@ -10,44 +12,77 @@ import json
 import os
 from pathlib import Path
 
-from .memory_model import check_fits
-from .settings import TrainSettings, check_settings
+from .memory_fit import fit_run
+from .settings import ConfigError, TrainSettings, check_settings
+
+# benchmark.* keys the pre-flight reads (the machine it plans for, and whether to launch runs that do not fit).
+PLANNING_KEYS = ("force", "device_memory_gib", "host_memory_gib", "disk_gib")
+# train.* keys that mean nothing to a benchmark cell (it keeps no checkpoints and is never restarted).
+CELL_IRRELEVANT = ("checkpoint_every", "keep_checkpoints", "max_restarts", "allow_reshape")
+
+
+def plan_config(config: dict, train: dict | None = None) -> dict:
+    """The part of the (validated) config a training run reads; `train` replaces the train block (a cell's)."""
+    bench = config.get("benchmark") or {}
+    return {
+        "name": config["name"],
+        "model": config["model"],
+        "train": train if train is not None else config["train"],
+        "tokenizer": {"vocab_size": config["tokenizer"]["vocab_size"], "path": config["tokenizer"].get("path")},
+        "benchmark": {key: bench.get(key) for key in PLANNING_KEYS},
+        "report": {"peak_tflops": (config.get("report") or {}).get("peak_tflops")},
+    }
+
+
+def cell_train(config: dict, overrides: dict) -> dict:
+    """A benchmark cell's train block: the main run's, with the cell's values and the benchmark's step counts.
+
+    The cell measures exactly its own settings, so train.memory_fit never changes them (cells predicted not to fit
+    are left out of the matrix instead), and its global batch is derived from its own ranks.
+    """
+    train = {**config["train"], **overrides, "global_batch_size": None, "memory_fit": "strict"}
+    return {key: value for key, value in train.items() if key not in CELL_IRRELEVANT}
 
 
 def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, state_dir: Path,
-              role: str = "pretrain", train_overrides: dict | None = None, resume: bool = True,
-              save_checkpoints: bool = True, export_hf: bool = True) -> dict:
-    """Resolve config (+ per-run overrides, e.g. a benchmark cell's) into a plan dict; raises ConfigError."""
-    train = {**config["train"], **(train_overrides or {})}
-    if train_overrides and "global_batch_size" not in train_overrides:
-        train["global_batch_size"] = None  # a cell with other ranks derives its own global batch
-    settings = TrainSettings.from_config(train)
+              role: str = "pretrain", resume: bool = True, save_checkpoints: bool = True,
+              export_hf: bool = True) -> dict:
+    """Resolve a plan config (see `plan_config`) into a plan dict; raises ConfigError."""
+    settings = TrainSettings.from_config(config["train"])
+    if settings.nvme_path is None:
+        settings = TrainSettings.from_config({**config["train"], "nvme_path": str(Path(state_dir) / "nvme")})
     check_settings(settings)
-    # Pre-flight: stop before anything is allocated when the run is predicted not to fit (benchmark.force skips).
-    index_vocab = json.loads(Path(index).read_text()).get("vocab_size")
-    preflight = check_fits(config, settings, index_vocab, what=f"the {role} run")
+    # Pre-flight: stop (or, under train.memory_fit auto, change the settings) before anything is allocated when
+    # the run is predicted not to fit; benchmark.force launches anyway.
+    index_data = json.loads(Path(index).read_text())
+    settings, memory_fit = fit_run(config, settings, index_data.get("vocab_size"), what=f"the {role} run")
+    check_settings(settings)
+    model = config["model"]
     return {
         "name": config["name"],
         "role": role,
         "config": config,
         "device_request": settings.device,
         "train": settings.as_dict(),
-        "model": {"preset": config["model"]["preset"], "seq_len": config["model"].get("seq_len", 128),
-                  "overrides": config["model"].get("overrides") or {}},
+        "model": {"preset": model["preset"], "seq_len": model["seq_len"], "overrides": model.get("overrides") or {}},
         "data_sha256": hashlib.sha256(Path(index).read_bytes()).hexdigest(),
         "paths": {"index": str(index), "tokenizer": str(tokenizer), "out_dir": str(out_dir),
                   "state_dir": str(state_dir)},
         "resume": resume,
         "save_checkpoints": save_checkpoints,
         "export_hf": export_hf,
-        "peak_tflops": (config.get("report") or {}).get("peak_tflops"),
-        "preflight": preflight,
+        "peak_tflops": config["report"]["peak_tflops"],
+        "memory_fit": memory_fit,
+        "preflight": memory_fit,  # the name older readers of plan.json use
     }
 
 
 def write_plan(plan: dict, path: Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(plan, indent=2, sort_keys=True))
     os.replace(tmp, path)
+
+
+__all__ = ["ConfigError", "cell_train", "make_plan", "plan_config", "write_plan"]

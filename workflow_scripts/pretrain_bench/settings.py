@@ -23,8 +23,10 @@ class TrainSettings:
     comm_backend: str = "nccl"  # nccl | gloo
     zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3
     precision: str = "bf16"  # fp16 | bf16 | fp32
-    offload_optimizer: str = "none"  # none | cpu
-    offload_param: str = "none"  # none | cpu (ZeRO-3 only)
+    offload_optimizer: str = "none"  # none | cpu | nvme (nvme: ZeRO-3 only)
+    offload_param: str = "none"  # none | cpu | nvme (ZeRO-3 only)
+    nvme_path: str | None = None  # folder for NVMe offload (None: <state>/nvme, filled in by the plan)
+    memory_fit: str = "auto"  # auto: pick settings that fit when the asked ones do not | strict: stop
     activation_checkpointing: bool = False  # recompute activations in backward
     micro_batch_size: int = 8  # samples per rank per micro-step
     grad_accum_steps: int = 1  # micro-steps per optimizer step
@@ -66,6 +68,12 @@ class TrainSettings:
         tokens_per_step = self.derived_global_batch * seq_len
         return max(1, -(-self.max_tokens // tokens_per_step))
 
+    def checkpoint_steps(self, seq_len: int) -> list[int]:
+        """Steps at which the run leaves a complete checkpoint that is still kept at the end."""
+        total = self.total_steps(seq_len)
+        steps = sorted(set(range(self.checkpoint_every, total + 1, self.checkpoint_every)) | {total})
+        return steps[-self.keep_checkpoints:] if self.keep_checkpoints else steps
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -73,15 +81,22 @@ class TrainSettings:
 def check_settings(s: TrainSettings, device: str | None = None) -> None:
     """Reject combinations that cannot run. `device` is the resolved device (cuda|cpu) when known."""
     if s.global_batch_size is not None and s.global_batch_size != s.derived_global_batch:
+        per_step = s.micro_batch_size * s.world_size
+        hint = "set train.global_batch_size: null to derive it from the other three"
+        if s.global_batch_size % per_step == 0:
+            hint += f", or train.grad_accum_steps: {s.global_batch_size // per_step} to keep it"
         raise ConfigError(
             f"train.global_batch_size {s.global_batch_size} is not micro_batch_size {s.micro_batch_size} × "
             f"grad_accum_steps {s.grad_accum_steps} × ranks {s.world_size} (gpus {s.gpus} × nodes {s.nodes}) "
-            f"= {s.derived_global_batch}"
+            f"= {s.derived_global_batch}: {hint}"
         )
     if s.offload_param != "none" and s.zero_stage != 3:
         raise ConfigError(f"train.offload_param={s.offload_param} needs train.zero_stage 3 (got {s.zero_stage})")
     if s.offload_optimizer != "none" and s.zero_stage == 0:
         raise ConfigError("train.offload_optimizer needs train.zero_stage 1, 2 or 3 (got 0)")
+    if s.offload_optimizer == "nvme" and s.zero_stage != 3:
+        raise ConfigError(f"train.offload_optimizer=nvme needs train.zero_stage 3 (got {s.zero_stage}): DeepSpeed "
+                          "swaps optimizer states to NVMe only under ZeRO-3 (ZeRO-Infinity)")
     if s.min_lr > s.lr:
         raise ConfigError(f"train.min_lr {s.min_lr} is above train.lr {s.lr}")
     device = device or (s.device if s.device != "auto" else None)
@@ -93,6 +108,9 @@ def check_settings(s: TrainSettings, device: str | None = None) -> None:
             )
         if s.comm_backend == "nccl":
             raise ConfigError("train.comm_backend nccl needs CUDA GPUs; a CPU run uses gloo")
+        if "nvme" in (s.offload_optimizer, s.offload_param):
+            raise ConfigError("train.offload_optimizer/offload_param nvme needs CUDA GPUs (a CPU run keeps its "
+                              "states in RAM already)")
 
 
 def deepspeed_config(s: TrainSettings, device: str, total_steps: int) -> dict:
@@ -100,10 +118,12 @@ def deepspeed_config(s: TrainSettings, device: str, total_steps: int) -> dict:
     zero: dict = {"stage": s.zero_stage}
     if s.zero_stage >= 1:
         zero.update(overlap_comm=device == "cuda", contiguous_gradients=True, reduce_scatter=True)
-    if s.offload_optimizer != "none":
-        zero["offload_optimizer"] = {"device": s.offload_optimizer, "pin_memory": device == "cuda"}
-    if s.offload_param != "none":
-        zero["offload_param"] = {"device": s.offload_param, "pin_memory": device == "cuda"}
+    for key in ("offload_optimizer", "offload_param"):
+        target = getattr(s, key)
+        if target != "none":
+            zero[key] = {"device": target, "pin_memory": device == "cuda"}
+            if target == "nvme":
+                zero[key]["nvme_path"] = s.nvme_path
     warmup = min(s.warmup_steps, max(total_steps - 1, 0))
     # DeepSpeed wants at least one warm-up step; "no warm-up" is one step that already starts at the full rate.
     config = {

@@ -165,7 +165,7 @@ def group_label(entry: dict) -> str:
 
 
 def scaling_rows(matrix: dict, runs_by_cell: dict[str, list[dict]], target_corpus_tokens: float) -> list[dict]:
-    """The seeds' table: per series, 1 vs N ranks — tokens/s, speedup, efficiency, memory, time per epoch."""
+    """The source articles' table: per series, 1 vs N ranks — tokens/s, speedup, efficiency, memory, time per epoch."""
     entries = [e for e in matrix["cells"] if runs_by_cell.get(e["cell"])]
     rows = []
     for key in sorted({group_key(e) for e in entries}, key=str):

@@ -30,6 +30,7 @@ from .export import export_hf
 from .metrics import peak_memory_bytes, read_jsonl, summarise_steps, truncate_jsonl
 from .model import build_model, count_parameters, resolve_shape
 from .provenance import provenance
+from .run_state import mark_finished, plan_digest, prepare_state
 from .settings import TrainSettings, check_settings, deepspeed_config
 
 
@@ -123,7 +124,8 @@ def _set_rng_state(state: dict) -> None:
 def resume_fingerprint(plan: dict) -> dict:
     """What must not change between a checkpoint and the run that resumes it."""
     keep_out = {"max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "max_restarts",
-                "warmup_timing_steps", "allow_reshape", "gpus", "nodes", "global_batch_size", "rdzv_endpoint"}
+                "warmup_timing_steps", "allow_reshape", "gpus", "nodes", "global_batch_size", "rdzv_endpoint",
+                "memory_fit", "nvme_path"}
     train = {k: v for k, v in plan["train"].items() if k not in keep_out}
     return {"model": plan["model"], "train": train, "data": plan["data_sha256"]}
 
@@ -176,16 +178,21 @@ def run_training(plan: dict) -> dict | None:
     if not _gather_floats([float(state_lock is not None or rank != 0)], run_device)[0][0]:
         raise ckpt.CheckpointError(f"{state_dir} is in use by another training run (its run.lock is held); "
                                    "two runs must never write the same checkpoints")
-    if rank == 0 and not plan.get("resume", True):
+    seq_len = plan["model"]["seq_len"]
+    digest = plan_digest(plan)
+    if rank == 0 and not plan["resume"]:
         shutil.rmtree(ckpt_root, ignore_errors=True)
         metrics_path.unlink(missing_ok=True)
+    elif rank == 0:  # which run this job continues, starts fresh, or trains again (see run_state)
+        for message in prepare_state(state_dir, resume_fingerprint(plan), settings.total_steps(seq_len), digest,
+                                     settings.checkpoint_steps(seq_len)):
+            _log(rank, message)
     dist.barrier()
 
     # 1) data, model, engine
     from .loader import PackedTokens, RankBatches
 
     index = json.loads(Path(plan["paths"]["index"]).read_text())
-    seq_len = plan["model"]["seq_len"]
     data = PackedTokens(Path(plan["paths"]["index"]), "train", seq_len)
     batches = RankBatches(data, rank=rank, world_size=world, micro_batch_size=settings.micro_batch_size,
                           seed=settings.seed)
@@ -193,7 +200,11 @@ def run_training(plan: dict) -> dict | None:
     params = count_parameters(shape)
     _log(rank, f"model {plan['model']['preset']}: {params['total']:,} parameters "
                f"({params['non_embedding']:,} non-embedding), world size {world}, device {device}")
-    model = build_model(shape, seq_len, settings.seed)
+    if plan.get("memory_fit"):
+        from .memory_fit import summary_line
+
+        _log(rank, summary_line(plan["memory_fit"]))
+    model = build_model(shape, seq_len, settings.seed, settings.precision, run_device)
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable()
     total_steps = settings.total_steps(seq_len)
@@ -391,6 +402,9 @@ def run_training(plan: dict) -> dict | None:
             "loss": steady["loss"], "skipped_steps": records[-1]["skipped_steps"],
             "oversubscribed": os.environ.get("PRETRAIN_BENCH_OVERSUBSCRIBED") == "1",
             "threads_per_rank": threads, "resumed_from_step": resumed_from,
+            # what the pre-flight chose under train.memory_fit (asked vs ran, and why)
+            "memory_fit": {k: plan["memory_fit"][k] for k in ("mode", "asked", "chosen", "changed", "summary")}
+            if plan.get("memory_fit") else None,
             "checkpoints": ckpt.committed_steps(ckpt_root), "checkpoint_dir": str(ckpt_root),
             "provenance": provenance(plan["config"], plan["hardware"] | {"threads_per_rank": threads})
             | {"slurm_job_id": os.environ.get("SLURM_JOB_ID"),
@@ -407,6 +421,8 @@ def run_training(plan: dict) -> dict | None:
         tmp = out_dir / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2))
         os.replace(tmp, out_dir / "summary.json")
+        if plan["save_checkpoints"]:
+            mark_finished(state_dir, total_steps, digest)
         _log(rank, f"done: {summary['tokens_per_s']:,.0f} tokens/s steady state, loss "
                    f"{summary['loss']['first']:.3f} → {summary['loss']['last']:.3f}")
     dist.barrier()

@@ -1,0 +1,49 @@
+"""Command-line overrides with the types the schema asks for.
+
+`snakemake --config 'train={"gpus": 8}'` parses a nested value with YAML's BaseLoader, which keeps every scalar a
+string, so the schema would see "8" where it wants an integer. Snakemake's validate() fills defaults but converts
+no types, and jsonschema has no coercion, so this walks the schema and turns such strings into the YAML value they
+spell, where that value is of a type the key accepts. Strings meant as strings are left alone.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+_PYTHON_TYPES = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None),
+                 "array": list, "object": dict}
+
+
+def coerce_command_line_types(config: dict, schema_path: Path | str) -> dict:
+    """Convert, in place, string values whose schema type is not string; returns config."""
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    _coerce_object(config, schema)
+    return config
+
+
+def _coerce_object(values: dict, schema: dict) -> None:
+    for key, sub in (schema.get("properties") or {}).items():
+        if key in values:
+            values[key] = _coerce(values[key], sub)
+
+
+def _coerce(value, schema: dict):
+    types = schema.get("type", [])
+    types = [types] if isinstance(types, str) else list(types)
+    if isinstance(value, str) and types and "string" not in types:
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+        wanted = tuple(t for name in types for t in (_PYTHON_TYPES[name] if isinstance(_PYTHON_TYPES[name], tuple)
+                                                     else (_PYTHON_TYPES[name],)))
+        # bool is an int in Python: "true" must not pass as an integer, nor "1" as a boolean
+        if isinstance(parsed, wanted) and not (isinstance(parsed, bool) and "boolean" not in types):
+            return parsed
+        return value
+    if isinstance(value, dict):
+        _coerce_object(value, schema)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_coerce(item, schema["items"]) for item in value]
+    return value

@@ -1,0 +1,131 @@
+"""train.memory_fit: what a run does when the memory model predicts that the settings asked for do not fit.
+
+`strict` stops before anything is allocated, with the figures and what would fit (memory_model.explain).
+`auto` takes the first change from an ordered ladder that fits the GPU memory, the host RAM and the NVMe disk it
+checks, keeping the model, the precision and the global batch:
+
+    1. optimizer offload to host RAM (ZeRO-Offload; ZeRO-2 at least)
+    2. ZeRO-3 with parameter and optimizer offload to host RAM
+    3. ZeRO-3 with parameter and optimizer offload to NVMe (ZeRO-Infinity) at train.nvme_path (CUDA only)
+    4. activation checkpointing
+    5. a smaller micro-batch with more gradient accumulation (same global batch)
+    then the offloads combined with 4 and with 4 + the smallest micro-batch.
+
+Each rung is judged alone against the settings asked for, in this order: the earlier rungs cost the least
+throughput for the memory they free on the articles' kind of machine. What was asked, what was chosen and why
+lands in plan.json (`memory_fit`), the pretrain log and the report. Pure Python, like memory_model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .memory_model import Budget, detect_budget, estimate, explain, gib, judge, resolve_device_cheaply, run_shape
+from .settings import ConfigError, TrainSettings
+
+# The settings a rung may change; everything else (model, precision, global batch, data) stays as asked.
+FIT_KEYS = ("zero_stage", "offload_optimizer", "offload_param", "activation_checkpointing", "micro_batch_size",
+            "grad_accum_steps")
+
+
+@dataclass(frozen=True)
+class Rung:
+    label: str
+    settings: TrainSettings
+
+
+def describe(s: TrainSettings) -> str:
+    """'ZeRO-2 + CPU optimizer offload + activation checkpointing, micro-batch 8 × 1'."""
+    text = f"ZeRO-{s.zero_stage}"
+    where = {"cpu": "CPU", "nvme": "NVMe"}
+    if s.offload_param != "none":
+        text += f" + {where[s.offload_param]} parameter offload"
+    if s.offload_optimizer != "none":
+        text += f" + {where[s.offload_optimizer]} optimizer offload"
+    if s.activation_checkpointing:
+        text += " + activation checkpointing"
+    return text + f", micro-batch {s.micro_batch_size} × {s.grad_accum_steps} accumulation"
+
+
+def ladder(s: TrainSettings, device: str) -> list[Rung]:
+    """The ordered changes `auto` tries (see the module docstring); none repeats the settings asked for."""
+    offloads = []
+    if device == "cuda":
+        if s.offload_optimizer == "none":
+            offloads.append(replace(s, zero_stage=max(s.zero_stage, 2), offload_optimizer="cpu"))
+        if (s.zero_stage, s.offload_optimizer, s.offload_param) != (3, "cpu", "cpu"):
+            offloads.append(replace(s, zero_stage=3, offload_optimizer="cpu", offload_param="cpu"))
+        if (s.zero_stage, s.offload_optimizer, s.offload_param) != (3, "nvme", "nvme"):
+            offloads.append(replace(s, zero_stage=3, offload_optimizer="nvme", offload_param="nvme"))
+    smaller = [replace(s, micro_batch_size=mb, grad_accum_steps=s.grad_accum_steps * (s.micro_batch_size // mb))
+               for mb in range(s.micro_batch_size - 1, 0, -1) if s.micro_batch_size % mb == 0]
+    checkpointing = [] if s.activation_checkpointing else [replace(s, activation_checkpointing=True)]
+    rungs = offloads + checkpointing + smaller
+    for offload in offloads:  # combined, once no single change is enough
+        rungs.append(replace(offload, activation_checkpointing=True))
+        if smaller:
+            rungs.append(replace(offload, activation_checkpointing=True, micro_batch_size=1,
+                                 grad_accum_steps=smaller[-1].grad_accum_steps))
+    unique, seen = [], {_key(s)}
+    for rung in rungs:
+        if _key(rung) not in seen:
+            seen.add(_key(rung))
+            unique.append(Rung(describe(rung), rung))
+    return unique
+
+
+def _key(s: TrainSettings) -> tuple:
+    return tuple(getattr(s, k) for k in FIT_KEYS)
+
+
+def fit_run(config: dict, settings: TrainSettings, vocab_size: int | None = None, *, what: str = "the training run",
+            nvme_path: str | None = None, budget: Budget | None = None) -> tuple[TrainSettings, dict]:
+    """The settings to run with and the pre-flight record; raises ConfigError when nothing fits (or, under
+    `strict`, when the settings asked for do not), unless benchmark.force."""
+    bench = config.get("benchmark") or {}
+    device = resolve_device_cheaply(settings.device)
+    if settings.nvme_path is None and nvme_path is not None:
+        settings = replace(settings, nvme_path=str(nvme_path))
+    budget = budget or detect_budget(device, bench, settings.nvme_path)
+
+    def judged(s: TrainSettings):
+        run = run_shape(config, s, device, vocab_size)
+        est = estimate(run)
+        return run, est, judge(est, run, budget)
+
+    run, est, verdict = judged(settings)
+    record = {"mode": settings.memory_fit, "asked": {k: getattr(settings, k) for k in FIT_KEYS},
+              "asked_text": describe(settings), "asked_fits": verdict.fits, "asked_verdict": verdict.text,
+              "chosen": None, "changed": {}, "tried": [], "summary": f"ran {describe(settings)} as asked"}
+    chosen = settings
+    if not verdict.fits and settings.memory_fit == "auto":
+        for rung in ladder(settings, device):
+            _, rung_est, rung_verdict = judged(rung.settings)
+            record["tried"].append({"label": rung.label, "fits": rung_verdict.fits, "text": rung_verdict.text,
+                                    "per_rank_bytes": rung_est.per_rank})
+            if rung_verdict.fits:
+                chosen, est, verdict = rung.settings, rung_est, rung_verdict
+                break
+    if chosen is not settings:
+        record["chosen"] = describe(chosen)
+        record["changed"] = {k: [getattr(settings, k), getattr(chosen, k)] for k in FIT_KEYS
+                             if getattr(settings, k) != getattr(chosen, k)}
+        record["summary"] = (f"asked {describe(settings)}; ran {describe(chosen)} (train.memory_fit: auto), "
+                             f"because the settings asked for are predicted not to fit: {record['asked_verdict']}; "
+                             f"the choice {verdict.text}")
+    elif not verdict.fits:
+        if not bench.get("force", False):
+            message = explain(run, est, verdict, budget, what)
+            if record["tried"]:
+                tried = "\n".join(f"  - {t['label']}: {t['text']} [does not fit]" for t in record["tried"])
+                message += f"\ntrain.memory_fit: auto tried, in order:\n{tried}"
+            raise ConfigError(message)
+        record["summary"] = f"ran {describe(settings)} predicted not to fit ({verdict.text}): benchmark.force"
+    record.update(estimate=est.as_dict(), budget=budget.as_dict(), fits=verdict.fits, text=verdict.text,
+                  host_need_bytes=verdict.host_need_bytes, disk_need_bytes=verdict.disk_need_bytes)
+    return chosen, record
+
+
+def summary_line(record: dict) -> str:
+    """One line for logs: the choice, or the settings asked for with their predicted peak."""
+    per_rank = gib(record["estimate"]["per_rank"])
+    return f"memory fit: {record['summary']} (predicted {per_rank} GiB per rank)"
