@@ -55,7 +55,7 @@ def snakemake(cluster, tmp_path, train: dict, *args) -> str:
            # The test nodes: 2 CPUs and 16 GB each; status checks soon after submission (squeue stays reliable
            # while MinJobAge >= 3 x this delay).
            "--cores", "2", "--set-resources", "pretrain:mem_mb=4000", "pretrain:runtime=30",
-           "--slurm-init-seconds-before-status-checks", "2", "--rerun-triggers", "mtime", *args]
+           "--slurm-init-seconds-before-status-checks", "2", "--rerun-triggers", "mtime", "params", *args]
     env = dict(cluster.env, PATH=f"{Path(sys.executable).parent}:{cluster.env['PATH']}")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     output = proc.stdout + proc.stderr
@@ -89,8 +89,8 @@ def single_node(cluster, tmp_path_factory):
 def two_nodes(cluster, single_node, tmp_path_factory):
     # Same corpus, tokenizer and shards; a new plan and a fresh training state (the old one has world size 3).
     shutil.rmtree(RESULTS / "state", ignore_errors=True)
-    output = snakemake(cluster, tmp_path_factory.mktemp("two"), {"nodes": 2, "gpus": 1, "global_batch_size": 16},
-                       "--forcerun", "plan_pretrain")
+    # the edited train.nodes/gpus reach plan_pretrain as params: Snakemake replans without being told
+    output = snakemake(cluster, tmp_path_factory.mktemp("two"), {"nodes": 2, "gpus": 1})
     return output, (ROOT / "logs" / NAME / "pretrain.log").read_text()
 
 

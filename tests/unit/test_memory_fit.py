@@ -128,3 +128,62 @@ def test_plan_records_asked_and_chosen(tmp_path, no_gpu):
     # the plan records only the config a training run reads
     assert set(plan["config"]) == {"name", "model", "train", "tokenizer", "benchmark", "report"}
     assert "evaluate" not in plan["config"] and "corpus" not in plan["config"]
+
+
+def word_level_tokenizer(path: Path, size: int) -> Path:
+    """A tokenizer.json with exactly `size` ids, EOS and pad among them (what a 32k LLaMA-style file holds)."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"w{i}": i for i in range(size - 2)} | {"</s>": size - 2, "<pad>": size - 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tokenizer.save(str(path))
+    (path.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>"}))
+    return path.parent
+
+
+def test_an_adopted_tokenizer_sets_the_vocabulary_the_plan_uses(tmp_path, no_gpu):
+    config = default_config()  # tokenizer.vocab_size 102400 (DeepSeek's), larger than llama-125m's 32000
+    config["model"]["preset"] = "llama-125m"
+    config["tokenizer"]["path"] = str(word_level_tokenizer(tmp_path / "tokenizer.json", 32000))
+    assert memory_model.config_vocab_size(config) == 32000
+    settings = settings_of(config)
+    shape = run_shape(config, settings, "cuda")
+    assert shape.vocab_size == 32000  # planned with the adopted tokenizer, not tokenizer.vocab_size
+    # a smaller tokenizer: the preset's own 32000 rows still win
+    (tmp_path / "small").mkdir()
+    config["tokenizer"]["path"] = str(word_level_tokenizer(tmp_path / "small" / "tokenizer.json", 500))
+    assert memory_model.config_vocab_size(config) == 500 and run_shape(config, settings, "cuda").vocab_size == 32000
+    # and the preset that takes the tokenizer's size follows it
+    config["model"]["preset"] = "tiny"
+    assert run_shape(config, settings, "cuda").vocab_size == 500
+    config["tokenizer"]["path"] = str(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="tokenizer.path .*missing.json"):
+        memory_model.config_vocab_size(config)
+
+
+BUILD_RSS = """
+import json, resource, sys
+sys.path.insert(0, sys.argv[1])
+from pretrain_bench.model import build_model, llama_config, resolve_shape
+shape = resolve_shape("llama-125m", {}, 32000)
+from transformers import LlamaForCausalLM  # noqa: F401  (imported before the baseline, as in a rank)
+llama_config(shape, 128)
+before = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+build_model(shape, 128, seed=1, precision="bf16", device="cpu")
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"grown": peak - before}))
+"""
+
+
+def test_building_a_bf16_model_takes_one_bf16_copy_as_the_memory_model_says():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", BUILD_RSS, str(ROOT / "workflow_scripts")], capture_output=True,
+                         text=True, check=True, timeout=300).stdout
+    grown = json.loads(out)["grown"]
+    config = default_config()
+    config["model"] = {"preset": "llama-125m", "seq_len": 128, "overrides": {}}
+    run = run_shape(config, TrainSettings(device="cpu", precision="bf16", comm_backend="gloo"), "cpu", 32000)
+    predicted = estimate(run).init  # 2Ψ: one bf16 copy, no fp32 model first (that was 4Ψ + 2Ψ)
+    assert predicted == 2 * run.parameters
+    assert abs(grown - predicted) <= 0.15 * predicted, (grown, predicted)

@@ -36,6 +36,13 @@ def _coerce(value, schema: dict):
             parsed = yaml.safe_load(value)
         except yaml.YAMLError:
             return value
+        if isinstance(parsed, str):  # YAML 1.1 reads "1e-3" (no dot) as a string; Python reads it as a number
+            for number in (int, float):
+                try:
+                    parsed = number(value)
+                    break
+                except ValueError:
+                    pass
         wanted = tuple(t for name in types for t in (_PYTHON_TYPES[name] if isinstance(_PYTHON_TYPES[name], tuple)
                                                      else (_PYTHON_TYPES[name],)))
         # bool is an int in Python: "true" must not pass as an integer, nor "1" as a boolean

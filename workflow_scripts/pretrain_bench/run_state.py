@@ -53,7 +53,7 @@ def _holds_anything(state_dir: Path) -> bool:
 
 
 def _move_run(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True, exist_ok=False)
+    dst.mkdir(parents=True, exist_ok=True)
     for item in RUN_ITEMS:
         if (src / item).exists():
             os.replace(src / item, dst / item)

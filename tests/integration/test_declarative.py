@@ -1,0 +1,188 @@
+"""Edit the config, rerun: Snakemake reruns exactly what depends on the edit, and the outputs follow it.
+
+One tiny pipeline is run to the end; then one key per config section is edited (each its own overlay) and
+`snakemake -n` must schedule the rules that read that key and no others. Then edits are run for real: more steps
+continue training (run with no virtualenv on PATH, as `.venv/bin/snakemake` may be started), a new learning rate and
+model shape start a fresh run beside the old one, `--forcerun pretrain` trains again, and evaluation, benchmark and
+report edits show up in their outputs.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from support import TINY_CONFIG, run_snakemake  # noqa: E402
+from pretrain_bench.checkpoint import committed_steps  # noqa: E402
+
+NAME = "itest-edits"
+RESULTS = ROOT / "results" / NAME
+# Small and quick: 20 steps, checkpoints at 10 and 20, one benchmark cell, no lm-eval.
+BASE = {"name": NAME, "train": {"max_steps": 20, "checkpoint_every": 10},
+        "evaluate": {"lm_eval": {"tasks": []}},
+        "benchmark": {"matrix": {"gpus": [1], "comm_backend": ["gloo"]}, "steps": 4, "warmup_steps": 1}}
+TRAINING = {"plan_pretrain", "pretrain", "export_checkpoint", "evaluate", "report"}
+DATA = {"download_corpus", "train_tokenizer", "shard_tokens", "index_shards"}
+BENCH = {"plan_bench_cell", "bench_cell"}
+
+
+@pytest.fixture(scope="module")
+def overlays(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("overlays")
+
+    def write(name: str, content: dict) -> Path:
+        path = folder / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(content))
+        return path
+    return write
+
+
+@pytest.fixture(scope="module")
+def finished(overlays):
+    for folder in (RESULTS, ROOT / "logs" / NAME, ROOT / "benchmarks" / NAME):
+        shutil.rmtree(folder, ignore_errors=True)
+    base = overlays("base", BASE)
+    snakemake(base)
+    return base
+
+
+def snakemake(*overlays, args=(), env=None, check=True):
+    return run_snakemake(NAME, *args, configfiles=(TINY_CONFIG, *overlays), env=env, check=check)
+
+
+def scheduled(*overlays) -> set[str]:
+    """Rules `snakemake -n` would run (from its job-stats table)."""
+    out = snakemake(*overlays, args=("-n",)).stdout
+    if "Nothing to be done" in out:
+        return set()
+    table = out.split("Job stats:")[1].split("total")[0]
+    return {m.group(1) for m in re.finditer(r"^(\w+)\s+\d+\s*$", table, re.M)} - {"all"}
+
+
+EDITS = {  # section: (edit, rules that must rerun, rules that must not)
+    "corpus": ({"corpus": {"min_chars": 40}}, DATA | TRAINING | BENCH, set()),
+    "tokenizer": ({"tokenizer": {"vocab_size": 3000}}, DATA - {"download_corpus"} | TRAINING | BENCH,
+                  {"download_corpus"}),
+    "model": ({"model": {"overrides": {"num_hidden_layers": 3}}}, TRAINING | BENCH | {"bench_matrix"}, DATA),
+    "train": ({"train": {"lr": 1.0e-3}}, TRAINING | BENCH, DATA | {"bench_matrix", "measure_peak"}),
+    "evaluate": ({"evaluate": {"prompts": ["def main(", "class Queue:"]}}, {"evaluate", "report"},
+                 DATA | BENCH | {"plan_pretrain", "pretrain", "export_checkpoint"}),
+    "benchmark": ({"benchmark": {"steps": 5}}, BENCH | {"bench_matrix", "report"},
+                  DATA | {"plan_pretrain", "pretrain", "export_checkpoint", "evaluate"}),
+    "report": ({"report": {"target_corpus_tokens": 2.0e+12}}, {"report"},
+               DATA | BENCH | {"plan_pretrain", "pretrain", "export_checkpoint", "evaluate", "bench_matrix"}),
+}
+
+
+def test_a_finished_run_has_nothing_to_do(finished):
+    assert scheduled(finished) == set()
+
+
+@pytest.mark.parametrize("section", sorted(EDITS))
+def test_one_edit_per_section_reruns_exactly_its_dependants(finished, overlays, section):
+    edit, must, must_not = EDITS[section]
+    rules = scheduled(finished, overlays(section, edit))
+    assert must <= rules, f"{section}: {sorted(must - rules)} should rerun"
+    assert not rules & must_not, f"{section}: {sorted(rules & must_not)} should not rerun"
+    if section == "report":
+        assert rules == {"report"}
+
+
+def summary():
+    return json.loads((RESULTS / "train" / "summary.json").read_text())
+
+
+def pretrain_log() -> str:
+    return (ROOT / "logs" / NAME / "pretrain.log").read_text()
+
+
+def test_more_steps_continue_the_run_started_without_the_venv_on_path(finished, overlays):
+    more = overlays("more-steps", {"train": {"max_steps": 30}})
+    # .venv/bin/snakemake started directly, no activated venv: every rule must still find torch
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    cmd = [str(Path(sys.executable).parent / "snakemake"), "--cores", "2", "--resources", "gpu=3",
+           "--configfile", TINY_CONFIG, str(finished), str(more)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:] + pretrain_log()[-3000:]
+    assert summary()["steps"] == 30 and summary()["resumed_from_step"] == 20
+    assert "resumed from" in pretrain_log() and (RESULTS / "eval" / "step30.json").is_file()
+    assert committed_steps(RESULTS / "state" / "checkpoints") == [10, 20, 30]
+    assert scheduled(finished, more) == set()
+
+
+def test_new_learning_rate_and_shape_start_fresh_and_keep_the_old_run(finished, overlays):
+    more = overlays("more-steps", {"train": {"max_steps": 30}})
+    old_losses = [json.loads(line)["loss"] for line in (RESULTS / "train" / "metrics.jsonl").read_text().splitlines()]
+    changed = overlays("changed", {"train": {"lr": 1.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
+    snakemake(finished, more, changed)
+    log = pretrain_log()
+    assert "the settings changed since the run in" in log and "train.lr" in log and "model" in log
+    kept = re.search(r"that run is kept in (\S+);", log).group(1)
+    assert committed_steps(ROOT / kept / "checkpoints") == [10, 20, 30]  # the old run, whole
+    new = summary()
+    assert new["resumed_from_step"] is None and new["model"]["layers"] == 3 and new["steps"] == 30
+    new_losses = [json.loads(line)["loss"] for line in (RESULTS / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert len(new_losses) == 30 and new_losses != old_losses
+    plan = json.loads((RESULTS / "train" / "plan.json").read_text())
+    assert plan["train"]["lr"] == 1.0e-3 and plan["model"]["overrides"] == {"num_hidden_layers": 3}
+
+
+def test_forcerun_pretrain_trains_again(finished, overlays):
+    more = overlays("more-steps", {"train": {"max_steps": 30}})
+    changed = overlays("changed", {"train": {"lr": 1.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
+    before = set((RESULTS / "state" / "runs").iterdir())
+    snakemake(finished, more, changed, args=("--forcerun", "pretrain"))
+    assert "training again from scratch" in pretrain_log()
+    archived = set((RESULTS / "state" / "runs").iterdir()) - before
+    assert len(archived) == 1 and committed_steps(archived.pop() / "checkpoints") == [10, 20, 30]
+    assert summary()["resumed_from_step"] is None and summary()["steps"] == 30
+
+
+def test_evaluation_benchmark_and_report_edits_show_in_their_outputs(finished, overlays):
+    more = overlays("more-steps", {"train": {"max_steps": 30}})
+    changed = overlays("changed", {"train": {"lr": 1.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
+    trained = (RESULTS / "train" / "summary.json").stat().st_mtime
+    edits = overlays("outputs", {"evaluate": {"prompts": ["def main(", "class Queue:"]},
+                                 "benchmark": {"steps": 5}, "report": {"target_corpus_tokens": 2.0e+12}})
+    snakemake(finished, more, changed, edits)
+    assert (RESULTS / "train" / "summary.json").stat().st_mtime == trained, "no retraining"
+    generations = json.loads((RESULTS / "eval" / "step30.json").read_text())["generations"]
+    assert [g["prompt"] for g in generations if g["mode"] == "greedy"] == ["def main(", "class Queue:"]
+    cell = json.loads((RESULTS / "bench" / "ranks1-zero2-fp32-gloo" / "rep1" / "summary.json").read_text())
+    assert cell["steps"] == 5
+    assert "report.target_corpus_tokens = 2,000,000,000,000 tokens" in (RESULTS / "report" / "report.md").read_text()
+
+
+def dry_run_default(*args) -> subprocess.CompletedProcess:
+    """`snakemake -n` on the default experiment (config.yaml), as the README shows it; no GPU here."""
+    cmd = [sys.executable, "-m", "snakemake", "-n", "--cores", "32", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_readme_train_only_override_on_eight_gpus():
+    proc = dry_run_default("--resources", "gpu=8", "--config", 'benchmark={"enabled": false}', 'train={"gpus": 8}')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert re.search(r"rule pretrain:.*?resources: [^\n]*gpu=8", out, re.S), "8 ranks, global batch derived"
+    assert "bench_cell" not in out and "measure_peak" not in out and "rule report:" in out
+    assert "benchmark matrix (0 launches): off" in out
+    assert "ran ZeRO-2 + CPU optimizer offload" in out  # the pre-flight's choice, printed by the dry run
+
+
+def test_dry_run_prints_the_memory_choice_and_the_cost_of_the_matrix():
+    proc = dry_run_default("--resources", "gpu=3")
+    out = proc.stdout + proc.stderr
+    assert "memory fit: asked ZeRO-2" in out and "because the settings asked for are predicted not to fit" in out
+    main = re.search(r"main run \(rule pretrain\): ≥ (.+?) at 100 % MFU", out)
+    matrix = re.search(r"benchmark matrix \((\d+) launches\): ≥ .+ at 100 % MFU", out)
+    assert main and matrix and int(matrix.group(1)) == 12  # (1 + 3 GPUs) × nccl/gloo offloaded cells × 3 repeats
+    assert out.count("rule bench_cell:") == 12

@@ -1,0 +1,40 @@
+"""Command-line overrides (`snakemake --config 'train={"gpus": 8}'`) reach the schema with the types it wants."""
+import sys
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+
+from pretrain_bench.config_types import coerce_command_line_types  # noqa: E402
+
+SCHEMA = ROOT / "schemas" / "config.schema.yaml"
+
+
+def command_line(value: str):
+    """What Snakemake's --config parser makes of a nested value: YAML's BaseLoader, every scalar a string."""
+    return yaml.load(value, Loader=yaml.loader.BaseLoader)
+
+
+def test_nested_overrides_get_schema_types():
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    config["train"].update(command_line('{"gpus": 8, "lr": 1e-3, "global_batch_size": null, '
+                                        '"activation_checkpointing": true, "memory_fit": "strict"}'))
+    config["benchmark"]["matrix"].update(command_line('{"gpus": [1, 8]}'))
+    config["name"] = "123"  # a string key stays a string even when it spells a number
+    assert config["train"]["gpus"] == "8"
+    coerce_command_line_types(config, SCHEMA)
+    assert config["train"]["gpus"] == 8 and config["train"]["lr"] == 1e-3
+    assert config["train"]["global_batch_size"] is None and config["train"]["activation_checkpointing"] is True
+    assert config["train"]["memory_fit"] == "strict" and config["name"] == "123"
+    assert config["benchmark"]["matrix"]["gpus"] == [1, 8]
+    jsonschema.validate(config, yaml.safe_load(SCHEMA.read_text()))
+
+
+def test_values_of_the_wrong_kind_are_left_for_the_schema_to_reject():
+    config = {"train": {"gpus": "eight", "allow_reshape": "1", "max_steps": "true"}}
+    coerce_command_line_types(config, SCHEMA)
+    # not numbers or booleans: untouched, so validation names the key and the bad value
+    assert config["train"] == {"gpus": "eight", "allow_reshape": "1", "max_steps": "true"}

@@ -1,0 +1,75 @@
+"""What a rerun does with the state folder: resume, start fresh beside the old run, or train again."""
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+
+from pretrain_bench.checkpoint import committed_steps, write_marker  # noqa: E402
+from pretrain_bench.run_state import fingerprint_id, mark_finished, prepare_state  # noqa: E402
+
+FP = {"model": {"preset": "tiny"}, "train": {"lr": 0.003, "seed": 1}, "data": "abc"}
+OTHER = {**FP, "train": {"lr": 0.001, "seed": 1}}
+
+
+def fake_run(state: Path, fingerprint: dict, steps: list[int]) -> None:
+    """A state folder as a training job leaves it: committed checkpoints, metrics, the active marker."""
+    for step in steps:
+        (state / "checkpoints" / f"step{step}").mkdir(parents=True)
+        (state / "checkpoints" / f"step{step}" / "mp_rank_00_model_states.pt").write_bytes(b"w" * step)
+        write_marker(state / "checkpoints", step, {"fingerprint": fingerprint})
+    (state / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, steps[-1] + 1)))
+    (state / "ACTIVE.json").write_text(json.dumps({"fingerprint": fingerprint, "id": fingerprint_id(fingerprint)}))
+
+
+def test_same_settings_resume_in_place(tmp_path):
+    fake_run(tmp_path, FP, [10, 20])
+    assert prepare_state(tmp_path, FP, 40, "plan-a", [10, 20, 30, 40]) == []  # more steps: continue
+    assert committed_steps(tmp_path / "checkpoints") == [10, 20]
+
+
+def test_changed_settings_start_fresh_and_keep_the_old_run_which_comes_back(tmp_path):
+    fake_run(tmp_path, FP, [10, 20])
+    messages = prepare_state(tmp_path, OTHER, 20, "plan-b", [10, 20])
+    kept = tmp_path / "runs" / fingerprint_id(FP)
+    assert len(messages) == 1 and "(train.lr)" in messages[0] and str(kept) in messages[0]
+    assert committed_steps(tmp_path / "checkpoints") == [] and not (tmp_path / "metrics.jsonl").exists()
+    assert committed_steps(kept / "checkpoints") == [10, 20] and (kept / "metrics.jsonl").is_file()
+    # the new run trains a little, then the user edits the learning rate back: the old run resumes
+    fake_run(tmp_path, OTHER, [10])
+    messages = prepare_state(tmp_path, FP, 20, "plan-a", [10, 20])
+    assert any("resuming the run kept in" in m for m in messages)
+    assert committed_steps(tmp_path / "checkpoints") == [10, 20] and not kept.exists()
+    assert committed_steps(tmp_path / "runs" / fingerprint_id(OTHER) / "checkpoints") == [10]
+
+
+def test_a_finished_run_with_the_same_plan_trains_again(tmp_path):
+    fake_run(tmp_path, FP, [10, 20])
+    mark_finished(tmp_path, 20, "plan-a")
+    messages = prepare_state(tmp_path, FP, 20, "plan-a", [10, 20])  # --forcerun pretrain
+    assert "training again from scratch" in messages[0]
+    assert committed_steps(tmp_path / "checkpoints") == []
+    archived = [p for p in (tmp_path / "runs").iterdir() if p.name.startswith(fingerprint_id(FP) + "-")]
+    assert len(archived) == 1 and committed_steps(archived[0] / "checkpoints") == [10, 20]
+
+
+def test_a_finished_run_whose_plan_changed_only_outside_the_weights_is_reused(tmp_path):
+    fake_run(tmp_path, FP, [10, 20])
+    mark_finished(tmp_path, 20, "plan-a")
+    # e.g. train.warmup_timing_steps edited: every kept checkpoint exists, so resume at the end
+    messages = prepare_state(tmp_path, FP, 20, "plan-b", [10, 20])
+    assert "resuming at its last step" in messages[0] and committed_steps(tmp_path / "checkpoints") == [10, 20]
+    assert not (tmp_path / "FINISHED.json").exists()
+    # train.checkpoint_every edited to 5: step 5 and 15 do not exist, so it trains again
+    mark_finished(tmp_path, 20, "plan-b")
+    messages = prepare_state(tmp_path, FP, 20, "plan-c", [5, 10, 15, 20])
+    assert "[5, 15]" in messages[0] and "training again" in messages[0]
+    assert committed_steps(tmp_path / "checkpoints") == []
+
+
+def test_a_state_folder_from_before_active_markers_is_read_from_its_checkpoints(tmp_path):
+    fake_run(tmp_path, FP, [10])
+    (tmp_path / "ACTIVE.json").unlink()
+    prepare_state(tmp_path, OTHER, 20, "plan", [10, 20])
+    assert committed_steps(tmp_path / "runs" / fingerprint_id(FP) / "checkpoints") == [10]
