@@ -8,6 +8,7 @@ from snakemake.utils import validate
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow_scripts"))
 
 from pretrain_bench.config_types import coerce_command_line_types  # noqa: E402
+from pretrain_bench.devices import GPU_LOCK_DIR as DEVICE_LOCK_DIR  # noqa: E402
 from pretrain_bench.settings import ConfigError, TrainSettings, check_settings  # noqa: E402
 
 
@@ -49,7 +50,7 @@ def eval_outputs(name):
 # Evaluation runs where evaluate.device says (null: where train.device says). Each job on a GPU holds one device slot
 # (gpu=1, plus a lock-file slot in the launcher's lock folder); on CPU it asks for none, leaving `gpu` to training.
 EVAL_DEVICE = config["evaluate"].get("device") or TRAIN.device
-GPU_LOCK_DIR = ".pretrain-bench/gpu-slots"  # the launcher's default: training ranks and evaluations never share
+GPU_LOCK_DIR = str(DEVICE_LOCK_DIR)  # the launcher's too: training ranks and evaluations never share
 LM_EVAL_TASKS = config["evaluate"]["lm_eval"]["tasks"]
 
 
@@ -156,6 +157,7 @@ def final_outputs():
     return [
         f"results/{NAME}/report/report.md",
         f"results/{NAME}/report/report.html",
+        f"results/{NAME}/train/hf",
         *bench_matrix_outputs(NAME),
         *evaluation_outputs(NAME),
     ]

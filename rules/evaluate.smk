@@ -20,7 +20,30 @@ rule export_checkpoint:
         "../envs/pretrain.yaml"
     threads: 1
     params:
+        step=lambda wildcards: int(wildcards.step),
         dtype=config["evaluate"]["export_dtype"],
+    script:
+        "../workflow_scripts/export_checkpoint.py"
+
+
+# The main run's final weights as train/hf (fp32, exact), exported here rather than inside the training job, so no
+# rank waits in a barrier while rank 0 gathers and writes a large model.
+rule export_final:
+    input:
+        plan="results/{name}/train/plan.json",
+        summary="results/{name}/train/summary.json",
+    output:
+        directory("results/{name}/train/hf"),
+    log:
+        "logs/{name}/export_final.log",
+    benchmark:
+        "benchmarks/{name}/export_final.tsv"
+    conda:
+        "../envs/pretrain.yaml"
+    threads: 1
+    params:
+        step=TRAIN.total_steps(config["model"]["seq_len"]),
+        dtype="fp32",
     script:
         "../workflow_scripts/export_checkpoint.py"
 

@@ -35,7 +35,6 @@ rule pretrain:
     output:
         metrics=report("results/{name}/train/metrics.jsonl", category="Training"),
         summary=report("results/{name}/train/summary.json", category="Training"),
-        hf=directory("results/{name}/train/hf"),
     log:
         "logs/{name}/pretrain.log",
     benchmark:

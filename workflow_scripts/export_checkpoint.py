@@ -1,4 +1,5 @@
-"""Snakemake adapter: export one committed DeepSpeed checkpoint as an HF model folder (rule export_checkpoint)."""
+"""Snakemake adapter: export one committed DeepSpeed checkpoint as an HF model folder (rules export_checkpoint and
+export_final)."""
 import json
 import sys
 from pathlib import Path
@@ -17,5 +18,5 @@ def main(plan_path, step, out_dir, dtype, threads):
 
 if "snakemake" in globals():
     sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
-    main(snakemake.input.plan, snakemake.wildcards.step, snakemake.output[0],  # noqa: F821
+    main(snakemake.input.plan, snakemake.params.step, snakemake.output[0],  # noqa: F821
          snakemake.params.dtype, snakemake.threads)  # noqa: F821

@@ -15,14 +15,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pretrain_bench.launcher import launch  # noqa: E402
 from pretrain_bench.settings import ConfigError  # noqa: E402
-from pretrain_bench.devices import SlotError  # noqa: E402
+from pretrain_bench.devices import GPU_LOCK_DIR, SlotError  # noqa: E402
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, required=True, help="ranks on this node (train.gpus)")
     parser.add_argument("--plan", type=Path, required=True, help="plan.json written by the plan rule")
-    parser.add_argument("--lock-dir", type=Path, default=Path(".pretrain-bench/gpu-slots"))
+    parser.add_argument("--lock-dir", type=Path, default=GPU_LOCK_DIR)
     parser.add_argument("--node-rank", type=int, default=None,
                         help="this node's rank in a multi-node run started by hand (0 hosts the rendezvous)")
     parser.add_argument("--rdzv-endpoint", default=None,

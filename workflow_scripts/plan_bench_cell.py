@@ -7,8 +7,7 @@ def main(config, cell, index, tokenizer, out_dir, state_dir, plan_path):
     from pretrain_bench.plan import make_plan, write_plan
 
     plan = make_plan(config, index=Path(index), tokenizer=Path(tokenizer).parent, out_dir=Path(out_dir),
-                     state_dir=Path(state_dir), role="bench", resume=False, save_checkpoints=False,
-                     export_hf=False)
+                     state_dir=Path(state_dir), role="bench", resume=False, save_checkpoints=False)
     plan["cell"] = cell
     write_plan(plan, Path(plan_path))
 

@@ -42,7 +42,7 @@ def plan_for(data, run_dir: Path, **train):
     overrides = {"max_steps": 8, "checkpoint_every": 4, "warmup_timing_steps": 1, **train}
     config = {**config, "train": {**config["train"], **overrides}}
     plan = make_plan(config, index=results / "shards" / "index.json", tokenizer=results / "tokenizer",
-                     out_dir=run_dir / "out", state_dir=run_dir / "state", export_hf=False)
+                     out_dir=run_dir / "out", state_dir=run_dir / "state")
     path = run_dir / "plan.json"
     write_plan(plan, path)
     return path
@@ -126,11 +126,15 @@ def test_resume_refuses_other_world_size_or_config(data, tmp_path):
     assert run(plan, 2, tmp_path / "b.log") != 0
     log = (tmp_path / "b.log").read_text()
     assert "was saved with world size 3, this run has 2" in log
-    # a changed learning rate: refused, naming what changed
+    # a changed learning rate: a fresh run, the old one kept whole beside it and named in the log
     plan = plan_for(data, run_dir, max_steps=8, lr=1e-3)
-    assert run(plan, 3, tmp_path / "c.log") != 0
-    assert "belongs to a different configuration (train changed)" in (tmp_path / "c.log").read_text()
-    assert committed_steps(run_dir / "state" / "checkpoints") == [4]
+    assert run(plan, 3, tmp_path / "c.log") == 0, (tmp_path / "c.log").read_text()[-3000:]
+    log = (tmp_path / "c.log").read_text()
+    assert "the settings changed since the run in" in log and "(train.lr)" in log
+    kept = [p for p in (run_dir / "state" / "runs").iterdir()]
+    assert len(kept) == 1 and committed_steps(kept[0] / "checkpoints") == [4]
+    assert json.loads((run_dir / "out" / "summary.json").read_text())["resumed_from_step"] is None
+    # the original settings again (at world size 2): the kept run comes back and resumes below
     # with train.allow_reshape: converted through a universal checkpoint and resumed at world size 2
     plan = plan_for(data, run_dir, max_steps=8, gpus=2, global_batch_size=None, allow_reshape=True)
     assert run(plan, 2, tmp_path / "d.log") == 0, (tmp_path / "d.log").read_text()[-3000:]

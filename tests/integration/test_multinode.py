@@ -44,7 +44,7 @@ def write_run_plan(data, run_dir: Path, **train) -> Path:
                 "precision": "fp32", "comm_backend": "gloo", "device": "cpu", **train}
     config = {**config, "train": {**config["train"], **settings}}
     plan = make_plan(config, index=results / "shards" / "index.json", tokenizer=results / "tokenizer",
-                     out_dir=run_dir / "out", state_dir=run_dir / "state", save_checkpoints=False, export_hf=False)
+                     out_dir=run_dir / "out", state_dir=run_dir / "state", save_checkpoints=False)
     write_plan(plan, run_dir / "plan.json")
     return run_dir / "plan.json"
 

@@ -123,7 +123,7 @@ def test_cell_plan_rederives_the_batch_and_keeps_no_state(tmp_path):
     cell = Cell(2, 1, "fp32", "gloo", 8, "none")
     cell_config = plan_config(config, train=cell_train(config, cell.train_overrides(bench)))
     plan = make_plan(cell_config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "rep1",
-                     state_dir=tmp_path / "s", role="bench", resume=False, save_checkpoints=False, export_hf=False)
+                     state_dir=tmp_path / "s", role="bench", resume=False, save_checkpoints=False)
     assert plan["train"]["gpus"] == 2 and plan["train"]["zero_stage"] == 1
     # 8 per rank × 2 ranks, not the main run's 24
     assert TrainSettings.from_config(plan["train"]).derived_global_batch == 16

@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow_scripts"))
 
 from pretrain_bench import checkpoint as ckpt  # noqa: E402
-from pretrain_bench.devices import SlotError, allocate_slots  # noqa: E402
+from pretrain_bench.devices import SlotError, allocate_slots, gpu_slots  # noqa: E402
 from pretrain_bench.launcher import rank_environment, torchrun_command  # noqa: E402
 from pretrain_bench.metrics import summarise_steps, truncate_jsonl  # noqa: E402
 
@@ -54,6 +54,34 @@ def test_concurrent_jobs_get_disjoint_device_slots(tmp_path):
     events = [queue.get(timeout=5) for _ in range(6)]
     ids = sorted(tuple(e[1]) for e in events[:])
     assert sorted({i for i in ids}) == [(0,), (1,), (2,)], "three 1-GPU jobs at once hold three different GPUs"
+
+
+def _hold_visible(lock_dir, queue, hold_s):
+    with gpu_slots(1, lock_dir, timeout_s=30) as ids:
+        queue.put(tuple(ids))
+        time.sleep(hold_s)
+
+
+def test_slots_come_from_the_users_visible_devices(tmp_path, monkeypatch):
+    # The user keeps the pipeline on GPUs 4, 5 and 6 of a bigger machine; three gpu=1 jobs start together.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_hold_visible, args=(tmp_path, queue, 0.6)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(20)
+    held = sorted(queue.get(timeout=5) for _ in range(3))
+    assert held == [("4",), ("5",), ("6",)], "three distinct devices, all inside the visible set"
+    with pytest.raises(SlotError, match=r"needs 4 devices but this machine has 3 visible \(CUDA_VISIBLE_DEVICES=4,5,6\)"):
+        with gpu_slots(4, tmp_path):
+            pass
+    # inside a SLURM allocation the scheduler's choice stands: no slot is taken
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    with gpu_slots(4, tmp_path) as ids:
+        assert ids is None
 
 
 def test_slot_allocation_waits_then_times_out(tmp_path):

@@ -87,3 +87,30 @@ def test_flops_formula_and_gpu_table():
     assert gpu_table_peak("NVIDIA GeForce RTX 4090 D", "bf16")[0] == 147.0e12
     assert gpu_table_peak("NVIDIA H200", "bf16")[0] == 989e12
     assert gpu_table_peak("NVIDIA H200", "fp32") is None
+
+
+def test_warmup_starts_above_zero_with_deepspeeds_scheduler():
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    s = settings(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=100)
+    params = deepspeed_config(s, "cpu", 100)["scheduler"]["params"]
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=s.lr)
+    scheduler = WarmupCosineLR(optimizer, **params)
+    scheduler.step(0)  # as train.py does after deepspeed.initialize
+    rates = []
+    for _ in range(12):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates[0] == pytest.approx(1e-4) and rates[1] > rates[0] > 0, "the first steps train"
+    assert rates[10] == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_adam_needs_no_compiler_unless_fused_adam_is_prebuilt():
+    s = settings(device="cuda", comm_backend="nccl", precision="bf16")
+    assert deepspeed_config(s, "cuda", 10)["optimizer"]["params"]["torch_adam"] is True
+    assert "torch_adam" not in deepspeed_config(s, "cuda", 10, fused_adam=True)["optimizer"]["params"]
+    # with the optimizer offloaded DeepSpeedCPUAdam runs (built with the host compiler): no torch_adam switch
+    offloaded = settings(device="cuda", comm_backend="nccl", precision="bf16", offload_optimizer="cpu")
+    assert "torch_adam" not in deepspeed_config(offloaded, "cuda", 10)["optimizer"]["params"]

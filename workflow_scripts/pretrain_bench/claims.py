@@ -149,8 +149,9 @@ def check_claims(scaling: list[dict], memory: list[dict], backends: list[dict], 
     rows.append({
         "claim": "NCCL vs Gloo",
         "claimed": f"NCCL {fmt(nccl)}% faster",
-        "physics": "NCCL runs collectives on the GPUs (NVLink/PCIe P2P); Gloo stages through host memory — the gap "
-                   "grows with the bytes per step",
+        "physics": "NCCL runs collectives on the GPUs, directly between them over NVLink or PCIe P2P where the "
+                   "cards have it (RTX 4090s do not: NCCL then stages through host memory too); Gloo always stages "
+                   "through host memory and reduces on the CPU — the gap grows with the bytes per step",
         "measured": "; ".join(f"{r['ranks']} ranks ZeRO-{r['zero_stage']}: NCCL {r['nccl_faster_pct']}% faster"
                               for r in backends) or f"not measured: no cell ran with both backends on {here}",
         "verdict": "measured here" if backends else "not testable on this machine",

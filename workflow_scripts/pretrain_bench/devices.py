@@ -2,8 +2,9 @@
 
 Snakemake's `--resources gpu=3` counts GPUs but never says which ones a job may use, so two 1-GPU jobs would both
 land on device 0. `allocate_slots` hands out disjoint device ids to concurrent local jobs through lock files
-(`fcntl.flock`, released automatically if the job dies). Ids a scheduler already assigned (SLURM sets
-CUDA_VISIBLE_DEVICES) are respected as they are.
+(`fcntl.flock`, released automatically if the job dies). Slots are taken from the devices this process may see:
+the entries of CUDA_VISIBLE_DEVICES when the user set it (say "2,3" to keep the pipeline off two GPUs), else every
+GPU. Only a scheduler's allocation (SLURM sets CUDA_VISIBLE_DEVICES for the job's GPUs) is used as it is.
 """
 from __future__ import annotations
 
@@ -36,23 +37,54 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+# The launcher's and the evaluation rules' shared lock folder: training ranks and evaluations never share a GPU.
+GPU_LOCK_DIR = Path(".pretrain-bench/gpu-slots")
+
+
+def scheduler_owns_devices() -> bool:
+    """True inside a scheduler's allocation whose GPUs are already named in CUDA_VISIBLE_DEVICES (SLURM)."""
+    return "CUDA_VISIBLE_DEVICES" in os.environ and bool(os.environ.get("SLURM_JOB_ID"))
+
+
+def visible_device_ids() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries (indices or UUIDs)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [entry.strip() for entry in visible.split(",") if entry.strip()]
+    return [str(i) for i in range(cuda_device_count())]
+
+
 @contextlib.contextmanager
-def allocate_slots(count: int, total: int, lock_dir: Path, *, timeout_s: float = 3600.0):
-    """Hold `count` of `total` device ids (lock files in lock_dir) for the duration of the with-block.
+def gpu_slots(count: int, lock_dir: Path = GPU_LOCK_DIR, *, timeout_s: float = 3600.0):
+    """The CUDA_VISIBLE_DEVICES entries a job holds for the with-block; None when a scheduler assigned them."""
+    if scheduler_owns_devices():
+        yield None
+        return
+    with allocate_slots(count, visible_device_ids(), lock_dir, timeout_s=timeout_s) as ids:
+        yield ids
+
+
+@contextlib.contextmanager
+def allocate_slots(count: int, devices: int | list[str], lock_dir: Path, *, timeout_s: float = 3600.0):
+    """Hold `count` of `devices` (ids, or a count: ids 0..N-1) with lock files in lock_dir for the with-block.
 
     Waits (polling) until enough slots are free, so jobs that Snakemake starts together never share a device.
-    Yields the list of ids.
+    Yields the list of ids held.
     """
     import time
 
+    devices = list(range(devices)) if isinstance(devices, int) else list(devices)
+    total = len(devices)
     if count > total:
-        raise SlotError(f"job needs {count} devices but this machine has {total}")
+        raise SlotError(f"job needs {count} devices but this machine has {total}"
+                        + (f" visible (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})"
+                           if "CUDA_VISIBLE_DEVICES" in os.environ else ""))
     lock_dir = Path(lock_dir)
     lock_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout_s
     while True:
         held: list[tuple[int, int]] = []
-        for device_id in range(total):
+        for device_id in devices:
             fd = os.open(lock_dir / f"slot{device_id}.lock", os.O_CREAT | os.O_RDWR, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .devices import GPU_LOCK_DIR
+
 
 @dataclass(frozen=True)
 class GenerationSettings:
@@ -176,23 +178,21 @@ def generate_continuations(model, tokenizer, prompts, settings: GenerationSettin
 
 @contextlib.contextmanager
 def evaluation_device(requested: str, lock_dir: Path):
-    """'cpu', or 'cuda:<id>' holding one GPU slot (devices.allocate_slots) for the duration of the block.
+    """'cpu', or 'cuda:<index>' holding one GPU slot (devices.gpu_slots) for the duration of the block.
 
     A scheduler's CUDA_VISIBLE_DEVICES is respected: the job then uses the first device it was given.
     """
-    import os
-
-    from .devices import allocate_slots, cuda_device_count, resolve_device
+    from .devices import gpu_slots, resolve_device, visible_device_ids
 
     device = resolve_device(requested)
     if device != "cuda":
         yield "cpu"
-    elif "CUDA_VISIBLE_DEVICES" in os.environ:
-        yield "cuda:0"
-    else:
-        with allocate_slots(1, cuda_device_count(), Path(lock_dir)) as ids:
-            torch.cuda.set_device(ids[0])  # so that current_device() (hardware_description) names this GPU
-            yield f"cuda:{ids[0]}"
+        return
+    with gpu_slots(1, Path(lock_dir)) as ids:
+        # torch numbers the visible devices 0..N-1: the slot's position in the visible list is its index
+        index = 0 if ids is None else visible_device_ids().index(ids[0])
+        torch.cuda.set_device(index)  # so that current_device() (hardware_description) names this GPU
+        yield f"cuda:{index}"
 
 
 def load_export(export_dir: Path, device: str, precision: str):
@@ -207,7 +207,7 @@ def load_export(export_dir: Path, device: str, precision: str):
 
 
 def evaluate_export(export_dir: Path, index_path: Path, out_path: Path, settings: EvalSettings, *,
-                    lock_dir: Path = Path(".pretrain-bench/gpu-slots")) -> dict:
+                    lock_dir: Path = GPU_LOCK_DIR) -> dict:
     """Evaluate the HF export of one checkpoint on the val shards; writes eval/step<N>.json atomically."""
     from .devices import hardware_description
     from .export import read_export_info

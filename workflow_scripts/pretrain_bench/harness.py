@@ -26,6 +26,7 @@ import re
 import time
 from pathlib import Path
 
+from .devices import GPU_LOCK_DIR
 from .tokenizer import iter_texts
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
@@ -98,7 +99,7 @@ def _metrics(task_results: dict) -> dict:
 
 
 def run_harness(export_dir: Path, data_dir: Path, tasks: list[str], out_path: Path, *, limit: int | None,
-                batch_size: int, device: str, precision: str, lock_dir: Path = Path(".pretrain-bench/gpu-slots"),
+                batch_size: int, device: str, precision: str, lock_dir: Path = GPU_LOCK_DIR,
                 bootstrap_iters: int = 1000) -> dict:
     """Run lm-eval's `hf` model on one export, offline; writes lm_eval/step<N>.json atomically and returns it."""
     # Offline for good: set before lm-eval imports datasets / huggingface_hub (the rule script sets them earlier).

@@ -8,8 +8,8 @@ Used by every multi-rank rule (`pretrain`, benchmark cells) through workflow_scr
   else `train.rdzv_endpoint`) that node rank 0 hosts. By hand: start launch.py on every node with `--node-rank`.
   Inside a SLURM allocation: the launcher starts itself once per node with `srun` and, when no endpoint is set,
   puts the rendezvous on the allocation's first node (`scontrol show hostnames`).
-- CUDA: disjoint device ids per concurrent job through `devices.allocate_slots`, unless CUDA_VISIBLE_DEVICES was
-  set by a scheduler. CPU: DS_ACCELERATOR=cpu, gloo, max(1, cores // ranks) threads per rank.
+- CUDA: disjoint device ids per concurrent job through `devices.gpu_slots`, taken from the visible devices
+  (CUDA_VISIBLE_DEVICES when set), unless a scheduler assigned them. CPU: DS_ACCELERATOR=cpu, gloo, max(1, cores // ranks) threads per rank.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-from .devices import allocate_slots, cuda_device_count, resolve_device
+from .devices import gpu_slots, resolve_device
 from .settings import TrainSettings, check_settings
 
 
@@ -169,12 +169,14 @@ def launch(plan: dict, plan_path: Path, ranks: int, script: Path, lock_dir: Path
     check_settings(settings, device)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     env = rank_environment(device, ranks, cores, os.environ)
+    if device == "cuda" and settings.comm_backend == "nccl" and settings.nccl_env:
+        env.update(settings.nccl_env)
+        print("nccl environment (train.nccl_env): " + " ".join(f"{k}={v}" for k, v in settings.nccl_env.items()),
+              file=sys.stderr, flush=True)
     if env["PRETRAIN_BENCH_OVERSUBSCRIBED"] == "1":
         print(f"note: {ranks} ranks on {cores} cores: oversubscribed, 1 thread per rank; timings are "
               "contended", file=sys.stderr, flush=True)
-    slots = nullcontext(None)
-    if device == "cuda" and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        slots = allocate_slots(ranks, cuda_device_count(), lock_dir)
+    slots = gpu_slots(ranks, lock_dir) if device == "cuda" else nullcontext(None)
     rdzv_id = job_id or f"{plan['name']}-{plan.get('role', 'pretrain')}"
     cmd = torchrun_command(script, ["--plan", str(plan_path)], ranks=ranks, nodes=settings.nodes,
                            max_restarts=settings.max_restarts, rdzv_endpoint=rdzv_endpoint, node_rank=node_rank,

@@ -45,8 +45,7 @@ def cell_train(config: dict, overrides: dict) -> dict:
 
 
 def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, state_dir: Path,
-              role: str = "pretrain", resume: bool = True, save_checkpoints: bool = True,
-              export_hf: bool = True) -> dict:
+              role: str = "pretrain", resume: bool = True, save_checkpoints: bool = True) -> dict:
     """Resolve a plan config (see `plan_config`) into a plan dict; raises ConfigError."""
     settings = TrainSettings.from_config(config["train"])
     if settings.nvme_path is None:
@@ -70,7 +69,6 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
                   "state_dir": str(state_dir)},
         "resume": resume,
         "save_checkpoints": save_checkpoints,
-        "export_hf": export_hf,
         "peak_tflops": config["report"]["peak_tflops"],
         "memory_fit": memory_fit,
         "preflight": memory_fit,  # the name older readers of plan.json use

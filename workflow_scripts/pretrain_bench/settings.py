@@ -43,6 +43,8 @@ class TrainSettings:
     keep_checkpoints: int | None = None  # keep the last N complete checkpoints (None: all)
     warmup_timing_steps: int = 5  # steps left out of steady-state timing
     max_restarts: int = 0  # torchrun --max-restarts
+    collective_timeout_min: float = 60.0  # torch.distributed timeout of every collective and barrier
+    nccl_env: dict | None = None  # environment for NCCL runs (NCCL_P2P_DISABLE, TORCH_NCCL_ASYNC_ERROR_HANDLING …)
     allow_reshape: bool = False  # accept a checkpoint saved at another world size
 
     @classmethod
@@ -113,8 +115,12 @@ def check_settings(s: TrainSettings, device: str | None = None) -> None:
                               "states in RAM already)")
 
 
-def deepspeed_config(s: TrainSettings, device: str, total_steps: int) -> dict:
-    """The DeepSpeed JSON config for these settings (written next to the run as ds_config.json)."""
+def deepspeed_config(s: TrainSettings, device: str, total_steps: int, fused_adam: bool = False) -> dict:
+    """The DeepSpeed JSON config for these settings (written next to the run as ds_config.json).
+
+    fused_adam: DeepSpeed's FusedAdam is prebuilt in this install; without it (and without offload, where
+    DeepSpeedCPUAdam runs) torch's own AdamW is used, which needs no compiler.
+    """
     zero: dict = {"stage": s.zero_stage}
     if s.zero_stage >= 1:
         zero.update(overlap_comm=device == "cuda", contiguous_gradients=True, reduce_scatter=True)
@@ -126,6 +132,9 @@ def deepspeed_config(s: TrainSettings, device: str, total_steps: int) -> dict:
                 zero[key]["nvme_path"] = s.nvme_path
     warmup = min(s.warmup_steps, max(total_steps - 1, 0))
     # DeepSpeed wants at least one warm-up step; "no warm-up" is one step that already starts at the full rate.
+    # The warm-up starts at lr / warmup, not 0: WarmupCosineLR's ratio at iteration 0 is warmup_min_ratio (train.py
+    # moves the scheduler to iteration 0 before the first step), and a zero rate would waste the first optimizer
+    # steps, whose batches still count as trained tokens.
     config = {
         "train_micro_batch_size_per_gpu": s.micro_batch_size,
         "gradient_accumulation_steps": s.grad_accum_steps,
@@ -141,8 +150,10 @@ def deepspeed_config(s: TrainSettings, device: str, total_steps: int) -> dict:
                 "betas": [0.9, 0.95],
                 "eps": 1e-8,
                 "weight_decay": s.weight_decay,
-                # FusedAdam needs CUDA; on CPU DeepSpeed's torch_adam switch selects torch.optim.AdamW.
-                **({"torch_adam": True} if device == "cpu" and s.offload_optimizer == "none" else {}),
+                # FusedAdam needs CUDA and, unless prebuilt, nvcc at the first step; DeepSpeed's torch_adam switch
+                # selects torch.optim.AdamW instead.
+                **({"torch_adam": True} if s.offload_optimizer == "none" and (device == "cpu" or not fused_adam)
+                   else {}),
             },
         },
         "scheduler": {
@@ -150,7 +161,7 @@ def deepspeed_config(s: TrainSettings, device: str, total_steps: int) -> dict:
             "params": {
                 "total_num_steps": max(total_steps, 1),
                 "warmup_num_steps": max(warmup, 1),
-                "warmup_min_ratio": 0.0 if warmup else 1.0,
+                "warmup_min_ratio": 1.0 / warmup if warmup else 1.0,
                 "cos_min_ratio": s.min_lr / s.lr,
                 "warmup_type": "linear",
             },

@@ -17,6 +17,8 @@ import shutil
 import signal
 import sys
 import time
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +28,6 @@ import torch.nn.functional as F
 
 from . import checkpoint as ckpt
 from .flops import FLOPS_FORMULA, flops_per_token, gpu_table_peak, measure_matmul_peak
-from .export import export_hf
 from .metrics import peak_memory_bytes, read_jsonl, summarise_steps, truncate_jsonl
 from .model import build_model, count_parameters, resolve_shape
 from .provenance import provenance
@@ -101,6 +102,20 @@ def _lock_state_dir(state_dir: Path):
     return handle
 
 
+@contextmanager
+def _mmap_loads():
+    """torch.load maps checkpoint files instead of reading them into memory (DeepSpeed's loader calls torch.load
+    without mmap); the setting is restored afterwards."""
+    from torch.utils.serialization import config
+
+    previous = config.load.mmap
+    config.load.mmap = True
+    try:
+        yield
+    finally:
+        config.load.mmap = previous
+
+
 def _number(value) -> float | None:
     """A plain float from a DeepSpeed figure that may be a tensor, a float or None."""
     return None if value is None else float(value)
@@ -121,11 +136,22 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _fused_adam_prebuilt() -> bool:
+    """Whether this DeepSpeed install ships a compiled FusedAdam (DS_BUILD_FUSED_ADAM=1 at install); otherwise it
+    would be compiled at the first step with nvcc, which a machine without the CUDA toolkit does not have."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+
+        return bool(installed_ops.get("fused_adam"))
+    except ImportError:
+        return False
+
+
 def resume_fingerprint(plan: dict) -> dict:
     """What must not change between a checkpoint and the run that resumes it."""
     keep_out = {"max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "max_restarts",
                 "warmup_timing_steps", "allow_reshape", "gpus", "nodes", "global_batch_size", "rdzv_endpoint",
-                "memory_fit", "nvme_path"}
+                "memory_fit", "nvme_path", "collective_timeout_min", "nccl_env"}
     train = {k: v for k, v in plan["train"].items() if k not in keep_out}
     return {"model": plan["model"], "train": train, "data": plan["data_sha256"]}
 
@@ -163,7 +189,10 @@ def run_training(plan: dict) -> dict | None:
     torch.set_num_threads(threads)
     if device == "cuda":
         torch.cuda.set_device(local_rank)
-    deepspeed.init_distributed(dist_backend=plan["train"]["comm_backend"])
+    # An explicit collective timeout: rank-0 work (a universal-checkpoint conversion, a large save) must not hit
+    # the 10-minute default while the other ranks wait in a barrier.
+    deepspeed.init_distributed(dist_backend=plan["train"]["comm_backend"],
+                               timeout=timedelta(minutes=settings.collective_timeout_min))
     preemption = _Preemption()
 
     out_dir, state_dir = Path(plan["paths"]["out_dir"]), Path(plan["paths"]["state_dir"])
@@ -208,7 +237,7 @@ def run_training(plan: dict) -> dict | None:
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable()
     total_steps = settings.total_steps(seq_len)
-    ds_config = deepspeed_config(settings, device, total_steps)
+    ds_config = deepspeed_config(settings, device, total_steps, fused_adam=_fused_adam_prebuilt())
     if rank == 0:
         (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
     # 2) what to resume from: checked before DeepSpeed starts, so a wrong checkpoint fails in seconds
@@ -236,12 +265,16 @@ def run_training(plan: dict) -> dict | None:
             if rank == 0:
                 (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    # WarmupCosineLR starts at iteration -1, where its rate is 0: without this the first optimizer step would not
+    # train. Iteration 0 is warmup_min_ratio × lr (settings.deepspeed_config); a resume overwrites it.
+    engine.lr_scheduler.step(0)
 
     if steps_done:
         tag = ckpt.tag_for(step)
         if reshape:
             tag = ckpt.universal_tag(ckpt_root, step, rank)  # rank 0 converts once, the others wait
-        _, client = engine.load_checkpoint(str(ckpt_root), tag=tag)
+        with _mmap_loads():  # optimizer shards are mapped, not copied, beside the states already allocated
+            _, client = engine.load_checkpoint(str(ckpt_root), tag=tag)
         # The loader position is global (samples consumed), so it carries over to another world size.
         batches.load_state_dict(marker["loader"], **({"allow_reshape": True} if reshape else {}))
         if not reshape:
@@ -413,9 +446,6 @@ def run_training(plan: dict) -> dict | None:
         }
     dist.barrier()
     if rank == 0:
-        if plan.get("export_hf"):
-            export_hf(ckpt_root, ckpt.committed_steps(ckpt_root)[-1], shape, seq_len,
-                      Path(plan["paths"]["tokenizer"]), out_dir / "hf")
         shutil.copyfile(metrics_path, out_dir / "metrics.jsonl")
         shutil.copytree(state_dir / "tensorboard", out_dir / "tensorboard", dirs_exist_ok=True)
         tmp = out_dir / "summary.json.tmp"
