@@ -15,9 +15,12 @@ rule measure_peak:
     conda:
         "../envs/pretrain.yaml"
     threads: BENCH_THREADS
+    resources:
+        gpu=1 if BENCH_MATRIX["device"] == "cuda" else 0,  # one GPU slot while it measures, as an evaluation
     params:
         device=TRAIN.device,
         precision=TRAIN.precision,
+        lock_dir=GPU_LOCK_DIR,
     script:
         "../workflow_scripts/measure_peak.py"
 

@@ -118,7 +118,7 @@ def cell_plan_config(cell):
 # stop; then what the run and the benchmark matrix are predicted to cost.
 try:
     MAIN_FIT = fit_run(main_plan_config(), TRAIN, VOCAB_SIZE, what="the main run (rule pretrain)",
-                       nvme_path=TRAIN.nvme_path or f"results/{NAME}/state/nvme")
+                       nvme_path=TRAIN.nvme_path or f"results/{NAME}/state/nvme", state_dir=f"results/{NAME}/state")
     logger.info(summary_line(MAIN_FIT[1]))
 except ConfigError as error:
     logger.warning(f"{error}\n(rule plan_pretrain will stop here, before training allocates anything)")

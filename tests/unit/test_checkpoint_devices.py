@@ -1,5 +1,6 @@
 import json
 import multiprocessing as mp
+import os
 import sys
 import time
 from pathlib import Path
@@ -127,3 +128,11 @@ def test_summary_excludes_warmup_and_resume_step(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     truncate_jsonl(path, 3)
     assert [json.loads(l)["step"] for l in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_pinned_memory_is_turned_off_where_torch_cannot_pin_exactly():
+    from pretrain_bench.launcher import exact_pinning
+
+    # this machine's torch has no CUDA: the probe fails, so offloaded buffers are not pinned (and never rounded)
+    additions, note = exact_pinning(dict(os.environ))
+    assert additions == {"PRETRAIN_BENCH_PIN_MEMORY": "0"} and "pinned host memory off" in note

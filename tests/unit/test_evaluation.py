@@ -260,3 +260,14 @@ def test_unknown_lm_eval_task_is_named(tmp_path):
     assert {"pretrain_bench_last_word", "pretrain_bench_doc_perplexity"} <= set(manager.all_tasks)
     with pytest.raises(ValueError, match=r"evaluate.lm_eval.tasks: unknown task\(s\) \['pretrain_bench_lastword'\]"):
         task_manager(["pretrain_bench_last_word", "pretrain_bench_lastword"], tmp_path)
+
+
+def test_bf16_evaluation_falls_back_to_fp16_on_gpus_without_bf16(monkeypatch):
+    from pretrain_bench.evaluation import supported_precision
+
+    assert supported_precision("bf16", "cpu") == ("bf16", None)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
+    precision, note = supported_precision("bf16", "cuda:0")
+    assert precision == "fp16" and "not supported by Tesla V100-SXM2-16GB: evaluated in fp16" in note
+    assert supported_precision("fp32", "cuda:0") == ("fp32", None)

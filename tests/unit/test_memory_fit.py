@@ -32,32 +32,35 @@ def settings_of(config, **train):
     return TrainSettings.from_config({**config["train"], **train})
 
 
-def test_default_experiment_runs_zero2_with_cpu_offload_on_the_articles_box(no_gpu):
+def test_default_experiment_runs_zero3_with_cpu_optimizer_offload_on_the_articles_box(no_gpu):
     config = default_config()  # no GPU here: plans for 3 × 24 GiB, 128 GiB RAM, 1800 GiB disk (config.yaml)
     chosen, record = fit_run(config, settings_of(config))
-    assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (2, "cpu", "none")
+    assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (3, "cpu", "none")
     assert chosen.precision == "fp16" and chosen.derived_global_batch == 24 and chosen.micro_batch_size == 8
     assert record["asked"]["offload_optimizer"] == "none" and not record["asked_fits"]
-    assert record["changed"] == {"offload_optimizer": ["none", "cpu"]}
-    assert record["summary"].startswith("asked ZeRO-2, micro-batch 8 × 1 accumulation; ran ZeRO-2 + CPU optimizer "
+    assert record["changed"] == {"zero_stage": [2, 3], "offload_optimizer": ["none", "cpu"]}
+    assert record["summary"].startswith("asked ZeRO-2, micro-batch 8 × 1 accumulation; ran ZeRO-3 + CPU optimizer "
                                         "offload")
-    assert "needs 52.1 GiB per GPU, has 24.0 GiB" in record["summary"]  # why: plain ZeRO-2 does not fit
+    assert "needs 55.2 GiB per GPU, has 24.0 GiB" in record["summary"]  # why: plain ZeRO-2 does not fit
+    # the first rung, ZeRO-2 + CPU offload, keeps 2Ψ and the LM head's fp64/fp32 norm copies on the GPU
+    assert record["tried"][0]["label"].startswith("ZeRO-2 + CPU optimizer offload")
+    assert "needs 27.5 GiB per GPU" in record["tried"][0]["text"] and not record["tried"][0]["fits"]
     assert record["fits"] and record["budget"]["host_bytes"] == 128 * GIB
 
 
 def test_strict_stops_with_the_figures(no_gpu):
     config = default_config()
-    with pytest.raises(ConfigError, match="pre-flight: the main run is predicted not to fit: needs 52.1 GiB"):
+    with pytest.raises(ConfigError, match="pre-flight: the main run is predicted not to fit: needs 55.2 GiB"):
         fit_run(config, settings_of(config, memory_fit="strict"), what="the main run")
 
 
 def test_less_host_ram_moves_down_the_ladder_to_nvme(no_gpu):
-    # 100 GiB of RAM: CPU offload (109 GiB) and ZeRO-3 CPU offload do not fit, ZeRO-Infinity to NVMe does
+    # 100 GiB of RAM: the CPU offloads (109 and 122 GiB for 3 ranks) do not fit, ZeRO-Infinity to NVMe does
     config = default_config(host_memory_gib=100)
     chosen, record = fit_run(config, settings_of(config), nvme_path="/fast/nvme")
     assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (3, "nvme", "nvme")
-    assert [t["fits"] for t in record["tried"]] == [False, False, True]
-    assert "host RAM 109.0 GiB for 3 ranks, has 100.0 GiB" in record["tried"][0]["text"]
+    assert [t["fits"] for t in record["tried"]] == [False, False, False, True]
+    assert "host RAM 109.0 GiB for 3 ranks, has 100.0 GiB" in record["tried"][1]["text"]
     assert "NVMe" in record["text"] and record["disk_need_bytes"] > 0
     ds = deepspeed_config(chosen, "cuda", 10)["zero_optimization"]
     assert ds["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/fast/nvme"}
@@ -80,8 +83,9 @@ def test_the_ladder_keeps_precision_and_global_batch():
     asked = TrainSettings(gpus=3, device="cuda", zero_stage=2, precision="fp16", micro_batch_size=8)
     rungs = ladder(asked, "cuda")
     labels = [r.label for r in rungs]
-    assert labels[:5] == [
+    assert labels[:6] == [
         "ZeRO-2 + CPU optimizer offload, micro-batch 8 × 1 accumulation",
+        "ZeRO-3 + CPU optimizer offload, micro-batch 8 × 1 accumulation",
         "ZeRO-3 + CPU parameter offload + CPU optimizer offload, micro-batch 8 × 1 accumulation",
         "ZeRO-3 + NVMe parameter offload + NVMe optimizer offload, micro-batch 8 × 1 accumulation",
         "ZeRO-2 + activation checkpointing, micro-batch 8 × 1 accumulation",
@@ -124,6 +128,7 @@ def test_plan_records_asked_and_chosen(tmp_path, no_gpu):
     plan = make_plan(plan_config(config), index=index, tokenizer=tmp_path, out_dir=tmp_path / "o",
                      state_dir=tmp_path / "state")
     assert plan["train"]["offload_optimizer"] == "cpu" and plan["memory_fit"]["asked"]["offload_optimizer"] == "none"
+    assert plan["train"]["zero_stage"] == 3 and plan["memory_fit"]["asked"]["zero_stage"] == 2
     assert plan["train"]["nvme_path"] == str(tmp_path / "state" / "nvme")  # the default: under the run's state
     # the plan records only the config a training run reads
     assert set(plan["config"]) == {"name", "model", "train", "tokenizer", "benchmark", "report"}
@@ -187,3 +192,18 @@ def test_building_a_bf16_model_takes_one_bf16_copy_as_the_memory_model_says():
     predicted = estimate(run).init  # 2Ψ: one bf16 copy, no fp32 model first (that was 4Ψ + 2Ψ)
     assert predicted == 2 * run.parameters
     assert abs(grown - predicted) <= 0.15 * predicted, (grown, predicted)
+
+
+def test_the_kept_checkpoints_must_fit_on_disk(tmp_path, no_gpu):
+    config = default_config()
+    # 1000 steps, a checkpoint every 500, all kept: 2 × 97 GB (2Ψ module + 12Ψ optimizer partitions) of 7B
+    _, record = fit_run(config, settings_of(config), state_dir=str(tmp_path))
+    disk = record["checkpoint_disk"]
+    assert disk["checkpoints"] == 2 and disk["need_bytes"] == 2 * 14 * 6_910_365_696 and disk["fits"]
+    assert "benchmark.disk_gib" in disk["text"]  # planned for the articles' 2 TB disk, no GPU here
+    config["benchmark"]["disk_gib"] = 150
+    with pytest.raises(ConfigError, match=r"checkpoints do not fit on disk: 2 checkpoint\(s\) × 90.1 GiB"):
+        fit_run(config, settings_of(config), state_dir=str(tmp_path))
+    # keeping one (and the one being written) needs the same two; a checkpoint every 100 steps keeping 3 needs 4
+    assert fit_run(default_config(), settings_of(config, checkpoint_every=100, keep_checkpoints=3),
+                   state_dir=str(tmp_path))[1]["checkpoint_disk"]["checkpoints"] == 4

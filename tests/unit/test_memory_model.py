@@ -47,10 +47,43 @@ def test_fp32_constants_follow_deepspeed():
 def test_offload_moves_the_optimizer_part_to_the_host():
     s = model_state_bytes(PSI, 3, 2, "fp16", offload_optimizer="cpu")
     assert s["optimizer"] == 0 and s["grads"] == 0 and s["params"] == 2 * PSI  # ~2Ψ = 14 GB stays on the GPU
-    assert s["host"] == pytest.approx(16 * PSI / 3, abs=3)  # 12Ψ/N Adam + master and 4Ψ/N fp32 gradients
+    # 12Ψ/N Adam + master, 4Ψ/N fp32 gradients and the 2Ψ/N 16-bit parameter buffer
+    assert s["host"] == pytest.approx(18 * PSI / 3, abs=5)
     s3 = model_state_bytes(PSI, 3, 3, "fp16", offload_optimizer="cpu", offload_param="cpu")
     assert s3["params"] == s3["grads"] == s3["optimizer"] == 0
     assert "host RAM" in s3["formula"]
+
+
+def test_offload_host_terms_follow_deepspeed_line_by_line():
+    largest = 102_400 * 4_096  # DeepSeek-7B's LM head
+    terms = memory_model.offload_host_terms(PSI, 3, "fp16", largest)
+    expected = {"master": 4 * PSI / 3, "adam": 8 * PSI / 3, "grads": 4 * PSI / 3, "param_buffer": 2 * PSI / 3,
+                "grad_staging": 2 * largest}
+    assert {k: v for k, (v, _) in terms.items()} == pytest.approx(expected, abs=1)
+    assert all("stage_1_and_2.py" in source or "CPUAdam" in source for _, source in terms.values())
+    # with torch's power-of-two rounding of pinned blocks (what the launcher's allocator option avoids)
+    rounded = memory_model.offload_host_terms(PSI, 3, "fp16", largest, pinned_rounding=True)
+    pow2 = memory_model.pow2ceil
+    excess = sum(pow2(terms[t][0]) - terms[t][0] for t in ("master", "grads", "param_buffer", "grad_staging"))
+    assert rounded["pinned_rounding"][0] == pytest.approx(excess, abs=4) and pow2(int(4 * PSI / 3)) == 2**34  # 9.3 GB → 16 GiB
+    # 7B ZeRO-2 + CPU offload on 3 ranks: ~124 GiB of host RAM with exact pinning (more than a 128 GB box has free)
+    est = estimate(memory_model.RunShape(
+        parameters=6_910_365_696, layers=30, hidden_size=4096, kv_size=4096, ffn_size=11008, vocab_size=102_400,
+        seq_len=128, micro_batch_size=8, ranks=3, zero_stage=2, precision="fp16", offload_optimizer="cpu"))
+    assert 3 * (est.host_states + memory_model.CUDA_RANK_HOST_BYTES) / GIB == pytest.approx(124.2, abs=0.1)
+
+
+def test_gpu_buffers_count_the_norm_copies_of_the_largest_gradient():
+    shape = dict(parameters=6_910_365_696, layers=30, hidden_size=4096, kv_size=4096, ffn_size=11008,
+                 vocab_size=102_400, seq_len=128, micro_batch_size=8, ranks=3, zero_stage=2, precision="fp16")
+    largest = 102_400 * 4_096
+    offload = memory_model.buffer_terms(memory_model.RunShape(**shape, offload_optimizer="cpu"))
+    assert offload["norm_copies"][0] == 12 * largest  # fp64 (3.1 GiB) + fp32 (1.6 GiB) copies of the LM head
+    assert offload["offload_staging"][0] == 2 * largest and offload["buckets"][0] == 2 * 500_000_000 * 2
+    plain = memory_model.buffer_terms(memory_model.RunShape(**shape))
+    assert plain["norm_copies"][0] == 8 * largest and "offload_staging" not in plain
+    total, formula = memory_model.buffer_bytes(memory_model.RunShape(**shape, offload_optimizer="cpu"))
+    assert total == sum(v for v, _ in offload.values()) and "stage_1_and_2.py:1886" in formula
 
 
 def run(**kw):
@@ -102,8 +135,11 @@ def test_default_config_is_stopped_in_seconds_with_what_would_fit(no_gpu):
     assert "train.offload_optimizer: cpu" in message and "host RAM" in message
     assert "train.zero_stage: 3" in message
     assert "num_hidden_layers" in message
-    offload = next(line for line in message.splitlines() if "optimizer offload:" in line)
-    assert offload.endswith("[fits]")
+    # ZeRO-2 with the optimizer offloaded still holds 2Ψ, the LM head's norm copies and activations on the GPU
+    offload = next(line for line in message.splitlines() if "- optimizer offload:" in line)
+    assert "needs 27.5 GiB per GPU" in offload and offload.endswith("[does not fit]")
+    zero3_offload = next(line for line in message.splitlines() if "- ZeRO-3 with optimizer offload:" in line)
+    assert zero3_offload.endswith("[fits]")
     zero3 = next(line for line in message.splitlines() if "- ZeRO-3: " in line)
     assert zero3.endswith("[does not fit]")
 
@@ -130,7 +166,7 @@ def test_make_plan_runs_the_guard_before_anything_else(tmp_path, no_gpu):
     index.write_text(json.dumps({"vocab_size": 102400}))
     with pytest.raises(ConfigError, match="pre-flight: the pretrain run is predicted not to fit"):
         make_plan(config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "out", state_dir=tmp_path / "state")
-    config["train"]["offload_optimizer"] = "cpu"
+    config["train"].update(zero_stage=3, offload_optimizer="cpu")
     fits = make_plan(config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "o", state_dir=tmp_path / "s")
     assert fits["preflight"]["fits"] and fits["preflight"]["estimate"]["optimizer"] == 0
 

@@ -114,3 +114,4 @@ def test_adam_needs_no_compiler_unless_fused_adam_is_prebuilt():
     # with the optimizer offloaded DeepSpeedCPUAdam runs (built with the host compiler): no torch_adam switch
     offloaded = settings(device="cuda", comm_backend="nccl", precision="bf16", offload_optimizer="cpu")
     assert "torch_adam" not in deepspeed_config(offloaded, "cuda", 10)["optimizer"]["params"]
+

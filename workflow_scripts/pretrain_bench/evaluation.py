@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -39,6 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from .devices import GPU_LOCK_DIR
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,17 @@ def evaluation_device(requested: str, lock_dir: Path):
         yield f"cuda:{index}"
 
 
+def supported_precision(precision: str, device: str) -> tuple[str, str | None]:
+    """The precision a forward pass can use on `device`, and why it differs from the one asked for (or None).
+
+    GPUs before Ampere (compute capability < 8) have no bf16 arithmetic: there bf16 falls back to fp16, which every
+    CUDA GPU runs, and the result files say so."""
+    if precision == "bf16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+        name = torch.cuda.get_device_name(torch.device(device))
+        return "fp16", f"evaluate.precision bf16 is not supported by {name}: evaluated in fp16"
+    return precision, None
+
+
 def load_export(export_dir: Path, device: str, precision: str):
     """(model, tokenizer) of an HF export, in eval mode on `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -217,7 +231,10 @@ def evaluate_export(export_dir: Path, index_path: Path, out_path: Path, settings
     seq_len = info["seq_len"]
     data = PackedTokens(Path(index_path), "val", seq_len)
     with evaluation_device(settings.device, lock_dir) as device:
-        model, tokenizer = load_export(Path(export_dir), device, settings.precision)
+        precision, precision_note = supported_precision(settings.precision, device)
+        if precision_note:
+            log.warning(precision_note)
+        model, tokenizer = load_export(Path(export_dir), device, precision)
         byte_lengths, exact = _token_byte_lengths(Path(export_dir), model.config.vocab_size)
         result = evaluate_model(model, data, byte_lengths, max_tokens=settings.max_tokens,
                                 batch_size=settings.batch_size)
@@ -227,7 +244,8 @@ def evaluate_export(export_dir: Path, index_path: Path, out_path: Path, settings
     result.update(
         step=info["step"], train_tokens=info["train_tokens"], checkpoint=info["checkpoint"], split="val",
         bits_per_byte_exact=exact, seq_len=seq_len, batch_size=settings.batch_size,
-        sample_selection="evenly spaced", device=device, precision=settings.precision, hardware=hardware,
+        sample_selection="evenly spaced", device=device, precision=precision, precision_note=precision_note,
+        hardware=hardware,
         export=str(export_dir), generation=asdict(settings.generation), generations=generations,
     )
     out_path = Path(out_path)

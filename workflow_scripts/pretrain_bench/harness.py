@@ -108,15 +108,17 @@ def run_harness(export_dir: Path, data_dir: Path, tasks: list[str], out_path: Pa
 
     import lm_eval
 
-    from .evaluation import evaluation_device
+    from .evaluation import evaluation_device, supported_precision
     from .export import read_export_info
 
     if not tasks:
         raise ValueError("evaluate.lm_eval.tasks is empty: nothing to run")
     info = read_export_info(export_dir)
     manager = task_manager(list(tasks), data_dir)
-    model_args = {"pretrained": str(export_dir), "dtype": _HF_PRECISION[precision], "max_length": info["seq_len"]}
     with evaluation_device(device, lock_dir) as run_device:
+        precision, precision_note = supported_precision(precision, run_device)
+        model_args = {"pretrained": str(export_dir), "dtype": _HF_PRECISION[precision],
+                      "max_length": info["seq_len"]}
         start = time.perf_counter()
         results = lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=list(tasks),
                                           batch_size=batch_size, device=run_device, limit=limit,
@@ -128,7 +130,8 @@ def run_harness(export_dir: Path, data_dir: Path, tasks: list[str], out_path: Pa
         "tasks": {task: _metrics(values) for task, values in results["results"].items()},
         "samples": {task: counts["effective"] for task, counts in results["n-samples"].items()},
         "limit": limit, "max_length": info["seq_len"], "batch_size": batch_size, "device": run_device,
-        "precision": precision, "bootstrap_iters": bootstrap_iters, "eval_time_s": elapsed,
+        "precision": precision, "precision_note": precision_note, "bootstrap_iters": bootstrap_iters,
+        "eval_time_s": elapsed,
         "lm_eval_version": version("lm_eval"), "task_versions": results["versions"],
         "lm_eval_results": results["results"],
     }

@@ -25,6 +25,35 @@ from .devices import gpu_slots, resolve_device
 from .settings import TrainSettings, check_settings
 
 
+# Pinned host blocks above this size are allocated at their exact size instead of the next power of two (torch's
+# caching host allocator, option pinned_max_round_threshold_mb), so a 9.3 GB offloaded partition takes 9.3 GB, not
+# 16 GiB; the memory model counts exact sizes. Where torch lacks the option, DeepSpeed's pin_memory is turned off.
+PINNED_EXACT_OPTION = "pinned_max_round_threshold_mb:64"
+_PINNED_PROBE = """
+import torch
+torch.empty(1, device="cuda")
+torch.empty(1024).pin_memory()
+from torch._C import _accelerator_getAllocatorSettings
+assert "pinned_max_round_threshold_mb" in _accelerator_getAllocatorSettings()
+"""
+
+
+def exact_pinning(env: dict) -> tuple[dict, str]:
+    """Environment additions that keep pinned host buffers at their exact size, and a line for the log."""
+    key = "PYTORCH_CUDA_ALLOC_CONF"
+    conf = ",".join(filter(None, [env.get(key, ""), PINNED_EXACT_OPTION]))
+    try:
+        probe = subprocess.run([sys.executable, "-c", _PINNED_PROBE], env={**env, key: conf}, capture_output=True,
+                               timeout=300)
+        supported = probe.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        supported = False
+    if supported:
+        return {key: conf}, f"pinned host memory at exact sizes: {key}={conf}"
+    return {"PRETRAIN_BENCH_PIN_MEMORY": "0"}, ("pinned host memory off: this torch cannot stop rounding pinned "
+                                               "blocks up to powers of two (offload copies are slower, RAM exact)")
+
+
 def rank_environment(device: str, ranks: int, cores: int, base: dict) -> dict:
     """Environment for the ranks of one job."""
     env = dict(base)
@@ -169,6 +198,10 @@ def launch(plan: dict, plan_path: Path, ranks: int, script: Path, lock_dir: Path
     check_settings(settings, device)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     env = rank_environment(device, ranks, cores, os.environ)
+    if device == "cuda" and "cpu" in (settings.offload_optimizer, settings.offload_param):
+        additions, note = exact_pinning(env)
+        env.update(additions)
+        print(note, file=sys.stderr, flush=True)
     if device == "cuda" and settings.comm_backend == "nccl" and settings.nccl_env:
         env.update(settings.nccl_env)
         print("nccl environment (train.nccl_env): " + " ".join(f"{k}={v}" for k, v in settings.nccl_env.items()),

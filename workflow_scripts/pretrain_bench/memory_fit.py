@@ -4,7 +4,8 @@
 `auto` takes the first change from an ordered ladder that fits the GPU memory, the host RAM and the NVMe disk it
 checks, keeping the model, the precision and the global batch:
 
-    1. optimizer offload to host RAM (ZeRO-Offload; ZeRO-2 at least)
+    1. optimizer offload to host RAM (ZeRO-Offload; ZeRO-2 at least), then the same under ZeRO-3 (parameters
+       partitioned across the GPUs, still on them)
     2. ZeRO-3 with parameter and optimizer offload to host RAM
     3. ZeRO-3 with parameter and optimizer offload to NVMe (ZeRO-Infinity) at train.nvme_path (CUDA only)
     4. activation checkpointing
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .memory_model import Budget, detect_budget, estimate, explain, gib, judge, resolve_device_cheaply, run_shape
+from .memory_model import (GIB, Budget, checkpoint_bytes, detect_budget, estimate, explain, free_disk_bytes, gib,
+                           judge, resolve_device_cheaply, run_shape)
 from .settings import ConfigError, TrainSettings
 
 # The settings a rung may change; everything else (model, precision, global batch, data) stays as asked.
@@ -52,6 +54,8 @@ def ladder(s: TrainSettings, device: str) -> list[Rung]:
     if device == "cuda":
         if s.offload_optimizer == "none":
             offloads.append(replace(s, zero_stage=max(s.zero_stage, 2), offload_optimizer="cpu"))
+        if (s.zero_stage, s.offload_optimizer) != (3, "cpu") and s.offload_param == "none":
+            offloads.append(replace(s, zero_stage=3, offload_optimizer="cpu"))
         if (s.zero_stage, s.offload_optimizer, s.offload_param) != (3, "cpu", "cpu"):
             offloads.append(replace(s, zero_stage=3, offload_optimizer="cpu", offload_param="cpu"))
         if (s.zero_stage, s.offload_optimizer, s.offload_param) != (3, "nvme", "nvme"):
@@ -77,10 +81,29 @@ def _key(s: TrainSettings) -> tuple:
     return tuple(getattr(s, k) for k in FIT_KEYS)
 
 
+def checkpoint_disk(config: dict, settings: TrainSettings, parameters: int, state_dir: str, gpu_here: bool) -> dict:
+    """Disk the kept checkpoints need at state_dir (the newest `keep_checkpoints`, plus the one being written
+    before the oldest is pruned) against the free space there — or benchmark.disk_gib when planning a GPU run on a
+    machine without its GPUs."""
+    steps = replace(settings, keep_checkpoints=None).checkpoint_steps(config["model"]["seq_len"])
+    kept = min(len(steps), settings.keep_checkpoints + 1) if settings.keep_checkpoints else len(steps)
+    need = kept * checkpoint_bytes(parameters, settings.precision, settings.zero_stage)
+    bench = config.get("benchmark") or {}
+    if settings.device != "cpu" and not gpu_here and bench.get("disk_gib"):
+        have, source = int(bench["disk_gib"] * GIB), "benchmark.disk_gib, no GPU detected here"
+    else:
+        have, source = free_disk_bytes(state_dir), f"free at {state_dir}"
+    return {"need_bytes": need, "have_bytes": have, "checkpoints": kept, "fits": need <= have,
+            "text": f"{kept} checkpoint(s) × {gib(need / kept)} GiB = {gib(need)} GiB on disk, {gib(have)} GiB "
+                    f"{source}"}
+
+
 def fit_run(config: dict, settings: TrainSettings, vocab_size: int | None = None, *, what: str = "the training run",
-            nvme_path: str | None = None, budget: Budget | None = None) -> tuple[TrainSettings, dict]:
+            nvme_path: str | None = None, budget: Budget | None = None,
+            state_dir: str | None = None) -> tuple[TrainSettings, dict]:
     """The settings to run with and the pre-flight record; raises ConfigError when nothing fits (or, under
-    `strict`, when the settings asked for do not), unless benchmark.force."""
+    `strict`, when the settings asked for do not), unless benchmark.force. With `state_dir` (a run that keeps
+    checkpoints) the disk for them is checked too."""
     bench = config.get("benchmark") or {}
     device = resolve_device_cheaply(settings.device)
     if settings.nvme_path is None and nvme_path is not None:
@@ -122,6 +145,13 @@ def fit_run(config: dict, settings: TrainSettings, vocab_size: int | None = None
         record["summary"] = f"ran {describe(settings)} predicted not to fit ({verdict.text}): benchmark.force"
     record.update(estimate=est.as_dict(), budget=budget.as_dict(), fits=verdict.fits, text=verdict.text,
                   host_need_bytes=verdict.host_need_bytes, disk_need_bytes=verdict.disk_need_bytes)
+    if state_dir is not None:
+        disk = checkpoint_disk(config, chosen, run.parameters, state_dir, budget.gpu_count is not None)
+        record["checkpoint_disk"] = disk
+        if not disk["fits"] and not bench.get("force", False):
+            raise ConfigError(f"pre-flight: {what}'s checkpoints do not fit on disk: {disk['text']}; keep fewer "
+                              "(train.keep_checkpoints), checkpoint less often (train.checkpoint_every), or free "
+                              "space")
     return chosen, record
 
 

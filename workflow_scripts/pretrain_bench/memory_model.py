@@ -79,6 +79,13 @@ class RunShape:
     offload_param: str = "none"  # none | cpu | nvme (ZeRO-3)
     activation_checkpointing: bool = False
     device: str = "cuda"  # cuda | cpu
+    pinned_rounding: bool = False  # pinned host buffers rounded up to powers of two (see PINNED_ROUNDING)
+
+    @property
+    def largest_parameter(self) -> int:
+        """Elements of the largest single parameter: the embedding / LM head (V × H) or an FFN matrix (H × F)."""
+        return max(self.vocab_size * self.hidden_size, self.hidden_size * self.ffn_size,
+                   self.hidden_size * self.hidden_size)
 
 
 @dataclass(frozen=True)
@@ -139,9 +146,47 @@ class Verdict:
     disk_fits: bool = True
 
 
+# torch's caching host allocator rounds every pinned block up to a power of two (CachingHostAllocator.h,
+# PowerOf2Ceil) unless the allocator option pinned_max_round_threshold_mb says otherwise; the launcher sets that
+# option where torch has it and otherwise turns DeepSpeed's pin_memory off, so a run's pinned buffers are exact.
+PINNED_ROUNDING_NOTE = "pinned host buffers rounded up to powers of two (torch CachingHostAllocator)"
+
+
+def pow2ceil(value: int) -> int:
+    return 1 << (int(value) - 1).bit_length() if value > 1 else int(value)
+
+
+def offload_host_terms(psi: int, ranks: int, precision: str, largest: int, pinned_rounding: bool = False) -> dict:
+    """Host bytes per rank of ZeRO-1/2 with the optimizer offloaded to CPU, term by term (DeepSpeed 0.19.8
+    runtime/zero/stage_1_and_2.py), as {term: (bytes, source)}."""
+    n = ranks
+    param_b = 4 if precision == "fp32" else 2
+    terms = {
+        # :560 the fp32 master partition, cloned from the 16-bit partition onto the host (pinned :565)
+        "master": (4 * psi / n, "fp32 master partition 4Ψ/N (stage_1_and_2.py:560, pinned :565)"),
+        # DeepSpeedCPUAdam's exp_avg and exp_avg_sq, fp32, on the host (not pinned)
+        "adam": (8 * psi / n, "Adam moments 8Ψ/N (DeepSpeedCPUAdam state)"),
+        # :940 the fp32 gradient partition the CPU optimizer reads (pinned)
+        "grads": (4 * psi / n, "fp32 gradient partition 4Ψ/N (stage_1_and_2.py:940, pinned)"),
+        # :566-573 a 16-bit copy of the partition, staging updated weights back to the device (pinned)
+        "param_buffer": (param_b * psi / n, f"{param_b}-byte parameter buffer {param_b}Ψ/N (stage_1_and_2.py:566, "
+                                            "pinned :572)"),
+        # :653-658 the largest parameter's gradient, 16-bit, staged on the host (pinned)
+        "grad_staging": (param_b * largest, "largest gradient staged on the host (stage_1_and_2.py:653, pinned :657)"),
+    }
+    if pinned_rounding:
+        pinned = ("master", "grads", "param_buffer", "grad_staging")
+        excess = sum(pow2ceil(terms[t][0]) - terms[t][0] for t in pinned)
+        terms["pinned_rounding"] = (excess, PINNED_ROUNDING_NOTE)
+    return {name: (int(value), source) for name, (value, source) in terms.items()}
+
+
 def model_state_bytes(psi: int, ranks: int, stage: int, precision: str, offload_optimizer: str = "none",
-                      offload_param: str = "none") -> dict:
-    """Bytes per rank of parameters, gradients and optimizer states, and the parts offloaded to host or NVMe."""
+                      offload_param: str = "none", largest: int = 0, pinned_rounding: bool = False) -> dict:
+    """Bytes per rank of parameters, gradients and optimizer states, and the parts offloaded to host or NVMe.
+
+    `largest` (elements of the largest parameter) adds the host staging buffer of ZeRO-1/2 CPU offload; the
+    host figure then follows offload_host_terms term by term."""
     n = ranks
     if precision == "fp32":
         param_b, grad_b, opt_b = 4, 4, (8 if stage in (0, 3) else 12)
@@ -166,6 +211,10 @@ def model_state_bytes(psi: int, ranks: int, stage: int, precision: str, offload_
         params = 0.0
         if offload_param == "nvme":
             offloaded["cpu"] += NVME_PARAM_BUFFER_ELEMENTS * param_b
+    host_terms = None
+    if offload_optimizer == "cpu" and stage in (1, 2):
+        host_terms = offload_host_terms(psi, n, precision, largest, pinned_rounding)
+        offloaded["cpu"] = sum(value for value, _ in host_terms.values())
     formula = STATE_FORMULAS["fp32" if precision == "fp32" else "mixed"][stage]
     where = {"cpu": "host RAM", "nvme": "NVMe (train.nvme_path)"}
     if offload_optimizer != "none" and stage >= 1:
@@ -173,7 +222,16 @@ def model_state_bytes(psi: int, ranks: int, stage: int, precision: str, offload_
     if offload_param != "none" and stage == 3:
         formula += f" and the parameters in {where[offload_param]}"
     return {"params": int(params), "grads": int(grads), "optimizer": int(optimizer), "host": int(offloaded["cpu"]),
-            "disk": int(offloaded["nvme"]), "formula": formula}
+            "disk": int(offloaded["nvme"]), "formula": formula, "host_terms": host_terms}
+
+
+def checkpoint_bytes(psi: int, precision: str, zero_stage: int) -> int:
+    """Bytes of one DeepSpeed checkpoint on disk, all ranks together: the module once in the training precision
+    (mp_rank_00_model_states.pt) and every rank's optimizer partition (fp32 master copy and Adam moments, K Ψ as in
+    model_state_bytes); 7B in mixed precision: 2Ψ + 12Ψ ≈ 97 GB."""
+    param_b = 4 if precision == "fp32" else 2
+    opt_b = (8 if zero_stage in (0, 3) else 12) if precision == "fp32" else 12
+    return int((param_b + opt_b) * psi)
 
 
 def activation_bytes(run: RunShape) -> int:
@@ -190,26 +248,47 @@ def activation_bytes(run: RunShape) -> int:
     return int(tokens * (layers + logits + 3 * b * h))  # + embedding output and final norm
 
 
-def buffer_bytes(run: RunShape) -> tuple[int, str]:
-    """DeepSpeed's gradient / prefetch buckets at their default sizes."""
+def buffer_terms(run: RunShape) -> dict:
+    """DeepSpeed's working buffers on the device, term by term, as {term: (bytes, source)}."""
     grad_b = 4 if run.precision == "fp32" else 2
-    psi = run.parameters
+    psi, largest = run.parameters, run.largest_parameter
     if run.zero_stage == 3:
         elements = REDUCE_BUCKET_ELEMENTS + PREFETCH_BUCKET_ELEMENTS
         if run.device == "cpu":
             elements = min(elements, psi)
-        return elements * grad_b, "ZeRO-3 reduce + prefetch buckets (5e8 + 5e7 elements)"
+        return {"buckets": (elements * grad_b, "ZeRO-3 reduce + prefetch buckets (5e8 + 5e7 elements)")}
     copies = 2 if (run.device == "cuda" and run.zero_stage >= 1) else 1
     elements = REDUCE_BUCKET_ELEMENTS if run.device == "cuda" else min(REDUCE_BUCKET_ELEMENTS, psi)
     if run.zero_stage == 0:
         elements = min(REDUCE_BUCKET_ELEMENTS, psi)
     label = "gradient bucket" + (" × 2 (overlap_comm)" if copies == 2 else "")
-    return copies * elements * grad_b, f"{label}, reduce_bucket_size 5e8 elements"
+    terms = {"buckets": (copies * elements * grad_b, f"{label}, reduce_bucket_size 5e8 elements")}
+    if run.zero_stage in (1, 2):
+        if run.offload_optimizer == "cpu":
+            # :659 a device buffer of the largest gradient for the copy to the host; :1886 its norm in fp64
+            # (get_norm_dtype) and an fp32 copy for the host transfer, both transient, at the same moment
+            terms["offload_staging"] = (largest * grad_b, "offload gradient buffer, largest parameter "
+                                                          "(stage_1_and_2.py:659)")
+            terms["norm_copies"] = (largest * (8 + 4), "fp64 norm + fp32 copy of the largest gradient "
+                                                       "(stage_1_and_2.py:1886, get_norm_dtype)")
+        else:
+            # :2684 the gradient norm casts each partition piece to fp64 (get_norm_dtype)
+            piece = min(largest, -(-psi // run.ranks))
+            terms["norm_copies"] = (piece * 8, "fp64 copy of the largest gradient piece for the norm "
+                                               "(stage_1_and_2.py:2684, get_norm_dtype)")
+    return {name: (int(value), source) for name, (value, source) in terms.items()}
+
+
+def buffer_bytes(run: RunShape) -> tuple[int, str]:
+    """The sum of buffer_terms and their sources, for the report's formula column."""
+    terms = buffer_terms(run)
+    return sum(value for value, _ in terms.values()), "; ".join(source for _, source in terms.values())
 
 
 def estimate(run: RunShape) -> Estimate:
     states = model_state_bytes(run.parameters, run.ranks, run.zero_stage, run.precision, run.offload_optimizer,
-                               run.offload_param)
+                               run.offload_param, largest=run.largest_parameter,
+                               pinned_rounding=run.pinned_rounding)
     buffers, buffer_formula = buffer_bytes(run)
     # model.build_model builds the whole model on the rank's device in the training dtype (one copy, b·Ψ) before
     # DeepSpeed partitions it; nothing is built in fp32 first, on the host or elsewhere.
@@ -389,6 +468,8 @@ def alternatives(run: RunShape, budget: Budget, max_gpus: int = 1024) -> list[di
                  f"train.offload_optimizer: cpu" + ("" if run.zero_stage >= 2 else ", train.zero_stage: 2"))
     if run.zero_stage != 3:
         consider("ZeRO-3", replace(run, zero_stage=3), "train.zero_stage: 3")
+        consider("ZeRO-3 with optimizer offload", replace(run, zero_stage=3, offload_optimizer="cpu"),
+                 "train.zero_stage: 3, train.offload_optimizer: cpu")
     if run.zero_stage != 3 or run.offload_param != "cpu":
         consider("ZeRO-3 with optimizer and parameter offload",
                  replace(run, zero_stage=3, offload_optimizer="cpu", offload_param="cpu"),

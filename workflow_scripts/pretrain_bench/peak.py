@@ -8,20 +8,29 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
+
+from .devices import GPU_LOCK_DIR
+from .evaluation import evaluation_device
 
 
-def measure_hardware_peak(requested_device: str, precision: str) -> dict:
+def measure_hardware_peak(requested_device: str, precision: str, lock_dir: Path = GPU_LOCK_DIR) -> dict:
+    with evaluation_device(requested_device, lock_dir) as run_device:  # on a GPU: one slot, like an evaluation
+        return _measure(run_device, precision)
+
+
+def _measure(run_device: str, precision: str) -> dict:
     import torch
 
-    from .devices import hardware_description, resolve_device
+    from .devices import hardware_description
     from .flops import gpu_table_peak, measure_matmul_peak
 
-    device = resolve_device(requested_device)
+    device = torch.device(run_device).type
     started = time.perf_counter()
     result: dict = {"device": device, "hardware": hardware_description(device)}
     if device == "cuda":
         name = torch.cuda.get_device_name()
-        measured = measure_matmul_peak("bf16", size=8192, repeats=20, device="cuda")
+        measured = measure_matmul_peak("bf16", size=8192, repeats=20, device=run_device)
         table = gpu_table_peak(name, "bf16")
         result.update(measured_flops=measured, measured_method=f"best of 20 bf16 8192² matmuls on one {name}",
                       table_flops=table[0] if table else None, table_source=table[1] if table else None)

@@ -54,7 +54,8 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
     # Pre-flight: stop (or, under train.memory_fit auto, change the settings) before anything is allocated when
     # the run is predicted not to fit; benchmark.force launches anyway.
     index_data = json.loads(Path(index).read_text())
-    settings, memory_fit = fit_run(config, settings, index_data.get("vocab_size"), what=f"the {role} run")
+    settings, memory_fit = fit_run(config, settings, index_data.get("vocab_size"), what=f"the {role} run",
+                                   state_dir=str(state_dir) if save_checkpoints else None)
     check_settings(settings)
     model = config["model"]
     return {

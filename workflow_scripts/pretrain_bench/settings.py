@@ -115,11 +115,13 @@ def check_settings(s: TrainSettings, device: str | None = None) -> None:
                               "states in RAM already)")
 
 
-def deepspeed_config(s: TrainSettings, device: str, total_steps: int, fused_adam: bool = False) -> dict:
+def deepspeed_config(s: TrainSettings, device: str, total_steps: int, fused_adam: bool = False,
+                     pin_memory: bool = True) -> dict:
     """The DeepSpeed JSON config for these settings (written next to the run as ds_config.json).
 
     fused_adam: DeepSpeed's FusedAdam is prebuilt in this install; without it (and without offload, where
     DeepSpeedCPUAdam runs) torch's own AdamW is used, which needs no compiler.
+    pin_memory: pin offloaded host buffers (CUDA only); the launcher turns it off where torch would round them.
     """
     zero: dict = {"stage": s.zero_stage}
     if s.zero_stage >= 1:
@@ -127,7 +129,7 @@ def deepspeed_config(s: TrainSettings, device: str, total_steps: int, fused_adam
     for key in ("offload_optimizer", "offload_param"):
         target = getattr(s, key)
         if target != "none":
-            zero[key] = {"device": target, "pin_memory": device == "cuda"}
+            zero[key] = {"device": target, "pin_memory": device == "cuda" and pin_memory}
             if target == "nvme":
                 zero[key]["nvme_path"] = s.nvme_path
     warmup = min(s.warmup_steps, max(total_steps - 1, 0))

@@ -237,7 +237,8 @@ def run_training(plan: dict) -> dict | None:
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable()
     total_steps = settings.total_steps(seq_len)
-    ds_config = deepspeed_config(settings, device, total_steps, fused_adam=_fused_adam_prebuilt())
+    ds_config = deepspeed_config(settings, device, total_steps, fused_adam=_fused_adam_prebuilt(),
+                                 pin_memory=os.environ.get("PRETRAIN_BENCH_PIN_MEMORY", "1") == "1")
     if rank == 0:
         (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
     # 2) what to resume from: checked before DeepSpeed starts, so a wrong checkpoint fails in seconds
