@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow_scripts"))
 
-from pretrain_bench.loader import PackedTokens, RankBatches  # noqa: E402
+from pretrain_bench.loader import EpochPermutation, PackedTokens, RankBatches  # noqa: E402
 from pretrain_bench.shards import build_index  # noqa: E402
 
 SEQ_LEN = 8
@@ -66,8 +66,8 @@ def test_ranks_never_share_a_sample_within_an_epoch(data):
     assert len(seen) == len(set(seen)) == steps * world * micro
     assert all(loader.epoch == 0 for loader in ranks)
     # the same window without rank slicing: rank r's rows are positions [r*micro, (r+1)*micro) of the order
-    order = np.random.default_rng([7, 0]).permutation(data.num_samples)
-    assert seen[:world * micro] == order[:world * micro].tolist()
+    order = EpochPermutation(data.num_samples, 7, 0)
+    assert seen[:world * micro] == order[np.arange(world * micro)].tolist()
 
 
 def test_resumed_loader_continues_identically(data):
@@ -91,7 +91,7 @@ def test_epoch_rollover_draws_a_new_permutation(data):
     epochs = [[k for _ in range(per_epoch) for k in first_tokens(loader.next_batch())] for _ in range(2)]
     assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["position"] == 36
     for epoch, seen in enumerate(epochs):
-        assert seen == np.random.default_rng([3, epoch]).permutation(37)[:36].tolist()
+        assert seen == EpochPermutation(37, 3, epoch)[np.arange(36)].tolist()
     assert epochs[0] != epochs[1]
     loader.next_batch()
     assert loader.epoch == 2 and loader.position == 4
@@ -124,3 +124,29 @@ def test_reshaped_resume_continues_the_epoch_without_repeats(data):
         seen += [k for loader in after for k in first_tokens(loader.next_batch())]
     assert len(seen) == len(set(seen)) == 36  # 12 + 4 windows of 6, then the epoch's last sample is dropped
 
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4097])
+def test_epoch_order_is_a_deterministic_permutation(n):
+    order = EpochPermutation(n, seed=5, epoch=0)[np.arange(n)]
+    assert sorted(order.tolist()) == list(range(n)), "every sample exactly once"
+    assert order.tolist() == EpochPermutation(n, seed=5, epoch=0)[np.arange(n)].tolist()
+    if n >= 64:
+        assert order.tolist() != list(range(n)), "shuffled"
+        assert order.tolist() != EpochPermutation(n, seed=5, epoch=1)[np.arange(n)].tolist()
+        assert order.tolist() != EpochPermutation(n, seed=6, epoch=0)[np.arange(n)].tolist()
+    # any slice equals the same slice of the whole order: a resumed loader can start anywhere
+    start = n // 3
+    assert EpochPermutation(n, 5, 0)[np.arange(start, n)].tolist() == order[start:].tolist()
+
+
+def test_epoch_order_memory_does_not_grow_with_the_corpus():
+    import tracemalloc
+
+    tracemalloc.start()
+    # 10^12 tokens of 128-token samples: 7.8e9 samples (an array of them would take 62 GB)
+    order = EpochPermutation(7_812_500_000, seed=1, epoch=0)
+    batch = order[np.arange(10**9, 10**9 + 64)]
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 1_000_000 and len(set(batch.tolist())) == 64 and int(batch.max()) < 7_812_500_000
