@@ -47,6 +47,7 @@ rule plan_bench_cell:
     input:
         index="results/{name}/shards/index.json",
         tokenizer="results/{name}/tokenizer/tokenizer.json",
+        peak="results/{name}/bench/peak.json",
     output:
         plan="results/{name}/bench/{cell}/rep{rep}/plan.json",
     log:

@@ -26,10 +26,12 @@ NAME = config["name"]
 # run from the workflow folder rather than from Snakemake's source cache).
 LAUNCHER = Path(workflow.basedir) / "workflow_scripts" / "launch.py"
 # Shell rules start the launcher with the interpreter Snakemake runs with (a venv's, activated or not); under
-# --sdm conda with the rule's environment's own python, which conda puts first on PATH.
+# --sdm conda with the rule's environment's own python, which conda puts first on PATH. A Path, not a str: Snakemake
+# tracks only plain values as params, and the same venv reached by another path must not count as a changed param
+# (it would retrain).
 from snakemake.settings.types import DeploymentMethod  # noqa: E402
 
-PYTHON = "python" if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method else sys.executable
+PYTHON = Path("python" if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method else sys.executable)
 
 
 wildcard_constraints:

@@ -13,6 +13,8 @@ rule plan_pretrain:
     input:
         index="results/{name}/shards/index.json",
         tokenizer="results/{name}/tokenizer/tokenizer.json",
+        # the machine's peak FLOP/s, measured once per run name: every run's MFU divides by the same figure
+        peak="results/{name}/bench/peak.json",
     output:
         plan="results/{name}/train/plan.json",
     log:

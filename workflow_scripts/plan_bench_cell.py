@@ -1,13 +1,15 @@
 """Snakemake adapter: the plan of one benchmark cell × repeat (rule plan_bench_cell)."""
+import json
 import sys
 from pathlib import Path
 
 
-def main(config, cell, index, tokenizer, out_dir, state_dir, plan_path):
+def main(config, cell, index, tokenizer, peak, out_dir, state_dir, plan_path):
     from pretrain_bench.plan import make_plan, write_plan
 
     plan = make_plan(config, index=Path(index), tokenizer=Path(tokenizer).parent, out_dir=Path(out_dir),
-                     state_dir=Path(state_dir), role="bench", resume=False, save_checkpoints=False)
+                     state_dir=Path(state_dir), role="bench", resume=False, save_checkpoints=False,
+                     peak=json.loads(Path(peak).read_text()))
     plan["cell"] = cell
     write_plan(plan, Path(plan_path))
 
@@ -15,5 +17,6 @@ def main(config, cell, index, tokenizer, out_dir, state_dir, plan_path):
 if "snakemake" in globals():
     sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
     main(snakemake.params.config, snakemake.wildcards.cell, snakemake.input.index,  # noqa: F821
-         snakemake.input.tokenizer, snakemake.params.out_dir, snakemake.params.state_dir,  # noqa: F821
+         snakemake.input.tokenizer, snakemake.input.peak, snakemake.params.out_dir,  # noqa: F821
+         snakemake.params.state_dir,  # noqa: F821
          snakemake.output.plan)  # noqa: F821

@@ -193,3 +193,18 @@ def test_no_benchmark_cell_still_renders(tmp_path):
                                           (86400 * 365.25 * 26, "26.0 years")])
 def test_durations_read_naturally(seconds, text):
     assert fmt_duration(seconds) == text
+
+
+def test_an_mfu_above_100_percent_is_refused_with_the_reason():
+    from pretrain_bench.flops import model_flops_utilisation
+    from pretrain_bench.tables import mfu_text
+
+    # a 1-rank run measured at 47.5 GFLOP/s of peak that achieved 80 GFLOP/s: 169 %, impossible
+    mfu, note = model_flops_utilisation(8000.0, 1e7, 47.5e9, 1, "measured: 512² matmul")
+    assert mfu is None and "MFU would be 168%" in note and "not reported" in note
+    assert model_flops_utilisation(1000.0, 1e7, 47.5e9, 1, "x") == (pytest.approx(1e10 / 47.5e9), None)
+    # the report says why instead of printing a figure: the run's own refusal, or an older summary's 169 %
+    assert mfu_text([summary(mfu=None) | {"mfu_note": note}]) == "not reported: " + note
+    old = mfu_text([summary(mfu=1.69)])
+    assert old.startswith("not reported: MFU would be 169%, above 100 %") and "measured: test" in old
+    assert mfu_text([summary(mfu=0.2)]) == fmt(20.0, 2)

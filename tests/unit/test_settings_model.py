@@ -115,3 +115,15 @@ def test_adam_needs_no_compiler_unless_fused_adam_is_prebuilt():
     offloaded = settings(device="cuda", comm_backend="nccl", precision="bf16", offload_optimizer="cpu")
     assert "torch_adam" not in deepspeed_config(offloaded, "cuda", 10)["optimizer"]["params"]
 
+
+
+def test_every_run_divides_by_the_machines_one_peak():
+    from pretrain_bench.flops import plan_peak
+
+    measured = {"peak_flops": 2.0e11, "peak_source": "measured: best bf16 matmul on 2 cores"}
+    cpu = plan_peak(measured, None, "cpu", 3)  # three CPU ranks share the machine
+    assert cpu["flops_per_rank"] * 3 == pytest.approx(2.0e11) and "rule measure_peak" in cpu["source"]
+    gpu = plan_peak({"peak_flops": 165.2e12, "peak_source": "datasheet table: RTX 4090"}, None, "cuda", 3)
+    assert gpu["flops_per_rank"] == 165.2e12  # each GPU brings its own
+    assert plan_peak(measured, 100.0, "cpu", 3) == {"flops_per_rank": 1e14,
+                                                    "source": "report.peak_tflops in the config"}

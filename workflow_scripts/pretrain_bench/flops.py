@@ -55,3 +55,31 @@ def measure_matmul_peak(dtype_name: str = "fp32", size: int = 1024, repeats: int
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return 2.0 * size**3 / best
+
+
+def model_flops_utilisation(tokens_per_s: float | None, flops_per_token_: float, peak_per_rank: float | None,
+                            ranks: int, peak_source: str) -> tuple[float | None, str | None]:
+    """(MFU, None), or (None, why not): an MFU above 100 % is impossible, so a peak below what the run achieved is
+    not this run's peak, and no figure is printed rather than a wrong one."""
+    if not tokens_per_s or not peak_per_rank:
+        return None, "no throughput or no peak to divide by"
+    mfu = tokens_per_s * flops_per_token_ / (peak_per_rank * ranks)
+    if mfu > 1.0:
+        return None, (f"MFU would be {mfu:.0%}: the run achieved more than the peak it was given "
+                      f"({peak_per_rank / 1e12:,.3g} TFLOP/s per rank, {peak_source}), so that is not its peak; "
+                      "not reported")
+    return mfu, None
+
+
+def plan_peak(peak: dict | None, peak_tflops: float | None, device: str, ranks: int) -> dict | None:
+    """The peak FLOP/s per rank every run of a machine divides by: report.peak_tflops, else rule measure_peak's
+    figure (bench/peak.json: a GPU's datasheet or measured peak; on CPU the whole machine measured in one process,
+    shared by the ranks of a run, so each rank's share is 1/ranks of it)."""
+    if peak_tflops:
+        return {"flops_per_rank": peak_tflops * 1e12, "source": "report.peak_tflops in the config"}
+    if not peak:
+        return None
+    if device == "cpu":
+        return {"flops_per_rank": peak["peak_flops"] / ranks,
+                "source": f"{peak['peak_source']} (rule measure_peak), shared by {ranks} CPU rank(s)"}
+    return {"flops_per_rank": peak["peak_flops"], "source": f"{peak['peak_source']} (rule measure_peak)"}

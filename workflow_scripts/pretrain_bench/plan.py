@@ -12,7 +12,9 @@ import json
 import os
 from pathlib import Path
 
+from .flops import plan_peak
 from .memory_fit import fit_run
+from .memory_model import resolve_device_cheaply
 from .settings import ConfigError, TrainSettings, check_settings
 
 # benchmark.* keys the pre-flight reads (the machine it plans for, and whether to launch runs that do not fit).
@@ -45,8 +47,11 @@ def cell_train(config: dict, overrides: dict) -> dict:
 
 
 def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, state_dir: Path,
-              role: str = "pretrain", resume: bool = True, save_checkpoints: bool = True) -> dict:
-    """Resolve a plan config (see `plan_config`) into a plan dict; raises ConfigError."""
+              role: str = "pretrain", resume: bool = True, save_checkpoints: bool = True,
+              peak: dict | None = None) -> dict:
+    """Resolve a plan config (see `plan_config`) into a plan dict; raises ConfigError.
+
+    peak: rule measure_peak's bench/peak.json, the machine's peak that every run's MFU divides by."""
     settings = TrainSettings.from_config(config["train"])
     if settings.nvme_path is None:
         settings = TrainSettings.from_config({**config["train"], "nvme_path": str(Path(state_dir) / "nvme")})
@@ -71,6 +76,8 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
         "resume": resume,
         "save_checkpoints": save_checkpoints,
         "peak_tflops": config["report"]["peak_tflops"],
+        "peak": plan_peak(peak, config["report"]["peak_tflops"], resolve_device_cheaply(settings.device),
+                          settings.world_size),
         "memory_fit": memory_fit,
         "preflight": memory_fit,  # the name older readers of plan.json use
     }

@@ -62,7 +62,7 @@ def main_run_tables(summary: dict, evals: list[dict], target_corpus_tokens: floa
         "tokens_per_s": fmt(summary["tokens_per_s"]),
         "step_time": f"{fmt(step['median'], 3)} ({fmt(step['min'], 3)}–{fmt(step['max'], 3)})",
         "peak_mem_gib": " / ".join(fmt(b / GIB, 2) for b in summary["peak_mem_bytes"]),
-        "mfu_pct": fmt(summary["mfu"] * 100 if summary["mfu"] is not None else None, 2),
+        "mfu_pct": mfu_text([summary]),
         "comm_pct": fmt(summary["comm_fraction"] * 100 if summary["comm_fraction"] is not None else None, 1),
     }]
     epoch_s = target_corpus_tokens / summary["tokens_per_s"] if summary["tokens_per_s"] else None
@@ -258,6 +258,18 @@ def backend_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict
     return rows
 
 
+def mfu_text(runs: list[dict]) -> str:
+    """MFU in percent over repeats, or why it is not printed: above 100 % is impossible (a peak below what the run
+    achieved is not its peak), whether the run refused it itself or an older summary.json holds one."""
+    impossible = [r["mfu"] for r in runs if r.get("mfu") is not None and r["mfu"] > 1.0]
+    notes = [r["mfu_note"] for r in runs if r.get("mfu_note")]
+    if impossible or notes:
+        return ("not reported: " + notes[0]) if notes else (
+            f"not reported: MFU would be {fmt(max(impossible) * 100, 0)}%, above 100 %, so the peak "
+            f"({runs[0].get('peak_flops_source', 'n/a')}) is not this run's peak")
+    return spread([r.get("mfu") for r in runs], 2, 100)
+
+
 def mfu_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]:
     rows = []
     for entry in matrix["cells"]:
@@ -265,7 +277,7 @@ def mfu_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]:
         if not runs:
             continue
         stats = cell_stats(runs)
-        rows.append({"cell": entry["cell"], "ranks": str(entry["gpus"]), "mfu_pct": spread(stats["mfu"], 2, 100),
+        rows.append({"cell": entry["cell"], "ranks": str(entry["gpus"]), "mfu_pct": mfu_text(runs),
                      "peak_tflops": spread(stats["peak_flops_per_rank"], 3, 1e-12),
                      "peak_source": runs[0].get("peak_flops_source", "n/a"),
                      "flops_per_token": fmt(runs[0].get("flops_per_token"), 0)})

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import checkpoint as ckpt
-from .flops import FLOPS_FORMULA, flops_per_token, gpu_table_peak, measure_matmul_peak
+from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .metrics import peak_memory_bytes, read_jsonl, summarise_steps, truncate_jsonl
 from .model import build_model, count_parameters, resolve_shape
 from .provenance import provenance
@@ -156,24 +156,6 @@ def resume_fingerprint(plan: dict) -> dict:
     return {"model": plan["model"], "train": train, "data": plan["data_sha256"]}
 
 
-def measure_peak_flops(settings: TrainSettings, device: str, rank_threads: int) -> tuple[float, str]:
-    """Peak FLOP/s per rank: the datasheet for known GPUs, otherwise a matmul measured on every rank at once."""
-    if device == "cuda":
-        name = torch.cuda.get_device_name()
-        table = gpu_table_peak(name, settings.precision)
-        if table:
-            return table
-        measured = measure_matmul_peak(settings.precision, size=8192, device="cuda")
-        return measured, f"measured: best {settings.precision} 8192² matmul on {name}"
-    dist.barrier()  # all ranks measure together, so oversubscribed cores show up as a lower per-rank peak
-    measured = measure_matmul_peak("fp32" if settings.precision == "fp32" else "bf16", size=512)
-    per_rank = _gather_floats([measured], "cpu")
-    mean = sum(p[0] for p in per_rank) / len(per_rank)
-    dtype = "fp32" if settings.precision == "fp32" else "bf16"
-    return mean, (f"measured: best of 8 {dtype} 512² matmuls, {rank_threads} thread(s) per rank, all "
-                  f"{len(per_rank)} ranks at once, mean over ranks")
-
-
 def run_training(plan: dict) -> dict | None:
     """Train per the plan on this rank. Returns the summary on rank 0."""
     import deepspeed
@@ -300,10 +282,9 @@ def run_training(plan: dict) -> dict | None:
             ckpt.prune(ckpt_root, settings.keep_checkpoints)
         dist.barrier()
 
-    # 3) peak FLOP/s for MFU
-    peak_flops, peak_source = measure_peak_flops(settings, device, threads)
-    if plan.get("peak_tflops"):
-        peak_flops, peak_source = plan["peak_tflops"] * 1e12, "report.peak_tflops in the config"
+    # 3) peak FLOP/s for MFU: the machine's one figure, resolved by the plan (flops.plan_peak); never measured here
+    peak = plan.get("peak") or {"flops_per_rank": None, "source": "no peak in the plan"}
+    peak_flops, peak_source = peak["flops_per_rank"], peak["source"]
     flops_token = flops_per_token(params["matmul"], shape.num_hidden_layers, shape.num_attention_heads,
                                   shape.hidden_size // shape.num_attention_heads, seq_len)
 
@@ -431,7 +412,8 @@ def run_training(plan: dict) -> dict | None:
                       "vocab_size": shape.vocab_size},
             "flops_per_token": flops_token, "flops_formula": FLOPS_FORMULA,
             "peak_flops_per_rank": peak_flops, "peak_flops_source": peak_source,
-            "mfu": (tokens_per_s * flops_token) / (peak_flops * world) if tokens_per_s else None,
+            **dict(zip(("mfu", "mfu_note"), model_flops_utilisation(tokens_per_s, flops_token, peak_flops, world,
+                                                                    peak_source))),
             "comm_fraction": comm_fraction, "comm_method": comm_note,
             "loss": steady["loss"], "skipped_steps": records[-1]["skipped_steps"],
             "oversubscribed": os.environ.get("PRETRAIN_BENCH_OVERSUBSCRIBED") == "1",
