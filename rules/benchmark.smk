@@ -83,4 +83,4 @@ rule bench_cell:
     params:
         launcher=LAUNCHER,
     shell:
-        "python {params.launcher} --ranks {resources.gpu} --plan {input.plan} > {log} 2>&1"
+        "python {params.launcher} --ranks {resources.gpu} --plan {input.plan} --log {log}"
