@@ -22,7 +22,7 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
     if train_overrides and "global_batch_size" not in train_overrides:
         train["global_batch_size"] = None  # a cell with other ranks derives its own global batch
     settings = TrainSettings.from_config(train)
-    check_settings(settings)
+    check_settings(settings, seq_len=config["model"].get("seq_len", 128))
     # Pre-flight: stop before anything is allocated when the run is predicted not to fit (benchmark.force skips).
     index_vocab = json.loads(Path(index).read_text()).get("vocab_size")
     preflight = check_fits(config, settings, index_vocab, what=f"the {role} run")

@@ -42,6 +42,7 @@ class TrainSettings:
     warmup_timing_steps: int = 5  # steps left out of steady-state timing
     max_restarts: int = 0  # torchrun --max-restarts
     allow_reshape: bool = False  # accept a checkpoint saved at another world size
+    verify_checkpoints: str = "sampled"  # before a resume: sampled (sizes + sampled sha256) | full (every byte)
 
     @classmethod
     def from_config(cls, train: dict) -> "TrainSettings":
@@ -70,20 +71,31 @@ class TrainSettings:
         return asdict(self)
 
 
-def check_settings(s: TrainSettings, device: str | None = None) -> None:
-    """Reject combinations that cannot run. `device` is the resolved device (cuda|cpu) when known."""
+def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | None = None) -> None:
+    """Reject combinations that cannot run. `device` is the resolved device (cuda|cpu) when known; `seq_len`
+    (model.seq_len), when given, lets a max_tokens run be checked against its step count too."""
     if s.global_batch_size is not None and s.global_batch_size != s.derived_global_batch:
         raise ConfigError(
             f"train.global_batch_size {s.global_batch_size} is not micro_batch_size {s.micro_batch_size} × "
             f"grad_accum_steps {s.grad_accum_steps} × ranks {s.world_size} (gpus {s.gpus} × nodes {s.nodes}) "
             f"= {s.derived_global_batch}"
         )
+    if s.verify_checkpoints not in ("sampled", "full"):
+        raise ConfigError(f"train.verify_checkpoints {s.verify_checkpoints!r} is not sampled or full")
     if s.offload_param != "none" and s.zero_stage != 3:
         raise ConfigError(f"train.offload_param={s.offload_param} needs train.zero_stage 3 (got {s.zero_stage})")
     if s.offload_optimizer != "none" and s.zero_stage == 0:
         raise ConfigError("train.offload_optimizer needs train.zero_stage 1, 2 or 3 (got 0)")
     if s.min_lr > s.lr:
         raise ConfigError(f"train.min_lr {s.min_lr} is above train.lr {s.lr}")
+    if s.max_tokens is None or seq_len:
+        steps = s.total_steps(seq_len) if s.max_tokens is not None else s.max_steps
+        limit = f"train.max_steps {s.max_steps}" if s.max_tokens is None else \
+            f"the {steps} steps of train.max_tokens {s.max_tokens}"
+        # 0 means no warm-up; any other value must leave steps at the full rate, or train.lr is never reached.
+        if s.warmup_steps and s.warmup_steps >= steps:
+            raise ConfigError(f"train.warmup_steps {s.warmup_steps} is not below {limit}: the learning rate would "
+                              f"never reach train.lr; lower train.warmup_steps (0 for none) or raise the steps")
     device = device or (s.device if s.device != "auto" else None)
     if device == "cpu":
         if s.precision == "fp16":
