@@ -196,5 +196,6 @@ def test_real_full_disk_during_a_save(small_tmpfs):
     writer.save({"w": torch.zeros(200_000)}, folder / "mp_rank_00_model_states.pt")  # 800 KB > 256 KiB
     assert writer.error is not None, "the tmpfs is full"
     assert writer.error.startswith(f"saving checkpoint step 4 to {folder} failed: no space left on device (")
+    assert writer.error.endswith(f"; writing {folder / 'mp_rank_00_model_states.pt'})")
     assert list(folder.iterdir()) == [], "the partial file is removed"
     assert ckpt.verify(root, 2, "full") and tree_digest(root / "step2") == committed

@@ -128,16 +128,18 @@ def _sampled_digest(path: Path, size: int) -> str:
     return sampled.hexdigest()
 
 
-def save_failure(step: int, folder: Path, error: BaseException) -> str:
-    """'saving checkpoint step N to <folder> failed: <reason>', with the free bytes when the disk is full."""
+def save_failure(step: int, folder: Path, error: BaseException, writing: Path | None = None) -> str:
+    """'saving checkpoint step N to <folder> failed: <reason>', with the free bytes when the disk is full.
+    `writing`: the file being written, where the error itself does not name one (a failed write() names none)."""
+    target = getattr(error, "filename", None) or writing or folder
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
         probe = Path(folder)
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
         reason = (f"no space left on device ({shutil.disk_usage(probe).free:,} bytes free on the file system of "
-                  f"{probe}; writing {error.filename or folder})")
+                  f"{probe}; writing {target})")
     elif isinstance(error, OSError):
-        reason = f"{error.strerror or error} ({error.filename or folder})"
+        reason = f"{error.strerror or error} ({target})"
     else:
         reason = f"{type(error).__name__}: {error}"
     return f"saving checkpoint step {step} to {folder} failed: {reason}"
@@ -166,7 +168,7 @@ class CheckpointWriter:
             torch.save(state_dict, target, _use_new_zipfile_serialization=self.zipfile)
             record = target.close()
         except (OSError, RuntimeError) as error:
-            self.error = save_failure(self.step, self.folder, target.error or error)
+            self.error = save_failure(self.step, self.folder, target.error or error, writing=target.path)
             target.discard()
             return
         self.files[str(Path(path).resolve().relative_to(self.folder.resolve()))] = record
