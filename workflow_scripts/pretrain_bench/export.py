@@ -31,7 +31,7 @@ def torch_dtype(name: str):
 def read_checkpoint_weights(ckpt_root: Path, step: int) -> dict:
     """The fp32 state dict of committed checkpoint `step`; any failure names the checkpoint folder."""
     folder = Path(ckpt_root) / ckpt.tag_for(step)
-    ckpt.verify(ckpt_root, step)  # missing, uncommitted or damaged: CheckpointError naming the folder or file
+    ckpt.read_marker(ckpt_root, step)  # missing or uncommitted: CheckpointError naming the folder
     try:
         return ckpt.load_fp32_state_dict(ckpt_root, step)
     except ckpt.CheckpointError:
