@@ -91,4 +91,4 @@ rule bench_cell:
         python=PYTHON,
         launcher=LAUNCHER,
     shell:
-        "{params.python} {params.launcher} --ranks {resources.gpu} --plan {input.plan} > {log} 2>&1"
+        "{params.python} {params.launcher} --ranks {resources.gpu} --plan {input.plan} --log {log}"

@@ -17,7 +17,7 @@ validate(config, schema="../schemas/config.schema.yaml")
 
 try:
     TRAIN = TrainSettings.from_config(config["train"])
-    check_settings(TRAIN)
+    check_settings(TRAIN, seq_len=config["model"]["seq_len"])
 except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}")
 

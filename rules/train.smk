@@ -55,5 +55,7 @@ rule pretrain:
         python=PYTHON,
         launcher=LAUNCHER,
         ranks_per_node=TRAIN.gpus,
+    # --log, not a shell redirect: the launcher takes the state lock first, so a refused second run never truncates
+    # a running one's log, and keeps every attempt's log in logs/{name}/pretrain.attempts/.
     shell:
-        "{params.python} {params.launcher} --ranks {params.ranks_per_node} --plan {input.plan} > {log} 2>&1"
+        "{params.python} {params.launcher} --ranks {params.ranks_per_node} --plan {input.plan} --log {log}"

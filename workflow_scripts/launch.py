@@ -4,6 +4,9 @@ Multi-node by hand (train.nodes > 1, no scheduler): run the same command on ever
 (0 on the node that hosts the rendezvous) and `--rdzv-endpoint HOST:PORT` unless train.rdzv_endpoint is set.
 Inside a SLURM allocation the launcher starts itself on every node with srun; no extra argument is needed.
 
+`--log FILE` (what the rules pass): every attempt writes its own file beside FILE and FILE names the newest; a run
+refused because another one holds its state folder says so on the terminal and leaves the other's log alone.
+
 Thin: parses arguments and hands over to pretrain_bench.launcher (see there for devices, slots and rendezvous).
 """
 import argparse
@@ -16,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pretrain_bench.launcher import launch  # noqa: E402
 from pretrain_bench.settings import ConfigError  # noqa: E402
 from pretrain_bench.devices import GPU_LOCK_DIR, SlotError  # noqa: E402
+from pretrain_bench.state_lock import StateInUse  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -27,6 +31,8 @@ def main(argv=None) -> int:
                         help="this node's rank in a multi-node run started by hand (0 hosts the rendezvous)")
     parser.add_argument("--rdzv-endpoint", default=None,
                         help="host:port of the rendezvous on node rank 0 (default: train.rdzv_endpoint)")
+    parser.add_argument("--log", type=Path, default=None,
+                        help="the job's log: each attempt gets its own file in <log stem>.attempts/, this names the newest")
     args = parser.parse_args(argv)
     plan = json.loads(args.plan.read_text())
     # How srun starts this launcher again on every node of a SLURM allocation.
@@ -34,8 +40,8 @@ def main(argv=None) -> int:
                 "--plan", str(args.plan.resolve()), "--lock-dir", str(args.lock_dir.resolve())]
     try:
         return launch(plan, args.plan, args.ranks, Path(__file__).resolve().parent / "pretrain.py", args.lock_dir,
-                      node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, relaunch=relaunch)
-    except (ConfigError, SlotError, ValueError) as error:
+                      node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, relaunch=relaunch, log=args.log)
+    except (ConfigError, SlotError, ValueError, StateInUse) as error:
         print(f"error: {args.plan}: {error}", file=sys.stderr)
         return 2
 

@@ -39,7 +39,8 @@ def data():
 
 def plan_for(data, run_dir: Path, **train):
     config, results = data
-    overrides = {"max_steps": 8, "checkpoint_every": 4, "warmup_timing_steps": 1, **train}
+    # warmup_steps: the tiny config's 10 would not end before these short runs do (settings.check_settings)
+    overrides = {"max_steps": 8, "checkpoint_every": 4, "warmup_timing_steps": 1, "warmup_steps": 2, **train}
     config = {**config, "train": {**config["train"], **overrides}}
     plan = make_plan(config, index=results / "shards" / "index.json", tokenizer=results / "tokenizer",
                      out_dir=run_dir / "out", state_dir=run_dir / "state")

@@ -40,7 +40,7 @@ def data():
 
 def write_run_plan(data, run_dir: Path, **train) -> Path:
     config, results = data
-    settings = {"max_steps": 6, "warmup_timing_steps": 1, "global_batch_size": None, "zero_stage": 2,
+    settings = {"max_steps": 6, "warmup_steps": 2, "warmup_timing_steps": 1, "global_batch_size": None, "zero_stage": 2,
                 "precision": "fp32", "comm_backend": "gloo", "device": "cpu", **train}
     config = {**config, "train": {**config["train"], **settings}}
     plan = make_plan(config, index=results / "shards" / "index.json", tokenizer=results / "tokenizer",

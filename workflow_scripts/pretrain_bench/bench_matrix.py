@@ -36,6 +36,7 @@ class BenchSettings:
     host_memory_gib: float | None  # host RAM of the GPU machine planned for when none is detected
     disk_gib: float | None  # free disk at train.nvme_path on that machine
     assumed_gpu: str  # the GPU planned for when none is detected (its datasheet peak predicts run times)
+    lr_warmup_steps: int = 0  # train.warmup_steps of a cell: the main run's, shortened to fit the cell's steps
 
     @classmethod
     def from_config(cls, config: dict) -> "BenchSettings":
@@ -48,7 +49,11 @@ class BenchSettings:
         if bench["warmup_steps"] >= bench["steps"]:
             raise ConfigError(f"benchmark.warmup_steps {bench['warmup_steps']} leaves no timed step of "
                               f"benchmark.steps {bench['steps']}")
-        return cls(matrix=matrix, **{k: bench[k] for k in DEFAULTS})
+        # A cell runs benchmark.steps steps, often fewer than the main run's learning-rate warm-up; it keeps a warm-up
+        # that ends before its last step (what DeepSpeed's scheduler was clamped to anyway), so that the rule
+        # "train.warmup_steps below max_steps" holds for cells too.
+        lr_warmup = min(train.get("warmup_steps", TrainSettings.warmup_steps), bench["steps"] - 1)
+        return cls(matrix=matrix, lr_warmup_steps=lr_warmup, **{k: bench[k] for k in DEFAULTS})
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,7 @@ class Cell:
 
     def train_overrides(self, bench: BenchSettings) -> dict:
         return {**asdict(self), "max_steps": bench.steps, "max_tokens": None,
-                "warmup_timing_steps": bench.warmup_steps}
+                "warmup_timing_steps": bench.warmup_steps, "warmup_steps": bench.lr_warmup_steps}
 
 
 def cells(bench: BenchSettings) -> list[Cell]:

@@ -12,9 +12,10 @@ What `download()` guarantees:
 3) 4xx answers fail at once (retrying a 404 forever helps nobody);
 4) the finished file's sha256 is checked when one is given; a mismatch deletes the `.part` and names URL, expected
    and actual digest;
-5) only then is `.part` renamed onto `dest` (os.replace), so `dest` exists only complete and verified.
-A `.part` left by retries running out is kept on purpose: the next run resumes it. A lock file serialises
-concurrent downloads of one URL (two Snakemake jobs sharing resources/corpus-cache).
+5) only then is `.part` renamed onto `dest` (os.replace), so `dest` exists only complete and verified;
+6) a download that fails for good leaves nothing behind: its `.part` and its lock file are removed (a rerun starts
+   that file from zero; only an interrupted or killed download leaves a `.part`, which the next run resumes).
+A lock file serialises concurrent downloads of one URL (two Snakemake jobs sharing resources/corpus-cache).
 """
 from __future__ import annotations
 
@@ -75,32 +76,70 @@ def download(
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     expected = sha256.lower() if sha256 else None
-    with open(dest.with_name(dest.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if dest.exists():
-            actual = sha256_file(dest)
-            if expected is None or actual == expected:
-                log.info("using cached %s for %s", dest, url)
-                return actual
-            log.warning("cached %s has sha256 %s, expected %s: downloading again", dest, actual, expected)
-            dest.unlink()
-        part = dest.with_name(dest.name + ".part")
-        own_session = session is None
-        session = session or requests.Session()
+    lock_path = dest.with_name(dest.name + ".lock")
+    part = dest.with_name(dest.name + ".part")
+    with _locked(lock_path):
         try:
-            _fetch_with_retries(session, url, part, (connect_timeout_s, read_timeout_s), retries, backoff_s)
-        finally:
-            if own_session:
-                session.close()
-        actual = sha256_file(part)
-        if expected is not None and actual != expected:
-            part.unlink()
-            raise DownloadError(
-                f"sha256 mismatch for {url}: expected {expected}, got {actual}; the download was discarded"
-            )
-        os.replace(part, dest)
-        log.info("downloaded %s -> %s (%d bytes, sha256 %s)", url, dest, dest.stat().st_size, actual)
-        return actual
+            return _download_locked(url, dest, part, expected, session, (connect_timeout_s, read_timeout_s),
+                                    retries, backoff_s)
+        except Exception:  # an interrupt (Ctrl-C) keeps the .part for the next run to resume
+            part.unlink(missing_ok=True)
+            # Unlinked while still held: a process waiting on this lock file notices and locks the new one.
+            lock_path.unlink(missing_ok=True)
+            raise
+
+
+class _locked:
+    """An exclusive flock on `path` that survives the file being unlinked by a failed holder: after locking, the
+    name must still point at the locked file, else the lock is taken again on the current one."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        while True:
+            handle = open(self.path, "a")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                same = os.path.samestat(os.fstat(handle.fileno()), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.handle = handle
+                return handle
+            handle.close()
+
+    def __exit__(self, *exc):
+        self.handle.close()  # releases the lock
+        return False
+
+
+def _download_locked(url: str, dest: Path, part: Path, expected: str | None, session, timeout, retries: int,
+                     backoff_s: float) -> str:
+    """download() once its lock is held."""
+    if dest.exists():
+        actual = sha256_file(dest)
+        if expected is None or actual == expected:
+            log.info("using cached %s for %s", dest, url)
+            return actual
+        log.warning("cached %s has sha256 %s, expected %s: downloading again", dest, actual, expected)
+        dest.unlink()
+    own_session = session is None
+    session = session or requests.Session()
+    try:
+        _fetch_with_retries(session, url, part, timeout, retries, backoff_s)
+    finally:
+        if own_session:
+            session.close()
+    actual = sha256_file(part)
+    if expected is not None and actual != expected:
+        part.unlink()
+        raise DownloadError(
+            f"sha256 mismatch for {url}: expected {expected}, got {actual}; the download was discarded"
+        )
+    os.replace(part, dest)
+    log.info("downloaded %s -> %s (%d bytes, sha256 %s)", url, dest, dest.stat().st_size, actual)
+    return actual
 
 
 def _fetch_with_retries(session, url, part: Path, timeout, retries: int, backoff_s: float) -> None:

@@ -9,7 +9,13 @@ Used by every multi-rank rule (`pretrain`, benchmark cells) through workflow_scr
   Inside a SLURM allocation: the launcher starts itself once per node with `srun` and, when no endpoint is set,
   puts the rendezvous on the allocation's first node (`scontrol show hostnames`).
 - CUDA: disjoint device ids per concurrent job through `devices.gpu_slots`, taken from the visible devices
-  (CUDA_VISIBLE_DEVICES when set), unless a scheduler assigned them. CPU: DS_ACCELERATOR=cpu, gloo, max(1, cores // ranks) threads per rank.
+  (CUDA_VISIBLE_DEVICES when set), unless a scheduler assigned them. CPU: DS_ACCELERATOR=cpu, gloo,
+  max(1, cores // ranks) threads per rank.
+- One run per state folder: the launcher takes `<state_dir>/run.lock` (state_lock.py) before anything else, so a
+  second run on the same name is refused before any rank starts and before any log is opened.
+- With `--log`: every attempt writes its own file in `<log>.attempts/` (a header names the attempt), and the rule's
+  declared log is a second name (hard link) for the newest one. Snakemake deletes a job's declared log before the job
+  starts, so a log shared by attempts would lose a running attempt's record to the next one.
 """
 from __future__ import annotations
 
@@ -18,9 +24,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
+from . import state_lock
 from .devices import gpu_slots, resolve_device
 from .settings import TrainSettings, check_settings
 
@@ -164,17 +172,83 @@ def _terminate_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _attempt_log(log: Path, header: str) -> int:
+    """A new file for this attempt in `<log stem>.attempts/`, starting with `header`, and `log` made a second name for
+    it (a hard link; a symbolic link where the file system has none). Returns its open descriptor."""
+    log = Path(log)
+    attempts = log.with_name(log.stem + ".attempts")
+    attempts.mkdir(parents=True, exist_ok=True)
+    path = attempts / f"{time.strftime('%Y%m%dT%H%M%S')}-pid{os.getpid()}.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.write(fd, header.encode())
+    tmp = log.with_name(f"{log.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(path, tmp)
+    except OSError:
+        tmp.symlink_to(path.resolve())
+    # Replacing the name never writes into a file another attempt still has open.
+    os.replace(tmp, log)
+    return fd
+
+
+def _attempt_header(plan_path: Path, what: str) -> str:
+    return (f"=== pretrain-bench launcher: {what} at {time.strftime('%Y-%m-%d %H:%M:%S %z')}, pid {os.getpid()} "
+            f"on {socket.gethostname()}, plan {plan_path} ===\n")
+
+
+def redirect_to_attempt_log(log: Path, plan_path: Path) -> None:
+    """From here on this process's stdout and stderr (and so torchrun's and the ranks') go to a new attempt log."""
+    fd = _attempt_log(log, _attempt_header(plan_path, "attempt started"))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def record_refusal(log: Path, plan_path: Path, message: str) -> None:
+    """A refused attempt's record: its own attempt file (the refusal) under the declared log's name."""
+    fd = _attempt_log(log, _attempt_header(plan_path, "attempt refused") + f"error: {message}\n")
+    os.close(fd)
+
+
 def launch(plan: dict, plan_path: Path, ranks: int, script: Path, lock_dir: Path, *, node_rank: int | None = None,
-           rdzv_endpoint: str | None = None, relaunch: list[str] | None = None) -> int:
+           rdzv_endpoint: str | None = None, relaunch: list[str] | None = None, log: Path | None = None) -> int:
     """Run torchrun for this plan (or, for a multi-node run in a SLURM allocation, srun one launcher per node);
     returns its exit code. SIGTERM is passed on so ranks can checkpoint.
 
-    `relaunch` is the command that starts this launcher again (launch.py with --ranks/--plan), for srun.
+    `relaunch` is the command that starts this launcher again (launch.py with --ranks/--plan), for srun. `log`: see
+    the module docstring; without it output stays on this process's stdout/stderr.
+    Raises state_lock.StateInUse, before starting anything or opening the log, when another run holds the state.
     """
     settings = TrainSettings.from_config(plan["train"])
     if ranks != settings.gpus:
         raise ValueError(f"--ranks {ranks} (ranks per node) but train.gpus={settings.gpus}: they must agree")
     check_settings(settings)
+    # The launcher that starts the job takes the state lock: on one node that is this one; in a multi-node run the
+    # one with node rank 0 (by hand) or the one that fans out with srun (SLURM), never the per-node copies.
+    lock = None
+    if SLURM_NODE_TASK not in os.environ and not (node_rank or 0):
+        try:
+            lock = state_lock.acquire(Path(plan["paths"]["state_dir"]))
+        except state_lock.StateInUse as error:
+            if log:
+                record_refusal(log, plan_path, str(error))
+            raise
+    if log:
+        redirect_to_attempt_log(log, plan_path)
+    code = _launch_locked(plan, plan_path, ranks, script, lock_dir, settings, node_rank=node_rank,
+                          rdzv_endpoint=rdzv_endpoint, relaunch=relaunch,
+                          pass_fds=(lock.fileno(),) if lock else ())
+    print(f"=== attempt ended at {time.strftime('%Y-%m-%d %H:%M:%S %z')}: exit status {code} ===",
+          file=sys.stderr, flush=True)
+    return code
+
+
+def _launch_locked(plan: dict, plan_path: Path, ranks: int, script: Path, lock_dir: Path, settings: TrainSettings, *,
+                   node_rank: int | None, rdzv_endpoint: str | None, relaunch: list[str] | None,
+                   pass_fds: tuple[int, ...]) -> int:
     rdzv_endpoint = rdzv_endpoint or settings.rdzv_endpoint
     job_id = os.environ.get("SLURM_JOB_ID")
     if job_id:
@@ -185,7 +259,7 @@ def launch(plan: dict, plan_path: Path, ranks: int, script: Path, lock_dir: Path
             if not relaunch:
                 raise ValueError("a multi-node run in a SLURM allocation needs the launcher's own command (relaunch)")
             cmd = slurm_fan_out(settings.nodes, relaunch, rdzv_endpoint, job_id)
-            return _run(cmd, dict(os.environ, **{SLURM_NODE_TASK: "1"}))
+            return _run(cmd, dict(os.environ, **{SLURM_NODE_TASK: "1"}), pass_fds)
         if node_rank is None:
             node_rank = int(os.environ["SLURM_NODEID"]) if SLURM_NODE_TASK in os.environ else 0
         if not 0 <= node_rank < settings.nodes:
@@ -206,6 +280,7 @@ def launch(plan: dict, plan_path: Path, ranks: int, script: Path, lock_dir: Path
         env.update(settings.nccl_env)
         print("nccl environment (train.nccl_env): " + " ".join(f"{k}={v}" for k, v in settings.nccl_env.items()),
               file=sys.stderr, flush=True)
+    env[state_lock.HELD_ENV] = "1"  # by this launcher, or by node rank 0's in a multi-node run
     if env["PRETRAIN_BENCH_OVERSUBSCRIBED"] == "1":
         print(f"note: {ranks} ranks on {cores} cores: oversubscribed, 1 thread per rank; timings are "
               "contended", file=sys.stderr, flush=True)
@@ -218,13 +293,14 @@ def launch(plan: dict, plan_path: Path, ranks: int, script: Path, lock_dir: Path
         if device_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, device_ids))
             print(f"device slots: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}", file=sys.stderr, flush=True)
-        return _run(cmd, env)
+        return _run(cmd, env, pass_fds)
 
 
-def _run(cmd: list[str], env: dict) -> int:
-    """Run cmd to the end, passing SIGTERM on."""
+def _run(cmd: list[str], env: dict, pass_fds: tuple[int, ...] = ()) -> int:
+    """Run cmd to the end, passing SIGTERM on. `pass_fds` (the state lock) stay open in the child, so the lock
+    outlives this launcher while torchrun's ranks still write."""
     print("launch: " + " ".join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=_terminate_with_parent)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_terminate_with_parent, pass_fds=pass_fds)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
     try:
         return proc.wait()

@@ -55,7 +55,7 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
     settings = TrainSettings.from_config(config["train"])
     if settings.nvme_path is None:
         settings = TrainSettings.from_config({**config["train"], "nvme_path": str(Path(state_dir) / "nvme")})
-    check_settings(settings)
+    check_settings(settings, seq_len=config["model"]["seq_len"])
     # Pre-flight: stop (or, under train.memory_fit auto, change the settings) before anything is allocated when
     # the run is predicted not to fit; benchmark.force launches anyway.
     index_data = json.loads(Path(index).read_text())

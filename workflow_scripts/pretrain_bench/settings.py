@@ -46,6 +46,7 @@ class TrainSettings:
     collective_timeout_min: float = 60.0  # torch.distributed timeout of every collective and barrier
     nccl_env: dict | None = None  # environment for NCCL runs (NCCL_P2P_DISABLE, TORCH_NCCL_ASYNC_ERROR_HANDLING …)
     allow_reshape: bool = False  # accept a checkpoint saved at another world size
+    verify_checkpoints: str = "sampled"  # before a resume: sampled (sizes + sampled sha256) | full (every byte)
 
     @classmethod
     def from_config(cls, train: dict) -> "TrainSettings":
@@ -80,8 +81,9 @@ class TrainSettings:
         return asdict(self)
 
 
-def check_settings(s: TrainSettings, device: str | None = None) -> None:
-    """Reject combinations that cannot run. `device` is the resolved device (cuda|cpu) when known."""
+def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | None = None) -> None:
+    """Reject combinations that cannot run. `device` is the resolved device (cuda|cpu) when known; `seq_len`
+    (model.seq_len), when given, lets a max_tokens run be checked against its step count too."""
     if s.global_batch_size is not None and s.global_batch_size != s.derived_global_batch:
         per_step = s.micro_batch_size * s.world_size
         hint = "set train.global_batch_size: null to derive it from the other three"
@@ -92,6 +94,8 @@ def check_settings(s: TrainSettings, device: str | None = None) -> None:
             f"grad_accum_steps {s.grad_accum_steps} × ranks {s.world_size} (gpus {s.gpus} × nodes {s.nodes}) "
             f"= {s.derived_global_batch}: {hint}"
         )
+    if s.verify_checkpoints not in ("sampled", "full"):
+        raise ConfigError(f"train.verify_checkpoints {s.verify_checkpoints!r} is not sampled or full")
     if s.offload_param != "none" and s.zero_stage != 3:
         raise ConfigError(f"train.offload_param={s.offload_param} needs train.zero_stage 3 (got {s.zero_stage})")
     if s.offload_optimizer != "none" and s.zero_stage == 0:
@@ -101,6 +105,14 @@ def check_settings(s: TrainSettings, device: str | None = None) -> None:
                           "swaps optimizer states to NVMe only under ZeRO-3 (ZeRO-Infinity)")
     if s.min_lr > s.lr:
         raise ConfigError(f"train.min_lr {s.min_lr} is above train.lr {s.lr}")
+    if s.max_tokens is None or seq_len:
+        steps = s.total_steps(seq_len) if s.max_tokens is not None else s.max_steps
+        limit = f"train.max_steps {s.max_steps}" if s.max_tokens is None else \
+            f"the {steps} steps of train.max_tokens {s.max_tokens}"
+        # 0 means no warm-up; any other value must leave steps at the full rate, or train.lr is never reached.
+        if s.warmup_steps and s.warmup_steps >= steps:
+            raise ConfigError(f"train.warmup_steps {s.warmup_steps} is not below {limit}: the learning rate would "
+                              f"never reach train.lr; lower train.warmup_steps (0 for none) or raise the steps")
     device = device or (s.device if s.device != "auto" else None)
     if device == "cpu":
         if s.precision == "fp16":

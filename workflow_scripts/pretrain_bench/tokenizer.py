@@ -119,6 +119,22 @@ def resolve_special_tokens(tokenizer: Tokenizer, config: dict, source: Path) -> 
     return {"eos": eos, "pad": pad, "bos": bos}
 
 
+def read_tokenizer_file(path: Path) -> Tokenizer:
+    """`Tokenizer.from_file`, with an error that names the file and says what it must hold: the library's own error
+    for valid JSON of another kind is serde's bare "expected `,` or `}` at line 1 column 9"."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file {path} does not exist")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises a plain Exception
+        raise ValueError(
+            f"{path} is not a tokenizer file ({error}): a tokenizer.json is the JSON object that the `tokenizers` "
+            "library's Tokenizer.save (or a Hugging Face fast tokenizer's save_pretrained) writes, with the keys "
+            '"version", "model" (type, vocab and merges), "added_tokens", "normalizer", "pre_tokenizer", '
+            '"post_processor" and "decoder"') from error
+
+
 def adopt_tokenizer(path: Path) -> tuple[Tokenizer, dict]:
     """An existing tokenizer.json file or HF tokenizer folder (which must hold a tokenizer.json) and its specials.
 
@@ -133,7 +149,7 @@ def adopt_tokenizer(path: Path) -> tuple[Tokenizer, dict]:
         tokenizer_file, config = path, {}
     else:
         raise FileNotFoundError(f"tokenizer.path {path} does not exist")
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tokenizer = read_tokenizer_file(tokenizer_file)
     specials = resolve_special_tokens(tokenizer, config, path)
     if specials["pad"] is None:
         tokenizer.add_special_tokens([PAD_TOKEN])
@@ -156,7 +172,7 @@ def tokenizer_info(tokenizer: Tokenizer, specials: dict) -> dict:
 def load_tokenizer(folder: Path) -> tuple[Tokenizer, dict]:
     """The `tokenizers.Tokenizer` of a folder written by `train_tokenizer`, and its `tokenizer_info`."""
     folder = Path(folder)
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer = read_tokenizer_file(folder / "tokenizer.json")
     specials = resolve_special_tokens(tokenizer, _read_config(folder), folder)
     if specials["pad"] is None:
         raise ValueError(f"tokenizer {folder} names no pad_token in tokenizer_config.json")

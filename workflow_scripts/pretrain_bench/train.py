@@ -6,6 +6,8 @@ summary.json and (for the main run) an HF export.
 
 Fault injection for tests: PRETRAIN_BENCH_INJECT_NAN_AT_STEP=N makes the last rank report a NaN loss at step N,
 exercising the abort path (no checkpoint after it, the last good one kept) without having to diverge a model.
+PRETRAIN_BENCH_INJECT_ENOSPC_AT_STEP=N makes the last rank's checkpoint files of step N fail with ENOSPC after a few
+KiB, as a full disk would, where a test cannot mount a small file system.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import checkpoint as ckpt
+from . import state_lock
 from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .metrics import peak_memory_bytes, read_jsonl, summarise_steps, truncate_jsonl
 from .model import build_model, count_parameters, resolve_shape
@@ -86,22 +89,6 @@ def _gather_floats(values: list[float], device: str) -> list[list[float]]:
     return [p.tolist() for p in parts]
 
 
-def _lock_state_dir(state_dir: Path):
-    """Hold an exclusive flock on <state_dir>/run.lock for the life of this process, or return None if taken.
-
-    The kernel drops the lock when the process dies, however it dies, so a crashed run never blocks its rerun.
-    """
-    import fcntl
-
-    handle = open(state_dir / "run.lock", "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        return None
-    return handle
-
-
 @contextmanager
 def _mmap_loads():
     """torch.load maps checkpoint files instead of reading them into memory (DeepSpeed's loader calls torch.load
@@ -151,9 +138,25 @@ def resume_fingerprint(plan: dict) -> dict:
     """What must not change between a checkpoint and the run that resumes it."""
     keep_out = {"max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "max_restarts",
                 "warmup_timing_steps", "allow_reshape", "gpus", "nodes", "global_batch_size", "rdzv_endpoint",
-                "memory_fit", "nvme_path", "collective_timeout_min", "nccl_env"}
+                "memory_fit", "nvme_path", "collective_timeout_min", "nccl_env", "verify_checkpoints"}
     train = {k: v for k, v in plan["train"].items() if k not in keep_out}
     return {"model": plan["model"], "train": train, "data": plan["data_sha256"]}
+
+
+def check_resume_point(step: int, settings: TrainSettings, seq_len: int, ckpt_root: Path) -> None:
+    """Refuse a checkpoint beyond this run's last step: its summary, export and evaluation would be mislabelled."""
+    total_steps = settings.total_steps(seq_len)
+    if step <= total_steps:
+        return
+    tokens_per_step = settings.derived_global_batch * seq_len
+    limit = (f"train.max_steps {settings.max_steps}" if settings.max_tokens is None else
+             f"train.max_tokens {settings.max_tokens:,} = {total_steps} steps of {tokens_per_step:,} tokens")
+    fix = (f"train.max_steps to at least {step}" if settings.max_tokens is None else
+           f"train.max_tokens to at least {step * tokens_per_step:,}")
+    raise ckpt.CheckpointError(
+        f"checkpoint {ckpt_root / ckpt.tag_for(step)} is at step {step}, beyond this run's last step {total_steps} "
+        f"({limit}): the steps would go backwards. Set {fix} to continue that run, or move {ckpt_root} away to "
+        "start a new one")
 
 
 def run_training(plan: dict) -> dict | None:
@@ -181,23 +184,30 @@ def run_training(plan: dict) -> dict | None:
     ckpt_root = state_dir / "checkpoints"
     metrics_path = state_dir / "metrics.jsonl"
     run_device = f"cuda:{local_rank}" if device == "cuda" else "cpu"
-    state_lock = None
+    lock, refusal = None, ""
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         state_dir.mkdir(parents=True, exist_ok=True)
-        state_lock = _lock_state_dir(state_dir)
-    if not _gather_floats([float(state_lock is not None or rank != 0)], run_device)[0][0]:
-        raise ckpt.CheckpointError(f"{state_dir} is in use by another training run (its run.lock is held); "
-                                   "two runs must never write the same checkpoints")
+        if os.environ.get(state_lock.HELD_ENV) != "1":  # started without the launcher, which takes it otherwise
+            try:
+                lock = state_lock.acquire(state_dir)
+            except state_lock.StateInUse as error:
+                refusal = str(error)
+    if _gather_floats([float(bool(refusal))], run_device)[0][0]:
+        raise ckpt.CheckpointError(refusal or f"rank 0 was refused {state_dir}: another training run holds it")
     seq_len = plan["model"]["seq_len"]
     digest = plan_digest(plan)
-    if rank == 0 and not plan["resume"]:
-        shutil.rmtree(ckpt_root, ignore_errors=True)
-        metrics_path.unlink(missing_ok=True)
-    elif rank == 0:  # which run this job continues, starts fresh, or trains again (see run_state)
-        for message in prepare_state(state_dir, resume_fingerprint(plan), settings.total_steps(seq_len), digest,
-                                     settings.checkpoint_steps(seq_len)):
-            _log(rank, message)
+    if rank == 0:
+        # Safe under the state lock: no other run can be saving there.
+        for folder in ckpt.remove_incomplete(ckpt_root):
+            _log(rank, f"removed {folder}: an incomplete checkpoint left by an interrupted or failed save")
+        if not plan["resume"]:
+            shutil.rmtree(ckpt_root, ignore_errors=True)
+            metrics_path.unlink(missing_ok=True)
+        else:  # which run this job continues, starts fresh, or trains again (see run_state)
+            for message in prepare_state(state_dir, resume_fingerprint(plan), settings.total_steps(seq_len), digest,
+                                         settings.checkpoint_steps(seq_len)):
+                _log(rank, message)
     dist.barrier()
 
     # 1) data, model, engine
@@ -223,13 +233,24 @@ def run_training(plan: dict) -> dict | None:
                                  pin_memory=os.environ.get("PRETRAIN_BENCH_PIN_MEMORY", "1") == "1")
     if rank == 0:
         (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
-    # 2) what to resume from: checked before DeepSpeed starts, so a wrong checkpoint fails in seconds
+    # 2) what to resume from: verified and checked before DeepSpeed starts, so a wrong checkpoint fails in seconds.
+    # Rank 0 alone verifies (and may set damaged checkpoints aside); every rank then resumes from the step it chose.
     fingerprint = resume_fingerprint(plan)
     start_step, resumed_from, reshape = 0, None, False
-    steps_done = ckpt.committed_steps(ckpt_root) if plan.get("resume", True) else []
-    if steps_done:
-        step = steps_done[-1]
+    step, problem = None, ""
+    if rank == 0 and plan.get("resume", True):
+        try:
+            step = ckpt.newest_verified(ckpt_root, settings.verify_checkpoints, warn=lambda m: _log(rank, m))
+        except ckpt.CheckpointError as error:
+            problem = str(error)
+    chosen = _gather_floats([-2.0 if problem else -1.0 if step is None else float(step)], run_device)[0][0]
+    if chosen == -2.0:
+        raise ckpt.CheckpointError(problem or f"rank 0 found no checkpoint in {ckpt_root} that verifies")
+    resuming = chosen >= 0
+    if resuming:
+        step = int(chosen)
         marker = ckpt.read_marker(ckpt_root, step)
+        check_resume_point(step, settings, seq_len, ckpt_root)
         if marker["world_size"] != world and not settings.allow_reshape:
             raise ckpt.CheckpointError(
                 f"checkpoint {ckpt_root / ckpt.tag_for(step)} was saved with world size {marker['world_size']}, "
@@ -252,33 +273,74 @@ def run_training(plan: dict) -> dict | None:
     # train. Iteration 0 is warmup_min_ratio × lr (settings.deepspeed_config); a resume overwrites it.
     engine.lr_scheduler.step(0)
 
-    if steps_done:
+    if resuming:
         tag = ckpt.tag_for(step)
         if reshape:
             tag = ckpt.universal_tag(ckpt_root, step, rank)  # rank 0 converts once, the others wait
-        with _mmap_loads():  # optimizer shards are mapped, not copied, beside the states already allocated
-            _, client = engine.load_checkpoint(str(ckpt_root), tag=tag)
+        try:
+            with _mmap_loads():  # optimizer shards are mapped, not copied, beside the states already allocated
+                loaded, _ = engine.load_checkpoint(str(ckpt_root), tag=tag)
+            if loaded is None:  # DeepSpeed only warns when it finds nothing to load
+                raise FileNotFoundError(f"DeepSpeed found no checkpoint files of rank {rank} in {ckpt_root / tag}")
+            if not reshape:
+                _set_rng_state(torch.load(ckpt_root / tag / f"rng_rank{rank}.pt", weights_only=False))
+        except (OSError, RuntimeError, ValueError, KeyError, EOFError) as error:
+            raise ckpt.CheckpointError(
+                f"loading checkpoint {ckpt_root / tag} failed on rank {rank}: {type(error).__name__}: {error}. Its "
+                f"files passed the {settings.verify_checkpoints} check; set train.verify_checkpoints: full to find a "
+                "damaged file, or move the folder aside to resume from the checkpoint before it") from error
         # The loader position is global (samples consumed), so it carries over to another world size.
         batches.load_state_dict(marker["loader"], **({"allow_reshape": True} if reshape else {}))
-        if not reshape:
-            _set_rng_state(torch.load(ckpt_root / tag / f"rng_rank{rank}.pt", weights_only=False))
         start_step, resumed_from = step, step
         if rank == 0:
             truncate_jsonl(metrics_path, step)
         _log(rank, f"resumed from {ckpt_root / tag} (step {step}"
                    + (f", saved at world size {marker['world_size']}, now {world})" if reshape else ")"))
 
+    inject_enospc_step = int(os.environ.get("PRETRAIN_BENCH_INJECT_ENOSPC_AT_STEP", "0"))
+
     def save(step: int) -> None:
+        """Save checkpoint `step` on every rank and commit it; on failure remove it and raise CheckpointSaveError."""
         tag = ckpt.tag_for(step)
+        folder = ckpt_root / tag
         client = {"step": step, "loader": batches.state_dict(), "world_size": world,
                   "fingerprint": fingerprint}
-        engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client)
-        torch.save(_rng_state(), ckpt_root / tag / f"rng_rank{rank}.pt")
-        dist.barrier()  # every rank's shard is on disk before the marker says so
+        writer = ckpt.CheckpointWriter(
+            step, folder, zipfile=getattr(engine.checkpoint_engine, "zipfile_serialization", True),
+            fail_after=4096 if step == inject_enospc_step and rank == world - 1 else None)  # see module docstring
+        engine.checkpoint_engine.save = writer.save  # every file DeepSpeed saves is hashed while it is written
+        try:
+            engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client)
+        except (OSError, RuntimeError) as error:
+            # A failure outside the files the writer sees (DeepSpeed's own small files): the other ranks may be in a
+            # collective this rank will never join, so it removes the folder and stops; torchrun stops the others.
+            shutil.rmtree(folder, ignore_errors=True)
+            raise ckpt.CheckpointSaveError(ckpt.save_failure(step, folder, error)) from error
+        finally:
+            del engine.checkpoint_engine.save  # back to the engine's own method
+        writer.save(_rng_state(), folder / f"rng_rank{rank}.pt")
+        # Every rank's files are on disk (or failed) before the ranks decide together whether to commit.
+        outcomes = [None] * world
+        dist.all_gather_object(outcomes, (writer.error, writer.files))
+        failures = [(r, error) for r, (error, _) in enumerate(outcomes) if error]
+        if failures:
+            if rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+            dist.barrier()
+            r, error = failures[0]
+            raise ckpt.CheckpointSaveError(
+                f"{error} (rank {r}). The partial {folder} was removed; the committed checkpoints are untouched, "
+                f"the newest is step {last_saved if last_saved else 'none'} in {ckpt_root}")
         if rank == 0:
-            ckpt.write_marker(ckpt_root, step, {"world_size": world, "fingerprint": fingerprint,
-                                                "loader": batches.state_dict(),
-                                                "tokens": step * settings.derived_global_batch * seq_len})
+            files = {name: record for _, saved in outcomes for name, record in saved.items()}
+            try:
+                ckpt.write_marker(ckpt_root, step, {"world_size": world, "fingerprint": fingerprint,
+                                                    "loader": batches.state_dict(),
+                                                    "tokens": step * settings.derived_global_batch * seq_len},
+                                  files)
+            except OSError as error:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise ckpt.CheckpointSaveError(ckpt.save_failure(step, folder, error)) from error
             ckpt.prune(ckpt_root, settings.keep_checkpoints)
         dist.barrier()
 

@@ -1,0 +1,156 @@
+"""Faults on the real engine (CPU, gloo, through the launcher): a second run while one trains, a full disk during a
+save, damaged checkpoints, and a resume point beyond the run's last step. Each asserts the message, the exit status
+and that nothing committed was lost."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_engine import LAUNCHER, ROOT, data, plan_for, run  # noqa: E402,F401  (data: the module's shards)
+from support import tree_digest  # noqa: E402  (test_engine put tests/ on sys.path)
+
+from pretrain_bench import checkpoint as ckpt  # noqa: E402
+
+
+def start_logged(plan: Path, ranks: int, log: Path, stderr: Path) -> subprocess.Popen:
+    """The launcher as the rules start it: --log, the terminal (stderr) kept apart."""
+    return subprocess.Popen([sys.executable, str(LAUNCHER), "--ranks", str(ranks), "--plan", str(plan),
+                             "--log", str(log)], cwd=ROOT, stdout=open(stderr, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_for(condition, proc, what: Path, timeout=600):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None and time.monotonic() < deadline, what.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+def test_second_run_is_refused_while_the_first_trains_and_every_attempt_log_is_kept(data, tmp_path):
+    run_dir = tmp_path / "run"
+    plan = plan_for(data, run_dir, gpus=1, global_batch_size=None, max_steps=200, checkpoint_every=1000)
+    log = tmp_path / "logs" / "pretrain.log"
+    first = start_logged(plan, 1, log, tmp_path / "first.terminal")
+    try:
+        metrics = run_dir / "state" / "metrics.jsonl"
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, first, log)
+        first_attempt = log.resolve() if log.is_symlink() else next((tmp_path / "logs" / "pretrain.attempts").iterdir())
+        log.unlink()  # what Snakemake does to a job's declared log before it starts the job
+        started = time.monotonic()
+        second = subprocess.run([sys.executable, str(LAUNCHER), "--ranks", "1", "--plan", str(plan), "--log",
+                                 str(log)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and time.monotonic() - started < 60
+        assert (f"another training run (pid {first.pid}, started at " in second.stderr
+                and f"holds {run_dir / 'state'}" in second.stderr), second.stderr
+        assert first.poll() is None, "the first run goes on"
+        first.send_signal(signal.SIGTERM)  # stop it early: it saves a checkpoint and exits non-zero
+        assert first.wait(300) != 0
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    saved = ckpt.committed_steps(run_dir / "state" / "checkpoints")
+    assert len(saved) == 1
+    record = first_attempt.read_text()
+    assert record.startswith("=== pretrain-bench launcher: attempt started")
+    assert "step 1/200" in record and "SIGTERM received: checkpoint step" in record and "exit status" in record
+    assert "another training run" not in record, "the refusal never wrote into the running run's log"
+    # A third attempt resumes it; all three attempts' records are there, the declared log names the newest.
+    plan = plan_for(data, run_dir, gpus=1, global_batch_size=None, max_steps=saved[0] + 2, checkpoint_every=1000)
+    assert start_logged(plan, 1, log, tmp_path / "third.terminal").wait(600) == 0, log.read_text()[-3000:]
+    attempts = sorted((tmp_path / "logs" / "pretrain.attempts").iterdir())  # named by start time
+    assert len(attempts) == 3
+    assert attempts[0] == first_attempt and "attempt refused" in attempts[1].read_text()
+    assert f"resumed from {run_dir / 'state' / 'checkpoints' / ckpt.tag_for(saved[0])}" in log.read_text()
+    assert log.read_text() == attempts[2].read_text()
+
+
+@pytest.fixture
+def state_on_tmpfs(tmp_path):
+    """A real tmpfs for the run's state folder (root only), which the test shrinks to fill it."""
+    mount = tmp_path / f"state-{uuid.uuid4().hex[:8]}"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root): the simulated variant covers the save path")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("disk", ["simulated", "tmpfs"])
+def test_full_disk_during_a_save_fails_naming_it_and_keeps_the_committed_checkpoint(data, tmp_path, disk, request):
+    run_dir = tmp_path / "run"
+    plan = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=10, checkpoint_every=5)
+    terminal = tmp_path / "terminal.log"
+    if disk == "tmpfs":
+        mount = request.getfixturevalue("state_on_tmpfs")
+        (run_dir / "state").symlink_to(mount)
+        proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--ranks", "2", "--plan", str(plan)], cwd=ROOT,
+                                stdout=open(terminal, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for(lambda: ckpt.committed_steps(mount / "checkpoints") == [5], proc, terminal)
+            # Leave 2 MiB: room for metrics and TensorBoard, not for the next ~20 MB checkpoint.
+            used = int(subprocess.run(["df", "--output=used", "-B1", str(mount)], capture_output=True, text=True,
+                                      check=True).stdout.split()[-1])
+            subprocess.run(["mount", "-o", f"remount,size={used + (2 << 20)}", str(mount)], check=True)
+            code = proc.wait(600)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        code = run(plan, 2, terminal, env={"PRETRAIN_BENCH_INJECT_ENOSPC_AT_STEP": "10"})
+    output = terminal.read_text()
+    root = run_dir / "state" / "checkpoints"
+    folder = root / "step10"
+    assert code != 0
+    assert f"saving checkpoint step 10 to {folder} failed: no space left on device (" in output, output[-3000:]
+    assert "bytes free on the file system of" in output
+    assert not folder.exists(), "the partial checkpoint folder is removed"
+    assert ckpt.committed_steps(root) == [5]
+    assert ckpt.verify(root, 5, "full")["step"] == 5, "the committed checkpoint is intact, every byte"
+    assert not (run_dir / "out" / "summary.json").exists()
+
+
+def test_damaged_checkpoints_fall_back_and_steps_never_go_backwards(data, tmp_path):
+    run_dir = tmp_path / "run"
+    root = run_dir / "state" / "checkpoints"
+    assert run(plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=6, checkpoint_every=2), 2,
+               tmp_path / "a.log") == 0, (tmp_path / "a.log").read_text()[-3000:]
+    assert ckpt.committed_steps(root) == [2, 4, 6]
+    good = tree_digest(root / "step2")
+    shard = root / "step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    with open(shard, "r+b") as handle:
+        handle.truncate(shard.stat().st_size // 2)  # a truncated optimizer shard
+    (root / "step4" / ckpt.MARKER).write_text("")  # an un-fsynced marker after a power cut
+    # Longer run: resumes from step 2, the newest that verifies.
+    assert run(plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=8, checkpoint_every=2), 2,
+               tmp_path / "b.log") == 0, (tmp_path / "b.log").read_text()[-3000:]
+    log = (tmp_path / "b.log").read_text()
+    assert f"warning: checkpoint {root / 'step6'} is damaged: {shard} has" in log
+    assert f"Moved it aside to {root / 'step6.damaged'}" in log
+    assert f"warning: {root / 'step4' / ckpt.MARKER} is empty" in log
+    assert f"resumed from {root / 'step2'} (step 2)" in log
+    summary = json.loads((run_dir / "out" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 8
+    assert (root / "step6.damaged" / shard.name).is_file() and (root / "step4.damaged").is_dir()
+    assert ckpt.committed_steps(root) == [2, 4, 6, 8] and tree_digest(root / "step2") == good
+    # Lowering max_steps below the newest checkpoint: refused before any engine starts, nothing touched.
+    before = tree_digest(run_dir / "state")
+    code = run(plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=4, checkpoint_every=2), 2,
+               tmp_path / "c.log")
+    log = (tmp_path / "c.log").read_text()
+    assert code != 0
+    assert (f"checkpoint {root / 'step8'} is at step 8, beyond this run's last step 4 (train.max_steps 4)" in log
+            and "Set train.max_steps to at least 8" in log), log[-3000:]
+    assert "resumed from" not in log and "step 1/4" not in log
+    assert tree_digest(run_dir / "state") == before
+    assert json.loads((run_dir / "out" / "summary.json").read_text())["steps"] == 8

@@ -1,0 +1,164 @@
+"""What is refused before anything is touched: a second run on a held state folder (its log kept), a resume point
+beyond the run's steps, a warm-up that never ends, a run name with a newline, a JSON file that is no tokenizer; and a
+failed download that leaves no .part or lock file behind."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from httpfixture import FixtureServer, Route  # noqa: E402
+from support import tiny_config  # noqa: E402
+
+from pretrain_bench import state_lock  # noqa: E402
+from pretrain_bench.bench_matrix import BenchSettings, cell_settings, cells  # noqa: E402
+from pretrain_bench.checkpoint import CheckpointError  # noqa: E402
+from pretrain_bench.download import DownloadError, download  # noqa: E402
+from pretrain_bench.settings import ConfigError, TrainSettings, check_settings  # noqa: E402
+from pretrain_bench.tokenizer import adopt_tokenizer, load_tokenizer  # noqa: E402
+
+HOLD = """
+import sys, time
+sys.path.insert(0, {scripts!r})
+from pretrain_bench import state_lock
+lock = state_lock.acquire({state!r})
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_second_launch_is_refused_before_any_rank_and_leaves_the_running_log_alone(tmp_path):
+    state = tmp_path / "results" / "run" / "state"
+    train = TrainSettings(gpus=1, device="cpu", comm_backend="gloo", precision="fp32", warmup_steps=0).as_dict()
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"name": "run", "train": train, "device_request": "cpu",
+                                "paths": {"state_dir": str(state)}}))
+    # The first run: a real process holding the lock, with its log under the rule's declared name.
+    holder = subprocess.Popen([sys.executable, "-c", HOLD.format(scripts=str(ROOT / "workflow_scripts"),
+                                                                 state=str(state))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        log = tmp_path / "logs" / "run" / "pretrain.log"
+        log.parent.mkdir(parents=True)
+        log.write_text("step 1/60 loss 8.3\nstep 2/60 loss 8.1\n")
+        running = log.stat().st_ino
+        started = time.monotonic()
+        second = subprocess.run([sys.executable, str(ROOT / "workflow_scripts" / "launch.py"), "--ranks", "1",
+                                 "--plan", str(plan), "--log", str(log)], capture_output=True, text=True,
+                                timeout=120)
+        elapsed = time.monotonic() - started
+    finally:
+        holder.kill()
+        holder.wait()
+    assert second.returncode == 2
+    # On the terminal (stderr is not redirected), naming the holder and the folder.
+    assert f"another training run (pid {holder.pid}, started at " in second.stderr
+    assert f"holds {state}: two runs must never write the same checkpoints" in second.stderr
+    assert "launch:" not in second.stderr + second.stdout, "no torchrun, no rank started"
+    assert elapsed < 60
+    # The running run's log keeps every line; the refused attempt has its own file, which the declared name shows.
+    attempts = sorted((log.parent / "pretrain.attempts").iterdir())
+    assert len(attempts) == 1 and "attempt refused" in attempts[0].read_text()
+    assert f"pid {holder.pid}" in log.read_text() and log.stat().st_ino != running
+    assert not (state / "checkpoints").exists()
+
+
+def test_state_lock_is_free_again_once_its_holder_dies(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD.format(scripts=str(ROOT / "workflow_scripts"),
+                                                                 state=str(tmp_path))],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(state_lock.StateInUse, match=f"pid {holder.pid}"):
+        state_lock.acquire(tmp_path)
+    holder.kill()  # kill -9: the kernel releases the flock
+    holder.wait()
+    lock = state_lock.acquire(tmp_path)
+    assert json.loads((tmp_path / state_lock.LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.close()
+
+
+def test_a_resume_point_beyond_the_last_step_is_refused_naming_both(tmp_path):
+    from pretrain_bench.train import check_resume_point
+
+    settings = TrainSettings(gpus=3, max_steps=100, warmup_steps=10, micro_batch_size=8)
+    check_resume_point(100, settings, 128, tmp_path)  # the end of the same run: nothing left to do, allowed
+    with pytest.raises(CheckpointError) as caught:
+        check_resume_point(260, settings, 128, tmp_path)
+    message = str(caught.value)
+    assert f"checkpoint {tmp_path / 'step260'} is at step 260, beyond this run's last step 100" in message
+    assert "train.max_steps 100" in message and "Set train.max_steps to at least 260" in message
+    assert f"move {tmp_path} away" in message
+    tokens = TrainSettings(gpus=3, max_tokens=24 * 128 * 50, warmup_steps=10, micro_batch_size=8)
+    with pytest.raises(CheckpointError, match=r"last step 50 \(train.max_tokens 153,600 = 50 steps of 3,072 "
+                                              r"tokens\).*train.max_tokens to at least 798,720"):
+        check_resume_point(260, tokens, 128, tmp_path)
+
+
+def test_warmup_must_end_before_the_last_step():
+    base = dict(gpus=1, device="cpu", comm_backend="gloo", precision="fp32")
+    with pytest.raises(ConfigError, match="train.warmup_steps 100 is not below train.max_steps 100"):
+        check_settings(TrainSettings(**base, max_steps=100, warmup_steps=100))
+    with pytest.raises(ConfigError, match=r"train.warmup_steps 10 is not below the 5 steps of train.max_tokens"):
+        check_settings(TrainSettings(**base, max_tokens=5 * 8 * 128, warmup_steps=10), seq_len=128)
+    check_settings(TrainSettings(**base, max_steps=1, warmup_steps=0))  # 0: no warm-up at all
+    check_settings(TrainSettings(**base, max_steps=100, warmup_steps=99))
+    # The tiny config and every benchmark cell (benchmark.steps 8 < train.warmup_steps 10) still pass: a cell's
+    # warm-up is shortened to end before its last step.
+    config = tiny_config("tiny-cpu")
+    check_settings(TrainSettings.from_config(config["train"]), seq_len=config["model"]["seq_len"])
+    bench = BenchSettings.from_config(config)
+    for cell in cells(bench):
+        if cell.comm_backend == "nccl":
+            continue  # left out on CPU for another reason
+        settings = cell_settings(config, cell, bench)
+        check_settings(settings, seq_len=128)
+        assert settings.max_steps == 8 and settings.warmup_steps == 7
+
+
+def test_run_name_with_a_newline_or_control_character_is_rejected():
+    schema = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())["properties"]["name"]
+    jsonschema.validate("tiny-cpu", schema)
+    jsonschema.validate("run_2.b", schema)
+    for bad in ("tiny\n", "tiny\r\n", "ti\nny", "tiny\t", "tiny\x00", "-tiny", "tiny/../x", ""):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+def test_json_that_is_not_a_tokenizer_names_the_file_and_what_it_must_hold(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps({"vocab": {"a": 0}, "merges": []}))
+    for load in (adopt_tokenizer, load_tokenizer):
+        with pytest.raises(ValueError) as caught:
+            load(path if load is adopt_tokenizer else tmp_path)
+        message = str(caught.value)
+        assert message.startswith(f"{path} is not a tokenizer file (")
+        assert '"model" (type, vocab and merges)' in message and "Tokenizer.save" in message
+
+
+def test_failed_download_leaves_no_part_and_no_lock(tmp_path):
+    body = os.urandom(1 << 20)
+    # The body drops halfway and no retry is allowed: a .part with half the bytes existed when it failed.
+    with FixtureServer({"/data.bin": Route(body, drop_first=True)}) as server:
+        with pytest.raises(DownloadError, match="giving up after 1 attempts"):
+            download(server.url("/data.bin"), tmp_path / "data.bin", retries=0, backoff_s=0.01,
+                     connect_timeout_s=2, read_timeout_s=5)
+    assert list(tmp_path.iterdir()) == []
+    with FixtureServer({}) as server:  # a 404
+        with pytest.raises(DownloadError, match="404"):
+            download(server.url("/missing.bin"), tmp_path / "missing.bin", retries=0)
+    assert list(tmp_path.iterdir()) == []
+    # and the next download into the same cache works, locking a fresh lock file
+    with FixtureServer({"/data.bin": Route(body)}) as server:
+        download(server.url("/data.bin"), tmp_path / "data.bin", retries=0)
+    assert (tmp_path / "data.bin").read_bytes() == body
