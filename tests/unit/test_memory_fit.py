@@ -129,6 +129,8 @@ def test_plan_records_asked_and_chosen(tmp_path, no_gpu):
                      state_dir=tmp_path / "state")
     assert plan["train"]["offload_optimizer"] == "cpu" and plan["memory_fit"]["asked"]["offload_optimizer"] == "none"
     assert plan["train"]["zero_stage"] == 3 and plan["memory_fit"]["asked"]["zero_stage"] == 2
+    # a production CUDA run never pays for the comms logger's per-collective synchronisation
+    assert plan["measure_comm"] is False
     assert plan["train"]["nvme_path"] == str(tmp_path / "state" / "nvme")  # the default: under the run's state
     # the plan records only the config a training run reads
     assert set(plan["config"]) == {"name", "model", "train", "tokenizer", "benchmark", "report"}

@@ -40,7 +40,9 @@ def summarise_steps(records: list[dict], warmup_steps: int, tokens_per_step: int
         "step_time_s": {"median": statistics.median(times), "min": min(times), "max": max(times),
                         "mean": total_time / len(times)},
         "phase_time_s": {
-            phase: statistics.median(r[f"{phase}_s"] for r in steady) for phase in ("forward", "backward", "optimizer")
+            phase: (statistics.median(r[f"{phase}_s"] for r in steady) if all(r[f"{phase}_s"] is not None for r in steady)
+                    else None)  # train.phase_timing off
+            for phase in ("forward", "backward", "optimizer")
         },
         "loss": {"first": records[0]["loss"], "last": records[-1]["loss"],
                  "min": min(r["loss"] for r in records)},

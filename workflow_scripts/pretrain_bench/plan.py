@@ -78,6 +78,9 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
         "peak_tflops": config["report"]["peak_tflops"],
         "peak": plan_peak(peak, config["report"]["peak_tflops"], resolve_device_cheaply(settings.device),
                           settings.world_size),
+        # the comms logger synchronises every collective: measured where that costs nothing (CPU) or is the point
+        # (benchmark cells), never in a production CUDA run
+        "measure_comm": role == "bench" or resolve_device_cheaply(settings.device) == "cpu",
         "memory_fit": memory_fit,
         "preflight": memory_fit,  # the name older readers of plan.json use
     }

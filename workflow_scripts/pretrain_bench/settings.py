@@ -46,6 +46,7 @@ class TrainSettings:
     collective_timeout_min: float = 60.0  # torch.distributed timeout of every collective and barrier
     nccl_env: dict | None = None  # environment for NCCL runs (NCCL_P2P_DISABLE, TORCH_NCCL_ASYNC_ERROR_HANDLING …)
     allow_reshape: bool = False  # accept a checkpoint saved at another world size
+    phase_timing: bool = True  # forward/backward/optimizer seconds per step (CUDA events: no synchronisation)
     verify_checkpoints: str = "sampled"  # before a resume: sampled (sizes + sampled sha256) | full (every byte)
 
     @classmethod
@@ -128,12 +129,13 @@ def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | N
 
 
 def deepspeed_config(s: TrainSettings, device: str, total_steps: int, fused_adam: bool = False,
-                     pin_memory: bool = True) -> dict:
+                     pin_memory: bool = True, comms_logger: bool = True) -> dict:
     """The DeepSpeed JSON config for these settings (written next to the run as ds_config.json).
 
     fused_adam: DeepSpeed's FusedAdam is prebuilt in this install; without it (and without offload, where
     DeepSpeedCPUAdam runs) torch's own AdamW is used, which needs no compiler.
     pin_memory: pin offloaded host buffers (CUDA only); the launcher turns it off where torch would round them.
+    comms_logger: time every collective (it synchronises each one: on for benchmark cells and CPU runs only).
     """
     zero: dict = {"stage": s.zero_stage}
     if s.zero_stage >= 1:
@@ -180,7 +182,7 @@ def deepspeed_config(s: TrainSettings, device: str, total_steps: int, fused_adam
                 "warmup_type": "linear",
             },
         },
-        "comms_logger": {"enabled": True, "verbose": False, "prof_all": True, "debug": False},
+        "comms_logger": {"enabled": comms_logger, "verbose": False, "prof_all": comms_logger, "debug": False},
     }
     if s.precision == "fp16":
         # Dynamic loss scaling: loss_scale 0 means dynamic in DeepSpeed.

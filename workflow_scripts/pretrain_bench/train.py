@@ -36,6 +36,7 @@ from .model import build_model, count_parameters, resolve_shape
 from .provenance import provenance
 from .run_state import mark_finished, plan_digest, prepare_state
 from .settings import TrainSettings, check_settings, deepspeed_config
+from .step import PhaseTimer, train_step
 
 
 class TrainingAborted(RuntimeError):
@@ -56,13 +57,6 @@ class _Preemption:
 def _log(rank: int, message: str) -> None:
     if rank == 0:
         print(message, file=sys.stderr, flush=True)
-
-
-def _sync(device: str) -> float:
-    """A timestamp taken after the device finished its queued work (CUDA kernels run asynchronously)."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 def _comm_ms() -> float:
@@ -138,7 +132,7 @@ def resume_fingerprint(plan: dict) -> dict:
     """What must not change between a checkpoint and the run that resumes it."""
     keep_out = {"max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "max_restarts",
                 "warmup_timing_steps", "allow_reshape", "gpus", "nodes", "global_batch_size", "rdzv_endpoint",
-                "memory_fit", "nvme_path", "collective_timeout_min", "nccl_env", "verify_checkpoints"}
+                "memory_fit", "nvme_path", "collective_timeout_min", "nccl_env", "verify_checkpoints", "phase_timing"}
     train = {k: v for k, v in plan["train"].items() if k not in keep_out}
     return {"model": plan["model"], "train": train, "data": plan["data_sha256"]}
 
@@ -230,7 +224,8 @@ def run_training(plan: dict) -> dict | None:
         model.gradient_checkpointing_enable()
     total_steps = settings.total_steps(seq_len)
     ds_config = deepspeed_config(settings, device, total_steps, fused_adam=_fused_adam_prebuilt(),
-                                 pin_memory=os.environ.get("PRETRAIN_BENCH_PIN_MEMORY", "1") == "1")
+                                 pin_memory=os.environ.get("PRETRAIN_BENCH_PIN_MEMORY", "1") == "1",
+                                 comms_logger=plan["measure_comm"])
     if rank == 0:
         (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
     # 2) what to resume from: verified and checked before DeepSpeed starts, so a wrong checkpoint fails in seconds.
@@ -362,33 +357,21 @@ def run_training(plan: dict) -> dict | None:
         # purge_step drops events past a resumed checkpoint, like truncate_jsonl does for metrics.jsonl
         board = SummaryWriter(str(state_dir / "tensorboard"), purge_step=start_step + 1)
     run_start = time.perf_counter()
+    # Phase times from CUDA events (no synchronisation in the loop); the comms logger synchronises every collective,
+    # so a CUDA run measures communication only where the plan asks (benchmark cells), a CPU run always (no cost).
+    timer = PhaseTimer(device, enabled=settings.phase_timing)
+    measure_comm = plan["measure_comm"]
     comm_steady_ms, steady_time_s = 0.0, 0.0
     last_saved = start_step
     inject_nan_step = int(os.environ.get("PRETRAIN_BENCH_INJECT_NAN_AT_STEP", "0"))
     for step in range(start_step + 1, total_steps + 1):
         skipped_before = engine.skipped_steps
-        comm_before = _comm_ms()
-        forward_s = backward_s = optimizer_s = 0.0
-        losses = []
-        t_step = _sync(device)
-        for _ in range(settings.grad_accum_steps):
-            batch = batches.next_batch().to(run_device)  # (B, T+1)
-            inputs, targets = batch[:, :-1], batch[:, 1:]
-            t0 = _sync(device)
-            logits = engine(input_ids=inputs).logits  # (B, T, vocab)
-            loss = F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
-            t1 = _sync(device)
-            engine.backward(loss)
-            t2 = _sync(device)
-            engine.step()
-            t3 = _sync(device)
-            forward_s, backward_s, optimizer_s = forward_s + t1 - t0, backward_s + t2 - t1, optimizer_s + t3 - t2
-            losses.append(loss.detach().float().item())
-        step_time = time.perf_counter() - t_step
-        comm_ms = max(0.0, _comm_ms() - comm_before)
+        comm_before = _comm_ms() if measure_comm else 0.0
+        local_loss, step_time, phases = train_step(engine, batches, micro_steps=settings.grad_accum_steps,
+                                                   vocab=vocab, run_device=run_device, timer=timer)
+        comm_ms = max(0.0, _comm_ms() - comm_before) if measure_comm else None
 
         # Everything below is bookkeeping outside the timed step.
-        local_loss = sum(losses) / len(losses)
         if step == inject_nan_step and rank == world - 1:
             local_loss = float("nan")  # fault injection, see module docstring
         peak, _ = peak_memory_bytes(device)
@@ -402,14 +385,14 @@ def run_training(plan: dict) -> dict | None:
             )
         steady = step > settings.warmup_timing_steps and step != start_step + 1
         if steady:
-            comm_steady_ms += comm_ms
+            comm_steady_ms += comm_ms or 0.0
             steady_time_s += step_time
         record = {
             "step": step, "loss": sum(rank_losses) / world, "lr": _number(engine.get_lr()[0]),
             "grad_norm": _number(engine.get_global_grad_norm()), "step_time_s": step_time,
-            "forward_s": forward_s, "backward_s": backward_s, "optimizer_s": optimizer_s,
+            "forward_s": phases["forward"], "backward_s": phases["backward"], "optimizer_s": phases["optimizer"],
             "tokens_per_s": tokens_per_step / step_time, "tokens": step * tokens_per_step,
-            "comm_s": comm_ms / 1000.0, "peak_mem_bytes": [int(g[1]) for g in gathered],
+            "comm_s": comm_ms / 1000.0 if comm_ms is not None else None, "peak_mem_bytes": [int(g[1]) for g in gathered],
             "skipped_steps": engine.skipped_steps, "overflow": engine.skipped_steps > skipped_before,
             "loss_scale": _number(getattr(engine.optimizer, "cur_scale", None)) if settings.precision == "fp16" else None,
             "after_resume": resumed_from is not None and step == start_step + 1,
@@ -447,6 +430,10 @@ def run_training(plan: dict) -> dict | None:
         tokens_per_s = steady["tokens_per_s"]
         if world == 1:
             comm_fraction, comm_note = None, "world size 1: no collectives"
+        elif not measure_comm:
+            comm_fraction, comm_note = None, ("not measured in this run: DeepSpeed's comms logger synchronises every "
+                                              "collective, which a production CUDA run must not pay; the benchmark "
+                                              "cells measure it")
         elif steady_time_s > 0:
             comm_fraction = (comm_steady_ms / 1000.0) / steady_time_s
             comm_note = ("DeepSpeed comms_logger (prof_all) on rank 0: wall-clock of every deepspeed.comm collective "

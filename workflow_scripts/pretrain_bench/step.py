@@ -1,0 +1,74 @@
+"""One optimizer step (its micro-steps) and the timing of its phases, without stalling a GPU.
+
+CUDA kernels run asynchronously: reading a clock around `engine.backward` would time the launch, not the work, and
+calling `torch.cuda.synchronize()` around every phase (what a naive timer does) serialises what DeepSpeed overlaps —
+the gradient reduction with the backward pass, the host copies with the next forward. So phase boundaries on CUDA
+are CUDA events recorded into the stream, read once the step is over; the step's single synchronisation is the
+read of its loss, which the NaN check and the metrics need anyway. On CPU the work is synchronous and the wall
+clock is exact. With timing off nothing is recorded at all.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+class PhaseTimer:
+    """Boundaries of forward / backward / optimizer in each micro-step; seconds per phase summed over the step."""
+
+    def __init__(self, device: str, enabled: bool = True):
+        self.device, self.enabled = device, enabled
+        self._marks: list = []
+
+    def mark(self) -> None:
+        if not self.enabled:
+            return
+        if self.device == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()  # queued in the stream: no wait
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def result(self) -> dict[str, float | None]:
+        """Seconds per phase of the step just finished (None when timing is off); resets the marks."""
+        marks, self._marks = self._marks, []
+        if not self.enabled:
+            return dict.fromkeys(PHASES)
+        if self.device == "cuda":
+            marks[-1].synchronize()  # already reached: the step's loss was read before this
+            gaps = [a.elapsed_time(b) / 1000.0 for a, b in zip(marks, marks[1:])]
+        else:
+            gaps = [b - a for a, b in zip(marks, marks[1:])]
+        totals = dict.fromkeys(PHASES, 0.0)
+        # 4 marks per micro-step (start, after forward, after backward, after the optimizer); the gap from one
+        # micro-step's end to the next one's start (loading its batch) belongs to no phase
+        for i in range(0, len(marks) - 1, len(PHASES) + 1):
+            for j, phase in enumerate(PHASES):
+                totals[phase] += gaps[i + j]
+        return totals
+
+
+def train_step(engine, batches, *, micro_steps: int, vocab: int, run_device: str,
+               timer: PhaseTimer) -> tuple[float, float, dict]:
+    """Run one optimizer step of `micro_steps` micro-batches; returns (mean loss, wall seconds, phase seconds)."""
+    started = time.perf_counter()
+    loss_sum = torch.zeros((), device=run_device)
+    for _ in range(micro_steps):
+        batch = batches.next_batch().to(run_device, non_blocking=True)  # (B, T+1)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        timer.mark()
+        logits = engine(input_ids=inputs).logits  # (B, T, vocab)
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+        timer.mark()
+        engine.backward(loss)
+        timer.mark()
+        engine.step()
+        timer.mark()
+        loss_sum += loss.detach().float()  # stays on the device: no wait per micro-step
+    mean_loss = (loss_sum / micro_steps).item()  # the step's one synchronisation
+    return mean_loss, time.perf_counter() - started, timer.result()
