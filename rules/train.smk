@@ -13,6 +13,7 @@ rule plan_pretrain:
     input:
         index="results/{name}/shards/index.json",
         tokenizer="results/{name}/tokenizer/tokenizer.json",
+        manifest="results/{name}/corpus/manifest.json",  # the export's model card lists the sources
     output:
         plan="results/{name}/train/plan.json",
     log:

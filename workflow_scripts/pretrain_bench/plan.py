@@ -46,7 +46,7 @@ def cell_train(config: dict, overrides: dict) -> dict:
 
 def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, state_dir: Path,
               role: str = "pretrain", resume: bool = True, save_checkpoints: bool = True,
-              export_hf: bool = True) -> dict:
+              export_hf: bool = True, manifest: Path | None = None) -> dict:
     """Resolve a plan config (see `plan_config`) into a plan dict; raises ConfigError."""
     settings = TrainSettings.from_config(config["train"])
     if settings.nvme_path is None:
@@ -64,10 +64,13 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
         "config": config,
         "device_request": settings.device,
         "train": settings.as_dict(),
-        "model": {"preset": model["preset"], "seq_len": model["seq_len"], "overrides": model.get("overrides") or {}},
+        "model": {"preset": model["preset"], "seq_len": model["seq_len"], "overrides": model.get("overrides") or {},
+                  "init_from": model.get("init_from")},
+        # model.init_from fetched (hf://: into the HF cache) once here, so the ranks only read a local folder
+        "init_from": init_from_record(model["init_from"]) if model.get("init_from") else None,
         "data_sha256": hashlib.sha256(Path(index).read_bytes()).hexdigest(),
         "paths": {"index": str(index), "tokenizer": str(tokenizer), "out_dir": str(out_dir),
-                  "state_dir": str(state_dir)},
+                  "state_dir": str(state_dir), "manifest": str(manifest) if manifest else None},
         "resume": resume,
         "save_checkpoints": save_checkpoints,
         "export_hf": export_hf,
@@ -75,6 +78,29 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
         "memory_fit": memory_fit,
         "preflight": memory_fit,  # the name older readers of plan.json use
     }
+
+
+def init_from_record(uri: str) -> dict:
+    """Where model.init_from's weights are (a local folder) and what identifies them: the hf:// commit, and a digest
+    of config.json and the weight files' names and sizes (a changed model starts a fresh run, never a resume)."""
+    from .model import init_from_folder
+
+    folder = init_from_folder(uri, weights=True)
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    weights = sorted(folder.glob("*.safetensors"))
+    for file in weights:
+        digest.update(f"{file.name}:{file.stat().st_size}".encode())
+    return {"uri": uri, "path": str(folder), "revision": folder.name if uri.startswith("hf://") else None,
+            "weight_files": [file.name for file in weights], "weights_bytes": sum(f.stat().st_size for f in weights),
+            "identity": digest.hexdigest()}
+
+
+def plan_shape(plan: dict, tokenizer_vocab: int | None):
+    """The model shape of a plan: its preset, or its init_from folder's config.json."""
+    from .model import model_shape
+
+    folder = Path(plan["init_from"]["path"]) if plan.get("init_from") else None
+    return model_shape(plan["model"], tokenizer_vocab, init_folder=folder)
 
 
 def write_plan(plan: dict, path: Path) -> None:
@@ -85,4 +111,4 @@ def write_plan(plan: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["ConfigError", "cell_train", "make_plan", "plan_config", "write_plan"]
+__all__ = ["ConfigError", "cell_train", "init_from_record", "make_plan", "plan_config", "plan_shape", "write_plan"]
