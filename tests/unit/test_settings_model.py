@@ -1,3 +1,4 @@
+import math
 import sys
 from pathlib import Path
 
@@ -87,3 +88,44 @@ def test_flops_formula_and_gpu_table():
     assert gpu_table_peak("NVIDIA GeForce RTX 4090 D", "bf16")[0] == 147.0e12
     assert gpu_table_peak("NVIDIA H200", "bf16")[0] == 989e12
     assert gpu_table_peak("NVIDIA H200", "fp32") is None
+
+
+def test_learning_rate_schedules():
+    from pretrain_bench.settings import learning_rate
+
+    def rates(schedule, **kw):
+        s = settings(lr=1.0, min_lr=0.1, warmup_steps=10, lr_schedule=schedule, **kw)
+        return [learning_rate(step, s, 110) for step in range(110)]
+
+    for schedule in ("cosine", "linear", "constant", "warmup-stable-decay"):
+        r = rates(schedule)
+        assert r[:10] == pytest.approx([(i + 1) / 10 for i in range(10)]), "linear warm-up to lr"
+        assert max(r) == pytest.approx(1.0)
+    cosine, linear, constant, wsd = (rates(s) for s in ("cosine", "linear", "constant", "warmup-stable-decay"))
+    assert cosine[-1] == pytest.approx(0.1) and linear[-1] == pytest.approx(0.1) and wsd[-1] == pytest.approx(0.1)
+    assert linear[60] == pytest.approx(1.0 - 0.9 * 51 / 100)
+    assert cosine[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 51 / 100)))
+    assert constant[10:] == [1.0] * 100
+    assert wsd[10:90] == [1.0] * 80 and wsd[90] < 1.0, "stable until the last decay_fraction (20 of 100 steps)"
+    with pytest.raises(ConfigError, match="train.lr_schedule 'step'"):
+        check_settings(settings(lr_schedule="step"))
+
+
+def test_adam_settings_and_deepspeed_passthrough():
+    s = settings(adam_betas=[0.8, 0.99], adam_eps=1e-6,
+                 deepspeed={"csv_monitor": {"enabled": True, "output_path": "m"},
+                            "zero_optimization": {"reduce_bucket_size": 12345}, "flops_profiler": {"enabled": True}})
+    check_settings(s)
+    cfg = deepspeed_config(s, "cpu", 10)
+    assert cfg["optimizer"]["params"]["betas"] == [0.8, 0.99] and cfg["optimizer"]["params"]["eps"] == 1e-6
+    assert cfg["csv_monitor"] == {"enabled": True, "output_path": "m"} and cfg["flops_profiler"]["enabled"]
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 12345 and cfg["zero_optimization"]["stage"] == 2, \
+        "a nested mapping is merged key by key"
+    for extra, key in (({"optimizer": {"type": "SGD"}}, "train.lr, train.weight_decay, train.adam_betas"),
+                       ({"train_batch_size": 48}, "train.global_batch_size"),
+                       ({"zero_optimization": {"stage": 3}}, "train.zero_stage"),
+                       ({"bf16": {"enabled": True}}, "train.precision"),
+                       ({"scheduler": {}}, "train.lr_schedule"),
+                       ({"gradient_clipping": 0.5}, "train.grad_clip")):
+        with pytest.raises(ConfigError, match=r"train.deepspeed\S*: set " + key):
+            check_settings(settings(deepspeed=extra))
