@@ -208,6 +208,31 @@ def test_continue_from_export_eval_every_and_csv_monitor(data, tmp_path):
     assert "builtin://python-stdlib" in card and "train split `train.jsonl`" in card
     assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] is not None
 
+    # The README's `tail -f` of the training log and `tensorboard --logdir` on the run's events.
+    follow = subprocess.Popen(["tail", "-f", str(tmp_path / "first.log")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert any("held-out loss" in follow.stdout.readline() for _ in range(200))
+    finally:
+        follow.kill()
+    port = 20000 + os.getpid() % 20000
+    board = subprocess.Popen([str(Path(sys.executable).parent / "tensorboard"), "--logdir",
+                              str(first / "out" / "tensorboard"), "--port", str(port)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import urllib.request
+
+        deadline, tags = time.monotonic() + 120, ""
+        while "val/loss" not in tags and time.monotonic() < deadline:
+            time.sleep(1)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=5) as answer:
+                    tags = answer.read().decode()
+            except OSError:
+                pass
+        assert "val/loss" in tags and "train/loss" in tags, tags
+    finally:
+        board.kill()
+
     # The README's three lines load the export.
     tokenizer = AutoTokenizer.from_pretrained(export)
     model = AutoModelForCausalLM.from_pretrained(export).eval()
