@@ -17,8 +17,9 @@ from .settings import ConfigError, TrainSettings, check_settings
 
 # benchmark.* keys the pre-flight reads (the machine it plans for, and whether to launch runs that do not fit).
 PLANNING_KEYS = ("force", "device_memory_gib", "host_memory_gib", "disk_gib")
-# train.* keys that mean nothing to a benchmark cell (it keeps no checkpoints and is never restarted).
-CELL_IRRELEVANT = ("checkpoint_every", "keep_checkpoints", "max_restarts", "allow_reshape")
+# train.* keys that mean nothing to a benchmark cell (it keeps no checkpoints, is never restarted, and spends its few
+# steps on timing, not on held-out evaluation).
+CELL_IRRELEVANT = ("checkpoint_every", "keep_checkpoints", "max_restarts", "allow_reshape", "eval_every", "eval_tokens")
 
 
 def plan_config(config: dict, train: dict | None = None) -> dict:
