@@ -94,8 +94,8 @@ def eval_during_training(summary: dict) -> str | None:
     if held["last"]:
         text += (f"; the last, at step {held['last']['step']}, gave held-out loss {held['last']['loss']:.4f} "
                  f"(perplexity {fmt(held['last']['perplexity'], 2)})")
-    return text + (f". Evaluation took {fmt_duration(held['time_s'])} of wall time in all, kept out of the step "
-                   "timings and tokens/s above.")
+    took = f"{held['time_s']:.1f} s" if held["time_s"] < 60 else fmt_duration(held["time_s"])
+    return text + f". Evaluation took {took} of wall time in all, kept out of the step timings and tokens/s above."
 
 
 def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path], out_md: Path, out_html: Path,
