@@ -26,9 +26,14 @@ $(STAMP): requirements.txt
 
 demo: $(STAMP)
 	$(BIN)/snakemake --cores 2 --resources gpu=3 $(TINY) --printshellcmds
+	# the README's "Reading the results": Snakemake's own report (every output wrapped in report()) and the log
+	$(BIN)/snakemake --cores 2 --resources gpu=3 $(TINY) --report results/$(TINY_NAME)/report.zip
+	tail -n 3 logs/$(TINY_NAME)/pretrain.log
 	@echo ""
 	@echo "Report: $(CURDIR)/results/$(TINY_NAME)/report/report.html"
 	@echo "        $(CURDIR)/results/$(TINY_NAME)/report/report.md"
+	@echo "        $(CURDIR)/results/$(TINY_NAME)/report.zip (snakemake --report)"
+	@echo "Curves: tensorboard --logdir results/$(TINY_NAME)/train/tensorboard"
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest tests -q

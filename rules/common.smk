@@ -85,6 +85,7 @@ from pretrain_bench.bench_matrix import BenchSettings, Cell, cost_preview, plan_
 from pretrain_bench.memory_fit import fit_run, summary_line  # noqa: E402
 from pretrain_bench.memory_model import config_vocab_size  # noqa: E402
 from pretrain_bench.plan import cell_train, plan_config  # noqa: E402
+from pretrain_bench.tokenizer import adopted_tokenizer_path  # noqa: E402
 
 
 def available_ranks():
@@ -98,6 +99,8 @@ try:
     BENCH = BenchSettings.from_config(config)
     BENCH_MATRIX = plan_matrix(config, available_ranks=available_ranks())
     VOCAB_SIZE = config_vocab_size(config)
+    # tokenizer.path, or model.init_from's own tokenizer: the tokenizer stage adopts it instead of training one
+    ADOPTED_TOKENIZER = adopted_tokenizer_path(config)
 except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}")
 BENCH_CELLS = {entry["cell"]: entry for entry in BENCH_MATRIX["cells"] if entry["status"] == "run"}

@@ -21,6 +21,7 @@ rule download_corpus:
         dedup=config["corpus"].get("dedup", True),
         val_fraction=config["corpus"].get("val_fraction", 0.01),
         encoding_errors=config["corpus"].get("encoding_errors", "replace"),
+        seed=config["corpus"].get("seed", 1234),
         cache_dir="resources/corpus-cache",
     script:
         "../workflow_scripts/download_corpus.py"

@@ -5,8 +5,9 @@
 rule train_tokenizer:
     input:
         train="results/{name}/corpus/train.jsonl",
-        # an adopted tokenizer is an input too: editing it re-runs the stages after it
-        adopted=config["tokenizer"]["path"] or [],
+        # an adopted tokenizer (tokenizer.path, or model.init_from's) is an input too: editing it re-runs the stages
+        # after it
+        adopted=ADOPTED_TOKENIZER or [],
     output:
         tokenizer_json="results/{name}/tokenizer/tokenizer.json",
         tokenizer_config="results/{name}/tokenizer/tokenizer_config.json",
@@ -20,7 +21,7 @@ rule train_tokenizer:
     params:
         vocab_size=config["tokenizer"]["vocab_size"],
         train_bytes=config["tokenizer"]["train_bytes"],
-        path=config["tokenizer"]["path"],
+        path=ADOPTED_TOKENIZER,
     script:
         "../workflow_scripts/train_tokenizer.py"
 

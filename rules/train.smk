@@ -15,6 +15,7 @@ rule plan_pretrain:
         tokenizer="results/{name}/tokenizer/tokenizer.json",
         # the machine's peak FLOP/s, measured once per run name: every run's MFU divides by the same figure
         peak="results/{name}/bench/peak.json",
+        manifest="results/{name}/corpus/manifest.json",  # the export's model card lists the sources
     output:
         plan="results/{name}/train/plan.json",
     log:

@@ -10,7 +10,7 @@ from pretrain_bench.corpus import build_corpus
 
 
 def main(log_path: str, out_dir: str, sources: list[dict], *, max_bytes, min_chars: int, dedup: bool,
-         val_fraction: float, encoding_errors: str, cache_dir: str) -> dict:
+         val_fraction: float, encoding_errors: str, cache_dir: str, seed: int = 1234) -> dict:
     """Build the corpus into out_dir, logging (stderr included) to log_path; returns the manifest."""
     with open(log_path, "w", buffering=1) as log_file, contextlib.redirect_stderr(log_file):
         handler = logging.StreamHandler(log_file)
@@ -21,7 +21,7 @@ def main(log_path: str, out_dir: str, sources: list[dict], *, max_bytes, min_cha
         try:
             return build_corpus(sources, Path(out_dir), max_bytes=max_bytes, min_chars=min_chars, dedup=dedup,
                                 val_fraction=val_fraction, encoding_errors=encoding_errors,
-                                cache_dir=Path(cache_dir))
+                                cache_dir=Path(cache_dir), seed=seed)
         except Exception as error:
             library_log.error("download_corpus failed: %s", error)  # the log says why, not only Snakemake's console
             raise
@@ -33,4 +33,5 @@ if "snakemake" in globals():
     main(snakemake.log[0], str(Path(snakemake.output.manifest).parent), snakemake.params.sources,  # noqa: F821
          max_bytes=snakemake.params.max_bytes, min_chars=snakemake.params.min_chars,  # noqa: F821
          dedup=snakemake.params.dedup, val_fraction=snakemake.params.val_fraction,  # noqa: F821
-         encoding_errors=snakemake.params.encoding_errors, cache_dir=snakemake.params.cache_dir)  # noqa: F821
+         encoding_errors=snakemake.params.encoding_errors, cache_dir=snakemake.params.cache_dir,  # noqa: F821
+         seed=snakemake.params.seed)  # noqa: F821

@@ -172,3 +172,94 @@ def test_non_finite_loss_aborts_and_keeps_last_good_checkpoint(data, tmp_path):
     assert "the last complete one is step 4" in log
     assert committed_steps(run_dir / "state" / "checkpoints") == [2, 4], "nothing saved at or after the bad step"
     assert not (run_dir / "out" / "summary.json").exists()
+
+
+def test_continue_from_export_eval_every_and_csv_monitor(data, tmp_path):
+    """Run A evaluates while training, logs through DeepSpeed's csv monitor and exports; run B starts from A's
+    export under ZeRO-3 and its step-1 loss is the export's own loss on the same batches."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pretrain_bench.loader import PackedTokens, RankBatches
+
+    config, results = data
+    csv_dir = tmp_path / "csv"
+
+    def make(run_dir, model=None, **train):
+        cfg = {**config, "model": {**config["model"], **(model or {})}, "train": {**config["train"], **train}}
+        plan = make_plan(cfg, index=results / "shards" / "index.json", tokenizer=results / "tokenizer",
+                         out_dir=run_dir / "out", state_dir=run_dir / "state",
+                         manifest=results / "corpus" / "manifest.json")
+        write_plan(plan, run_dir / "plan.json")
+        return run_dir / "plan.json"
+
+    first = tmp_path / "first"
+    plan = make(first, max_steps=4, checkpoint_every=4, warmup_timing_steps=1, eval_every=2, eval_tokens=3 * 256,
+                deepspeed={"csv_monitor": {"enabled": True, "output_path": str(csv_dir), "job_name": "tiny"}})
+    assert run(plan, 3, tmp_path / "first.log") == 0, (tmp_path / "first.log").read_text()[-3000:]
+    records = [json.loads(line) for line in (first / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
+    assert all(r["val_perplexity"] > 1 and r["eval_time_s"] > 0 for r in records if "val_loss" in r)
+    summary = json.loads((first / "out" / "summary.json").read_text())
+    assert summary["eval_during_training"]["evaluations"] == 2 and summary["eval_during_training"]["samples"] == 6
+    assert summary["init_from"] is None and summary["init_seed"] == config["train"]["seed"]
+    csv_files = sorted(p.name for p in (csv_dir / "tiny").glob("*.csv"))
+    assert csv_files, f"DeepSpeed's csv monitor wrote nothing under {csv_dir}"
+    assert any(len((csv_dir / "tiny" / name).read_text().splitlines()) >= 2 for name in csv_files)
+    export = first / "out" / "hf"
+    card = (export / "README.md").read_text()
+    assert "## Held-out evaluation" in card and f"loss {records[-1]['val_loss']:.4f}" in card
+    assert "builtin://python-stdlib" in card and "train split `train.jsonl`" in card
+    assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] is not None
+
+    # The README's `tail -f` of the training log and `tensorboard --logdir` on the run's events.
+    follow = subprocess.Popen(["tail", "-f", str(tmp_path / "first.log")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert any("held-out loss" in follow.stdout.readline() for _ in range(200))
+    finally:
+        follow.kill()
+    port = 20000 + os.getpid() % 20000
+    board = subprocess.Popen([str(Path(sys.executable).parent / "tensorboard"), "--logdir",
+                              str(first / "out" / "tensorboard"), "--port", str(port)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import urllib.request
+
+        deadline, tags = time.monotonic() + 120, ""
+        while "val/loss" not in tags and time.monotonic() < deadline:
+            time.sleep(1)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=5) as answer:
+                    tags = answer.read().decode()
+            except OSError:
+                pass
+        assert "val/loss" in tags and "train/loss" in tags, tags
+    finally:
+        board.kill()
+
+    # The README's three lines load the export.
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    assert tokenizer.decode(model.generate(**tokenizer("def ", return_tensors="pt"), max_new_tokens=4)[0])
+
+    # Run B: from the export, under ZeRO-3. Its step-1 batches are those of a fresh run with the same seed.
+    second = tmp_path / "second"
+    plan = make(second, model={"init_from": str(export)}, max_steps=1, checkpoint_every=1, zero_stage=3)
+    assert run(plan, 3, tmp_path / "second.log") == 0, (tmp_path / "second.log").read_text()[-3000:]
+    step_one = json.loads((second / "state" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    data_view = PackedTokens(results / "shards" / "index.json", "train", config["model"]["seq_len"])
+    rank_losses = []
+    with torch.no_grad():
+        for rank in range(3):
+            batch = RankBatches(data_view, rank=rank, world_size=3, micro_batch_size=config["train"]["micro_batch_size"],
+                                seed=config["train"]["seed"]).next_batch()
+            logits = model(input_ids=batch[:, :-1]).logits
+            rank_losses.append(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                               batch[:, 1:].reshape(-1)).item())
+    expected = sum(rank_losses) / 3
+    assert abs(step_one - expected) < 1e-4, (step_one, expected)
+    assert step_one < records[0]["loss"] - 0.5, "B starts where A ended, not from random weights"
+    summary = json.loads((second / "out" / "summary.json").read_text())
+    assert summary["init_from"]["uri"] == str(export) and summary["init_from"]["loaded"]["files"]
+    assert "weights from model.init_from" in (tmp_path / "second.log").read_text()

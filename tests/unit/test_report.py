@@ -208,3 +208,31 @@ def test_an_mfu_above_100_percent_is_refused_with_the_reason():
     old = mfu_text([summary(mfu=1.69)])
     assert old.startswith("not reported: MFU would be 169%, above 100 %") and "measured: test" in old
     assert mfu_text([summary(mfu=0.2)]) == fmt(20.0, 2)
+
+
+def test_report_says_where_the_weights_came_from_and_what_validation_took(tmp_path):
+    main = {**summary(1), "memory_fit": None, "init_from": {"uri": "hf://org/base@v2", "revision": "abc123", "path": "/cache/abc123"},
+            "eval_during_training": {"every": 4, "samples": 12, "tokens": 1536, "evaluations": 2, "time_s": 95.0,
+                                     "last": {"step": 8, "loss": 2.5, "perplexity": 12.18}}}
+    (tmp_path / "summary.json").write_text(json.dumps(main))
+    metrics = [{"step": s, "loss": 8 - s * 0.1, "tokens_per_s": 900.0, "step_time_s": 1.0, "after_resume": False,
+                **({"val_loss": 3.0 - s / 8, "val_perplexity": 20.0 - s, "eval_time_s": 47.5} if s % 4 == 0 else {})}
+               for s in range(1, 9)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    evals = [tmp_path / "step8.json"]
+    evals[0].write_text(json.dumps({"step": 8, "train_tokens": 8 * 3072, "loss": 2.6, "perplexity": 13.5,
+                                    "bits_per_byte": 1.1, "tokens": 4096, "eval_tokens_per_s": 5000.0,
+                                    "generations": []}))
+    out = tmp_path / "report"
+    build_report(tmp_path / "summary.json", tmp_path / "metrics.jsonl", evals, out / "report.md", out / "report.html",
+                 out / "plots", target_corpus_tokens=1e12)
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    for text in (md, html):
+        assert "Weights of the main run: continued from hf://org/base@v2 (model.init_from, revision abc123" in text
+        assert "2 evaluation(s) on a fixed slice of 12 val samples" in text and "held-out loss 2.5000" in text
+        assert "Evaluation took 1.6 min of wall time in all, kept out of the step timings" in text
+    (tmp_path / "summary.json").write_text(json.dumps({**summary(1), "memory_fit": None, "init_seed": 7}))
+    build_report(tmp_path / "summary.json", tmp_path / "metrics.jsonl", evals, out / "report.md", out / "report.html",
+                 out / "plots", target_corpus_tokens=1e12)
+    md = (out / "report.md").read_text()
+    assert "Weights of the main run: random initialisation (train.seed 7)" in md and "Validation while" not in md

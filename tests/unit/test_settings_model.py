@@ -1,3 +1,4 @@
+import math
 import sys
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def test_deepspeed_config_reflects_settings():
     assert cfg["bf16"] == {"enabled": True} and "fp16" not in cfg
     fp16 = deepspeed_config(TrainSettings.from_config({"gpus": 1, "precision": "fp16"}), "cuda", 10)
     assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0  # 0 = dynamic loss scaling
-    assert fp16["scheduler"]["params"]["total_num_steps"] == 10
+    assert "scheduler" not in fp16  # the trainer hands DeepSpeed a LambdaLR over settings.learning_rate
 
 
 def test_max_tokens_sets_the_step_count():
@@ -89,24 +90,6 @@ def test_flops_formula_and_gpu_table():
     assert gpu_table_peak("NVIDIA H200", "fp32") is None
 
 
-def test_warmup_starts_above_zero_with_deepspeeds_scheduler():
-    import torch
-    from deepspeed.runtime.lr_schedules import WarmupCosineLR
-
-    s = settings(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=100)
-    params = deepspeed_config(s, "cpu", 100)["scheduler"]["params"]
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=s.lr)
-    scheduler = WarmupCosineLR(optimizer, **params)
-    scheduler.step(0)  # as train.py does after deepspeed.initialize
-    rates = []
-    for _ in range(12):
-        rates.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    assert rates[0] == pytest.approx(1e-4) and rates[1] > rates[0] > 0, "the first steps train"
-    assert rates[10] == pytest.approx(1e-3, rel=1e-3)
-
-
 def test_adam_needs_no_compiler_unless_fused_adam_is_prebuilt():
     s = settings(device="cuda", comm_backend="nccl", precision="bf16")
     assert deepspeed_config(s, "cuda", 10)["optimizer"]["params"]["torch_adam"] is True
@@ -127,3 +110,44 @@ def test_every_run_divides_by_the_machines_one_peak():
     assert gpu["flops_per_rank"] == 165.2e12  # each GPU brings its own
     assert plan_peak(measured, 100.0, "cpu", 3) == {"flops_per_rank": 1e14,
                                                     "source": "report.peak_tflops in the config"}
+
+
+def test_learning_rate_schedules():
+    from pretrain_bench.settings import learning_rate
+
+    def rates(schedule, **kw):
+        s = settings(lr=1.0, min_lr=0.1, warmup_steps=10, lr_schedule=schedule, **kw)
+        return [learning_rate(step, s, 110) for step in range(110)]
+
+    for schedule in ("cosine", "linear", "constant", "warmup-stable-decay"):
+        r = rates(schedule)
+        assert r[:10] == pytest.approx([(i + 1) / 10 for i in range(10)]), "linear warm-up to lr"
+        assert max(r) == pytest.approx(1.0)
+    cosine, linear, constant, wsd = (rates(s) for s in ("cosine", "linear", "constant", "warmup-stable-decay"))
+    assert cosine[-1] == pytest.approx(0.1) and linear[-1] == pytest.approx(0.1) and wsd[-1] == pytest.approx(0.1)
+    assert linear[60] == pytest.approx(1.0 - 0.9 * 51 / 100)
+    assert cosine[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 51 / 100)))
+    assert constant[10:] == [1.0] * 100
+    assert wsd[10:90] == [1.0] * 80 and wsd[90] < 1.0, "stable until the last decay_fraction (20 of 100 steps)"
+    with pytest.raises(ConfigError, match="train.lr_schedule 'step'"):
+        check_settings(settings(lr_schedule="step"))
+
+
+def test_adam_settings_and_deepspeed_passthrough():
+    s = settings(adam_betas=[0.8, 0.99], adam_eps=1e-6,
+                 deepspeed={"csv_monitor": {"enabled": True, "output_path": "m"},
+                            "zero_optimization": {"reduce_bucket_size": 12345}, "flops_profiler": {"enabled": True}})
+    check_settings(s)
+    cfg = deepspeed_config(s, "cpu", 10)
+    assert cfg["optimizer"]["params"]["betas"] == [0.8, 0.99] and cfg["optimizer"]["params"]["eps"] == 1e-6
+    assert cfg["csv_monitor"] == {"enabled": True, "output_path": "m"} and cfg["flops_profiler"]["enabled"]
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 12345 and cfg["zero_optimization"]["stage"] == 2, \
+        "a nested mapping is merged key by key"
+    for extra, key in (({"optimizer": {"type": "SGD"}}, "train.lr, train.weight_decay, train.adam_betas"),
+                       ({"train_batch_size": 48}, "train.global_batch_size"),
+                       ({"zero_optimization": {"stage": 3}}, "train.zero_stage"),
+                       ({"bf16": {"enabled": True}}, "train.precision"),
+                       ({"scheduler": {}}, "train.lr_schedule"),
+                       ({"gradient_clipping": 0.5}, "train.grad_clip")):
+        with pytest.raises(ConfigError, match=r"train.deepspeed\S*: set " + key):
+            check_settings(settings(deepspeed=extra))

@@ -154,9 +154,9 @@ def time_estimate(entry: dict, model: dict, vocab_size: int, grad_accum_steps: i
 
 def model_flops_per_token(model: dict, vocab_size: int) -> float:
     from .flops import flops_per_token
-    from .model import count_parameters, resolve_shape
+    from .model import count_parameters, model_shape
 
-    shape = resolve_shape(model["preset"], model.get("overrides") or {}, vocab_size)
+    shape = model_shape(model, vocab_size)
     return flops_per_token(count_parameters(shape)["matmul"], shape.num_hidden_layers, shape.num_attention_heads,
                            shape.hidden_size // shape.num_attention_heads, model["seq_len"])
 

@@ -1,6 +1,9 @@
 """Corpus acquisition and cleaning: sources -> cleaned documents -> train/val split -> jsonl files + manifest.
 
-Each document passes these steps in source order; every step is counted in manifest.json:
+Each document passes these steps in source order (or, when the sources carry a `weight`, in mixture order: each
+next document is drawn from a source chosen at random in proportion to its weight, from a generator seeded with
+`seed`, until every source is exhausted, so the kept prefix under `max_bytes` holds the sources in those
+proportions; the manifest records the weights and the shares kept); every step is counted in manifest.json:
 1) read from builtin://python-stdlib, hf://<dataset>, http(s)://… or file://path-or-glob and decode as UTF-8 under
    `encoding_errors` (strict: fail naming the file and byte offset; replace: substitute U+FFFD and count);
 2) remove NUL characters (counted): they break C-string based tools downstream and carry no text;
@@ -8,7 +11,8 @@ Each document passes these steps in source order; every step is counted in manif
 4) drop exact duplicates by the sha256 of the UTF-8 text (`duplicate`, when `dedup`);
 5) cap: the first document that would take the kept text past `max_bytes`, and every document after it, is cut
    (`over_cap`). The kept corpus is a prefix of the cleaned stream, so the same inputs always give the same cut.
-   Input after the cap is still read so that the manifest can say how much was cut;
+   Input after the cap is still read so that the manifest can say how much was cut, except from `streaming: true`
+   hf:// sources, which may be larger than the disk: those stop at the cap;
 6) split by content hash: a document goes to val when the first 8 bytes of its sha256, read as a fraction of 2**64,
    fall below `val_fraction`. The split depends on the text alone, so appending a source never moves a document.
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import random
 import hashlib
 import io
 import json
@@ -39,6 +44,7 @@ from typing import BinaryIO, Iterator
 from urllib.parse import urlsplit
 
 from pretrain_bench.download import DownloadError, download
+from pretrain_bench.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -119,22 +125,26 @@ class _Decoder:
 
 
 def build_corpus(sources: list[dict], out_dir: Path, *, max_bytes: int | None, min_chars: int, dedup: bool,
-                 val_fraction: float, encoding_errors: str, cache_dir: Path) -> dict:
-    """Read, clean, de-duplicate, cap and split `sources` into out_dir/{train,val}.jsonl; return the manifest."""
+                 val_fraction: float, encoding_errors: str, cache_dir: Path, seed: int = 1234) -> dict:
+    """Read, clean, de-duplicate, cap and split `sources` into out_dir/{train,val}.jsonl; return the manifest.
+
+    `seed` orders a weighted mixture (sources with `weight`); it is unused when no source has one."""
     settings = CleaningSettings(max_bytes, min_chars, dedup, val_fraction, encoding_errors)
     if not sources:
         raise CorpusError("corpus.sources is empty: name at least one source")
     for number, source in enumerate(sources):
         if not isinstance(source, dict) or not isinstance(source.get("uri"), str):
             raise CorpusError(f"corpus.sources[{number}] needs a 'uri' string, got {source!r}")
+    weights = _mixture_weights(sources)
     out_dir, cache_dir = Path(out_dir), Path(cache_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = _SplitFiles(out_dir, val_fraction)
     try:
-        all_stats, cap = _clean_all(sources, settings, files, cache_dir)
+        all_stats, cap = _clean_all(sources, settings, files, cache_dir, weights, seed)
         fallback = _fill_empty_split(files, all_stats)
         files.close()
         manifest = _manifest(all_stats, settings, files, cap, fallback)
+        manifest["mixture"] = _mixture_record(weights, seed, all_stats)
         (out_dir / "manifest.json").unlink(missing_ok=True)
         for split in SPLITS:
             os.replace(files.tmp[split], out_dir / f"{split}.jsonl")
@@ -147,44 +157,109 @@ def build_corpus(sources: list[dict], out_dir: Path, *, max_bytes: int | None, m
     return manifest
 
 
-def _clean_all(sources, settings: CleaningSettings, files: "_SplitFiles", cache_dir: Path):
+def _mixture_weights(sources: list[dict]) -> list[float] | None:
+    """Per-source weights when the sources form a mixture (all carry `weight`), None when none does."""
+    weighted = [source.get("weight") is not None for source in sources]
+    if not any(weighted):
+        return None
+    if not all(weighted):
+        missing = [number for number, has in enumerate(weighted) if not has]
+        raise CorpusError(f"corpus.sources{missing} have no weight while others do: give every source a weight "
+                          "(a mixture) or none (concatenated in order)")
+    for number, source in enumerate(sources):
+        if not source["weight"] > 0:
+            raise CorpusError(f"corpus.sources[{number}].weight must be > 0, got {source['weight']!r}")
+    return [float(source["weight"]) for source in sources]
+
+
+def _mixture_record(weights: list[float] | None, seed: int, all_stats: list["SourceStats"]) -> dict | None:
+    """manifest["mixture"]: the weights asked for and the share of kept bytes each source got."""
+    if weights is None:
+        return None
+    kept = sum(stats.bytes_out for stats in all_stats) or 1
+    return {"method": "each document drawn from a source chosen with probability weight / sum of the weights of "
+                      "the sources not yet exhausted (random.Random(seed))",
+            "seed": seed,
+            "sources": [{"uri": stats.uri, "weight": weight, "share_asked": weight / sum(weights),
+                         "share_kept_bytes": stats.bytes_out / kept} for weight, stats in zip(weights, all_stats)]}
+
+
+def _documents(readers: list, weights: list[float] | None, seed: int, closed: set[int]):
+    """(source index, document number within it, text): sources in order, or drawn by weight (seeded)."""
+    counts = [0] * len(readers)
+    active = list(range(len(readers)))
+    rng = random.Random(seed)
+    while active:
+        active = [i for i in active if i not in closed]
+        if not active:
+            return
+        i = rng.choices(active, weights=[weights[j] for j in active])[0] if weights else active[0]
+        try:
+            text = next(readers[i])
+        except StopIteration:
+            active.remove(i)
+            continue
+        yield i, counts[i], text
+        counts[i] += 1
+
+
+def _clean_all(sources, settings: CleaningSettings, files: "_SplitFiles", cache_dir: Path,
+               weights: list[float] | None = None, seed: int = 1234):
     """Steps 2-6 of the module docstring over every source; returns per-source stats and where the cap cut."""
     seen: set[bytes] = set()
-    kept_bytes, cut_at, all_stats = 0, None, []
-    for source in sources:
+    kept_bytes, cut_at = 0, None
+    all_stats = [SourceStats(uri=source["uri"], kind=_kind(source["uri"])) for source in sources]
+    readers = [_read_source(source, stats, settings.encoding_errors, cache_dir)
+               for source, stats in zip(sources, all_stats)]
+    streaming = {i for i, source in enumerate(sources) if source.get("streaming")}
+    closed: set[int] = set()  # streaming sources stop being read once the cap is reached
+    progress = Progress("cleaning (kept bytes)" if settings.max_bytes else "cleaning (bytes read)", log,
+                        total=settings.max_bytes)
+
+    def documents_read() -> str:
+        return f"{sum(s.documents_in for s in all_stats):,} documents read"
+
+    for i, number, text in _documents(readers, weights, seed, closed):
+        source, stats = sources[i], all_stats[i]
         uri = source["uri"]
-        stats = SourceStats(uri=uri, kind=_kind(uri))
-        all_stats.append(stats)
-        for number, text in enumerate(_read_source(source, stats, settings.encoding_errors, cache_dir)):
-            stats.documents_in += 1
-            if "\x00" in text:
-                nuls = text.count("\x00")
-                stats.nul_removed += nuls
-                stats.bytes_in += nuls  # NUL is one UTF-8 byte
-                text = text.replace("\x00", "")
-            text, data = _encode(text, stats, settings.encoding_errors, uri, number)
-            stats.bytes_in += len(data)
-            if len(text.strip()) < settings.min_chars:
-                stats.dropped["too_short"] += 1
+        stats.documents_in += 1
+        if "\x00" in text:
+            nuls = text.count("\x00")
+            stats.nul_removed += nuls
+            stats.bytes_in += nuls  # NUL is one UTF-8 byte
+            text = text.replace("\x00", "")
+        text, data = _encode(text, stats, settings.encoding_errors, uri, number)
+        stats.bytes_in += len(data)
+        if not settings.max_bytes:
+            progress.advance(len(data), documents_read)
+        if len(text.strip()) < settings.min_chars:
+            stats.dropped["too_short"] += 1
+            continue
+        digest = hashlib.sha256(data).digest()
+        if settings.dedup:
+            if digest in seen:
+                stats.dropped["duplicate"] += 1
                 continue
-            digest = hashlib.sha256(data).digest()
-            if settings.dedup:
-                if digest in seen:
-                    stats.dropped["duplicate"] += 1
-                    continue
-                seen.add(digest)
-            if cut_at is None and settings.max_bytes is not None and kept_bytes + len(data) > settings.max_bytes:
-                cut_at = {"source": uri, "document_index": number}
-            if cut_at is not None:
-                stats.dropped["over_cap"] += 1
-                continue
-            kept_bytes += len(data)
-            files.add(text, len(data), digest)
-            stats.documents_out += 1
-            stats.bytes_out += len(data)
-        log.info("%s: %d documents in, %d kept (%d bytes); dropped %s; replaced %d chars, removed %d NULs", uri,
-                 stats.documents_in, stats.documents_out, stats.bytes_out, stats.dropped, stats.replaced_chars,
-                 stats.nul_removed)
+            seen.add(digest)
+        if cut_at is None and settings.max_bytes is not None and kept_bytes + len(data) > settings.max_bytes:
+            cut_at = {"source": uri, "document_index": number}
+            for j in streaming:  # a streamed dataset may not fit on disk: read no further than the cap
+                closed.add(j)
+                all_stats[j].details["stopped_at_cap"] = True
+        if cut_at is not None:
+            stats.dropped["over_cap"] += 1
+            continue
+        kept_bytes += len(data)
+        files.add(text, len(data), digest)
+        stats.documents_out += 1
+        stats.bytes_out += len(data)
+        if settings.max_bytes:
+            progress.advance(len(data), documents_read)
+    progress.finish()
+    for stats in all_stats:
+        log.info("%s: %d documents in, %d kept (%d bytes); dropped %s; replaced %d chars, removed %d NULs",
+                 stats.uri, stats.documents_in, stats.documents_out, stats.bytes_out, stats.dropped,
+                 stats.replaced_chars, stats.nul_removed)
     return all_stats, {"max_bytes": settings.max_bytes, "reached": cut_at is not None, "cut_at": cut_at}
 
 
@@ -516,14 +591,26 @@ def _read_hf(source: dict, stats: SourceStats, cache_dir: Path) -> Iterator[str]
     uri = source["uri"]
     name, config = uri[len("hf://"):], source.get("config")
     split, field_name = source.get("split", "train"), source.get("text_field", "text")
+    revision, streaming = source.get("revision"), bool(source.get("streaming", False))
     hf_cache = str(cache_dir / "hf")
-    stats.details.update(dataset=name, config=config, split=split, text_field=field_name)
+    stats.details.update(dataset=name, config=config, split=split, text_field=field_name, revision=revision,
+                         streaming=streaming)
     try:
         import datasets
 
-        dataset = datasets.load_dataset(name, config, split=split, cache_dir=hf_cache)
+        dataset = datasets.load_dataset(name, config, split=split, cache_dir=hf_cache, revision=revision,
+                                        streaming=streaming)
     except Exception as error:  # datasets raises a zoo of types (ConnectionError, FileNotFoundError, ValueError, ...)
-        raise CorpusError(_hf_failure_message(uri, name, config, split, hf_cache, error)) from error
+        raise CorpusError(_hf_failure_message(uri, name, config, split, hf_cache, error, revision)) from error
+    if streaming:
+        # Rows arrive as they are downloaded and are written out one by one; nothing is cached whole on disk.
+        stats.details.update(datasets_version=datasets.__version__)
+        for number, row in enumerate(dataset):
+            if field_name not in row:
+                raise CorpusError(f"{uri} ({split}) row {number}: no column {field_name!r} (text_field); "
+                                  f"columns {sorted(row)}")
+            yield _text_value(row[field_name], f"{uri} ({split})", field_name)
+        return
     if field_name not in dataset.column_names:
         raise CorpusError(f"{uri}: no column {field_name!r} (text_field); columns {dataset.column_names}")
     # datasets' fingerprint identifies the cached Arrow data; it is the closest thing to a sha256 of what was fetched.
@@ -534,13 +621,14 @@ def _read_hf(source: dict, stats: SourceStats, cache_dir: Path) -> Iterator[str]
             yield _text_value(value, f"{uri} ({split})", field_name)
 
 
-def _hf_failure_message(uri, name, config, split, hf_cache, error) -> str:
+def _hf_failure_message(uri, name, config, split, hf_cache, error, revision=None) -> str:
     offline = any(os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on")
                   for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
     why = ("offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) and the dataset is not in the cache"
            if offline else "could not download it")
     command = (f"HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0 python -c \"import datasets; datasets.load_dataset("
-               f"{name!r}, {config!r}, split={split!r}, cache_dir={hf_cache!r})\"")
+               f"{name!r}, {config!r}, split={split!r}, cache_dir={hf_cache!r}"
+               + (f", revision={revision!r}" if revision else "") + ")\"")
     return (f"{uri}: cannot load dataset {name!r} (config {config!r}, split {split!r}): {why}. "
             f"{type(error).__name__}: {error}. To pre-download it, run on a machine with network access, in the "
             f"workflow's working directory (or copy {hf_cache} there afterwards):\n  {command}")

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import requests
 
+from pretrain_bench.progress import Progress
+
 log = logging.getLogger(__name__)
 
 # Hashing in 1 MiB pieces keeps memory flat for multi-GB files.
@@ -190,9 +192,12 @@ def _fetch_once(session, url, part: Path, timeout) -> None:
             offset, mode = 0, "wb"
             length = response.headers.get("Content-Length")
             total = int(length) if length and length.isdigit() else None
+        progress = Progress(f"download {url}", log, total=total)
+        progress.done = offset  # a resumed download counts what the .part already holds
         with open(part, mode) as handle:
             for chunk in response.iter_content(STREAM_CHUNK_BYTES):
                 handle.write(chunk)
+                progress.advance(len(chunk))
     size = part.stat().st_size
     if total is not None and size != total:
         # urllib3 usually raises on a short body; this catches servers that close without a length error.

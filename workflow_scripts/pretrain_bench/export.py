@@ -3,8 +3,9 @@
 The folder loads with `AutoModelForCausalLM.from_pretrained(dir, local_files_only=True)` and `AutoTokenizer`.
 Its weights are the checkpoint's fp32 master weights (for ZeRO 1-3 gathered from every rank's optimizer shards by
 DeepSpeed's zero_to_fp32), cast to `dtype`; its config names the tokenizer's end-of-text and padding ids so that
-`generate` stops where the training stream separated documents. `pretrain_bench_export.json` beside the weights says
-which checkpoint it came from. Exporting only reads the checkpoint.
+`generate` stops where the training stream separated documents; generation_config.json carries the same ids.
+`pretrain_bench_export.json` beside the weights says which checkpoint it came from, and README.md (the model card)
+what the model is, its data with their sha256, its held-out loss when known and the pipeline's commit. Exporting only reads the checkpoint.
 """
 from __future__ import annotations
 
@@ -43,8 +44,10 @@ def read_checkpoint_weights(ckpt_root: Path, step: int) -> dict:
 
 
 def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Path, target: Path, *,
-              dtype: str = "fp32", info: dict | None = None) -> Path:
-    """Save checkpoint `step` as an HF model folder at `target` (replaced atomically); returns target."""
+              dtype: str = "fp32", info: dict | None = None, plan: dict | None = None) -> Path:
+    """Save checkpoint `step` as an HF model folder at `target` (replaced atomically); returns target.
+
+    With the run's `plan` the folder also gets its model card (README.md, see model_card.py)."""
     from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -78,6 +81,10 @@ def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Pa
     description = {"step": step, "train_tokens": marker.get("tokens"), "dtype": dtype, "seq_len": seq_len,
                    "checkpoint": str(Path(ckpt_root) / ckpt.tag_for(step)), **(info or {})}
     (tmp / EXPORT_INFO).write_text(json.dumps(description, indent=2))
+    if plan is not None:
+        from .model_card import card_facts, render_card
+
+        (tmp / "README.md").write_text(render_card(shape, card_facts(plan, step, marker.get("tokens")), dtype))
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target
@@ -85,13 +92,13 @@ def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Pa
 
 def export_checkpoint(plan: dict, step: int, target: Path, *, dtype: str = "fp32") -> dict:
     """Export checkpoint `step` of the run described by plan (plan.json) to `target`; returns its description."""
-    from .model import resolve_shape
+    from .plan import plan_shape
 
     index = json.loads(Path(plan["paths"]["index"]).read_text())
-    shape = resolve_shape(plan["model"]["preset"], plan["model"].get("overrides"), index["vocab_size"])
+    shape = plan_shape(plan, index["vocab_size"])
     root = Path(plan["paths"]["state_dir"]) / "checkpoints"
     export_hf(root, step, shape, plan["model"]["seq_len"], Path(plan["paths"]["tokenizer"]), Path(target),
-              dtype=dtype, info={"model": plan["model"], "run": plan["name"]})
+              dtype=dtype, info={"model": plan["model"], "run": plan["name"]}, plan=plan)
     return read_export_info(target)
 
 

@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .model import count_parameters, resolve_shape
+from .model import count_parameters, model_shape
 from .settings import ConfigError, TrainSettings
 
 GIB = 1024**3
@@ -336,23 +336,27 @@ def gib(value: float) -> str:
 # ---- from the config -------------------------------------------------------------------------------------------
 
 def config_vocab_size(config: dict) -> int:
-    """The vocabulary the model will have, known before the shards exist: an adopted tokenizer's (tokenizer.path,
-    the same rows the tokenizer stage will report: largest id + 1, a pad token added when it has none), else the
+    """The vocabulary the model will have, known before the shards exist: an adopted tokenizer's (tokenizer.path, or
+    model.init_from's own tokenizer; the same rows the tokenizer stage will report: largest id + 1, a pad token added when it has none), else the
     BPE's tokenizer.vocab_size."""
     tokenizer = config.get("tokenizer") or {}
-    if tokenizer.get("path"):
+    from .tokenizer import adopted_tokenizer_path
+
+    path = adopted_tokenizer_path(config)
+    if path:
         from .tokenizer import adopt_tokenizer, tokenizer_info
 
+        key = "tokenizer.path" if tokenizer.get("path") else "model.init_from's tokenizer"
         try:
-            return tokenizer_info(*adopt_tokenizer(Path(tokenizer["path"])))["vocab_size"]
+            return tokenizer_info(*adopt_tokenizer(Path(path)))["vocab_size"]
         except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse
-            raise ConfigError(f"tokenizer.path {tokenizer['path']}: {error}") from error
+            raise ConfigError(f"{key} {path}: {error}") from error
     return int(tokenizer.get("vocab_size") or 32000)
 
 
 def run_shape(config: dict, settings: TrainSettings, device: str, vocab_size: int | None = None) -> RunShape:
-    shape = resolve_shape(config["model"]["preset"], (config["model"].get("overrides") or {}),
-                          vocab_size or config_vocab_size(config))
+    # model.init_from: the shape of the model in its config.json, which the weights fix
+    shape = model_shape(config["model"], vocab_size or config_vocab_size(config))
     counts = count_parameters(shape)
     head_dim = shape.hidden_size // shape.num_attention_heads
     return RunShape(parameters=counts["total"], layers=shape.num_hidden_layers, hidden_size=shape.hidden_size,
@@ -465,7 +469,7 @@ def alternatives(run: RunShape, budget: Budget, max_gpus: int = 1024) -> list[di
     offload_stage = max(run.zero_stage, 2)
     if run.offload_optimizer != "cpu":
         consider("optimizer offload", replace(run, zero_stage=offload_stage, offload_optimizer="cpu"),
-                 f"train.offload_optimizer: cpu" + ("" if run.zero_stage >= 2 else ", train.zero_stage: 2"))
+                 "train.offload_optimizer: cpu" + ("" if run.zero_stage >= 2 else ", train.zero_stage: 2"))
     if run.zero_stage != 3:
         consider("ZeRO-3", replace(run, zero_stage=3), "train.zero_stage: 3")
         consider("ZeRO-3 with optimizer offload", replace(run, zero_stage=3, offload_optimizer="cpu"),

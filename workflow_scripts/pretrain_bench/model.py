@@ -2,11 +2,16 @@
 
 Presets name real shapes: `deepseek-7b` is DeepSeek-LLM-7B-Base (30 layers, hidden 4096, 32 heads, FFN 11008,
 vocab 102400); `llama-1b` follows TinyLlama-1.1B; `llama-125m` a GPT-3-small-sized LLaMA; `tiny` a few million
-parameters for CPU runs.
+parameters for CPU runs. `model.init_from` takes the shape (and the weights) of an HF LLaMA model folder instead.
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from .settings import ConfigError
 
 
 @dataclass(frozen=True)
@@ -113,3 +118,138 @@ def build_model(shape: ModelShape, seq_len: int, seed: int, precision: str = "fp
     finally:
         torch.set_default_dtype(previous)
     return model
+
+
+# --- continued pretraining: model.init_from ---
+# Files of an HF model folder the planning needs (shape and tokenizer); the weights come only when training starts.
+INIT_FROM_PLANNING_FILES = ["config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                            "generation_config.json"]
+INIT_FROM_WEIGHT_FILES = ["*.safetensors", "model.safetensors.index.json"]
+# LlamaConfig fields a ModelShape carries directly; other fields the weights depend on are refused, not ignored.
+_SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                 "intermediate_size", "vocab_size", "rms_norm_eps", "tie_word_embeddings")
+
+
+class InitFromError(ConfigError):
+    """model.init_from cannot be used; the message names the folder, file or hf:// URI."""
+
+
+def parse_hf_uri(uri: str) -> tuple[str, str | None]:
+    """'hf://org/name@revision' -> ('org/name', 'revision'); the revision is None when not given."""
+    repo, _, revision = uri[len("hf://"):].partition("@")
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        raise InitFromError(f"model.init_from {uri!r}: expected hf://<org>/<name> or hf://<org>/<name>@<revision>")
+    return repo, revision or None
+
+
+def init_from_folder(uri: str, *, weights: bool = True) -> Path:
+    """The local folder of model.init_from: a path as given, or an hf:// model's snapshot in the HF cache.
+
+    hf:// goes through huggingface_hub's cache (HF_HOME), so a model fetched once is reused offline; with
+    `weights=False` only the small files planning reads are fetched. Offline (HF_HUB_OFFLINE=1) or without network,
+    a model not in the cache fails at once with the command that pre-downloads it.
+    """
+    if not uri.startswith("hf://"):
+        folder = Path(uri.removeprefix("file://"))
+        if not (folder / "config.json").is_file():
+            raise InitFromError(f"model.init_from {uri}: no config.json there (expected an HF model folder, e.g. "
+                                "results/<name>/train/hf)")
+        return folder
+    repo, revision = parse_hf_uri(uri)
+    from huggingface_hub import snapshot_download
+
+    patterns = INIT_FROM_PLANNING_FILES + (INIT_FROM_WEIGHT_FILES if weights else [])
+    try:
+        # etag_timeout: an unreachable hub fails in seconds rather than after the default waits
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=patterns, etag_timeout=5))
+    except Exception as error:  # huggingface_hub raises many types (offline, 404, gated repo, connection errors)
+        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        why = "offline mode is on (HF_HUB_OFFLINE) and it is not in the HF cache" if offline else "could not fetch it"
+        command = f"hf download {repo}" + (f" --revision {revision}" if revision else "")
+        raise InitFromError(f"model.init_from {uri}: {why}: {type(error).__name__}: {error}. Pre-download it on a "
+                            f"machine with network access into the same HF cache (HF_HOME): {command}") from error
+
+
+def shape_from_hf_config(folder: Path) -> ModelShape:
+    """The ModelShape of an HF LLaMA-architecture model folder, read from its config.json."""
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("model_type") != "llama":
+        raise InitFromError(f"{path}: model_type {config.get('model_type')!r} is not 'llama'; model.init_from "
+                            "takes LLaMA-architecture models (LlamaForCausalLM)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            raise InitFromError(f"{path}: {flag} is true; the pipeline's LLaMA shape has no bias terms")
+    missing = [key for key in _SHAPE_FIELDS[:6] if key not in config]
+    if missing:
+        raise InitFromError(f"{path}: no {missing} (not a LlamaConfig?)")
+    values = {key: config[key] for key in _SHAPE_FIELDS if key in config}
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim != values["hidden_size"] // values["num_attention_heads"]:
+        raise InitFromError(f"{path}: head_dim {head_dim} is not hidden_size / num_attention_heads")
+    rope = config.get("rope_parameters") or {}
+    values["rope_theta"] = float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    extra = {}
+    if rope and rope.get("rope_type", "default") != "default":
+        extra["rope_parameters"] = rope  # e.g. llama3 frequency scaling: changes the logits, not the weights
+    if config.get("rope_scaling"):
+        extra["rope_scaling"] = config["rope_scaling"]
+    if config.get("hidden_act", "silu") != "silu":
+        extra["hidden_act"] = config["hidden_act"]
+    return ModelShape(**values, extra=extra)
+
+
+def model_shape(model: dict, tokenizer_vocab: int | None = None, init_folder: Path | None = None) -> ModelShape:
+    """The shape of the model a `model:` block (config or plan) describes: model.init_from's config.json when
+    set (`init_folder`: where it was resolved to), else the preset with its overrides."""
+    if not model.get("init_from"):
+        return resolve_shape(model["preset"], model.get("overrides"), tokenizer_vocab)
+    shape = shape_from_hf_config(init_folder or init_from_folder(model["init_from"], weights=False))
+    if model.get("overrides"):
+        raise InitFromError("model.overrides cannot change a model.init_from model's shape: its weights fix it")
+    if tokenizer_vocab is not None and tokenizer_vocab > shape.vocab_size:
+        # The adopted tokenizer gained rows (a pad token it lacked): the embedding grows, see load_pretrained.
+        shape = replace(shape, vocab_size=tokenizer_vocab)
+    return shape
+
+
+def load_pretrained(model, folder: Path) -> dict:
+    """Copy an HF folder's safetensors weights into `model` (built with the same shape), tensor by tensor so at
+    most one extra tensor is in memory; returns {'files', 'bytes', 'added_vocab_rows'}.
+
+    Embedding rows the model has beyond the checkpoint's (a pad token added to its tokenizer) are set to the mean of
+    the checkpoint's rows, the usual choice for new tokens (Hewitt 2021, "Initializing new word embeddings").
+    """
+    import torch
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise InitFromError(f"model.init_from {folder}: no *.safetensors weights (only safetensors are read)")
+    params = dict(model.named_parameters())  # a tied lm_head shares the embedding and is not listed
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    seen, added, total = set(), 0, 0
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    if name not in params:
+                        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                            continue  # older exports saved this buffer; it is recomputed from the config
+                        raise InitFromError(f"{file}: tensor {name} has no place in the model")
+                    tensor, target = handle.get_tensor(name), params[name]
+                    total += tensor.numel() * tensor.element_size()
+                    if name in ("model.embed_tokens.weight", "lm_head.weight") and tensor.shape[0] < target.shape[0]:
+                        added = target.shape[0] - tensor.shape[0]
+                        target[tensor.shape[0]:] = tensor.float().mean(0).to(target.dtype)
+                        target = target[:tensor.shape[0]]
+                    if tensor.shape != target.shape:
+                        raise InitFromError(f"{file}: {name} has shape {list(tensor.shape)}, the model "
+                                            f"{list(target.shape)}")
+                    target.copy_(tensor.to(target.dtype))
+                    seen.add(name)
+    missing = [name for name in params if name not in seen and not (tied and name == "lm_head.weight")]
+    if missing:
+        raise InitFromError(f"model.init_from {folder}: the weights lack {missing[:5]}")
+    return {"files": [file.name for file in files], "bytes": total, "added_vocab_rows": added}

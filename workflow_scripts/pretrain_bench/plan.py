@@ -19,8 +19,9 @@ from .settings import ConfigError, TrainSettings, check_settings
 
 # benchmark.* keys the pre-flight reads (the machine it plans for, and whether to launch runs that do not fit).
 PLANNING_KEYS = ("force", "device_memory_gib", "host_memory_gib", "disk_gib")
-# train.* keys that mean nothing to a benchmark cell (it keeps no checkpoints and is never restarted).
-CELL_IRRELEVANT = ("checkpoint_every", "keep_checkpoints", "max_restarts", "allow_reshape")
+# train.* keys that mean nothing to a benchmark cell (it keeps no checkpoints, is never restarted, and spends its few
+# steps on timing, not on held-out evaluation).
+CELL_IRRELEVANT = ("checkpoint_every", "keep_checkpoints", "max_restarts", "allow_reshape", "eval_every", "eval_tokens")
 
 
 def plan_config(config: dict, train: dict | None = None) -> dict:
@@ -48,10 +49,11 @@ def cell_train(config: dict, overrides: dict) -> dict:
 
 def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, state_dir: Path,
               role: str = "pretrain", resume: bool = True, save_checkpoints: bool = True,
-              peak: dict | None = None) -> dict:
+              peak: dict | None = None, manifest: Path | None = None) -> dict:
     """Resolve a plan config (see `plan_config`) into a plan dict; raises ConfigError.
 
-    peak: rule measure_peak's bench/peak.json, the machine's peak that every run's MFU divides by."""
+    peak: rule measure_peak's bench/peak.json, the machine's peak that every run's MFU divides by.
+    manifest: the corpus manifest, whose sources the export's model card lists."""
     settings = TrainSettings.from_config(config["train"])
     if settings.nvme_path is None:
         settings = TrainSettings.from_config({**config["train"], "nvme_path": str(Path(state_dir) / "nvme")})
@@ -69,10 +71,13 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
         "config": config,
         "device_request": settings.device,
         "train": settings.as_dict(),
-        "model": {"preset": model["preset"], "seq_len": model["seq_len"], "overrides": model.get("overrides") or {}},
+        "model": {"preset": model["preset"], "seq_len": model["seq_len"], "overrides": model.get("overrides") or {},
+                  "init_from": model.get("init_from")},
+        # model.init_from fetched (hf://: into the HF cache) once here, so the ranks only read a local folder
+        "init_from": init_from_record(model["init_from"]) if model.get("init_from") else None,
         "data_sha256": hashlib.sha256(Path(index).read_bytes()).hexdigest(),
         "paths": {"index": str(index), "tokenizer": str(tokenizer), "out_dir": str(out_dir),
-                  "state_dir": str(state_dir)},
+                  "state_dir": str(state_dir), "manifest": str(manifest) if manifest else None},
         "resume": resume,
         "save_checkpoints": save_checkpoints,
         "peak_tflops": config["report"]["peak_tflops"],
@@ -86,6 +91,29 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
     }
 
 
+def init_from_record(uri: str) -> dict:
+    """Where model.init_from's weights are (a local folder) and what identifies them: the hf:// commit, and a digest
+    of config.json and the weight files' names and sizes (a changed model starts a fresh run, never a resume)."""
+    from .model import init_from_folder
+
+    folder = init_from_folder(uri, weights=True)
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    weights = sorted(folder.glob("*.safetensors"))
+    for file in weights:
+        digest.update(f"{file.name}:{file.stat().st_size}".encode())
+    return {"uri": uri, "path": str(folder), "revision": folder.name if uri.startswith("hf://") else None,
+            "weight_files": [file.name for file in weights], "weights_bytes": sum(f.stat().st_size for f in weights),
+            "identity": digest.hexdigest()}
+
+
+def plan_shape(plan: dict, tokenizer_vocab: int | None):
+    """The model shape of a plan: its preset, or its init_from folder's config.json."""
+    from .model import model_shape
+
+    folder = Path(plan["init_from"]["path"]) if plan.get("init_from") else None
+    return model_shape(plan["model"], tokenizer_vocab, init_folder=folder)
+
+
 def write_plan(plan: dict, path: Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,4 +122,4 @@ def write_plan(plan: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["ConfigError", "cell_train", "make_plan", "plan_config", "write_plan"]
+__all__ = ["ConfigError", "cell_train", "init_from_record", "make_plan", "plan_config", "plan_shape", "write_plan"]

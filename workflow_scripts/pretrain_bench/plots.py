@@ -25,11 +25,18 @@ def _save(fig, path: Path) -> Path:
 
 
 def loss_plot(records: list[dict], evals: list[dict], path: Path) -> Path:
-    """Main run: train loss per step with held-out loss at checkpoints; perplexity on a log axis."""
+    """Main run: train loss per step with the held-out loss measured while training (train.eval_every) and at
+    checkpoints; perplexity on a log axis."""
     plt = _pyplot()
     steps = [r["step"] for r in records]
     fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot(steps, [r["loss"] for r in records], label="train loss (mean over ranks)", lw=1)
+    during = [r for r in records if "val_loss" in r]
+    if during:
+        ax_loss.plot([r["step"] for r in during], [r["val_loss"] for r in during], "s--", color="C2", ms=4,
+                     label="validation loss while training")
+        ax_ppl.plot([r["step"] for r in during], [r["val_perplexity"] for r in during], "s--", color="C2", ms=4,
+                    label="validation while training")
     ev = sorted(evals, key=lambda e: e["step"])
     if ev:
         ax_loss.plot([e["step"] for e in ev], [e["loss"] for e in ev], "o-", label="held-out loss")

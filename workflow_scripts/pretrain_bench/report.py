@@ -73,6 +73,31 @@ def _code(text) -> str:
     return f"{fence} {text} {fence}"  # CommonMark drops one padding space on each side
 
 
+def weights_origin(summary: dict) -> str:
+    """Where the main run's starting weights came from, for the report's first lines."""
+    init = summary.get("init_from")
+    if init:
+        revision = f", revision {init['revision']}" if init.get("revision") else ""
+        return f"continued from {init['uri']} (model.init_from{revision}; read from {init['path']})"
+    if summary.get("init_seed") is not None:
+        return f"random initialisation (train.seed {summary['init_seed']})"
+    return "random initialisation (this summary.json predates model.init_from)"
+
+
+def eval_during_training(summary: dict) -> str | None:
+    """One sentence on train.eval_every's evaluations: how many, the last result and the wall time they took."""
+    held = summary.get("eval_during_training")
+    if not held:
+        return None
+    text = (f"train.eval_every {held['every']}: {held['evaluations']} evaluation(s) on a fixed slice of "
+            f"{held['samples']} val samples ({fmt(held['tokens'])} tokens, split over the ranks)")
+    if held["last"]:
+        text += (f"; the last, at step {held['last']['step']}, gave held-out loss {held['last']['loss']:.4f} "
+                 f"(perplexity {fmt(held['last']['perplexity'], 2)})")
+    took = f"{held['time_s']:.1f} s" if held["time_s"] < 60 else fmt_duration(held["time_s"])
+    return text + f". Evaluation took {took} of wall time in all, kept out of the step timings and tokens/s above."
+
+
 def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path], out_md: Path, out_html: Path,
                  plot_dir: Path, *, target_corpus_tokens: float, matrix_path: Path | None = None,
                  bench_paths: list[Path] = ()) -> dict:
@@ -115,6 +140,7 @@ def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path],
         "comm_method": next((s["comm_method"] for s in bench if s.get("comm_fraction") is not None),
                             summary.get("comm_method")),
         "peak_mem_kind": (bench[0] if bench else summary)["peak_mem_kind"],
+        "weights_origin": weights_origin(summary), "eval_during": eval_during_training(summary),
         "flops_formula": (bench[0] if bench else summary)["flops_formula"],
     }
     out_md, out_html = Path(out_md), Path(out_html)

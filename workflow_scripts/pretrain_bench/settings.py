@@ -5,11 +5,15 @@ starts, and the launcher can repeat the checks once it knows the real device.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import math
+from dataclasses import asdict, dataclass, field, fields
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key and the reason."""
+
+
+LR_SCHEDULES = ("cosine", "linear", "constant", "warmup-stable-decay")
 
 
 @dataclass(frozen=True)
@@ -34,9 +38,13 @@ class TrainSettings:
     max_steps: int = 1000  # optimizer steps
     max_tokens: int | None = None  # stop after this many tokens instead of max_steps
     lr: float = 3e-4  # peak learning rate
-    min_lr: float = 3e-5  # floor of the cosine decay
+    min_lr: float = 3e-5  # learning rate at the end of the decay (cosine, linear, warmup-stable-decay)
     warmup_steps: int = 100  # linear warm-up steps
+    lr_schedule: str = "cosine"  # cosine | linear | constant | warmup-stable-decay (see learning_rate)
+    decay_fraction: float = 0.2  # warmup-stable-decay: share of the steps spent decaying at the end
     weight_decay: float = 0.1  # AdamW decoupled weight decay
+    adam_betas: tuple = (0.9, 0.95)  # AdamW (beta1, beta2)
+    adam_eps: float = 1e-8  # AdamW epsilon
     grad_clip: float = 1.0  # global gradient-norm clip (0 = off)
     seed: int = 1234  # weights and data order
     checkpoint_every: int = 500  # steps between checkpoints
@@ -48,6 +56,9 @@ class TrainSettings:
     allow_reshape: bool = False  # accept a checkpoint saved at another world size
     phase_timing: bool = True  # forward/backward/optimizer seconds per step (CUDA events: no synchronisation)
     verify_checkpoints: str = "sampled"  # before a resume: sampled (sizes + sampled sha256) | full (every byte)
+    eval_every: int | None = None  # held-out loss every N steps during training (None: off)
+    eval_tokens: int = 65536  # held-out target tokens per evaluation during training (a fixed slice of val)
+    deepspeed: dict = field(default_factory=dict)  # merged into ds_config.json (keys the pipeline owns refused)
 
     @classmethod
     def from_config(cls, train: dict) -> "TrainSettings":
@@ -55,6 +66,11 @@ class TrainSettings:
         unknown = sorted(set(train) - known)
         if unknown:
             raise ConfigError(f"train: unknown key(s) {unknown}")
+        train = dict(train)
+        if train.get("adam_betas") is not None:
+            train["adam_betas"] = tuple(train["adam_betas"])  # YAML/JSON give a list; frozen settings hash a tuple
+        if train.get("deepspeed") is None:
+            train["deepspeed"] = {}
         return cls(**train)
 
     @property
@@ -79,7 +95,77 @@ class TrainSettings:
         return steps[-self.keep_checkpoints:] if self.keep_checkpoints else steps
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        values = asdict(self)
+        values["adam_betas"] = list(self.adam_betas)
+        return values
+
+
+# ds_config keys the pipeline sets from its own config keys (or needs for its measurements): train.deepspeed may not
+# set them, and the error names the key to use instead. A nested key is "parent.child".
+OWNED_DEEPSPEED_KEYS = {
+    "train_batch_size": "train.global_batch_size (or micro_batch_size × grad_accum_steps × ranks)",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.grad_accum_steps",
+    "gradient_clipping": "train.grad_clip",
+    "optimizer": "train.lr, train.weight_decay, train.adam_betas and train.adam_eps",
+    "scheduler": "train.lr_schedule, train.warmup_steps, train.min_lr and train.decay_fraction",
+    "fp16": "train.precision",
+    "bf16": "train.precision",
+    "amp": "train.precision",
+    "zero_optimization.stage": "train.zero_stage",
+    "zero_optimization.offload_optimizer": "train.offload_optimizer (and train.nvme_path)",
+    "zero_optimization.offload_param": "train.offload_param (and train.nvme_path)",
+    "activation_checkpointing": "train.activation_checkpointing",
+    "comms_logger": "nothing: the pipeline's communication share (summary comm_fraction) is measured with it",
+    "checkpoint": "train.allow_reshape",
+}
+
+
+def owned_deepspeed_keys(extra: dict) -> list[str]:
+    """The keys of a train.deepspeed mapping that the pipeline owns, as "train.deepspeed.<key>: use <key>" texts."""
+    found = []
+    for key, value in extra.items():
+        if key in OWNED_DEEPSPEED_KEYS:
+            found.append(f"train.deepspeed.{key}: set {OWNED_DEEPSPEED_KEYS[key]} instead")
+        elif isinstance(value, dict):
+            found += [f"train.deepspeed.{key}.{child}: set {OWNED_DEEPSPEED_KEYS[f'{key}.{child}']} instead"
+                      for child in value if f"{key}.{child}" in OWNED_DEEPSPEED_KEYS]
+    return found
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    """base with extra's values; mappings are merged key by key (so zero_optimization keeps its stage)."""
+    merged = dict(base)
+    for key, value in extra.items():
+        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) \
+            else value
+    return merged
+
+
+def learning_rate(step: int, s: TrainSettings, total_steps: int) -> float:
+    """The learning rate of optimizer step `step` (0-based: the rate the first step uses is learning_rate(0)).
+
+    1) warm-up: linear from lr/warmup_steps to lr over warmup_steps steps (none when 0);
+    2) then, until total_steps: cosine from lr to min_lr (cosine), a straight line to min_lr (linear), lr throughout
+       (constant), or lr until the last decay_fraction of the steps and a straight line to min_lr over those
+       (warmup-stable-decay, "WSD": Hu et al. 2024, MiniCPM §4).
+    """
+    warmup = min(s.warmup_steps, max(total_steps - 1, 0))
+    if step < warmup:
+        return s.lr * (step + 1) / warmup
+    if s.lr_schedule == "constant":
+        return s.lr
+    if s.lr_schedule == "warmup-stable-decay":
+        decay_steps = max(1, round((total_steps - warmup) * s.decay_fraction))
+        start = total_steps - decay_steps
+        if step < start:
+            return s.lr
+        progress = min(1.0, (step - start + 1) / decay_steps)
+        return s.lr + (s.min_lr - s.lr) * progress
+    progress = min(1.0, (step - warmup + 1) / max(1, total_steps - warmup))  # the last step reaches min_lr
+    if s.lr_schedule == "linear":
+        return s.lr + (s.min_lr - s.lr) * progress
+    return s.min_lr + (s.lr - s.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | None = None) -> None:
@@ -114,6 +200,13 @@ def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | N
         if s.warmup_steps and s.warmup_steps >= steps:
             raise ConfigError(f"train.warmup_steps {s.warmup_steps} is not below {limit}: the learning rate would "
                               f"never reach train.lr; lower train.warmup_steps (0 for none) or raise the steps")
+    if s.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"train.lr_schedule {s.lr_schedule!r} is not one of {list(LR_SCHEDULES)}")
+    if len(s.adam_betas) != 2 or not all(0 <= beta < 1 for beta in s.adam_betas):
+        raise ConfigError(f"train.adam_betas {list(s.adam_betas)} must be two numbers in [0, 1)")
+    owned = owned_deepspeed_keys(s.deepspeed)
+    if owned:
+        raise ConfigError("train.deepspeed sets what the pipeline owns: " + "; ".join(owned))
     device = device or (s.device if s.device != "auto" else None)
     if device == "cpu":
         if s.precision == "fp16":
@@ -130,7 +223,9 @@ def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | N
 
 def deepspeed_config(s: TrainSettings, device: str, total_steps: int, fused_adam: bool = False,
                      pin_memory: bool = True, comms_logger: bool = True) -> dict:
-    """The DeepSpeed JSON config for these settings (written next to the run as ds_config.json).
+    """The DeepSpeed JSON config for these settings (written next to the run as ds_config.json), with
+    train.deepspeed merged in. The learning-rate schedule is not in it: the trainer hands DeepSpeed a LambdaLR over
+    `learning_rate`, because DeepSpeed has no warmup-stable-decay and its schedules warm up in different ways.
 
     fused_adam: DeepSpeed's FusedAdam is prebuilt in this install; without it (and without offload, where
     DeepSpeedCPUAdam runs) torch's own AdamW is used, which needs no compiler.
@@ -146,11 +241,6 @@ def deepspeed_config(s: TrainSettings, device: str, total_steps: int, fused_adam
             zero[key] = {"device": target, "pin_memory": device == "cuda" and pin_memory}
             if target == "nvme":
                 zero[key]["nvme_path"] = s.nvme_path
-    warmup = min(s.warmup_steps, max(total_steps - 1, 0))
-    # DeepSpeed wants at least one warm-up step; "no warm-up" is one step that already starts at the full rate.
-    # The warm-up starts at lr / warmup, not 0: WarmupCosineLR's ratio at iteration 0 is warmup_min_ratio (train.py
-    # moves the scheduler to iteration 0 before the first step), and a zero rate would waste the first optimizer
-    # steps, whose batches still count as trained tokens.
     config = {
         "train_micro_batch_size_per_gpu": s.micro_batch_size,
         "gradient_accumulation_steps": s.grad_accum_steps,
@@ -163,23 +253,13 @@ def deepspeed_config(s: TrainSettings, device: str, total_steps: int, fused_adam
             "type": "AdamW",
             "params": {
                 "lr": s.lr,
-                "betas": [0.9, 0.95],
-                "eps": 1e-8,
+                "betas": list(s.adam_betas),
+                "eps": s.adam_eps,
                 "weight_decay": s.weight_decay,
                 # FusedAdam needs CUDA and, unless prebuilt, nvcc at the first step; DeepSpeed's torch_adam switch
                 # selects torch.optim.AdamW instead.
                 **({"torch_adam": True} if s.offload_optimizer == "none" and (device == "cpu" or not fused_adam)
                    else {}),
-            },
-        },
-        "scheduler": {
-            "type": "WarmupCosineLR",
-            "params": {
-                "total_num_steps": max(total_steps, 1),
-                "warmup_num_steps": max(warmup, 1),
-                "warmup_min_ratio": 1.0 / warmup if warmup else 1.0,
-                "cos_min_ratio": s.min_lr / s.lr,
-                "warmup_type": "linear",
             },
         },
         "comms_logger": {"enabled": comms_logger, "verbose": False, "prof_all": comms_logger, "debug": False},
@@ -192,4 +272,4 @@ def deepspeed_config(s: TrainSettings, device: str, total_steps: int, fused_adam
         config["bf16"] = {"enabled": True}
     if s.activation_checkpointing:
         config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
-    return config
+    return _merge(config, s.deepspeed)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pretrain_bench.progress import Progress
 from pretrain_bench.tokenizer import iter_texts, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,9 @@ def encode_shard(corpus_jsonl: Path, tokenizer_dir: Path, out_bin: Path, out_jso
     start, stop = shard_byte_range(corpus_jsonl.stat().st_size, index, count)
 
     digest, tokens, documents, text_bytes = hashlib.sha256(), 0, 0, 0
+    # Progress counts text bytes against the slice's jsonl bytes: JSON escaping makes the slice somewhat larger than
+    # its text, so the share shown ends a little below 100 % and the ETA errs long.
+    progress = Progress(f"{split} shard {index}/{count}", log, total=stop - start)
     out_bin.parent.mkdir(parents=True, exist_ok=True)
     tmp_bin = out_bin.with_name(f"{out_bin.name}.tmp-{os.getpid()}")
     try:
@@ -100,7 +104,9 @@ def encode_shard(corpus_jsonl: Path, tokenizer_dir: Path, out_bin: Path, out_jso
                 digest.update(memoryview(ids))
                 tokens += ids.size
                 documents += len(batch)
-                text_bytes += sum(len(text.encode("utf-8", "surrogatepass")) for text in batch)
+                batch_text_bytes = sum(len(text.encode("utf-8", "surrogatepass")) for text in batch)
+                text_bytes += batch_text_bytes
+                progress.advance(batch_text_bytes, lambda: f"{documents:,} documents, {tokens:,} tokens")
         os.replace(tmp_bin, out_bin)
     except BaseException:
         tmp_bin.unlink(missing_ok=True)  # Snakemake removes a failed job's outputs, not our temporary file

@@ -200,6 +200,22 @@ def save_hf_folder(tokenizer: Tokenizer, specials: dict, out_dir: Path) -> None:
     staging.rmdir()
 
 
+def adopted_tokenizer_path(config: dict) -> str | None:
+    """The tokenizer the tokenizer stage adopts: tokenizer.path, else model.init_from's own (a continued model
+    must keep the token ids it was trained with), else None (train a BPE)."""
+    path = (config.get("tokenizer") or {}).get("path")
+    init_from = (config.get("model") or {}).get("init_from")
+    if path or not init_from:
+        return path or None
+    from .model import InitFromError, init_from_folder
+
+    folder = init_from_folder(init_from, weights=False)
+    if not (folder / "tokenizer.json").is_file():
+        raise InitFromError(f"model.init_from {init_from} has no tokenizer.json (only fast tokenizers are adopted): "
+                         "set tokenizer.path to the tokenizer it was trained with")
+    return str(folder)
+
+
 def train_tokenizer(train_jsonl: Path, out_dir: Path, *, vocab_size: int, train_bytes: int,
                     path: str | None = None) -> dict:
     """Train a byte-level BPE on a sample of `train_jsonl` (or adopt `path`) and save it to `out_dir`.

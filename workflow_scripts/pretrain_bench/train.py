@@ -26,16 +26,17 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from . import checkpoint as ckpt
 from . import state_lock
 from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .metrics import peak_memory_bytes, read_jsonl, summarise_steps, truncate_jsonl
-from .model import build_model, count_parameters, resolve_shape
+from .heldout import HeldOutSlice
+from .model import build_model, count_parameters, load_pretrained
+from .plan import plan_shape
 from .provenance import provenance
 from .run_state import mark_finished, plan_digest, prepare_state
-from .settings import TrainSettings, check_settings, deepspeed_config
+from .settings import TrainSettings, check_settings, deepspeed_config, learning_rate
 from .step import PhaseTimer, train_step
 
 
@@ -132,9 +133,26 @@ def resume_fingerprint(plan: dict) -> dict:
     """What must not change between a checkpoint and the run that resumes it."""
     keep_out = {"max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "max_restarts",
                 "warmup_timing_steps", "allow_reshape", "gpus", "nodes", "global_batch_size", "rdzv_endpoint",
-                "memory_fit", "nvme_path", "collective_timeout_min", "nccl_env", "verify_checkpoints", "phase_timing"}
+                "memory_fit", "nvme_path", "collective_timeout_min", "nccl_env", "verify_checkpoints", "phase_timing",
+                "eval_every", "eval_tokens", "deepspeed"}
     train = {k: v for k, v in plan["train"].items() if k not in keep_out}
-    return {"model": plan["model"], "train": train, "data": plan["data_sha256"]}
+    fingerprint = {"model": plan["model"], "train": train, "data": plan["data_sha256"]}
+    if plan.get("init_from"):  # other weights at the same path or hf:// revision are another run
+        fingerprint["init_from"] = plan["init_from"]["identity"]
+    return fingerprint
+
+
+def heldout_summary(records: list[dict], settings: TrainSettings, heldout) -> dict | None:
+    """train.eval_every's evaluations over the whole run (resumed runs included): how many, their wall time (kept
+    out of step_time_s and tokens_per_s), and the last held-out loss."""
+    if heldout is None:
+        return None
+    evaluated = [r for r in records if "val_loss" in r]
+    last = evaluated[-1] if evaluated else None
+    return {"every": settings.eval_every, "samples": heldout.samples, "tokens": heldout.samples * heldout.seq_len,
+            "evaluations": len(evaluated), "time_s": sum(r["eval_time_s"] for r in evaluated),
+            "last": {"step": last["step"], "loss": last["val_loss"], "perplexity": last["val_perplexity"]}
+            if last else None}
 
 
 def check_resume_point(step: int, settings: TrainSettings, seq_len: int, ckpt_root: Path) -> None:
@@ -211,15 +229,24 @@ def run_training(plan: dict) -> dict | None:
     data = PackedTokens(Path(plan["paths"]["index"]), "train", seq_len)
     batches = RankBatches(data, rank=rank, world_size=world, micro_batch_size=settings.micro_batch_size,
                           seed=settings.seed)
-    shape = resolve_shape(plan["model"]["preset"], plan["model"].get("overrides"), index["vocab_size"])
+    shape = plan_shape(plan, index["vocab_size"])
     params = count_parameters(shape)
-    _log(rank, f"model {plan['model']['preset']}: {params['total']:,} parameters "
+    init_from = plan.get("init_from")
+    _log(rank, f"model {init_from['uri'] if init_from else plan['model']['preset']}: {params['total']:,} parameters "
                f"({params['non_embedding']:,} non-embedding), world size {world}, device {device}")
     if plan.get("memory_fit"):
         from .memory_fit import summary_line
 
         _log(rank, summary_line(plan["memory_fit"]))
     model = build_model(shape, seq_len, settings.seed, settings.precision, run_device)
+    loaded = None
+    if init_from:
+        # Every rank loads the whole model before DeepSpeed partitions it, so this holds under every ZeRO stage;
+        # a resumed run then overwrites these weights with its checkpoint's.
+        loaded = load_pretrained(model, Path(init_from["path"]))
+        _log(rank, f"weights from model.init_from {init_from['uri']} ({init_from['path']}): "
+                   f"{loaded['bytes'] / 2**20:,.1f} MiB in {len(loaded['files'])} file(s)"
+                   + (f", {loaded['added_vocab_rows']} embedding row(s) added" if loaded["added_vocab_rows"] else ""))
     if settings.activation_checkpointing:
         model.gradient_checkpointing_enable()
     total_steps = settings.total_steps(seq_len)
@@ -263,10 +290,16 @@ def run_training(plan: dict) -> dict | None:
             ds_config["checkpoint"] = {"load_universal": True}
             if rank == 0:
                 (out_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    # WarmupCosineLR starts at iteration -1, where its rate is 0: without this the first optimizer step would not
-    # train. Iteration 0 is warmup_min_ratio × lr (settings.deepspeed_config); a resume overwrites it.
-    engine.lr_scheduler.step(0)
+    def schedule(optimizer):
+        # A plain function (not a callable object): LambdaLR then saves no state of it in checkpoints, so a resumed
+        # run with more train.max_steps follows its own schedule, not the saved one's.
+        def factor(step: int) -> float:
+            return learning_rate(step, settings, total_steps) / settings.lr
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
+                                           lr_scheduler=schedule)
 
     if resuming:
         tag = ckpt.tag_for(step)
@@ -349,6 +382,8 @@ def run_training(plan: dict) -> dict | None:
     tokens_per_step = settings.derived_global_batch * seq_len
     vocab = shape.vocab_size
     save_every = settings.checkpoint_every if plan.get("save_checkpoints", True) else None
+    heldout = HeldOutSlice(Path(plan["paths"]["index"]), seq_len, rank, world, settings.eval_tokens) \
+        if settings.eval_every else None
     metrics_file = open(metrics_path, "a") if rank == 0 else None
     board = None
     if rank == 0:
@@ -397,6 +432,14 @@ def run_training(plan: dict) -> dict | None:
             "loss_scale": _number(getattr(engine.optimizer, "cur_scale", None)) if settings.precision == "fp16" else None,
             "after_resume": resumed_from is not None and step == start_step + 1,
         }
+        if heldout and (step % settings.eval_every == 0 or step == total_steps):
+            # after the step's timing and before its checkpoint; its wall time is recorded apart (eval_time_s)
+            t_eval = time.perf_counter()  # the step's work is done: its loss was read
+            nll_sum, token_count = heldout.evaluate(engine, settings.micro_batch_size, run_device, vocab)
+            totals = [sum(values) for values in zip(*_gather_floats([nll_sum, token_count], run_device))]
+            record["val_loss"] = totals[0] / totals[1]
+            record["val_perplexity"] = math.exp(min(record["val_loss"], 50.0))
+            record["eval_time_s"] = time.perf_counter() - t_eval  # the gather above waited for the device
         if rank == 0:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
@@ -404,11 +447,19 @@ def run_training(plan: dict) -> dict | None:
                 if record[key] is not None:
                     board.add_scalar(f"train/{key}", record[key], step)
             board.add_scalar("train/peak_mem_gib_max", max(record["peak_mem_bytes"]) / 2**30, step)
+            if "val_loss" in record:
+                board.add_scalar("val/loss", record["val_loss"], step)
+                board.add_scalar("val/perplexity", record["val_perplexity"], step)
+                board.add_scalar("val/eval_time_s", record["eval_time_s"], step)
             if step == 1 or step % max(1, total_steps // 20) == 0 or step == total_steps:
                 elapsed = time.perf_counter() - run_start
                 eta = elapsed / (step - start_step) * (total_steps - step)
                 _log(rank, f"step {step}/{total_steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
                            f"{record['tokens_per_s']:,.0f} tokens/s step {step_time:.3f}s ETA {eta:,.0f}s")
+            if "val_loss" in record:
+                _log(rank, f"step {step}/{total_steps} held-out loss {record['val_loss']:.4f} perplexity "
+                           f"{record['val_perplexity']:,.2f} ({heldout.samples} val samples, "
+                           f"{record['eval_time_s']:.2f}s)")
         if save_every and (step % save_every == 0 or step == total_steps):
             save(step)
             last_saved = step
@@ -471,6 +522,11 @@ def run_training(plan: dict) -> dict | None:
             "memory_fit": {k: plan["memory_fit"][k] for k in ("mode", "asked", "chosen", "changed", "summary")}
             if plan.get("memory_fit") else None,
             "checkpoints": ckpt.committed_steps(ckpt_root), "checkpoint_dir": str(ckpt_root),
+            # where the weights came from: model.init_from (uri, revision, folder) or a random initialisation
+            "init_from": {**init_from, "loaded": loaded} if init_from else None,
+            "init_seed": None if init_from else settings.seed,
+            "lr_schedule": settings.lr_schedule,
+            "eval_during_training": heldout_summary(records, settings, heldout),
             "provenance": provenance(plan["config"], plan["hardware"] | {"threads_per_rank": threads})
             | {"slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                # 1-, 5- and 15-minute load averages at the end: busy-machine timings are traceable
