@@ -7,7 +7,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 TINY := --configfile config/tiny-cpu.yaml
 TINY_NAME := tiny-cpu
 
-.PHONY: install demo test test-unit test-integration lint bench dry-run clean gpu-smoke
+.PHONY: install demo test check test-unit test-integration lint bench dry-run clean gpu-smoke
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ demo: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest tests -q
+
+# The fast loop while editing: unit tests and the workflow lint (a few minutes on 2 cores). `make test` is the whole
+# suite, what CI runs; `pytest -m pipeline|engine|slurm` picks one kind of integration test.
+check: $(STAMP) lint
+	$(BIN)/python -m pytest tests/unit -q
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q

@@ -1,6 +1,9 @@
-"""What several test modules need: running Snakemake on the tiny config, the merged tiny config, folder digests."""
+"""What several test modules need: running Snakemake on the tiny config, the merged tiny config, folder digests, and
+plans launched on the training engine (tests/integration/test_engine.py, test_faults.py)."""
 import hashlib
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +13,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = "config/tiny-cpu.yaml"
+LAUNCHER = ROOT / "workflow_scripts" / "launch.py"
 
 
 def run_snakemake(name: str, *args, configfiles=(TINY_CONFIG,), check=True, timeout=3600, env=None):
@@ -42,3 +46,37 @@ def tree_digest(folder: Path) -> str:
         digest.update(str(path.relative_to(folder)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+def plan_for(data, run_dir: Path, **train):
+    config, results = data
+    # warmup_steps: the tiny config's 10 would not end before these short runs do (settings.check_settings)
+    overrides = {"max_steps": 8, "checkpoint_every": 4, "warmup_timing_steps": 1, "warmup_steps": 2, **train}
+    config = {**config, "train": {**config["train"], **overrides}}
+    from pretrain_bench.plan import make_plan, write_plan
+
+    plan = make_plan(config, index=results / "shards" / "index.json", tokenizer=results / "tokenizer",
+                     out_dir=run_dir / "out", state_dir=run_dir / "state")
+    path = run_dir / "plan.json"
+    write_plan(plan, path)
+    return path
+
+
+def start(plan_path: Path, ranks: int, log: Path, env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(LAUNCHER), "--ranks", str(ranks), "--plan", str(plan_path)],
+                            cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+
+
+def run(plan_path: Path, ranks: int, log: Path, timeout=600, env=None) -> int:
+    proc = start(plan_path, ranks, log, env)
+    try:
+        return proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "state" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]

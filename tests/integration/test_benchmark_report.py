@@ -10,7 +10,6 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -18,10 +17,10 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from support import TINY_CONFIG, run_snakemake  # noqa: E402
+
+pytestmark = pytest.mark.pipeline
 NAME = "itest-bench"
 RESULTS = ROOT / "results" / NAME
 OVERLAY = {

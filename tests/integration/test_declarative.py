@@ -18,11 +18,11 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from support import TINY_CONFIG, run_snakemake  # noqa: E402
 from pretrain_bench.checkpoint import committed_steps  # noqa: E402
+
+pytestmark = pytest.mark.pipeline
 
 NAME = "itest-edits"
 RESULTS = ROOT / "results" / NAME

@@ -12,61 +12,13 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
-from support import tiny_config  # noqa: E402
+from support import losses, plan_for, run, start  # noqa: E402  (data: tests/conftest.py)
 
 from pretrain_bench.checkpoint import committed_steps  # noqa: E402
 from pretrain_bench.plan import make_plan, write_plan  # noqa: E402
 
-NAME = "itest-engine"
-LAUNCHER = ROOT / "workflow_scripts" / "launch.py"
-
-
-@pytest.fixture(scope="module")
-def data():
-    """Tokenizer and shards of the tiny config, built once by Snakemake."""
-    results = ROOT / "results" / NAME
-    targets = [f"results/{NAME}/shards/index.json", f"results/{NAME}/tokenizer/tokenizer.json"]
-    cmd = [sys.executable, "-m", "snakemake", *targets, "--cores", "2", "--configfile", "config/tiny-cpu.yaml",
-           "--config", f"name={NAME}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    config = tiny_config(NAME)
-    return config, results
-
-
-def plan_for(data, run_dir: Path, **train):
-    config, results = data
-    # warmup_steps: the tiny config's 10 would not end before these short runs do (settings.check_settings)
-    overrides = {"max_steps": 8, "checkpoint_every": 4, "warmup_timing_steps": 1, "warmup_steps": 2, **train}
-    config = {**config, "train": {**config["train"], **overrides}}
-    plan = make_plan(config, index=results / "shards" / "index.json", tokenizer=results / "tokenizer",
-                     out_dir=run_dir / "out", state_dir=run_dir / "state")
-    path = run_dir / "plan.json"
-    write_plan(plan, path)
-    return path
-
-
-def start(plan_path: Path, ranks: int, log: Path, env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(LAUNCHER), "--ranks", str(ranks), "--plan", str(plan_path)],
-                            cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **(env or {})})
-
-
-def run(plan_path: Path, ranks: int, log: Path, timeout=600, env=None) -> int:
-    proc = start(plan_path, ranks, log, env)
-    try:
-        return proc.wait(timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "state" / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
+pytestmark = pytest.mark.engine
 
 
 def test_zero_stages_0_to_3_train_concurrently_and_shut_down(data, tmp_path):

@@ -17,10 +17,11 @@ import torch.nn.functional as F
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from support import TINY_CONFIG, run_snakemake, tree_digest  # noqa: E402
+
+pytestmark = pytest.mark.pipeline
+
 NAME = "itest-eval"
 RESULTS = ROOT / "results" / NAME
 STEPS = (10, 20)

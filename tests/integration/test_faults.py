@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_engine import LAUNCHER, ROOT, data, plan_for, run  # noqa: E402,F401  (data: the module's shards)
-from support import tree_digest  # noqa: E402  (test_engine put tests/ on sys.path)
+from support import LAUNCHER, ROOT, plan_for, run, tree_digest  # data: the engine tests' shards (tests/conftest.py)
 
 from pretrain_bench import checkpoint as ckpt  # noqa: E402
+
+pytestmark = pytest.mark.engine
 
 
 def start_logged(plan: Path, ranks: int, log: Path, stderr: Path) -> subprocess.Popen:

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from support import tiny_config  # noqa: E402
 
 from pretrain_bench.launcher import torchrun_command  # noqa: E402
 from pretrain_bench.plan import make_plan, write_plan  # noqa: E402
+
+pytestmark = pytest.mark.engine
 
 NAME = "itest-multinode"
 LAUNCHER = ROOT / "workflow_scripts" / "launch.py"

@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from slurm_cluster import SlurmCluster, ensure_slurm  # noqa: E402
 
+pytestmark = pytest.mark.slurm
+
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "itest-slurm"
 RESULTS = ROOT / "results" / NAME

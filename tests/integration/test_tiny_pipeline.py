@@ -3,17 +3,16 @@ import json
 import math
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from support import run_snakemake  # noqa: E402
+
+pytestmark = pytest.mark.pipeline
 NAME = "itest-tiny"
 RESULTS = ROOT / "results" / NAME
 

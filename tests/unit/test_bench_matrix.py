@@ -1,6 +1,5 @@
 """The benchmark matrix: cells, device filtering with reasons, predicted OOM, and plans for cells."""
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -8,7 +7,6 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 from pretrain_bench import memory_model  # noqa: E402
 from pretrain_bench.bench_matrix import BenchSettings, Cell, cells, plan_matrix, runnable, time_estimate  # noqa: E402

@@ -1,13 +1,11 @@
 import json
 import multiprocessing as mp
 import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow_scripts"))
 
 from pretrain_bench import checkpoint as ckpt  # noqa: E402
 from pretrain_bench.devices import SlotError, allocate_slots, gpu_slots  # noqa: E402

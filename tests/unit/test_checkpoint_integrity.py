@@ -6,15 +6,12 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow_scripts"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from support import tree_digest  # noqa: E402
 

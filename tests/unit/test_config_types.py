@@ -1,12 +1,10 @@
 """Command-line overrides (`snakemake --config 'train={"gpus": 8}'`) reach the schema with the types it wants."""
-import sys
 from pathlib import Path
 
 import jsonschema
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 from pretrain_bench.config_types import coerce_command_line_types  # noqa: E402
 

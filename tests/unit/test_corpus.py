@@ -16,7 +16,6 @@ import pytest
 import zstandard
 
 ROOT = Path(__file__).parents[2]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 from pretrain_bench.corpus import CorpusError, build_corpus, jsonl_line  # noqa: E402
 from pretrain_bench.download import sha256_file  # noqa: E402

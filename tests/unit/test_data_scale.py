@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[2]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from httpfixture import FixtureServer, Route  # noqa: E402

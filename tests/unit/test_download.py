@@ -3,12 +3,10 @@ import gzip
 import hashlib
 import json
 import socket
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "workflow_scripts"))
 
 from httpfixture import FixtureServer, Route  # noqa: E402
 from pretrain_bench.corpus import CorpusError, build_corpus  # noqa: E402

@@ -7,16 +7,12 @@ import json
 import math
 import re
 import shutil
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow_scripts"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from support import tree_digest  # noqa: E402
 

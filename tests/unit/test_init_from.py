@@ -1,5 +1,4 @@
 """model.init_from: the shape from config.json, the adopted tokenizer, the weights, and hf:// failing fast offline."""
-import json
 import os
 import subprocess
 import sys
@@ -11,7 +10,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).parents[2]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 from pretrain_bench.memory_model import config_vocab_size  # noqa: E402
 from pretrain_bench.model import (InitFromError, build_model, llama_config, load_pretrained, model_shape,  # noqa: E402

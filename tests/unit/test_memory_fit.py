@@ -8,7 +8,6 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 from pretrain_bench import memory_model  # noqa: E402
 from pretrain_bench.memory_fit import describe, fit_run, ladder  # noqa: E402

@@ -1,6 +1,5 @@
 """The pre-flight memory model: ZeRO formulas, activations, the guard on the main run and its advice."""
 import json
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -9,7 +8,6 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 from pretrain_bench import memory_model  # noqa: E402
 from pretrain_bench.memory_fit import fit_run  # noqa: E402

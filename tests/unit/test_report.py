@@ -2,13 +2,11 @@
 import json
 import re
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 from pretrain_bench import claims  # noqa: E402
 from pretrain_bench.report import GIB, build_report, build_tables, fmt  # noqa: E402

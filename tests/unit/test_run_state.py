@@ -1,10 +1,8 @@
 """What a rerun does with the state folder: resume, start fresh beside the old run, or train again."""
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 from pretrain_bench.checkpoint import committed_steps, write_marker  # noqa: E402
 from pretrain_bench.run_state import fingerprint_id, mark_finished, prepare_state  # noqa: E402

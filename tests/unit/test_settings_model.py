@@ -1,10 +1,7 @@
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow_scripts"))
 
 from pretrain_bench.flops import flops_per_token, gpu_table_peak  # noqa: E402
 from pretrain_bench.model import build_model, count_parameters, resolve_shape  # noqa: E402

@@ -2,13 +2,11 @@
 
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow_scripts"))
 
 from pretrain_bench.shards import build_index, dtype_for_vocab, encode_shard, shard_byte_range  # noqa: E402
 from pretrain_bench.tokenizer import (  # noqa: E402

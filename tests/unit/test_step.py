@@ -1,11 +1,8 @@
 """One training step never waits for the GPU inside the loop: phase times come from events read afterwards."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow_scripts"))
 
 from pretrain_bench.step import PhaseTimer, train_step  # noqa: E402
 

@@ -2,13 +2,11 @@
 
 import json
 import random
-import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow_scripts"))
 
 from pretrain_bench.tokenizer import (  # noqa: E402
     EOS_TOKEN, PAD_TOKEN, iter_texts, load_tokenizer, sample_windows, train_bpe, train_tokenizer,
