@@ -21,10 +21,14 @@ def fake_run(state: Path, fingerprint: dict, steps: list[int]) -> None:
     (state / "ACTIVE.json").write_text(json.dumps({"fingerprint": fingerprint, "id": fingerprint_id(fingerprint)}))
 
 
-def test_same_settings_resume_in_place(tmp_path):
+def test_same_settings_resume_in_place_and_touch_nothing(tmp_path):
+    from support import tree_digest
+
     fake_run(tmp_path, FP, [10, 20])
-    assert prepare_state(tmp_path, FP, 40, "plan-a", [10, 20, 30, 40]) == []  # more steps: continue
-    assert committed_steps(tmp_path / "checkpoints") == [10, 20]
+    mark_finished(tmp_path, 20, "plan-a")
+    before = tree_digest(tmp_path)
+    assert prepare_state(tmp_path, FP, 40, "plan-b", [10, 20, 30, 40]) == []  # more steps: continue
+    assert tree_digest(tmp_path) == before, "a run refused after this point must find the folder as it was"
 
 
 def test_changed_settings_start_fresh_and_keep_the_old_run_which_comes_back(tmp_path):
@@ -58,7 +62,6 @@ def test_a_finished_run_whose_plan_changed_only_outside_the_weights_is_reused(tm
     # e.g. train.warmup_timing_steps edited: every kept checkpoint exists, so resume at the end
     messages = prepare_state(tmp_path, FP, 20, "plan-b", [10, 20])
     assert "resuming at its last step" in messages[0] and committed_steps(tmp_path / "checkpoints") == [10, 20]
-    assert not (tmp_path / "FINISHED.json").exists()
     # train.checkpoint_every edited to 5: step 5 and 15 do not exist, so it trains again
     mark_finished(tmp_path, 20, "plan-b")
     messages = prepare_state(tmp_path, FP, 20, "plan-c", [5, 10, 15, 20])

@@ -108,8 +108,11 @@ def prepare_state(state_dir: Path, fingerprint: dict, total_steps: int, digest: 
         _move_run(runs / new_id, state_dir)
         (runs / new_id).rmdir()
         messages.append(f"these settings were trained before: resuming the run kept in {runs / new_id}")
-    (state_dir / FINISHED).unlink(missing_ok=True)  # finished again only when this job finishes
-    _write_json(state_dir / ACTIVE, {"fingerprint": fingerprint, "id": new_id})
+    # Nothing else is written: a run refused after this (say, a checkpoint beyond train.max_steps) leaves the folder
+    # as it was. FINISHED.json stays until this job finishes and rewrites it; it only counts for its exact step count.
+    active = {"fingerprint": fingerprint, "id": new_id}
+    if not (state_dir / ACTIVE).is_file() or json.loads((state_dir / ACTIVE).read_text()) != active:
+        _write_json(state_dir / ACTIVE, active)
     return messages
 
 
