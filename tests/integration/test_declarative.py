@@ -176,7 +176,7 @@ def test_readme_train_only_override_on_eight_gpus():
     assert "rule bench_cell:" not in out and "rule bench_matrix:" not in out and "rule report:" in out
     assert "rule measure_peak:" in out  # the machine's peak: the main run's MFU divides by it
     assert "benchmark matrix (0 launches): off" in out
-    assert "ran ZeRO-2 + CPU optimizer offload" in out  # the pre-flight's choice, printed by the dry run
+    assert "memory fit: asked ZeRO-2" in out and "; ran ZeRO-3 + CPU optimizer offload" in out  # printed by -n
 
 
 def test_dry_run_prints_the_memory_choice_and_the_cost_of_the_matrix():
