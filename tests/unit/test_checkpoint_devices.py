@@ -134,3 +134,18 @@ def test_pinned_memory_is_turned_off_where_torch_cannot_pin_exactly():
     # this machine's torch has no CUDA: the probe fails, so offloaded buffers are not pinned (and never rounded)
     additions, note = exact_pinning(dict(os.environ))
     assert additions == {"PRETRAIN_BENCH_PIN_MEMORY": "0"} and "pinned host memory off" in note
+
+
+def test_stale_torch_extension_locks_are_removed_fresh_ones_kept(tmp_path):
+    from pretrain_bench.launcher import clear_stale_extension_locks
+
+    stale = tmp_path / "deepspeed_shm_comm" / "lock"
+    fresh = tmp_path / "cpu_adam" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    assert clear_stale_extension_locks(root=tmp_path) == [stale]
+    assert not stale.exists() and fresh.exists(), "a build in progress keeps its lock"
+    assert clear_stale_extension_locks(root=tmp_path / "missing") == []

@@ -62,6 +62,31 @@ def exact_pinning(env: dict) -> tuple[dict, str]:
                                                "blocks up to powers of two (offload copies are slower, RAM exact)")
 
 
+# A torch JIT-extension build holds a bare lock file (torch.utils.file_baton) that names no owner; every rank takes
+# it while DeepSpeed loads its CPU op, even when the op is already built. A rank killed in that window leaves the
+# file behind and every later run waits on it forever. A build takes minutes; a lock this old has no builder.
+STALE_EXTENSION_LOCK_S = 15 * 60
+
+
+def clear_stale_extension_locks(max_age_s: float = STALE_EXTENSION_LOCK_S, root: Path | None = None) -> list[Path]:
+    """Remove torch extension build locks older than max_age_s; returns what was removed. Never raises."""
+    import time
+
+    removed = []
+    try:
+        if root is None:
+            from torch.utils.cpp_extension import get_default_build_root
+
+            root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+        for lock in Path(root).glob("**/lock"):
+            if time.time() - lock.stat().st_mtime > max_age_s:
+                lock.unlink()
+                removed.append(lock)
+    except Exception:  # a cache we cannot read is not a reason to stop a run
+        pass
+    return removed
+
+
 def rank_environment(device: str, ranks: int, cores: int, base: dict) -> dict:
     """Environment for the ranks of one job."""
     env = dict(base)
@@ -272,6 +297,9 @@ def _launch_locked(plan: dict, plan_path: Path, ranks: int, script: Path, lock_d
     check_settings(settings, device)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     env = rank_environment(device, ranks, cores, os.environ)
+    for stale in clear_stale_extension_locks():
+        print(f"removed {stale}: a torch extension build lock left by a killed process (ranks would wait on it "
+              "forever)", file=sys.stderr, flush=True)
     if device == "cuda" and "cpu" in (settings.offload_optimizer, settings.offload_param):
         additions, note = exact_pinning(env)
         env.update(additions)
