@@ -39,10 +39,11 @@ def tiny_config(name: str) -> dict:
     return config
 
 
-def tree_digest(folder: Path) -> str:
-    """sha256 over every file's relative path and bytes: any write, rename or deletion changes it."""
+def tree_digest(folder: Path, exclude: tuple[str, ...] = ()) -> str:
+    """sha256 over every file's relative path and bytes: any write, rename or deletion changes it (files named in
+    `exclude` left out)."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.name not in exclude):
         digest.update(str(path.relative_to(folder)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()

@@ -147,9 +147,14 @@ def test_continue_from_export_eval_every_and_csv_monitor(data, tmp_path):
         return run_dir / "plan.json"
 
     first = tmp_path / "first"
-    plan = make(first, max_steps=4, checkpoint_every=4, warmup_timing_steps=1, eval_every=2, eval_tokens=3 * 256,
+    plan = make(first, max_steps=4, checkpoint_every=4, warmup_timing_steps=1, warmup_steps=2, eval_every=2,
+                eval_tokens=3 * 256,
                 deepspeed={"csv_monitor": {"enabled": True, "output_path": str(csv_dir), "job_name": "tiny"}})
     assert run(plan, 3, tmp_path / "first.log") == 0, (tmp_path / "first.log").read_text()[-3000:]
+    # the final export, as rule export_final makes it once training has ended
+    from pretrain_bench.export import export_checkpoint
+
+    export_checkpoint(json.loads(plan.read_text()), 4, first / "out" / "hf")
     records = [json.loads(line) for line in (first / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
     assert all(r["val_perplexity"] > 1 and r["eval_time_s"] > 0 for r in records if "val_loss" in r)
@@ -197,7 +202,8 @@ def test_continue_from_export_eval_every_and_csv_monitor(data, tmp_path):
 
     # Run B: from the export, under ZeRO-3. Its step-1 batches are those of a fresh run with the same seed.
     second = tmp_path / "second"
-    plan = make(second, model={"init_from": str(export)}, max_steps=1, checkpoint_every=1, zero_stage=3)
+    plan = make(second, model={"init_from": str(export)}, max_steps=1, checkpoint_every=1, zero_stage=3,
+                warmup_steps=0)
     assert run(plan, 3, tmp_path / "second.log") == 0, (tmp_path / "second.log").read_text()[-3000:]
     step_one = json.loads((second / "state" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     data_view = PackedTokens(results / "shards" / "index.json", "train", config["model"]["seq_len"])
