@@ -23,8 +23,10 @@ def main(argv=None) -> int:
     die_with_parent()
     from pretrain_bench.checkpoint import CheckpointError
     from pretrain_bench.devices import hardware_description
+    from pretrain_bench.launcher import wait_out_stale_build_locks
     from pretrain_bench.train import TrainingAborted, run_training
 
+    wait_out_stale_build_locks()  # DeepSpeed loads its CPU op behind torch's build lock in every rank
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--plan", type=Path, required=True)
     args = parser.parse_args(argv)

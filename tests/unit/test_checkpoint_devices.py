@@ -149,3 +149,26 @@ def test_stale_torch_extension_locks_are_removed_fresh_ones_kept(tmp_path):
     assert clear_stale_extension_locks(root=tmp_path) == [stale]
     assert not stale.exists() and fresh.exists(), "a build in progress keeps its lock"
     assert clear_stale_extension_locks(root=tmp_path / "missing") == []
+
+
+def test_a_rank_gives_up_on_a_stale_build_lock_and_waits_for_a_live_one(tmp_path, monkeypatch):
+    from torch.utils import file_baton
+
+    from pretrain_bench.launcher import wait_out_stale_build_locks
+
+    monkeypatch.setattr(file_baton.FileBaton, "wait", file_baton.FileBaton.wait)  # restored after the test
+    wait_out_stale_build_locks(max_age_s=60)
+    stale = tmp_path / "lock"
+    stale.touch()
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    started = time.monotonic()
+    file_baton.FileBaton(str(stale)).wait()  # left by a killed rank: removed, no wait
+    assert not stale.exists() and time.monotonic() - started < 5
+    live = tmp_path / "live-lock"
+    live.touch()
+    import threading
+
+    threading.Timer(0.5, live.unlink).start()  # the builder finishes
+    started = time.monotonic()
+    file_baton.FileBaton(str(live), wait_seconds=0.05).wait()
+    assert 0.4 < time.monotonic() - started < 5, "a live lock is waited for"

@@ -87,6 +87,29 @@ def clear_stale_extension_locks(max_age_s: float = STALE_EXTENSION_LOCK_S, root:
     return removed
 
 
+def wait_out_stale_build_locks(max_age_s: float = STALE_EXTENSION_LOCK_S) -> None:
+    """In a rank: make torch's build-lock wait (FileBaton.wait, which DeepSpeed's op loader calls) give up on a lock
+    older than max_age_s instead of waiting forever, so a lock left by a rank killed mid-load cannot hang a run
+    started before the launcher's own sweep could see it. Hand-written because torch offers no timeout there."""
+    import time
+
+    from torch.utils import file_baton
+
+    def wait(baton) -> None:
+        while os.path.exists(baton.lock_file_path):
+            try:
+                if time.time() - os.path.getmtime(baton.lock_file_path) > max_age_s:
+                    os.remove(baton.lock_file_path)
+                    print(f"removed {baton.lock_file_path}: a build lock older than {max_age_s:.0f} s, left by a "
+                          "killed process", file=sys.stderr, flush=True)
+                    return
+            except OSError:
+                pass  # gone meanwhile, or removed by another rank
+            time.sleep(baton.wait_seconds)
+
+    file_baton.FileBaton.wait = wait
+
+
 def rank_environment(device: str, ranks: int, cores: int, base: dict) -> dict:
     """Environment for the ranks of one job."""
     env = dict(base)
