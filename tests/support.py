@@ -1,11 +1,13 @@
 """What several test modules need: running Snakemake on the tiny config, the merged tiny config, folder digests, and
 plans launched on the training engine (tests/integration/test_engine.py, test_faults.py)."""
+import contextlib
 import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,18 @@ def run(plan_path: Path, ranks: int, log: Path, timeout=600, env=None) -> int:
 def losses(run_dir: Path) -> list[float]:
     lines = (run_dir / "state" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["loss"] for line in lines]
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(parent: Path, size: str, why_skip: str):
+    """A real tmpfs of `size` under `parent` for the with-block (root only); the test is skipped, saying why, where
+    none can be mounted."""
+    mount = Path(parent) / f"tmpfs-{uuid.uuid4().hex[:8]}"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                                           capture_output=True).returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {why_skip}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)

@@ -7,12 +7,11 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from support import LAUNCHER, ROOT, plan_for, run, tree_digest  # data: the engine tests' shards (tests/conftest.py)
+from support import LAUNCHER, ROOT, mounted_tmpfs, plan_for, run, tree_digest  # data: the engine tests' shards (tests/conftest.py)
 
 from pretrain_bench import checkpoint as ckpt  # noqa: E402
 
@@ -74,15 +73,8 @@ def test_second_run_is_refused_while_the_first_trains_and_every_attempt_log_is_k
 @pytest.fixture
 def state_on_tmpfs(tmp_path):
     """A real tmpfs for the run's state folder (root only), which the test shrinks to fill it."""
-    mount = tmp_path / f"state-{uuid.uuid4().hex[:8]}"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(mount)],
-                                           capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root): the simulated variant covers the save path")
-    try:
+    with mounted_tmpfs(tmp_path, "512m", "the simulated variant covers the save path") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 @pytest.mark.parametrize("disk", ["simulated", "tmpfs"])

@@ -4,16 +4,13 @@ leaves no partial folder."""
 import errno
 import hashlib
 import json
-import os
-import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
 
-from support import tree_digest  # noqa: E402
+from support import mounted_tmpfs, tree_digest  # noqa: E402
 
 from pretrain_bench import checkpoint as ckpt  # noqa: E402
 
@@ -169,15 +166,8 @@ def test_other_save_errors_name_the_path_and_reason(tmp_path):
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A real 256 KiB tmpfs, where this test may mount one (root); skipped otherwise (the simulated test stands)."""
-    mount = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                                           capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root); the simulated ENOSPC test covers the message")
-    try:
+    with mounted_tmpfs(tmp_path, "256k", "the simulated ENOSPC test covers the message") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_real_full_disk_during_a_save(small_tmpfs):
