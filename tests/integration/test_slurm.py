@@ -52,7 +52,7 @@ def snakemake(cluster, tmp_path, train: dict, *args) -> str:
     overlay = tmp_path / "overlay.yaml"
     overlay.write_text(yaml.safe_dump({"name": NAME, "train": {"max_steps": STEPS, "checkpoint_every": 10,
                                                                "warmup_timing_steps": 2, **train}}))
-    cmd = [sys.executable, "-m", "snakemake", f"results/{NAME}/train/summary.json",
+    cmd = [sys.executable, "-m", "snakemake", f"results/{NAME}/train/summary.json", f"results/{NAME}/train/hf",
            "--profile", "profiles/slurm", "--configfile", "config/tiny-cpu.yaml", str(overlay),
            # The test nodes: 2 CPUs and 16 GB each; status checks soon after submission (squeue stays reliable
            # while MinJobAge >= 3 x this delay).
@@ -99,8 +99,8 @@ def two_nodes(cluster, single_node, tmp_path_factory):
 def test_every_job_ran_as_a_slurm_job(cluster, single_node):
     output, _ = single_node
     jobs = submitted_jobs(output)
-    assert set(jobs) == {"download_corpus", "train_tokenizer", "shard_tokens", "index_shards", "plan_pretrain",
-                         "pretrain"}, output[-3000:]
+    assert set(jobs) == {"download_corpus", "train_tokenizer", "shard_tokens", "index_shards", "measure_peak",
+                         "plan_pretrain", "pretrain", "export_final"}, output[-3000:]
     assert len(jobs["shard_tokens"]) == 4  # 2 shards × train/val
     run_names = set()
     for rule, ids in jobs.items():
@@ -136,7 +136,7 @@ def test_single_node_training_outputs(single_node):
 def test_two_node_training_through_srun_and_rendezvous_on_the_first_node(cluster, two_nodes):
     output, log = two_nodes
     jobs = submitted_jobs(output)
-    assert set(jobs) == {"plan_pretrain", "pretrain"}, "upstream outputs were reused"
+    assert set(jobs) == {"plan_pretrain", "pretrain", "export_final"}, "upstream outputs were reused"
     (job_id,) = jobs["pretrain"]
     job = cluster.job(job_id)
     assert job["JobState"] == "COMPLETED" and job["NumNodes"] == "2" and job["NumTasks"] == "2", job
