@@ -65,6 +65,7 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
                                    state_dir=str(state_dir) if save_checkpoints else None)
     check_settings(settings)
     model = config["model"]
+    device = resolve_device_cheaply(settings.device)  # nvidia-smi at most once
     return {
         "name": config["name"],
         "role": role,
@@ -81,11 +82,10 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
         "resume": resume,
         "save_checkpoints": save_checkpoints,
         "peak_tflops": config["report"]["peak_tflops"],
-        "peak": plan_peak(peak, config["report"]["peak_tflops"], resolve_device_cheaply(settings.device),
-                          settings.world_size),
+        "peak": plan_peak(peak, config["report"]["peak_tflops"], device, settings.world_size),
         # the comms logger synchronises every collective: measured where that costs nothing (CPU) or is the point
         # (benchmark cells), never in a production CUDA run
-        "measure_comm": role == "bench" or resolve_device_cheaply(settings.device) == "cpu",
+        "measure_comm": role == "bench" or device == "cpu",
         "memory_fit": memory_fit,
         "preflight": memory_fit,  # the name older readers of plan.json use
     }
