@@ -168,18 +168,34 @@ def test_an_adopted_tokenizer_sets_the_vocabulary_the_plan_uses(tmp_path, no_gpu
 
 
 BUILD_RSS = """
-import json, resource, sys
+import json, sys, threading
 sys.path.insert(0, sys.argv[1])
 from pretrain_bench.model import build_model, llama_config, resolve_shape
+
+def anon():  # anonymous resident memory only: library code paged in on first use is file-backed and not counted
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+
 shape = resolve_shape("llama-125m", {}, 32000)
 # a first, tiny build loads everything transformers imports lazily, so the baseline holds it all
 build_model(resolve_shape("tiny", {}, 256), 16, seed=0, precision="bf16", device="cpu")
 llama_config(shape, 128)
 import gc; gc.collect()
-before = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
-build_model(shape, 128, seed=1, precision="bf16", device="cpu")
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"grown": peak - before}))
+before = anon()
+peak, done = [before], threading.Event()
+
+def sample():  # the peak of anonymous memory while the model is built (ru_maxrss would count file pages too)
+    while not done.is_set():
+        peak[0] = max(peak[0], anon())
+        done.wait(0.001)
+
+sampler = threading.Thread(target=sample)
+sampler.start()
+model = build_model(shape, 128, seed=1, precision="bf16", device="cpu")
+done.set()
+sampler.join()
+print(json.dumps({"grown": max(peak[0], anon()) - before}))
 """
 
 
