@@ -11,6 +11,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from .io import atomic_write_text, read_jsonl
+
 
 def peak_memory_bytes(device: str) -> tuple[int, str]:
     """(peak bytes, what was measured) for this process."""
@@ -49,19 +51,10 @@ def summarise_steps(records: list[dict], warmup_steps: int, tokens_per_step: int
     }
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    path = Path(path)
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def truncate_jsonl(path: Path, last_step: int) -> None:
     """Drop records past a resumed checkpoint's step so metrics.jsonl never holds two histories."""
     records = [r for r in read_jsonl(path) if r["step"] <= last_step]
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(path)
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 class MetricsSink:

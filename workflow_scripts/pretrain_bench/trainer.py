@@ -22,7 +22,8 @@ from . import checkpoint as ckpt
 from . import state_lock
 from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .heldout import HeldOutSlice
-from .metrics import MetricsSink, peak_memory_bytes, read_jsonl, summarise_steps, truncate_jsonl
+from .io import atomic_write_json, read_jsonl
+from .metrics import MetricsSink, peak_memory_bytes, summarise_steps, truncate_jsonl
 from .model import build_model, count_parameters, load_pretrained
 from .plan import plan_shape
 from .provenance import provenance
@@ -451,9 +452,7 @@ class Trainer:
         if self.rank == 0:
             shutil.copyfile(self.metrics_path, self.out_dir / "metrics.jsonl")
             shutil.copytree(self.state_dir / "tensorboard", self.out_dir / "tensorboard", dirs_exist_ok=True)
-            tmp = self.out_dir / "summary.json.tmp"
-            tmp.write_text(json.dumps(summary, indent=2))
-            os.replace(tmp, self.out_dir / "summary.json")
+            atomic_write_json(self.out_dir / "summary.json", summary)
             if self.plan["save_checkpoints"]:
                 mark_finished(self.state_dir, self.total_steps, self.digest)
             self.log(f"done: {summary['tokens_per_s']:,.0f} tokens/s steady state, loss "
