@@ -110,7 +110,7 @@ def prepare_state(state_dir: Path, fingerprint: dict, total_steps: int, digest: 
         (runs / new_id).rmdir()
         messages.append(f"these settings were trained before: resuming the run kept in {runs / new_id}")
     (state_dir / FINISHED).unlink(missing_ok=True)  # finished again only when this job finishes
-    atomic_write_json(state_dir / ACTIVE, {"fingerprint": fingerprint, "id": new_id})
+    atomic_write_json(state_dir / ACTIVE, {"fingerprint": fingerprint, "id": new_id}, sort_keys=True)
     return messages
 
 
