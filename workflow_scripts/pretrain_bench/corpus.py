@@ -44,6 +44,7 @@ from typing import BinaryIO, Iterator
 from urllib.parse import urlsplit
 
 from pretrain_bench.download import DownloadError, download
+from pretrain_bench.io import atomic_write_text
 from pretrain_bench.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def build_corpus(sources: list[dict], out_dir: Path, *, max_bytes: int | None, m
         (out_dir / "manifest.json").unlink(missing_ok=True)
         for split in SPLITS:
             os.replace(files.tmp[split], out_dir / f"{split}.jsonl")
-        _write_atomically(out_dir / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+        atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     except BaseException:
         files.discard()
         raise
@@ -283,7 +284,6 @@ class _SplitFiles:
     def __init__(self, out_dir: Path, val_fraction: float):
         self.threshold = int(val_fraction * 2**64)
         self.tmp = {split: out_dir / f"{split}.jsonl.tmp" for split in SPLITS}
-        self.manifest_tmp = out_dir / "manifest.json.tmp"
         self.rewrite = {split: out_dir / f"{split}.jsonl.tmp.rewrite" for split in SPLITS}  # see move_nearest
         self.handles = {split: open(self.tmp[split], "wb") for split in SPLITS}
         self.documents = dict.fromkeys(SPLITS, 0)
@@ -337,7 +337,7 @@ class _SplitFiles:
     def discard(self) -> None:
         for handle in self.handles.values():
             handle.close()
-        for path in (*self.tmp.values(), *self.rewrite.values(), self.manifest_tmp):
+        for path in (*self.tmp.values(), *self.rewrite.values()):
             path.unlink(missing_ok=True)
 
 
@@ -392,12 +392,6 @@ def _manifest(all_stats, settings: CleaningSettings, files: _SplitFiles, cap: di
         "format": 'jsonl, one {"text": ...} object per line, documents in input order',
         "python": platform.python_version(),
     }
-
-
-def _write_atomically(path: Path, content: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(content, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------------------- readers

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .devices import GPU_LOCK_DIR
+from .io import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +251,5 @@ def evaluate_export(export_dir: Path, index_path: Path, out_path: Path, settings
     )
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(out_path)
+    atomic_write_json(out_path, result)
     return result

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from .devices import GPU_LOCK_DIR
+from .io import atomic_write_json
 from .tokenizer import iter_texts
 
 TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
@@ -137,7 +138,5 @@ def run_harness(export_dir: Path, data_dir: Path, tasks: list[str], out_path: Pa
     }
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str))
-    tmp.replace(out_path)
+    atomic_write_json(out_path, summary, default=str)
     return summary

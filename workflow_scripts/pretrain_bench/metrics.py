@@ -11,6 +11,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from .io import atomic_write_text, read_jsonl
+
 
 def peak_memory_bytes(device: str) -> tuple[int, str]:
     """(peak bytes, what was measured) for this process."""
@@ -49,16 +51,53 @@ def summarise_steps(records: list[dict], warmup_steps: int, tokens_per_step: int
     }
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    path = Path(path)
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def truncate_jsonl(path: Path, last_step: int) -> None:
     """Drop records past a resumed checkpoint's step so metrics.jsonl never holds two histories."""
     records = [r for r in read_jsonl(path) if r["step"] <= last_step]
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(path)
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+class MetricsSink:
+    """Rank 0's per-step outputs: metrics.jsonl (appended, flushed per record) and TensorBoard scalars. A context
+    manager, so both are closed on every exit path; on the other ranks (enabled=False) it does nothing."""
+
+    BOARD_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "comm_s")
+
+    def __init__(self, metrics_path: Path, board_dir: Path, start_step: int, enabled: bool = True):
+        self.metrics_path, self.board_dir, self.start_step, self.enabled = metrics_path, board_dir, start_step, enabled
+        self.file = self.board = None
+
+    def __enter__(self) -> "MetricsSink":
+        if self.enabled:
+            from tensorboardX import SummaryWriter
+
+            self.file = open(self.metrics_path, "a")
+            # purge_step drops events past a resumed checkpoint, like truncate_jsonl does for metrics.jsonl
+            self.board = SummaryWriter(str(self.board_dir), purge_step=self.start_step + 1)
+        return self
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        step = record["step"]
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        for key in self.BOARD_KEYS:
+            if record[key] is not None:
+                self.board.add_scalar(f"train/{key}", record[key], step)
+        self.board.add_scalar("train/peak_mem_gib_max", max(record["peak_mem_bytes"]) / 2**30, step)
+        if "val_loss" in record:
+            self.board.add_scalar("val/loss", record["val_loss"], step)
+            self.board.add_scalar("val/perplexity", record["val_perplexity"], step)
+            self.board.add_scalar("val/eval_time_s", record["eval_time_s"], step)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

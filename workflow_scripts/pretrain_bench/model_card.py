@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from .metrics import read_jsonl
+from .io import read_jsonl
 from .model import count_parameters
 from .provenance import git_commit
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from .flops import plan_peak
+from .io import atomic_write_json
 from .memory_fit import fit_run
 from .memory_model import resolve_device_cheaply
 from .settings import ConfigError, TrainSettings, check_settings
@@ -117,9 +117,7 @@ def plan_shape(plan: dict, tokenizer_vocab: int | None):
 def write_plan(plan: dict, path: Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(plan, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    atomic_write_json(path, plan, sort_keys=True)
 
 
 __all__ = ["ConfigError", "cell_train", "init_from_record", "make_plan", "plan_config", "plan_shape", "write_plan"]

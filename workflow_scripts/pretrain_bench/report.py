@@ -9,21 +9,17 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from . import plots as plotting
 from .claims import CLAIMS, SETUP, check_claims
+from .io import atomic_write_text, read_jsonl
 from .tables import (GIB, backend_rows, communication_rows, fmt, fmt_duration, headline, main_run_tables,
                      matrix_rows, memory_rows, mfu_rows, provenance, scaling_rows)
 
 __all__ = ["GIB", "fmt", "fmt_duration", "build_tables", "load_bench", "build_report"]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def load_bench(summary_paths: list[Path]) -> dict[str, list[dict]]:
@@ -53,12 +49,6 @@ def build_tables(summary: dict, evals: list[dict], target_corpus_tokens: float, 
         provenance={"main": provenance([summary]), "bench": provenance(bench_summaries) if bench_summaries else None},
     )
     return tables
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _cell(text) -> str:
@@ -145,7 +135,7 @@ def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path],
     }
     out_md, out_html = Path(out_md), Path(out_html)
     out_md.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out_md, env.get_template("report.md.j2").render(**context))
+    atomic_write_text(out_md, env.get_template("report.md.j2").render(**context))
     env.autoescape = True
-    _atomic_write(out_html, env.get_template("report.html.j2").render(**context))
+    atomic_write_text(out_html, env.get_template("report.html.j2").render(**context))
     return tables

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from .checkpoint import committed_steps, read_marker
+from .io import atomic_write_json
 
 ACTIVE = "ACTIVE.json"
 FINISHED = "FINISHED.json"
@@ -112,19 +113,14 @@ def prepare_state(state_dir: Path, fingerprint: dict, total_steps: int, digest: 
     # as it was. FINISHED.json stays until this job finishes and rewrites it; it only counts for its exact step count.
     active = {"fingerprint": fingerprint, "id": new_id}
     if not (state_dir / ACTIVE).is_file() or json.loads((state_dir / ACTIVE).read_text()) != active:
-        _write_json(state_dir / ACTIVE, active)
+        atomic_write_json(state_dir / ACTIVE, active, sort_keys=True)
     return messages
 
 
 def mark_finished(state_dir: Path, steps: int, digest: str) -> None:
     """Record that the run in `state_dir` completed `steps` steps under the plan with this digest."""
-    _write_json(Path(state_dir) / FINISHED, {"steps": steps, "plan_digest": digest, "finished_at": time.time()})
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    atomic_write_json(Path(state_dir) / FINISHED, {"steps": steps, "plan_digest": digest, "finished_at": time.time()},
+                      sort_keys=True)
 
 
 def plan_digest(plan: dict) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pretrain_bench.io import atomic_write_text
 from pretrain_bench.progress import Progress
 from pretrain_bench.tokenizer import iter_texts, load_tokenizer
 
@@ -37,13 +38,6 @@ def shard_byte_range(file_size: int, index: int, count: int) -> tuple[int, int]:
     if not 0 <= index < count:
         raise ValueError(f"shard index {index} is outside 0..{count - 1} (shards.count = {count})")
     return file_size * index // count, file_size * (index + 1) // count
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Write JSON via a temporary file and os.replace, so readers never see half a file."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def _text_batches(texts, batch_bytes: int):
@@ -118,7 +112,7 @@ def encode_shard(corpus_jsonl: Path, tokenizer_dir: Path, out_bin: Path, out_jso
         "dtype": dtype.name, "vocab_size": info["vocab_size"], "eos_id": info["eos_id"], "pad_id": info["pad_id"],
         "byte_range": [start, stop],
     }
-    write_json_atomic(out_json, sidecar)
+    atomic_write_text(out_json, json.dumps(sidecar, indent=2) + "\n")
     log.info("%s shard %d/%d: %d documents, %d tokens -> %s", split, index, count, documents, tokens, out_bin)
     return sidecar
 
@@ -162,6 +156,6 @@ def build_index(sidecar_paths: list[Path], out_path: Path, *, seq_len: int) -> d
         }
     index = {"format": INDEX_FORMAT, **shared, "seq_len": seq_len, "splits": splits}
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out_path, index)
+    atomic_write_text(out_path, json.dumps(index, indent=2) + "\n")
     log.info("index %s: %s", out_path, {split: entry["tokens"] for split, entry in splits.items()})
     return index

@@ -1,0 +1,41 @@
+"""Files written whole or not at all, and JSON-lines files read back.
+
+`atomic_write_text` writes to a temporary file in the target's folder, named per writer (pid and a random part), so
+two processes writing the same path never share a temporary file; it is flushed to disk (fsync) and then renamed
+onto the target (os.replace), so a reader sees the old file or the new one, never half of one. Checkpoints do not use
+it: `pretrain_bench.checkpoint` adds its own sizes, hashes and commit marker.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace `path` with `text` (UTF-8) in one rename; the temporary file is removed if anything fails."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, data, **dumps) -> None:
+    """`atomic_write_text` of `json.dumps(data, indent=2, **dumps)` (keyword arguments as json.dumps takes them)."""
+    atomic_write_text(path, json.dumps(data, **{"indent": 2, **dumps}))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file (blank lines skipped); [] when there is no such file."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,460 @@
+"""The training loop of one rank, as named steps: setup() → build_model() → resume_point() → build_engine() →
+restore() → for each step: train_step() → record() → maybe save() … → summarise() → finish().
+
+Every rank makes the same collective calls in the same order (gloo deadlocks otherwise): the refusal and resume-point
+gathers, DeepSpeed's initialisation and load, each step's loss gather (and held-out gather), each save's gather and
+barrier, and the two closing barriers. See `pretrain_bench.train` for the fault-injection variables.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint as ckpt
+from . import state_lock
+from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
+from .heldout import HeldOutSlice
+from .io import atomic_write_json, read_jsonl
+from .metrics import MetricsSink, peak_memory_bytes, summarise_steps, truncate_jsonl
+from .model import build_model, count_parameters, load_pretrained
+from .plan import plan_shape
+from .provenance import provenance
+from .rank import (Preemption, TrainingAborted, check_resume_point, comm_ms, fused_adam_prebuilt, gather_floats,
+                   heldout_summary, mmap_loads, number, resume_fingerprint, rng_state, set_rng_state)
+from .rank import log as rank_log
+from .run_state import mark_finished, plan_digest, prepare_state
+from .settings import TrainSettings, check_settings, deepspeed_config, learning_rate
+from .step import PhaseTimer, train_step
+
+
+class Trainer:
+    """One rank's run of a plan. `run()` returns the summary on rank 0 (None on the other ranks)."""
+
+    def __init__(self, plan: dict):
+        self.plan = plan
+        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.settings = TrainSettings.from_config(plan["train"])
+        self.device = plan["device"]
+        self.out_dir, self.state_dir = Path(plan["paths"]["out_dir"]), Path(plan["paths"]["state_dir"])
+        self.ckpt_root = self.state_dir / "checkpoints"
+        self.metrics_path = self.state_dir / "metrics.jsonl"
+        self.run_device = f"cuda:{self.local_rank}" if self.device == "cuda" else "cpu"
+        self.seq_len = plan["model"]["seq_len"]
+        self.total_steps = self.settings.total_steps(self.seq_len)
+        self.tokens_per_step = self.settings.derived_global_batch * self.seq_len
+        self.fingerprint = resume_fingerprint(plan)
+        self.start_step, self.resumed_from, self.last_saved = 0, None, 0
+        self.comm_steady_ms, self.steady_time_s = 0.0, 0.0
+
+    def log(self, message: str) -> None:
+        rank_log(self.rank, message)
+
+    def run(self) -> dict | None:
+        self.setup()
+        self.build_model()
+        self.resume_point()
+        self.build_engine()
+        self.restore()
+        self.prepare_measures()
+        save_every = self.settings.checkpoint_every if self.plan.get("save_checkpoints", True) else None
+        inject_nan_step = int(os.environ.get("PRETRAIN_BENCH_INJECT_NAN_AT_STEP", "0"))
+        self.run_start = time.perf_counter()
+        with MetricsSink(self.metrics_path, self.state_dir / "tensorboard", self.start_step,
+                         enabled=self.rank == 0) as sink:
+            for step in range(self.start_step + 1, self.total_steps + 1):
+                skipped_before = self.engine.skipped_steps
+                comm_before = comm_ms() if self.measure_comm else 0.0
+                local_loss, step_time, phases = train_step(
+                    self.engine, self.batches, micro_steps=self.settings.grad_accum_steps,
+                    vocab=self.shape.vocab_size, run_device=self.run_device, timer=self.timer)
+                comm = max(0.0, comm_ms() - comm_before) if self.measure_comm else None
+                # Everything below is bookkeeping outside the timed step.
+                if step == inject_nan_step and self.rank == self.world - 1:
+                    local_loss = float("nan")  # fault injection, see pretrain_bench.train
+                gathered = self.gather_step(step, local_loss)
+                record = self.record(step, gathered, step_time, phases, comm, skipped_before)
+                sink.write(record)
+                self.log_progress(step, record, step_time)
+                if save_every and (step % save_every == 0 or step == self.total_steps):
+                    self.save(step)
+                if any(g[2] for g in gathered):  # SIGTERM on some rank: save the step just trained, then stop
+                    if save_every and self.last_saved != step:
+                        self.save(step)
+                    raise TrainingAborted(f"SIGTERM received: checkpoint step {self.last_saved} saved in "
+                                          f"{self.ckpt_root}; exiting non-zero so the job is retried")
+        summary = self.summarise()
+        self.finish(summary)
+        return summary
+
+    # --- before the loop -------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Device and threads, distributed init, SIGTERM handler, the state lock, and the state folder prepared."""
+        import deepspeed
+
+        settings, rank = self.settings, self.rank
+        check_settings(settings, self.device)
+        if self.world != settings.world_size:
+            raise RuntimeError(
+                f"launched with {self.world} ranks but train.gpus × train.nodes = {settings.world_size}")
+        self.threads = int(os.environ.get("PRETRAIN_BENCH_THREADS_PER_RANK", torch.get_num_threads()))
+        torch.set_num_threads(self.threads)
+        if self.device == "cuda":
+            torch.cuda.set_device(self.local_rank)
+        # An explicit collective timeout: rank-0 work (a universal-checkpoint conversion, a large save) must not hit
+        # the 10-minute default while the other ranks wait in a barrier.
+        deepspeed.init_distributed(dist_backend=self.plan["train"]["comm_backend"],
+                                   timeout=timedelta(minutes=settings.collective_timeout_min))
+        self.preemption = Preemption()
+        self.lock, refusal = None, ""
+        if rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            if os.environ.get(state_lock.HELD_ENV) != "1":  # started without the launcher, which takes it otherwise
+                try:
+                    self.lock = state_lock.acquire(self.state_dir)
+                except state_lock.StateInUse as error:
+                    refusal = str(error)
+        if gather_floats([float(bool(refusal))], self.run_device)[0][0]:
+            raise ckpt.CheckpointError(refusal or f"rank 0 was refused {self.state_dir}: another training run holds it")
+        self.digest = plan_digest(self.plan)
+        if rank == 0:
+            # Safe under the state lock: no other run can be saving there.
+            for folder in ckpt.remove_incomplete(self.ckpt_root):
+                self.log(f"removed {folder}: an incomplete checkpoint left by an interrupted or failed save")
+            if not self.plan["resume"]:
+                shutil.rmtree(self.ckpt_root, ignore_errors=True)
+                self.metrics_path.unlink(missing_ok=True)
+            else:  # which run this job continues, starts fresh, or trains again (see run_state)
+                for message in prepare_state(self.state_dir, self.fingerprint, self.total_steps, self.digest,
+                                             settings.checkpoint_steps(self.seq_len)):
+                    self.log(message)
+        dist.barrier()
+
+    def build_model(self) -> None:
+        """The batches of this rank, the model (from model.init_from's weights or a seed) and the DeepSpeed config."""
+        from .loader import PackedTokens, RankBatches
+
+        plan, settings = self.plan, self.settings
+        index = json.loads(Path(plan["paths"]["index"]).read_text())
+        data = PackedTokens(Path(plan["paths"]["index"]), "train", self.seq_len)
+        self.batches = RankBatches(data, rank=self.rank, world_size=self.world,
+                                   micro_batch_size=settings.micro_batch_size, seed=settings.seed)
+        self.shape = plan_shape(plan, index["vocab_size"])
+        self.params = params = count_parameters(self.shape)
+        self.init_from = init_from = plan.get("init_from")
+        self.log(f"model {init_from['uri'] if init_from else plan['model']['preset']}: {params['total']:,} parameters "
+                 f"({params['non_embedding']:,} non-embedding), world size {self.world}, device {self.device}")
+        if plan.get("memory_fit"):
+            from .memory_fit import summary_line
+
+            self.log(summary_line(plan["memory_fit"]))
+        self.model = build_model(self.shape, self.seq_len, settings.seed, settings.precision, self.run_device)
+        self.loaded = None
+        if init_from:
+            # Every rank loads the whole model before DeepSpeed partitions it, so this holds under every ZeRO stage;
+            # a resumed run then overwrites these weights with its checkpoint's.
+            self.loaded = loaded = load_pretrained(self.model, Path(init_from["path"]))
+            self.log(f"weights from model.init_from {init_from['uri']} ({init_from['path']}): "
+                     f"{loaded['bytes'] / 2**20:,.1f} MiB in {len(loaded['files'])} file(s)"
+                     + (f", {loaded['added_vocab_rows']} embedding row(s) added" if loaded["added_vocab_rows"] else ""))
+        if settings.activation_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.ds_config = deepspeed_config(settings, self.device, self.total_steps, fused_adam=fused_adam_prebuilt(),
+                                          pin_memory=os.environ.get("PRETRAIN_BENCH_PIN_MEMORY", "1") == "1",
+                                          comms_logger=plan["measure_comm"])
+        self.write_ds_config()
+
+    def write_ds_config(self) -> None:
+        if self.rank == 0:
+            (self.out_dir / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2))
+
+    def resume_point(self) -> None:
+        """The checkpoint to resume from, verified and checked before DeepSpeed starts, so a wrong checkpoint fails in
+        seconds. Rank 0 alone verifies (and may set damaged checkpoints aside); every rank then uses the step it
+        chose."""
+        settings, ckpt_root, world = self.settings, self.ckpt_root, self.world
+        self.resume_step, self.marker, self.reshape = None, None, False
+        step, problem = None, ""
+        if self.rank == 0 and self.plan.get("resume", True):
+            try:
+                step = ckpt.newest_verified(ckpt_root, settings.verify_checkpoints, warn=self.log)
+            except ckpt.CheckpointError as error:
+                problem = str(error)
+        chosen = gather_floats([-2.0 if problem else -1.0 if step is None else float(step)], self.run_device)[0][0]
+        if chosen == -2.0:
+            raise ckpt.CheckpointError(problem or f"rank 0 found no checkpoint in {ckpt_root} that verifies")
+        if chosen < 0:
+            return
+        step = self.resume_step = int(chosen)
+        marker = self.marker = ckpt.read_marker(ckpt_root, step)
+        check_resume_point(step, settings, self.seq_len, ckpt_root)
+        if marker["world_size"] != world and not settings.allow_reshape:
+            raise ckpt.CheckpointError(
+                f"checkpoint {ckpt_root / ckpt.tag_for(step)} was saved with world size {marker['world_size']}, "
+                f"this run has {world}: run with the old train.gpus/nodes, set train.allow_reshape to convert it "
+                f"through a universal checkpoint, or move {ckpt_root} away to start over"
+            )
+        if marker["fingerprint"] != self.fingerprint:
+            changed = sorted(k for k in self.fingerprint if self.fingerprint[k] != marker["fingerprint"].get(k))
+            raise ckpt.CheckpointError(
+                f"checkpoint {ckpt_root / ckpt.tag_for(step)} belongs to a different configuration "
+                f"({', '.join(changed)} changed): restore the config or move {ckpt_root} away to start over"
+            )
+        self.reshape = marker["world_size"] != world
+        if self.reshape:
+            self.ds_config["checkpoint"] = {"load_universal": True}
+            self.write_ds_config()
+
+    def build_engine(self) -> None:
+        """The DeepSpeed engine, with the learning-rate schedule of this run."""
+        import deepspeed
+
+        settings, total_steps = self.settings, self.total_steps
+
+        def schedule(optimizer):
+            # A plain function (not a callable object): LambdaLR then saves no state of it in checkpoints, so a
+            # resumed run with more train.max_steps follows its own schedule, not the saved one's.
+            def factor(step: int) -> float:
+                return learning_rate(step, settings, total_steps) / settings.lr
+
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+        self.engine, _, _, _ = deepspeed.initialize(model=self.model, model_parameters=self.model.parameters(),
+                                                    config=self.ds_config, lr_scheduler=schedule)
+
+    def restore(self) -> None:
+        """Load the chosen checkpoint into the engine (through a universal checkpoint when the world size changed)."""
+        if self.resume_step is None:
+            return
+        step, ckpt_root, rank = self.resume_step, self.ckpt_root, self.rank
+        tag = ckpt.tag_for(step)
+        if self.reshape:
+            tag = ckpt.universal_tag(ckpt_root, step, rank)  # rank 0 converts once, the others wait
+        try:
+            with mmap_loads():  # optimizer shards are mapped, not copied, beside the states already allocated
+                loaded, _ = self.engine.load_checkpoint(str(ckpt_root), tag=tag)
+            if loaded is None:  # DeepSpeed only warns when it finds nothing to load
+                raise FileNotFoundError(f"DeepSpeed found no checkpoint files of rank {rank} in {ckpt_root / tag}")
+            if not self.reshape:
+                set_rng_state(torch.load(ckpt_root / tag / f"rng_rank{rank}.pt", weights_only=False))
+        except (OSError, RuntimeError, ValueError, KeyError, EOFError) as error:
+            raise ckpt.CheckpointError(
+                f"loading checkpoint {ckpt_root / tag} failed on rank {rank}: {type(error).__name__}: {error}. Its "
+                f"files passed the {self.settings.verify_checkpoints} check; set train.verify_checkpoints: full to "
+                "find a damaged file, or move the folder aside to resume from the checkpoint before it") from error
+        # The loader position is global (samples consumed), so it carries over to another world size.
+        self.batches.load_state_dict(self.marker["loader"], **({"allow_reshape": True} if self.reshape else {}))
+        self.start_step = self.resumed_from = self.last_saved = step
+        if rank == 0:
+            truncate_jsonl(self.metrics_path, step)
+        self.log(f"resumed from {ckpt_root / tag} (step {step}"
+                 + (f", saved at world size {self.marker['world_size']}, now {self.world})" if self.reshape else ")"))
+
+    def prepare_measures(self) -> None:
+        """What the loop measures with: the peak FLOP/s and FLOPs per token for MFU, the held-out slice, the timer."""
+        # Peak FLOP/s for MFU: the machine's one figure, resolved by the plan (flops.plan_peak); never measured here
+        self.peak = self.plan.get("peak") or {"flops_per_rank": None, "source": "no peak in the plan"}
+        settings, shape = self.settings, self.shape
+        self.flops_token = flops_per_token(self.params["matmul"], shape.num_hidden_layers, shape.num_attention_heads,
+                                           shape.hidden_size // shape.num_attention_heads, self.seq_len)
+        self.heldout = HeldOutSlice(Path(self.plan["paths"]["index"]), self.seq_len, self.rank, self.world,
+                                    settings.eval_tokens) if settings.eval_every else None
+        # Phase times from CUDA events (no synchronisation in the loop); the comms logger synchronises every
+        # collective, so a CUDA run measures communication only where the plan asks (benchmark cells), a CPU run
+        # always (no cost).
+        self.timer = PhaseTimer(self.device, enabled=settings.phase_timing)
+        self.measure_comm = self.plan["measure_comm"]
+
+    # --- each step ---------------------------------------------------------------------------------------------------
+    def gather_step(self, step: int, local_loss: float) -> list[list[float]]:
+        """Every rank's (loss, peak memory, SIGTERM flag); aborts on a non-finite loss on any rank."""
+        peak, _ = peak_memory_bytes(self.device)
+        gathered = gather_floats([local_loss, float(peak), float(self.preemption.requested)], self.run_device)
+        rank_losses = [g[0] for g in gathered]
+        if not all(math.isfinite(v) for v in rank_losses):
+            bad = [r for r, v in enumerate(rank_losses) if not math.isfinite(v)]
+            raise TrainingAborted(
+                f"non-finite loss at step {step} on rank(s) {bad}; no checkpoint written after it, the last "
+                f"complete one is step {self.last_saved if self.last_saved else 'none'} in {self.ckpt_root}"
+            )
+        return gathered
+
+    def record(self, step: int, gathered: list[list[float]], step_time: float, phases: dict, comm: float | None,
+               skipped_before: int) -> dict:
+        """The step's metrics.jsonl record, with the held-out evaluation when train.eval_every asks for one."""
+        settings, engine, tokens_per_step = self.settings, self.engine, self.tokens_per_step
+        if step > settings.warmup_timing_steps and step != self.start_step + 1:  # a steady-state step
+            self.comm_steady_ms += comm or 0.0
+            self.steady_time_s += step_time
+        record = {
+            "step": step, "loss": sum(g[0] for g in gathered) / self.world, "lr": number(engine.get_lr()[0]),
+            "grad_norm": number(engine.get_global_grad_norm()), "step_time_s": step_time,
+            "forward_s": phases["forward"], "backward_s": phases["backward"], "optimizer_s": phases["optimizer"],
+            "tokens_per_s": tokens_per_step / step_time, "tokens": step * tokens_per_step,
+            "comm_s": comm / 1000.0 if comm is not None else None, "peak_mem_bytes": [int(g[1]) for g in gathered],
+            "skipped_steps": engine.skipped_steps, "overflow": engine.skipped_steps > skipped_before,
+            "loss_scale": (number(getattr(engine.optimizer, "cur_scale", None)) if settings.precision == "fp16"
+                           else None),
+            "after_resume": self.resumed_from is not None and step == self.start_step + 1,
+        }
+        if self.heldout and (step % settings.eval_every == 0 or step == self.total_steps):
+            # after the step's timing and before its checkpoint; its wall time is recorded apart (eval_time_s)
+            t_eval = time.perf_counter()  # the step's work is done: its loss was read
+            nll_sum, token_count = self.heldout.evaluate(engine, settings.micro_batch_size, self.run_device,
+                                                         self.shape.vocab_size)
+            totals = [sum(values) for values in zip(*gather_floats([nll_sum, token_count], self.run_device))]
+            record["val_loss"] = totals[0] / totals[1]
+            record["val_perplexity"] = math.exp(min(record["val_loss"], 50.0))
+            record["eval_time_s"] = time.perf_counter() - t_eval  # the gather above waited for the device
+        return record
+
+    def log_progress(self, step: int, record: dict, step_time: float) -> None:
+        total_steps = self.total_steps
+        if self.rank != 0:
+            return
+        if step == 1 or step % max(1, total_steps // 20) == 0 or step == total_steps:
+            elapsed = time.perf_counter() - self.run_start
+            eta = elapsed / (step - self.start_step) * (total_steps - step)
+            self.log(f"step {step}/{total_steps} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+                     f"{record['tokens_per_s']:,.0f} tokens/s step {step_time:.3f}s ETA {eta:,.0f}s")
+        if "val_loss" in record:
+            self.log(f"step {step}/{total_steps} held-out loss {record['val_loss']:.4f} perplexity "
+                     f"{record['val_perplexity']:,.2f} ({self.heldout.samples} val samples, "
+                     f"{record['eval_time_s']:.2f}s)")
+
+    def save(self, step: int) -> None:
+        """Save checkpoint `step` on every rank and commit it; on failure remove it and raise CheckpointSaveError."""
+        engine, rank, world, ckpt_root = self.engine, self.rank, self.world, self.ckpt_root
+        inject_enospc_step = int(os.environ.get("PRETRAIN_BENCH_INJECT_ENOSPC_AT_STEP", "0"))
+        tag = ckpt.tag_for(step)
+        folder = ckpt_root / tag
+        client = {"step": step, "loader": self.batches.state_dict(), "world_size": world,
+                  "fingerprint": self.fingerprint}
+        writer = ckpt.CheckpointWriter(
+            step, folder, zipfile=getattr(engine.checkpoint_engine, "zipfile_serialization", True),
+            fail_after=4096 if step == inject_enospc_step and rank == world - 1 else None)  # see pretrain_bench.train
+        engine.checkpoint_engine.save = writer.save  # every file DeepSpeed saves is hashed while it is written
+        try:
+            engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client)
+        except (OSError, RuntimeError) as error:
+            # A failure outside the files the writer sees (DeepSpeed's own small files): the other ranks may be in a
+            # collective this rank will never join, so it removes the folder and stops; torchrun stops the others.
+            shutil.rmtree(folder, ignore_errors=True)
+            raise ckpt.CheckpointSaveError(ckpt.save_failure(step, folder, error)) from error
+        finally:
+            del engine.checkpoint_engine.save  # back to the engine's own method
+        writer.save(rng_state(), folder / f"rng_rank{rank}.pt")
+        # Every rank's files are on disk (or failed) before the ranks decide together whether to commit.
+        outcomes = [None] * world
+        dist.all_gather_object(outcomes, (writer.error, writer.files))
+        failures = [(r, error) for r, (error, _) in enumerate(outcomes) if error]
+        if failures:
+            if rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+            dist.barrier()
+            r, error = failures[0]
+            raise ckpt.CheckpointSaveError(
+                f"{error} (rank {r}). The partial {folder} was removed; the committed checkpoints are untouched, "
+                f"the newest is step {self.last_saved if self.last_saved else 'none'} in {ckpt_root}")
+        if rank == 0:
+            files = {name: record for _, saved in outcomes for name, record in saved.items()}
+            try:
+                ckpt.write_marker(ckpt_root, step, {"world_size": world, "fingerprint": self.fingerprint,
+                                                    "loader": self.batches.state_dict(),
+                                                    "tokens": step * self.tokens_per_step},
+                                  files)
+            except OSError as error:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise ckpt.CheckpointSaveError(ckpt.save_failure(step, folder, error)) from error
+            ckpt.prune(ckpt_root, self.settings.keep_checkpoints)
+        dist.barrier()
+        self.last_saved = step
+
+    # --- after the loop ----------------------------------------------------------------------------------------------
+    def comm_fraction(self) -> tuple[float | None, str]:
+        """Communication time ÷ step time over the steady-state steps, and how it was measured (or why not)."""
+        if self.world == 1:
+            return None, "world size 1: no collectives"
+        if not self.measure_comm:
+            return None, ("not measured in this run: DeepSpeed's comms logger synchronises every collective, which a "
+                          "production CUDA run must not pay; the benchmark cells measure it")
+        if self.steady_time_s > 0:
+            return ((self.comm_steady_ms / 1000.0) / self.steady_time_s,
+                    "DeepSpeed comms_logger (prof_all) on rank 0: wall-clock of every deepspeed.comm collective "
+                    "(synchronised), summed over steady-state steps ÷ their step time; includes time spent waiting "
+                    "for slower ranks")
+        return None, "no steady-state steps in this process (resumed at the end)"
+
+    def summarise(self) -> dict | None:
+        """summary.json's contents (rank 0; None elsewhere), from metrics.jsonl and this run's figures."""
+        if self.rank != 0:
+            return None
+        plan, settings, world, shape, params = self.plan, self.settings, self.world, self.shape, self.params
+        records = read_jsonl(self.metrics_path)
+        steady = summarise_steps(records, settings.warmup_timing_steps, self.tokens_per_step)
+        tokens_per_s = steady["tokens_per_s"]
+        comm_fraction, comm_note = self.comm_fraction()
+        peak_flops, peak_source = self.peak["flops_per_rank"], self.peak["source"]
+        return {
+            "name": plan["name"], "role": plan.get("role", "pretrain"),
+            "world_size": world, "nodes": settings.nodes, "device": self.device, "zero_stage": settings.zero_stage,
+            "precision": settings.precision, "comm_backend": settings.comm_backend,
+            "micro_batch_size": settings.micro_batch_size, "grad_accum_steps": settings.grad_accum_steps,
+            "global_batch_size": settings.derived_global_batch, "seq_len": self.seq_len,
+            "steps": self.total_steps, "tokens_per_step": self.tokens_per_step,
+            "tokens": self.total_steps * self.tokens_per_step,
+            "tokens_per_s": tokens_per_s, "step_time_s": steady["step_time_s"],
+            "phase_time_s": steady["phase_time_s"], "steady_steps": steady["steady_steps"],
+            "warmup_timing_steps": settings.warmup_timing_steps,
+            "peak_mem_bytes": [max(r["peak_mem_bytes"][i] for r in records) for i in range(world)],
+            "peak_mem_kind": peak_memory_bytes(self.device)[1],
+            "model": {"preset": plan["model"]["preset"], "parameters": params["total"],
+                      "non_embedding_parameters": params["non_embedding"],
+                      "matmul_parameters": params["matmul"], "layers": shape.num_hidden_layers,
+                      "hidden_size": shape.hidden_size, "heads": shape.num_attention_heads,
+                      "vocab_size": shape.vocab_size},
+            "flops_per_token": self.flops_token, "flops_formula": FLOPS_FORMULA,
+            "peak_flops_per_rank": peak_flops, "peak_flops_source": peak_source,
+            **dict(zip(("mfu", "mfu_note"), model_flops_utilisation(tokens_per_s, self.flops_token, peak_flops, world,
+                                                                    peak_source))),
+            "comm_fraction": comm_fraction, "comm_method": comm_note,
+            "loss": steady["loss"], "skipped_steps": records[-1]["skipped_steps"],
+            "oversubscribed": os.environ.get("PRETRAIN_BENCH_OVERSUBSCRIBED") == "1",
+            "threads_per_rank": self.threads, "resumed_from_step": self.resumed_from,
+            # what the pre-flight chose under train.memory_fit (asked vs ran, and why)
+            "memory_fit": {k: plan["memory_fit"][k] for k in ("mode", "asked", "chosen", "changed", "summary")}
+            if plan.get("memory_fit") else None,
+            "checkpoints": ckpt.committed_steps(self.ckpt_root), "checkpoint_dir": str(self.ckpt_root),
+            # where the weights came from: model.init_from (uri, revision, folder) or a random initialisation
+            "init_from": {**self.init_from, "loaded": self.loaded} if self.init_from else None,
+            "init_seed": None if self.init_from else settings.seed,
+            "lr_schedule": settings.lr_schedule,
+            "eval_during_training": heldout_summary(records, settings, self.heldout),
+            "provenance": provenance(plan["config"], plan["hardware"] | {"threads_per_rank": self.threads})
+            | {"slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+               # 1-, 5- and 15-minute load averages at the end: busy-machine timings are traceable
+               "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
+        }
+
+    def finish(self, summary: dict | None) -> None:
+        """Rank 0 copies metrics and TensorBoard to the output folder, writes summary.json and marks the run
+        finished; every rank waits for it."""
+        dist.barrier()
+        if self.rank == 0:
+            shutil.copyfile(self.metrics_path, self.out_dir / "metrics.jsonl")
+            shutil.copytree(self.state_dir / "tensorboard", self.out_dir / "tensorboard", dirs_exist_ok=True)
+            atomic_write_json(self.out_dir / "summary.json", summary)
+            if self.plan["save_checkpoints"]:
+                mark_finished(self.state_dir, self.total_steps, self.digest)
+            self.log(f"done: {summary['tokens_per_s']:,.0f} tokens/s steady state, loss "
+                     f"{summary['loss']['first']:.3f} → {summary['loss']['last']:.3f}")
+        dist.barrier()
