@@ -334,12 +334,18 @@ def prune(root: Path, keep: int | None, protect: set[int] = frozenset()) -> list
 
 
 def load_fp32_state_dict(root: Path, step: int) -> dict:
-    """The full fp32 model state dict of a committed checkpoint, on CPU, for any ZeRO stage."""
+    """The full fp32 model state dict of a committed checkpoint, on CPU, for any ZeRO stage and any engine."""
     import torch
 
     read_marker(root, step)  # raises with the path if incomplete
     folder = Path(root) / tag_for(step)
-    if list(folder.glob("*optim_states.pt")) and (list(folder.glob("zero_pp_rank_*")) or list(folder.glob("bf16_zero_pp_rank_*"))):
+    from .engines import DCP_FOLDER, DDP_MODEL_FILE, read_dcp_model
+
+    if (folder / DDP_MODEL_FILE).is_file():  # train.engine ddp: rank 0's state dict, fp32
+        state = torch.load(folder / DDP_MODEL_FILE, map_location="cpu", weights_only=False, mmap=True)["module"]
+    elif (folder / DCP_FOLDER / ".metadata").is_file():  # train.engine fsdp: a torch.distributed.checkpoint folder
+        state = read_dcp_model(folder / DCP_FOLDER)
+    elif list(folder.glob("*optim_states.pt")) and (list(folder.glob("zero_pp_rank_*")) or list(folder.glob("bf16_zero_pp_rank_*"))):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag_for(step))

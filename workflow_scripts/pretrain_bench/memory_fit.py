@@ -37,7 +37,7 @@ class Rung:
 
 def describe(s: TrainSettings) -> str:
     """'ZeRO-2 + CPU optimizer offload + activation checkpointing, micro-batch 8 × 1'."""
-    text = f"ZeRO-{s.zero_stage}"
+    text = {"ddp": "DDP", "fsdp": "FSDP"}.get(s.engine, f"ZeRO-{s.zero_stage}")
     where = {"cpu": "CPU", "nvme": "NVMe"}
     if s.offload_param != "none":
         text += f" + {where[s.offload_param]} parameter offload"
@@ -51,7 +51,7 @@ def describe(s: TrainSettings) -> str:
 def ladder(s: TrainSettings, device: str) -> list[Rung]:
     """The ordered changes `auto` tries (see the module docstring); none repeats the settings asked for."""
     offloads = []
-    if device == "cuda":
+    if device == "cuda" and s.engine == "deepspeed":  # DDP and FSDP keep their layout; offloading is DeepSpeed's
         if s.offload_optimizer == "none":
             offloads.append(replace(s, zero_stage=max(s.zero_stage, 2), offload_optimizer="cpu"))
         if (s.zero_stage, s.offload_optimizer) != (3, "cpu") and s.offload_param == "none":
@@ -87,7 +87,7 @@ def checkpoint_disk(config: dict, settings: TrainSettings, parameters: int, stat
     machine without its GPUs."""
     steps = replace(settings, keep_checkpoints=None).checkpoint_steps(config["model"]["seq_len"])
     kept = min(len(steps), settings.keep_checkpoints + 1) if settings.keep_checkpoints else len(steps)
-    need = kept * checkpoint_bytes(parameters, settings.precision, settings.zero_stage)
+    need = kept * checkpoint_bytes(parameters, settings.precision, settings.zero_stage, settings.engine)
     bench = config.get("benchmark") or {}
     if settings.device != "cpu" and not gpu_here and bench.get("disk_gib"):
         have, source = int(bench["disk_gib"] * GIB), "benchmark.disk_gib, no GPU detected here"

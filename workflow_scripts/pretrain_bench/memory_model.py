@@ -80,6 +80,7 @@ class RunShape:
     activation_checkpointing: bool = False
     device: str = "cuda"  # cuda | cpu
     pinned_rounding: bool = False  # pinned host buffers rounded up to powers of two (see PINNED_ROUNDING)
+    engine: str = "deepspeed"  # deepspeed | ddp | fsdp (train.engine)
 
     @property
     def largest_parameter(self) -> int:
@@ -225,10 +226,13 @@ def model_state_bytes(psi: int, ranks: int, stage: int, precision: str, offload_
             "disk": int(offloaded["nvme"]), "formula": formula, "host_terms": host_terms}
 
 
-def checkpoint_bytes(psi: int, precision: str, zero_stage: int) -> int:
+def checkpoint_bytes(psi: int, precision: str, zero_stage: int, engine: str = "deepspeed") -> int:
     """Bytes of one DeepSpeed checkpoint on disk, all ranks together: the module once in the training precision
     (mp_rank_00_model_states.pt) and every rank's optimizer partition (fp32 master copy and Adam moments, K Ψ as in
-    model_state_bytes); 7B in mixed precision: 2Ψ + 12Ψ ≈ 97 GB."""
+    model_state_bytes); 7B in mixed precision: 2Ψ + 12Ψ ≈ 97 GB. DDP and FSDP keep fp32 parameters and the two AdamW
+    moments: 4Ψ + 8Ψ, in whatever precision they compute."""
+    if engine != "deepspeed":
+        return 12 * psi
     param_b = 4 if precision == "fp32" else 2
     opt_b = (8 if zero_stage in (0, 3) else 12) if precision == "fp32" else 12
     return int((param_b + opt_b) * psi)
@@ -285,7 +289,52 @@ def buffer_bytes(run: RunShape) -> tuple[int, str]:
     return sum(value for value, _ in terms.values()), "; ".join(source for _, source in terms.values())
 
 
+# DDP and FSDP (train.engine ddp | fsdp) train fp32 parameters whatever the compute precision: parameters 4Ψ,
+# gradients 4Ψ (fp32, the reduction's dtype) and AdamW's two moments 8Ψ; DDP replicates them, FSDP shards them.
+TORCH_STATE_FORMULAS = {
+    "ddp": "16Ψ (4Ψ fp32 params + 4Ψ fp32 grads, DDP's buckets themselves + 8Ψ AdamW), replicated on every rank",
+    "fsdp": "16Ψ/N (4Ψ/N fp32 params + 4Ψ/N fp32 grads + 8Ψ/N AdamW), sharded by FSDP",
+}
+
+
+def root_parameters(run: RunShape) -> int:
+    """Parameters outside the decoder layers: embeddings, LM head (unless tied) and the final norm."""
+    return run.parameters - run.layers * _per_layer_params(run)
+
+
+def torch_engine_terms(run: RunShape) -> tuple[dict, dict]:
+    """(states, buffers) per rank of a DDP or FSDP run, each {term: (bytes, source)}."""
+    psi, n, b = run.parameters, run.ranks, 4 if run.precision == "fp32" else 2
+    if run.engine == "ddp":
+        states = {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
+        buffers = {}
+        if run.precision != "fp32":
+            # autocast casts each fp32 weight once per forward; the 16-bit copies are saved for the backward
+            buffers["autocast_copies"] = (2 * psi, "autocast's 16-bit weight copies, 2Ψ, kept for the backward")
+        return states, buffers
+    states = {"params": 4 * psi // n, "grads": 4 * psi // n, "optimizer": 8 * psi // n}
+    layer, root = _per_layer_params(run), root_parameters(run)
+    buffers = {
+        # the root module (embeddings, head, final norm) stays gathered from its forward to its backward
+        "root_gathered": (root * b, f"root module gathered in {run.precision} (embeddings, head, norm)"),
+        # one decoder layer gathered for compute and the next prefetched
+        "layers_gathered": (2 * layer * b, "two decoder layers gathered (current + prefetched)"),
+        # the gathered layer's gradient, and its fp32 copy for the reduce-scatter
+        "layer_gradient": (layer * (b + 4 if b != 4 else 4), "one layer's unsharded gradient (+ fp32 for the "
+                                                              "reduce-scatter)"),
+    }
+    return states, buffers
+
+
 def estimate(run: RunShape) -> Estimate:
+    if run.engine != "deepspeed":
+        states, buffers = torch_engine_terms(run)
+        return Estimate(params=int(states["params"]), grads=int(states["grads"]),
+                        optimizer=int(states["optimizer"]), activations=activation_bytes(run),
+                        buffers=int(sum(v for v, _ in buffers.values())), runtime=RUNTIME_BYTES[run.device],
+                        # the whole model is built in fp32 on the rank's device before DDP/FSDP take it
+                        init=4 * run.parameters, host_states=0, state_formula=TORCH_STATE_FORMULAS[run.engine],
+                        buffer_formula="; ".join(src for _, src in buffers.values()) or "none beyond the states")
     states = model_state_bytes(run.parameters, run.ranks, run.zero_stage, run.precision, run.offload_optimizer,
                                run.offload_param, largest=run.largest_parameter,
                                pinned_rounding=run.pinned_rounding)
@@ -365,7 +414,8 @@ def run_shape(config: dict, settings: TrainSettings, device: str, vocab_size: in
                     micro_batch_size=settings.micro_batch_size, ranks=settings.world_size,
                     zero_stage=settings.zero_stage, precision=settings.precision,
                     offload_optimizer=settings.offload_optimizer, offload_param=settings.offload_param,
-                    activation_checkpointing=settings.activation_checkpointing, device=device)
+                    activation_checkpointing=settings.activation_checkpointing, device=device,
+                    engine=settings.engine)
 
 
 def resolve_device_cheaply(requested: str) -> str:
@@ -466,6 +516,16 @@ def alternatives(run: RunShape, budget: Budget, max_gpus: int = 1024) -> list[di
         options.append({"label": label, "settings": settings_text, "fits": verdict.fits, "text": verdict.text,
                         "host_need_bytes": verdict.host_need_bytes, "per_rank_bytes": est.per_rank})
 
+    if run.engine != "deepspeed":
+        if run.engine == "ddp":
+            consider("FSDP", replace(run, engine="fsdp", zero_stage=3), "train.engine: fsdp, train.zero_stage: 3")
+        consider("DeepSpeed ZeRO-3 with optimizer offload",
+                 replace(run, engine="deepspeed", zero_stage=3, offload_optimizer="cpu"),
+                 "train.engine: deepspeed, train.zero_stage: 3, train.offload_optimizer: cpu")
+        if not run.activation_checkpointing:
+            consider("activation checkpointing", replace(run, activation_checkpointing=True),
+                     "train.activation_checkpointing: true")
+        return sorted(options, key=lambda o: not o["fits"])
     offload_stage = max(run.zero_stage, 2)
     if run.offload_optimizer != "cpu":
         consider("optimizer offload", replace(run, zero_stage=offload_stage, offload_optimizer="cpu"),
@@ -519,8 +579,9 @@ def explain(run: RunShape, est: Estimate, verdict: Verdict, budget: Budget, what
     lines = [
         f"pre-flight: {what} is predicted not to fit: {verdict.text} ({budget.device_source}).",
         f"  model states alone need {est.model_states / GB:,.1f} GB ({gib(est.model_states)} GiB) {where} "
-        f"for Ψ = {run.parameters / 1e9:,.2f}e9 parameters, ZeRO-{run.zero_stage}, {run.precision}, N = {run.ranks} "
-        f"(ZeRO paper: {est.state_formula});",
+        f"for Ψ = {run.parameters / 1e9:,.2f}e9 parameters, "
+        f"{'ZeRO-' + str(run.zero_stage) if run.engine == 'deepspeed' else run.engine.upper()}, {run.precision}, "
+        f"N = {run.ranks} ({'ZeRO paper: ' if run.engine == 'deepspeed' else ''}{est.state_formula});",
         f"  plus activations ~{gib(est.activations)} GiB (micro batch {run.micro_batch_size} × seq_len "
         f"{run.seq_len}), buffers {gib(est.buffers)} GiB ({est.buffer_formula}), runtime {gib(est.runtime)} GiB.",
         "What would fit:",

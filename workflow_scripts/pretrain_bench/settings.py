@@ -24,6 +24,7 @@ class TrainSettings:
     nodes: int = 1  # nodes
     rdzv_endpoint: str | None = None  # host:port of the c10d rendezvous when nodes > 1 (None: derived under SLURM)
     device: str = "auto"  # auto | cuda | cpu
+    engine: str = "deepspeed"  # deepspeed | ddp | fsdp (see engines.py)
     comm_backend: str = "nccl"  # nccl | gloo
     zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3
     precision: str = "bf16"  # fp16 | bf16 | fp32
@@ -181,6 +182,7 @@ def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | N
             f"grad_accum_steps {s.grad_accum_steps} × ranks {s.world_size} (gpus {s.gpus} × nodes {s.nodes}) "
             f"= {s.derived_global_batch}: {hint}"
         )
+    check_engine(s)
     if s.verify_checkpoints not in ("sampled", "full"):
         raise ConfigError(f"train.verify_checkpoints {s.verify_checkpoints!r} is not sampled or full")
     if s.offload_param != "none" and s.zero_stage != 3:
@@ -219,6 +221,36 @@ def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | N
         if "nvme" in (s.offload_optimizer, s.offload_param):
             raise ConfigError("train.offload_optimizer/offload_param nvme needs CUDA GPUs (a CPU run keeps its "
                               "states in RAM already)")
+
+
+ENGINES = ("deepspeed", "ddp", "fsdp")
+# The ZeRO stage naming each PyTorch engine's layout of the model states: DDP replicates parameters, gradients and
+# optimizer states on every rank (ZeRO-0's layout); FSDP shards all three (ZeRO-3's). The memory model, the pre-flight
+# and the tables read train.zero_stage that way.
+ENGINE_STAGE = {"ddp": 0, "fsdp": 3}
+ENGINE_LAYOUT = {"ddp": "DDP replicates parameters, gradients and optimizer states on every rank (ZeRO-0's layout)",
+                 "fsdp": "FSDP shards parameters, gradients and optimizer states across the ranks (ZeRO-3's layout)"}
+
+
+def check_engine(s: TrainSettings) -> None:
+    """Keys that mean nothing for train.engine are refused with the reason, never silently ignored."""
+    if s.engine not in ENGINES:
+        raise ConfigError(f"train.engine {s.engine!r} is not one of {list(ENGINES)}")
+    if s.engine == "deepspeed":
+        return
+    stage = ENGINE_STAGE[s.engine]
+    if s.zero_stage != stage:
+        raise ConfigError(f"train.zero_stage {s.zero_stage} means nothing under train.engine {s.engine}: "
+                          f"{ENGINE_LAYOUT[s.engine]}. Set train.zero_stage: {stage}, or train.engine: deepspeed "
+                          f"for ZeRO-{s.zero_stage}")
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(s, key) != "none":
+            raise ConfigError(f"train.{key} {getattr(s, key)} means nothing under train.engine {s.engine}: "
+                              "offloading is DeepSpeed's (ZeRO-Offload/Infinity); set it to none or use "
+                              "train.engine: deepspeed")
+    if s.deepspeed:
+        raise ConfigError(f"train.deepspeed {sorted(s.deepspeed)} means nothing under train.engine {s.engine}: "
+                          "it is merged into DeepSpeed's config; remove it or use train.engine: deepspeed")
 
 
 def deepspeed_config(s: TrainSettings, device: str, total_steps: int, fused_adam: bool = False,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from . import state_lock
+from .engines import build_engine
 from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .heldout import HeldOutSlice
 from .io import atomic_write_json, read_jsonl
@@ -27,11 +28,11 @@ from .metrics import MetricsSink, peak_memory_bytes, summarise_steps, truncate_j
 from .model import build_model, count_parameters, load_pretrained
 from .plan import plan_shape
 from .provenance import provenance
-from .rank import (Preemption, TrainingAborted, check_resume_point, comm_ms, fused_adam_prebuilt, gather_floats,
-                   heldout_summary, mmap_loads, number, resume_fingerprint, rng_state, set_rng_state)
+from .rank import (Preemption, TrainingAborted, check_resume_point, fused_adam_prebuilt, gather_floats,
+                   heldout_summary, mmap_loads, resume_fingerprint, rng_state, set_rng_state)
 from .rank import log as rank_log
 from .run_state import mark_finished, plan_digest, prepare_state
-from .settings import TrainSettings, check_settings, deepspeed_config, learning_rate
+from .settings import TrainSettings, check_settings, deepspeed_config
 from .step import PhaseTimer, train_step
 
 
@@ -72,11 +73,11 @@ class Trainer:
                          enabled=self.rank == 0) as sink:
             for step in range(self.start_step + 1, self.total_steps + 1):
                 skipped_before = self.engine.skipped_steps
-                comm_before = comm_ms() if self.measure_comm else 0.0
+                comm_before = self.engine.comm_ms() if self.measure_comm else None
                 local_loss, step_time, phases = train_step(
                     self.engine, self.batches, micro_steps=self.settings.grad_accum_steps,
                     vocab=self.shape.vocab_size, run_device=self.run_device, timer=self.timer)
-                comm = max(0.0, comm_ms() - comm_before) if self.measure_comm else None
+                comm = max(0.0, self.engine.comm_ms() - comm_before) if comm_before is not None else None
                 # Everything below is bookkeeping outside the timed step.
                 if step == inject_nan_step and self.rank == self.world - 1:
                     local_loss = float("nan")  # fault injection, see pretrain_bench.train
@@ -98,8 +99,6 @@ class Trainer:
     # --- before the loop -------------------------------------------------------------------------------------------
     def setup(self) -> None:
         """Device and threads, distributed init, SIGTERM handler, the state lock, and the state folder prepared."""
-        import deepspeed
-
         settings, rank = self.settings, self.rank
         check_settings(settings, self.device)
         if self.world != settings.world_size:
@@ -111,8 +110,13 @@ class Trainer:
             torch.cuda.set_device(self.local_rank)
         # An explicit collective timeout: rank-0 work (a universal-checkpoint conversion, a large save) must not hit
         # the 10-minute default while the other ranks wait in a barrier.
-        deepspeed.init_distributed(dist_backend=self.plan["train"]["comm_backend"],
-                                   timeout=timedelta(minutes=settings.collective_timeout_min))
+        timeout = timedelta(minutes=settings.collective_timeout_min)
+        if settings.engine == "deepspeed":
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend=settings.comm_backend, timeout=timeout)
+        else:  # DDP and FSDP need no DeepSpeed at all (nor its import time)
+            dist.init_process_group(backend=settings.comm_backend, timeout=timeout)
         self.preemption = Preemption()
         self.lock, refusal = None, ""
         if rank == 0:
@@ -157,7 +161,10 @@ class Trainer:
             from .memory_fit import summary_line
 
             self.log(summary_line(plan["memory_fit"]))
-        self.model = build_model(self.shape, self.seq_len, settings.seed, settings.precision, self.run_device)
+        # DeepSpeed keeps the module in the training precision (its optimizer holds the fp32 master copy); DDP and
+        # FSDP train fp32 parameters and compute in bf16/fp16 through autocast or FSDP's mixed-precision policy.
+        build_precision = settings.precision if settings.engine == "deepspeed" else "fp32"
+        self.model = build_model(self.shape, self.seq_len, settings.seed, build_precision, self.run_device)
         self.loaded = None
         if init_from:
             # Every rank loads the whole model before DeepSpeed partitions it, so this holds under every ZeRO stage;
@@ -167,14 +174,19 @@ class Trainer:
                      f"{loaded['bytes'] / 2**20:,.1f} MiB in {len(loaded['files'])} file(s)"
                      + (f", {loaded['added_vocab_rows']} embedding row(s) added" if loaded["added_vocab_rows"] else ""))
         if settings.activation_checkpointing:
-            self.model.gradient_checkpointing_enable()
-        self.ds_config = deepspeed_config(settings, self.device, self.total_steps, fused_adam=fused_adam_prebuilt(),
-                                          pin_memory=os.environ.get("PRETRAIN_BENCH_PIN_MEMORY", "1") == "1",
-                                          comms_logger=plan["measure_comm"])
-        self.write_ds_config()
+            # non-reentrant recomputation: what DDP's and FSDP's gradient hooks need
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=None if settings.engine == "deepspeed" else {"use_reentrant": False})
+        self.ds_config = None
+        if settings.engine == "deepspeed":
+            self.ds_config = deepspeed_config(settings, self.device, self.total_steps,
+                                              fused_adam=fused_adam_prebuilt(),
+                                              pin_memory=os.environ.get("PRETRAIN_BENCH_PIN_MEMORY", "1") == "1",
+                                              comms_logger=plan["measure_comm"])
+            self.write_ds_config()
 
     def write_ds_config(self) -> None:
-        if self.rank == 0:
+        if self.rank == 0 and self.ds_config is not None:
             (self.out_dir / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2))
 
     def resume_point(self) -> None:
@@ -210,26 +222,14 @@ class Trainer:
                 f"({', '.join(changed)} changed): restore the config or move {ckpt_root} away to start over"
             )
         self.reshape = marker["world_size"] != world
-        if self.reshape:
+        if self.reshape and settings.engine == "deepspeed":  # DDP's files and FSDP's DCP folder load at any size
             self.ds_config["checkpoint"] = {"load_universal": True}
             self.write_ds_config()
 
     def build_engine(self) -> None:
-        """The DeepSpeed engine, with the learning-rate schedule of this run."""
-        import deepspeed
-
-        settings, total_steps = self.settings, self.total_steps
-
-        def schedule(optimizer):
-            # A plain function (not a callable object): LambdaLR then saves no state of it in checkpoints, so a
-            # resumed run with more train.max_steps follows its own schedule, not the saved one's.
-            def factor(step: int) -> float:
-                return learning_rate(step, settings, total_steps) / settings.lr
-
-            return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-        self.engine, _, _, _ = deepspeed.initialize(model=self.model, model_parameters=self.model.parameters(),
-                                                    config=self.ds_config, lr_scheduler=schedule)
+        """The engine of train.engine (DeepSpeed, DDP or FSDP), with the learning-rate schedule of this run."""
+        self.engine = build_engine(self.settings.engine, self.model, self.settings, device=self.device,
+                                   total_steps=self.total_steps, ds_config=self.ds_config)
 
     def restore(self) -> None:
         """Load the chosen checkpoint into the engine (through a universal checkpoint when the world size changed)."""
@@ -237,13 +237,11 @@ class Trainer:
             return
         step, ckpt_root, rank = self.resume_step, self.ckpt_root, self.rank
         tag = ckpt.tag_for(step)
-        if self.reshape:
+        if self.reshape and self.settings.engine == "deepspeed":
             tag = ckpt.universal_tag(ckpt_root, step, rank)  # rank 0 converts once, the others wait
         try:
             with mmap_loads():  # optimizer shards are mapped, not copied, beside the states already allocated
-                loaded, _ = self.engine.load_checkpoint(str(ckpt_root), tag=tag)
-            if loaded is None:  # DeepSpeed only warns when it finds nothing to load
-                raise FileNotFoundError(f"DeepSpeed found no checkpoint files of rank {rank} in {ckpt_root / tag}")
+                self.engine.load(ckpt_root / tag, rank, self.reshape)
             if not self.reshape:
                 set_rng_state(torch.load(ckpt_root / tag / f"rng_rank{rank}.pt", weights_only=False))
         except (OSError, RuntimeError, ValueError, KeyError, EOFError) as error:
@@ -272,7 +270,9 @@ class Trainer:
         # collective, so a CUDA run measures communication only where the plan asks (benchmark cells), a CPU run
         # always (no cost).
         self.timer = PhaseTimer(self.device, enabled=settings.phase_timing)
-        self.measure_comm = self.plan["measure_comm"]
+        # DDP's hook times its all-reduces without synchronising anything, so a DDP run always measures them
+        self.measure_comm = ((self.plan["measure_comm"] or self.settings.engine == "ddp")
+                             and self.engine.comm_method is not None)
 
     # --- each step ---------------------------------------------------------------------------------------------------
     def gather_step(self, step: int, local_loss: float) -> list[list[float]]:
@@ -296,14 +296,13 @@ class Trainer:
             self.comm_steady_ms += comm or 0.0
             self.steady_time_s += step_time
         record = {
-            "step": step, "loss": sum(g[0] for g in gathered) / self.world, "lr": number(engine.get_lr()[0]),
-            "grad_norm": number(engine.get_global_grad_norm()), "step_time_s": step_time,
+            "step": step, "loss": sum(g[0] for g in gathered) / self.world, "lr": engine.lr(),
+            "grad_norm": engine.grad_norm(), "step_time_s": step_time,
             "forward_s": phases["forward"], "backward_s": phases["backward"], "optimizer_s": phases["optimizer"],
             "tokens_per_s": tokens_per_step / step_time, "tokens": step * tokens_per_step,
             "comm_s": comm / 1000.0 if comm is not None else None, "peak_mem_bytes": [int(g[1]) for g in gathered],
             "skipped_steps": engine.skipped_steps, "overflow": engine.skipped_steps > skipped_before,
-            "loss_scale": (number(getattr(engine.optimizer, "cur_scale", None)) if settings.precision == "fp16"
-                           else None),
+            "loss_scale": engine.loss_scale(),
             "after_resume": self.resumed_from is not None and step == self.start_step + 1,
         }
         if self.heldout and (step % settings.eval_every == 0 or step == self.total_steps):
@@ -340,18 +339,16 @@ class Trainer:
         client = {"step": step, "loader": self.batches.state_dict(), "world_size": world,
                   "fingerprint": self.fingerprint}
         writer = ckpt.CheckpointWriter(
-            step, folder, zipfile=getattr(engine.checkpoint_engine, "zipfile_serialization", True),
+            step, folder,
             fail_after=4096 if step == inject_enospc_step and rank == world - 1 else None)  # see pretrain_bench.train
-        engine.checkpoint_engine.save = writer.save  # every file DeepSpeed saves is hashed while it is written
+        folder.mkdir(parents=True, exist_ok=True)
         try:
-            engine.save_checkpoint(str(ckpt_root), tag=tag, client_state=client)
+            engine.save(folder, writer, client)  # every file saved through the writer is hashed while written
         except (OSError, RuntimeError) as error:
             # A failure outside the files the writer sees (DeepSpeed's own small files): the other ranks may be in a
             # collective this rank will never join, so it removes the folder and stops; torchrun stops the others.
             shutil.rmtree(folder, ignore_errors=True)
             raise ckpt.CheckpointSaveError(ckpt.save_failure(step, folder, error)) from error
-        finally:
-            del engine.checkpoint_engine.save  # back to the engine's own method
         writer.save(rng_state(), folder / f"rng_rank{rank}.pt")
         # Every rank's files are on disk (or failed) before the ranks decide together whether to commit.
         outcomes = [None] * world
@@ -384,14 +381,14 @@ class Trainer:
         """Communication time ÷ step time over the steady-state steps, and how it was measured (or why not)."""
         if self.world == 1:
             return None, "world size 1: no collectives"
+        if self.engine.comm_method is None:
+            return None, (f"not measured: train.engine {self.settings.engine} issues its collectives inside autograd "
+                          "with no timing hook (torch.profiler shows them)")
         if not self.measure_comm:
             return None, ("not measured in this run: DeepSpeed's comms logger synchronises every collective, which a "
                           "production CUDA run must not pay; the benchmark cells measure it")
         if self.steady_time_s > 0:
-            return ((self.comm_steady_ms / 1000.0) / self.steady_time_s,
-                    "DeepSpeed comms_logger (prof_all) on rank 0: wall-clock of every deepspeed.comm collective "
-                    "(synchronised), summed over steady-state steps ÷ their step time; includes time spent waiting "
-                    "for slower ranks")
+            return (self.comm_steady_ms / 1000.0) / self.steady_time_s, self.engine.comm_method
         return None, "no steady-state steps in this process (resumed at the end)"
 
     def summarise(self) -> dict | None:
@@ -405,7 +402,7 @@ class Trainer:
         comm_fraction, comm_note = self.comm_fraction()
         peak_flops, peak_source = self.peak["flops_per_rank"], self.peak["source"]
         return {
-            "name": plan["name"], "role": plan.get("role", "pretrain"),
+            "name": plan["name"], "role": plan.get("role", "pretrain"), "engine": settings.engine,
             "world_size": world, "nodes": settings.nodes, "device": self.device, "zero_stage": settings.zero_stage,
             "precision": settings.precision, "comm_backend": settings.comm_backend,
             "micro_batch_size": settings.micro_batch_size, "grad_accum_steps": settings.grad_accum_steps,

@@ -1,0 +1,394 @@
+"""The training engines behind one small interface: DeepSpeed, PyTorch DDP and PyTorch FSDP2.
+
+The Trainer's loop knows only this interface; each engine wraps the same model, data and schedule:
+
+    engine(input_ids=…)   forward (the model's output, `.logits`)
+    engine.backward(loss) backward of one micro-step (the engine scales for gradient accumulation)
+    engine.step()         end of one micro-step; the optimizer steps at the accumulation boundary
+    engine.lr(), engine.grad_norm(), engine.skipped_steps, engine.loss_scale()
+    engine.save(folder, writer, client_state) / engine.load(folder, rank, reshape)
+    engine.eval() / engine.train()
+
+Optimizer maths is the same everywhere: AdamW (train.lr, adam_betas, adam_eps, weight_decay on every parameter),
+gradients averaged over ranks and accumulation micro-steps, the global norm clipped to train.grad_clip, and a LambdaLR
+over `settings.learning_rate` stepped once per optimizer step that was not skipped (an fp16 overflow skips both, as
+DeepSpeed does). That is why DDP and DeepSpeed ZeRO-0 in fp32 train to the same losses.
+
+Checkpoints: DeepSpeed writes its own layout (mp_rank_00_model_states.pt, ZeRO partitions). DDP's states are the
+same on every rank, so rank 0 writes model.pt (the module's state dict) and optimizer.pt. FSDP writes a
+torch.distributed.checkpoint folder (`dcp/`, one file per rank plus .metadata), which any world size loads. Every
+rank also writes engine_rank<r>.pt (scheduler, loss scaler, skipped steps) — except DeepSpeed, which keeps those in
+its own files. `checkpoint.load_fp32_state_dict` reads all three layouts for the HF export.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from .settings import ENGINES
+
+DDP_MODEL_FILE, DDP_OPTIMIZER_FILE, DCP_FOLDER = "model.pt", "optimizer.pt", "dcp"
+
+
+def engine_state_file(rank: int) -> str:
+    return f"engine_rank{rank}.pt"
+
+
+def lr_schedule(settings, total_steps: int):
+    """A factory of the run's LambdaLR (see settings.learning_rate)."""
+    from .settings import learning_rate
+
+    def schedule(optimizer):
+        # A plain function (not a callable object): LambdaLR then saves no state of it in checkpoints, so a
+        # resumed run with more train.max_steps follows its own schedule, not the saved one's.
+        def factor(step: int) -> float:
+            return learning_rate(step, settings, total_steps) / settings.lr
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    return schedule
+
+
+def build_engine(name: str, model, settings, *, device: str, total_steps: int, ds_config: dict | None = None):
+    """The engine `name` (train.engine) around `model`, which is already on this rank's device."""
+    if name == "deepspeed":
+        return DeepSpeedEngine(model, settings, ds_config, total_steps)
+    if name == "ddp":
+        return DDPEngine(model, settings, device, total_steps)
+    if name == "fsdp":
+        return FSDPEngine(model, settings, device, total_steps)
+    raise ValueError(f"unknown train.engine {name!r}; choose one of {list(ENGINES)}")
+
+
+class DeepSpeedEngine:
+    name = "deepspeed"
+
+    def __init__(self, model, settings, ds_config: dict, total_steps: int):
+        import deepspeed
+
+        self.settings = settings
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                    config=ds_config, lr_scheduler=lr_schedule(settings, total_steps))
+
+    def __call__(self, **inputs):
+        return self.engine(**inputs)
+
+    comm_method = ("DeepSpeed comms_logger (prof_all) on rank 0: wall-clock of every deepspeed.comm collective "
+                   "(synchronised), summed over steady-state steps ÷ their step time; includes time spent waiting "
+                   "for slower ranks")
+
+    def comm_ms(self) -> float:
+        from .rank import comm_ms
+
+        return comm_ms()
+
+    def backward(self, loss) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
+
+    def loss_scale(self) -> float | None:
+        scale = getattr(self.engine.optimizer, "cur_scale", None) if self.settings.precision == "fp16" else None
+        return None if scale is None else float(scale)
+
+    def save(self, folder: Path, writer, client_state: dict) -> None:
+        """Every file DeepSpeed writes goes through `writer` (hashed while written)."""
+        engine = self.engine
+        writer.zipfile = getattr(engine.checkpoint_engine, "zipfile_serialization", True)
+        engine.checkpoint_engine.save = writer.save
+        try:
+            engine.save_checkpoint(str(folder.parent), tag=folder.name, client_state=client_state)
+        finally:
+            del engine.checkpoint_engine.save  # back to the engine's own method
+
+    def load(self, folder: Path, rank: int, reshape: bool) -> None:
+        loaded, _ = self.engine.load_checkpoint(str(folder.parent), tag=folder.name)
+        if loaded is None:  # DeepSpeed only warns when it finds nothing to load
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint files of rank {rank} in {folder}")
+
+
+class TorchEngine:
+    """What DDP and FSDP share: AdamW, the LambdaLR, gradient accumulation, clipping and fp16 loss scaling."""
+
+    name = "torch"
+    comm_method = None  # no timing of its collectives: comm_ms() is None
+
+    def comm_ms(self) -> float | None:
+        return None
+
+    def __init__(self, model, settings, device: str, total_steps: int):
+        self.settings, self.device = settings, device
+        self.accumulation = settings.grad_accum_steps
+        self.micro_step = 0  # micro-steps since the last optimizer step
+        self.skipped_steps = 0
+        self._grad_norm: float | None = None
+        self.model = self.wrap(model)
+        # foreach=False: the same per-parameter kernels as DeepSpeed's torch_adam path (torch.optim.AdamW defaults)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, betas=tuple(settings.adam_betas),
+                                           eps=settings.adam_eps, weight_decay=settings.weight_decay)
+        self.scheduler = lr_schedule(settings, total_steps)(self.optimizer)
+        self.scaler = self.make_scaler() if settings.precision == "fp16" else None
+
+    # engine-specific
+    def wrap(self, model):
+        raise NotImplementedError
+
+    def make_scaler(self):
+        return torch.amp.GradScaler(self.device)
+
+    def sync_gradients(self, boundary: bool):
+        """A context for the forward (and the backward) of a micro-step: gradients are reduced only at the boundary."""
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    # the loop's interface
+    @property
+    def boundary(self) -> bool:
+        return (self.micro_step + 1) % self.accumulation == 0
+
+    def __call__(self, **inputs):
+        with self.sync_gradients(self.boundary or not torch.is_grad_enabled()), self.autocast():
+            return self.model(**inputs)
+
+    def backward(self, loss) -> None:
+        loss = loss / self.accumulation  # the mean over micro-steps, as DeepSpeed scales it
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        with self.sync_gradients(self.boundary):
+            loss.backward()
+
+    def step(self) -> None:
+        boundary = self.boundary
+        self.micro_step = (self.micro_step + 1) % self.accumulation
+        if not boundary:
+            return
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        clip = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards
+        self._grad_norm = norm  # read (one synchronisation) only when the record asks for it
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            stepped = self.scaler.get_scale() >= scale  # the scale drops exactly when the step was skipped
+        else:
+            self.optimizer.step()
+            stepped = True
+        if stepped:
+            self.scheduler.step()
+        else:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def train(self) -> None:
+        self.model.train()
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def grad_norm(self) -> float | None:
+        return None if self._grad_norm is None else float(self._grad_norm)
+
+    def loss_scale(self) -> float | None:
+        return float(self.scaler.get_scale()) if self.scaler is not None else None
+
+    def engine_state(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_engine_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.skipped_steps = state["skipped_steps"]
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+
+class DDPEngine(TorchEngine):
+    """torch.nn.parallel.DistributedDataParallel: replicated fp32 parameters, gradients and AdamW states; bf16/fp16
+    through autocast (fp16 with torch.amp.GradScaler); accumulation micro-steps under no_sync."""
+
+    name = "ddp"
+    comm_method = ("DDP communication hook on rank 0: wall-clock while any gradient-bucket all-reduce was in "
+                   "flight (union of launch-to-completion intervals; they overlap the backward pass), summed over "
+                   "steady-state steps ÷ their step time")
+
+    def wrap(self, model):
+        from torch.nn.parallel import DistributedDataParallel
+
+        # gradient_as_bucket_view: the gradients are views into DDP's communication buckets, not a second copy
+        # (the memory model counts 4Ψ of gradients, not 8Ψ)
+        ids = [torch.cuda.current_device()] if self.device == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+        self._intervals: list[list[float]] = []
+        self._comm_ms = 0.0
+        ddp.register_comm_hook(None, self._timed_allreduce)
+        return ddp
+
+    def _timed_allreduce(self, state, bucket):
+        """DDP's own all-reduce hook, timed from launch to completion (the future's callback)."""
+        import time
+
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        interval = [time.perf_counter(), None]
+        self._intervals.append(interval)
+
+        def done(future):
+            interval[1] = time.perf_counter()
+            return future.value()
+
+        return allreduce_hook(state, bucket).then(done)
+
+    def comm_ms(self) -> float:
+        """Milliseconds with at least one all-reduce in flight, over the run so far."""
+        spans = sorted(i for i in self._intervals if i[1] is not None)
+        self._intervals = [i for i in self._intervals if i[1] is None]
+        end = float("-inf")
+        for start, stop in spans:  # the union of the intervals: overlapping buckets count once
+            start = max(start, end)
+            if stop > start:
+                self._comm_ms += (stop - start) * 1000.0
+                end = stop
+        return self._comm_ms
+
+    def sync_gradients(self, boundary: bool):
+        return contextlib.nullcontext() if boundary else self.model.no_sync()
+
+    def autocast(self):
+        precision = self.settings.precision
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+    @property
+    def module(self):
+        return self.model.module
+
+    def save(self, folder: Path, writer, client_state: dict) -> None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        if rank == 0:  # every rank holds the same states
+            writer.save({"module": self.module.state_dict(), "client_state": client_state}, folder / DDP_MODEL_FILE)
+            writer.save({"optimizer": self.optimizer.state_dict()}, folder / DDP_OPTIMIZER_FILE)
+        writer.save(self.engine_state(), folder / engine_state_file(rank))
+
+    def load(self, folder: Path, rank: int, reshape: bool) -> None:
+        model = torch.load(folder / DDP_MODEL_FILE, map_location="cpu", weights_only=False, mmap=True)
+        self.module.load_state_dict(model["module"])
+        self.optimizer.load_state_dict(torch.load(folder / DDP_OPTIMIZER_FILE, map_location="cpu",
+                                                  weights_only=False, mmap=True)["optimizer"])
+        # a new world size has no file of its own for a new rank: the scheduler and scaler are the same on every
+        # rank, so rank 0's serve
+        own = folder / engine_state_file(rank)
+        self.load_engine_state(torch.load(own if own.is_file() else folder / engine_state_file(0),
+                                          map_location="cpu", weights_only=False))
+
+
+class FSDPEngine(TorchEngine):
+    """FSDP2 (torch.distributed.fsdp.fully_shard) on every decoder layer and the whole model: fp32 shards of the
+    parameters, gradients and AdamW states (ZeRO-3's layout); bf16/fp16 compute through MixedPrecisionPolicy with
+    fp32 gradient reduction (fp16 with the sharded gradient scaler)."""
+
+    name = "fsdp"
+
+    def wrap(self, model):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device, (dist.get_world_size(),))
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.settings.precision]
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for layer in model.model.layers:  # one all-gather per decoder layer, freed after its use
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)  # embeddings, final norm and head
+        return model
+
+    def make_scaler(self):
+        # the plain GradScaler checks only this rank's gradient shards for inf/NaN; the sharded one agrees
+        # across ranks, so every rank skips the same steps
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(self.device)
+
+    def sync_gradients(self, boundary: bool):
+        self.model.set_requires_gradient_sync(boundary)
+        return contextlib.nullcontext()
+
+    @property
+    def module(self):
+        return self.model
+
+    def save(self, folder: Path, writer, client_state: dict) -> None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        try:
+            dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(folder / DCP_FOLDER))
+        except CheckpointException as error:  # a BaseException: carry it as the error the save expects
+            raise OSError(f"torch.distributed.checkpoint failed writing {folder / DCP_FOLDER}: {error}") from None
+        writer.save(self.engine_state(), folder / engine_state_file(dist.get_rank()))
+
+    def load(self, folder: Path, rank: int, reshape: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optimizer_state}
+        try:
+            dcp.load(state, checkpoint_id=str(folder / DCP_FOLDER))  # resharded to this world size as needed
+        except CheckpointException as error:
+            raise RuntimeError(f"torch.distributed.checkpoint failed reading {folder / DCP_FOLDER}: {error}") from None
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        own = folder / engine_state_file(rank)
+        self.load_engine_state(torch.load(own if own.is_file() else folder / engine_state_file(0),
+                                          map_location="cpu", weights_only=False))
+
+
+def read_dcp_model(folder: Path) -> dict:
+    """The model's full state dict from a torch.distributed.checkpoint folder written by FSDPEngine, in one process
+    (no process group): tensors are allocated from the folder's metadata and filled by dcp.load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(folder))
+    metadata = reader.read_metadata().state_dict_metadata
+    state = {key[len("model."):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    nested = {"model": state}
+    dcp.load(nested, storage_reader=reader, no_dist=True)
+    return nested["model"]
