@@ -81,7 +81,7 @@ def evaluation_outputs(name):
 # out (unsupported on this device, or predicted not to fit). bench/matrix.json records the same decisions.
 from snakemake.logging import logger  # noqa: E402
 
-from pretrain_bench.bench_matrix import BenchSettings, Cell, cost_preview, plan_matrix, planning_peak, preview_text  # noqa: E402
+from pretrain_bench.bench_matrix import AXES as bench_axes, BenchSettings, Cell, cost_preview, plan_matrix, planning_peak, preview_text  # noqa: E402
 from pretrain_bench.memory_fit import fit_run, summary_line  # noqa: E402
 from pretrain_bench.memory_model import config_vocab_size  # noqa: E402
 from pretrain_bench.plan import cell_train, plan_config  # noqa: E402
@@ -143,8 +143,7 @@ def bench_cell(cell):
 
 def bench_overrides(cell):
     entry = bench_cell(cell)
-    return {axis: entry[axis] for axis in ("gpus", "zero_stage", "precision", "comm_backend", "micro_batch_size",
-                                           "offload_optimizer")}
+    return {axis: entry[axis] for axis in bench_axes}
 
 
 def bench_summaries(name):

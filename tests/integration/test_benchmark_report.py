@@ -28,7 +28,9 @@ OVERLAY = {
     # a short main run: two kept checkpoints, so the eval curves have two points
     "train": {"max_steps": 12, "checkpoint_every": 6, "warmup_timing_steps": 2},
     "evaluate": {"lm_eval": {"tasks": []}, "max_tokens": 8192},
-    "benchmark": {"repeats": 2, "matrix": {"micro_batch_size": [8, 100000], "zero_stage": [1, 2]}},
+    # DDP beside DeepSpeed ZeRO-1 and -2: its cells collapse the ZeRO axis (one layout), see bench_matrix.cells
+    "benchmark": {"repeats": 2, "matrix": {"micro_batch_size": [8, 100000], "zero_stage": [1, 2],
+                                           "engine": ["deepspeed", "ddp"]}},
 }
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -70,12 +72,15 @@ def test_runnable_cells_ran_twice_and_the_others_were_reported_not_run(run):
     by_status = {}
     for entry in matrix["cells"]:
         by_status.setdefault(entry["status"], []).append(entry)
-    assert len(matrix["cells"]) == 3 * 2 * 2 * 2
+    # DeepSpeed: ranks × ZeRO × backend × micro batch; DDP: ranks × backend × micro batch
+    assert len(matrix["cells"]) == 3 * 2 * 2 * 2 + 3 * 2 * 2
     assert sorted(e["cell"] for e in by_status["run"]) == sorted(
-        f"ranks{g}-zero{z}-fp32-gloo" for g in (1, 2, 3) for z in (1, 2))
-    assert len(by_status["unsupported"]) == 12 and all("nccl needs CUDA" in e["reason"]
+        [f"ranks{g}-zero{z}-fp32-gloo" for g in (1, 2, 3) for z in (1, 2)] + [f"ddp-ranks{g}-fp32-gloo"
+                                                                            for g in (1, 2, 3)])
+    assert all(e["zero_stage"] == 0 for e in matrix["cells"] if e["engine"] == "ddp")
+    assert len(by_status["unsupported"]) == 18 and all("nccl needs CUDA" in e["reason"]
                                                          for e in by_status["unsupported"])
-    assert len(by_status["predicted_oom"]) == 6
+    assert len(by_status["predicted_oom"]) == 9
     for entry in by_status["predicted_oom"] + by_status["unsupported"]:
         assert not (run / "bench" / entry["cell"]).exists(), "a left-out cell must not run"
         assert not (ROOT / "logs" / NAME / "bench" / entry["cell"]).exists()
@@ -87,6 +92,7 @@ def test_runnable_cells_ran_twice_and_the_others_were_reported_not_run(run):
         for summary in reps:
             assert summary["role"] == "bench" and summary["world_size"] == entry["gpus"]
             assert summary["zero_stage"] == entry["zero_stage"] and summary["steps"] == 8
+            assert summary["engine"] == entry["engine"]
             assert summary["warmup_timing_steps"] == 2 and summary["steady_steps"] == 6
             assert summary["global_batch_size"] == 8 * entry["gpus"] and summary["checkpoints"] == []
             assert summary["tokens_per_s"] > 0 and len(summary["peak_mem_bytes"]) == entry["gpus"]
@@ -101,7 +107,7 @@ def test_timed_cells_never_overlapped(run):
         cell, rep = tsv.parent.name, tsv.stem
         end = (run / "bench" / cell / rep / "summary.json").stat().st_mtime
         intervals.append((end - seconds, end, f"{cell}/{rep}"))
-    assert len(intervals) == 12
+    assert len(intervals) == 18
     intervals.sort()
     for (start_a, end_a, a), (start_b, _, b) in zip(intervals, intervals[1:]):
         assert start_b >= end_a - 1.0, f"{a} and {b} ran at the same time"
@@ -128,11 +134,14 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
         return f"{fmt(statistics.median(values), digits)} ({fmt(min(values), digits)}–{fmt(max(values), digits)})"
 
     seeds = _md_table(md, "## 1. The source articles' table")
-    assert len(seeds) == 6
+    assert len(seeds) == 9
     for series, ranks, batch, repeats, tps, speedup, efficiency, mem, epoch, oversubscribed in seeds:
-        zero = re.match(r"ZeRO-(\d)", series).group(1)
-        reps = runs[f"ranks{ranks}-zero{zero}-fp32-gloo"]
-        base = statistics.median(s["tokens_per_s"] for s in runs[f"ranks1-zero{zero}-fp32-gloo"])
+        if series.startswith("DDP"):
+            reps, base_cell = runs[f"ddp-ranks{ranks}-fp32-gloo"], "ddp-ranks1-fp32-gloo"
+        else:
+            zero = re.match(r"ZeRO-(\d)", series).group(1)
+            reps, base_cell = runs[f"ranks{ranks}-zero{zero}-fp32-gloo"], f"ranks1-zero{zero}-fp32-gloo"
+        base = statistics.median(s["tokens_per_s"] for s in runs[base_cell])
         values = [s["tokens_per_s"] for s in reps]
         med = statistics.median(values)
         assert tps == span(values, 0)
@@ -145,7 +154,7 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
         assert f"<td>{tps}</td><td>{speedup}</td><td>{efficiency}</td><td>{mem}</td>" in html
 
     mfu = _md_table(md, "## 5. MFU per cell")
-    assert len(mfu) == 6
+    assert len(mfu) == 9
     for cell, ranks, mfu_pct, peak, source, flops in mfu:
         reps = runs[cell]
         assert mfu_pct == span([s["mfu"] * 100 for s in reps], 2)
@@ -153,11 +162,27 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
         assert source == reps[0]["peak_flops_source"] and flops == fmt(reps[0]["flops_per_token"], 0)
 
     comm = _md_table(md, "## 4. Communication")
-    assert len(comm) == 4  # the 2- and 3-rank cells
+    assert len(comm) == 6  # the 2- and 3-rank cells, DDP's timed by its communication hook
     for cell, ranks, backend, share in comm:
         assert share == span([s["comm_fraction"] * 100 for s in runs[cell]], 1)
+    assert "DDP communication hook" in md and "DeepSpeed comms_logger" in md
 
-    memory = {row[0]: row for row in _md_table(md, "## 3. Memory by ZeRO stage")}
+    # engines side by side: at each rank count DDP and both ZeRO stages, with the same global batch
+    engines = _md_table(md, "## 4b. Engines side by side")
+    assert len(engines) == 9
+    for ranks in ("1", "2", "3"):
+        group = [row for row in engines if row[0] == ranks]
+        assert sorted(row[3] for row in group) == ["DDP", "DeepSpeed ZeRO-1", "DeepSpeed ZeRO-2"]
+        fastest = max(statistics.median(s["tokens_per_s"] for s in runs[row[4]]) for row in group)
+        for row in group:
+            med = statistics.median(s["tokens_per_s"] for s in runs[row[4]])
+            assert row[5] == span([s["tokens_per_s"] for s in runs[row[4]]], 0)
+            assert row[6] == f"{fmt(med / fastest, 2)}×"
+        assert group[0][6] == "1.00×", "fastest first"
+    ddp_row = next(row for row in engines if row[4] == "ddp-ranks3-fp32-gloo")
+    assert ddp_row[12].startswith("16Ψ (4Ψ fp32 params")
+
+    memory = {row[0]: row for row in _md_table(md, "## 3. Memory by engine and ZeRO stage")}
     matrix = {e["cell"]: e for e in matrix_of(run)["cells"]}
     for cell, row in memory.items():
         est = matrix[cell]["estimate"]

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 from .memory_model import (Budget, config_vocab_size, detect_budget, estimate, judge, resolve_device_cheaply,
                            run_shape)
 from .plan import cell_train
-from .settings import ConfigError, TrainSettings, check_settings
+from .settings import ENGINE_STAGE, ConfigError, TrainSettings, check_settings
 
-AXES = ("gpus", "zero_stage", "precision", "comm_backend", "micro_batch_size", "offload_optimizer")
+AXES = ("gpus", "zero_stage", "precision", "comm_backend", "micro_batch_size", "offload_optimizer", "engine")
 DEFAULTS = {"enabled": True, "steps": 30, "warmup_steps": 10, "repeats": 3, "allow_concurrent": False,
             "force": False, "device_memory_gib": 24.0, "host_memory_gib": None, "disk_gib": None,
             "assumed_gpu": "RTX 4090"}
@@ -66,10 +66,15 @@ class Cell:
     comm_backend: str
     micro_batch_size: int
     offload_optimizer: str
+    engine: str = "deepspeed"
 
     def name(self, train: dict) -> str:
-        """`ranks3-zero2-fp32-gloo`, plus `-mb<n>` / `-offload` where the cell differs from the main run there."""
-        name = f"ranks{self.gpus}-zero{self.zero_stage}-{self.precision}-{self.comm_backend}"
+        """`ranks3-zero2-fp32-gloo` (DeepSpeed) or `ddp-ranks3-fp32-gloo`, plus `-mb<n>` / `-offload` where the cell
+        differs from the main run there."""
+        if self.engine == "deepspeed":
+            name = f"ranks{self.gpus}-zero{self.zero_stage}-{self.precision}-{self.comm_backend}"
+        else:  # the engine fixes the layout: no ZeRO stage in the name
+            name = f"{self.engine}-ranks{self.gpus}-{self.precision}-{self.comm_backend}"
         if self.micro_batch_size != train.get("micro_batch_size", 8):
             name += f"-mb{self.micro_batch_size}"
         if self.offload_optimizer != "none":
@@ -77,15 +82,24 @@ class Cell:
         return name
 
     def train_overrides(self, bench: BenchSettings) -> dict:
-        return {**asdict(self), "max_steps": bench.steps, "max_tokens": None,
-                "warmup_timing_steps": bench.warmup_steps, "warmup_steps": bench.lr_warmup_steps}
+        overrides = {**asdict(self), "max_steps": bench.steps, "max_tokens": None,
+                     "warmup_timing_steps": bench.warmup_steps, "warmup_steps": bench.lr_warmup_steps}
+        if self.engine != "deepspeed":  # the main run's DeepSpeed-only keys do not carry over to a DDP/FSDP cell
+            overrides.update(offload_param="none", deepspeed={})
+        return overrides
 
 
 def cells(bench: BenchSettings) -> list[Cell]:
     """Every combination of the matrix's values; none when benchmark.enabled is false or an axis is empty."""
     if not bench.enabled:
         return []
-    return [Cell(*values) for values in itertools.product(*(bench.matrix[axis] for axis in AXES))]
+    found: dict[Cell, None] = {}
+    for values in itertools.product(*(bench.matrix[axis] for axis in AXES)):
+        cell = Cell(*values)
+        if cell.engine in ENGINE_STAGE:  # DDP and FSDP have one layout each: the ZeRO and offload axes collapse
+            cell = Cell(**{**asdict(cell), "zero_stage": ENGINE_STAGE[cell.engine], "offload_optimizer": "none"})
+        found.setdefault(cell)
+    return list(found)
 
 
 def cell_settings(config: dict, cell: Cell, bench: BenchSettings) -> TrainSettings:

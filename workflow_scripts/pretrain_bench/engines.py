@@ -23,6 +23,7 @@ its own files. `checkpoint.load_fp32_state_dict` reads all three layouts for the
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -246,6 +247,14 @@ class DDPEngine(TorchEngine):
         # (the memory model counts 4Ψ of gradients, not 8Ψ)
         ids = [torch.cuda.current_device()] if self.device == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+        # Exact resume: DDP's first iteration reduces all gradients in one bucket, then rebuilds its buckets in the
+        # order the first backward produced them. A resumed run would reduce its first step in the one bucket where
+        # the uninterrupted run used the rebuilt ones, and a ring all-reduce's summation order depends on where an
+        # element sits in its bucket, so the losses would drift in the last bits. Fixing the layout now (the
+        # Join hook's own calls: parameters in definition order, DDP's usual bucket sizes) makes every step of
+        # every run reduce in the same buckets; the price is buckets in definition rather than backward order.
+        ddp.reducer._push_all_rebuilt_params()
+        ddp.reducer._rebuild_buckets()
         self._intervals: list[list[float]] = []
         self._comm_ms = 0.0
         ddp.register_comm_hook(None, self._timed_allreduce)
@@ -390,5 +399,7 @@ def read_dcp_model(folder: Path) -> dict:
              for key, meta in metadata.items()
              if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     nested = {"model": state}
-    dcp.load(nested, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(nested, storage_reader=reader, no_dist=True)
     return nested["model"]

@@ -302,17 +302,22 @@ def root_parameters(run: RunShape) -> int:
     return run.parameters - run.layers * _per_layer_params(run)
 
 
+def torch_state_bytes(psi: int, ranks: int, engine: str) -> dict:
+    """Bytes per rank of parameters, gradients and AdamW states under DDP (replicated) or FSDP (sharded)."""
+    n = 1 if engine == "ddp" else ranks
+    return {"params": 4 * psi // n, "grads": 4 * psi // n, "optimizer": 8 * psi // n}
+
+
 def torch_engine_terms(run: RunShape) -> tuple[dict, dict]:
-    """(states, buffers) per rank of a DDP or FSDP run, each {term: (bytes, source)}."""
-    psi, n, b = run.parameters, run.ranks, 4 if run.precision == "fp32" else 2
+    """(states, buffers) per rank of a DDP or FSDP run: states {term: bytes}, buffers {term: (bytes, source)}."""
+    psi, b = run.parameters, 4 if run.precision == "fp32" else 2
+    states = torch_state_bytes(psi, run.ranks, run.engine)
     if run.engine == "ddp":
-        states = {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
         buffers = {}
         if run.precision != "fp32":
             # autocast casts each fp32 weight once per forward; the 16-bit copies are saved for the backward
             buffers["autocast_copies"] = (2 * psi, "autocast's 16-bit weight copies, 2Ψ, kept for the backward")
         return states, buffers
-    states = {"params": 4 * psi // n, "grads": 4 * psi // n, "optimizer": 8 * psi // n}
     layer, root = _per_layer_params(run), root_parameters(run)
     buffers = {
         # the root module (embeddings, head, final norm) stays gathered from its forward to its backward

@@ -16,8 +16,8 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from . import plots as plotting
 from .claims import CLAIMS, SETUP, check_claims
 from .io import atomic_write_text, read_jsonl
-from .tables import (GIB, backend_rows, communication_rows, fmt, fmt_duration, headline, main_run_tables,
-                     matrix_rows, memory_rows, mfu_rows, provenance, scaling_rows)
+from .tables import (GIB, backend_rows, communication_rows, engine_label, engine_rows, fmt, fmt_duration, headline,
+                     main_run_tables, matrix_rows, memory_rows, mfu_rows, provenance, scaling_rows)
 
 __all__ = ["GIB", "fmt", "fmt_duration", "build_tables", "load_bench", "build_report"]
 
@@ -41,10 +41,11 @@ def build_tables(summary: dict, evals: list[dict], target_corpus_tokens: float, 
     memory = memory_rows(matrix, runs_by_cell)
     comms = communication_rows(matrix, runs_by_cell)
     backends = backend_rows(matrix, runs_by_cell)
+    engines = engine_rows(matrix, runs_by_cell)
     bench_summaries = [s for runs in runs_by_cell.values() for s in runs]
     tables.update(
         matrix=matrix_rows(matrix, runs_by_cell), scaling=scaling, memory=memory, communication=comms,
-        backends=backends, mfu=mfu_rows(matrix, runs_by_cell), headline=headline(matrix, scaling, backends),
+        backends=backends, engines=engines, mfu=mfu_rows(matrix, runs_by_cell), headline=headline(matrix, scaling, backends),
         claims=check_claims(scaling, memory, backends, comms, target_corpus_tokens, matrix["device"]),
         provenance={"main": provenance([summary]), "bench": provenance(bench_summaries) if bench_summaries else None},
     )
@@ -132,6 +133,7 @@ def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path],
         "peak_mem_kind": (bench[0] if bench else summary)["peak_mem_kind"],
         "weights_origin": weights_origin(summary), "eval_during": eval_during_training(summary),
         "flops_formula": (bench[0] if bench else summary)["flops_formula"],
+        "main_engine": engine_label({"offload_optimizer": "none", **summary}),
     }
     out_md, out_html = Path(out_md), Path(out_html)
     out_md.parent.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,7 @@ def main_run_tables(summary: dict, evals: list[dict], target_corpus_tokens: floa
     throughput = [{
         "ranks": str(summary["world_size"]),
         "device": summary["device"],
+        "engine": engine_label({"offload_optimizer": "none", **summary}),
         "zero_stage": str(summary["zero_stage"]),
         "precision": summary["precision"],
         "comm_backend": summary["comm_backend"],
@@ -150,14 +151,30 @@ def cell_stats(runs: list[dict]) -> dict:
     }
 
 
+def engine_of(entry: dict) -> str:
+    return entry.get("engine", "deepspeed")  # matrix.json and summaries written before train.engine: DeepSpeed
+
+
+def engine_label(entry: dict) -> str:
+    """'DeepSpeed ZeRO-2', 'DeepSpeed ZeRO-2 + optimizer offload', 'DDP' or 'FSDP2'."""
+    engine = engine_of(entry)
+    if engine != "deepspeed":
+        return {"ddp": "DDP", "fsdp": "FSDP2"}[engine]
+    label = f"DeepSpeed ZeRO-{entry['zero_stage']}"
+    return label + (" + optimizer offload" if entry.get("offload_optimizer", "none") != "none" else "")
+
+
 def group_key(entry: dict) -> tuple:
     """Cells that differ only in their rank count form one scaling series."""
-    return (entry["zero_stage"], entry["precision"], entry["comm_backend"], entry["micro_batch_size"],
-            entry["offload_optimizer"])
+    return (engine_of(entry), entry["zero_stage"], entry["precision"], entry["comm_backend"],
+            entry["micro_batch_size"], entry["offload_optimizer"])
 
 
 def group_label(entry: dict) -> str:
-    label = f"ZeRO-{entry['zero_stage']}, {entry['precision']}, {entry['comm_backend']}"
+    if engine_of(entry) == "deepspeed":
+        label = f"ZeRO-{entry['zero_stage']}, {entry['precision']}, {entry['comm_backend']}"
+    else:
+        label = f"{engine_label(entry)}, {entry['precision']}, {entry['comm_backend']}"
     label += f", micro batch {entry['micro_batch_size']}"
     if entry["offload_optimizer"] != "none":
         label += ", optimizer offload"
@@ -186,6 +203,7 @@ def scaling_rows(matrix: dict, runs_by_cell: dict[str, list[dict]], target_corpu
                 "epoch": fmt_duration(target_corpus_tokens / tps) if tps else "n/a",
                 "oversubscribed": "yes" if stats["oversubscribed"] else "no",
                 "_tps": stats["tokens_per_s"], "_speedup": speedup, "_gpus": entry["gpus"],
+                "_engine": engine_of(entry),
             })
     return rows
 
@@ -211,7 +229,8 @@ def memory_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]
         predicted = measurable_prediction(est, matrix["device"])
         measured = median(stats["mem_bytes"])
         rows.append({
-            "cell": entry["cell"], "zero_stage": str(entry["zero_stage"]), "ranks": str(entry["gpus"]),
+            "cell": entry["cell"], "engine": engine_label(entry), "zero_stage": str(entry["zero_stage"]),
+            "ranks": str(entry["gpus"]),
             "precision": entry["precision"], "measured_gib": spread(stats["mem_bytes"], 3, 1 / GIB),
             "predicted_gib": fmt(predicted / GIB, 3),
             "states_gib": fmt(est["model_states"] / GIB, 3), "activations_gib": fmt(est["activations"] / GIB, 3),
@@ -232,8 +251,11 @@ def communication_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> lis
         if not runs or entry["gpus"] < 2:
             continue
         stats = cell_stats(runs)
-        rows.append({"cell": entry["cell"], "ranks": str(entry["gpus"]), "comm_backend": entry["comm_backend"],
-                     "comm_pct": spread(stats["comm_fraction"], 1, 100),
+        rows.append({"cell": entry["cell"], "engine": engine_of(entry), "ranks": str(entry["gpus"]),
+                     "comm_backend": entry["comm_backend"],
+                     "comm_pct": spread(stats["comm_fraction"], 1, 100) if any(
+                         v is not None for v in stats["comm_fraction"]) else "not measured",
+                     "method": runs[0].get("comm_method", "n/a"),
                      "_comm": median(stats["comm_fraction"])})
     return rows
 
@@ -243,18 +265,58 @@ def backend_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict
     by_key = {}
     for entry in matrix["cells"]:
         if runs_by_cell.get(entry["cell"]):
-            key = (entry["gpus"], entry["zero_stage"], entry["precision"], entry["micro_batch_size"],
-                   entry["offload_optimizer"])
+            key = (entry["gpus"], engine_of(entry), entry["zero_stage"], entry["precision"],
+                   entry["micro_batch_size"], entry["offload_optimizer"])
             by_key.setdefault(key, {})[entry["comm_backend"]] = entry
     rows = []
     for key, pair in sorted(by_key.items()):
         if {"nccl", "gloo"} <= set(pair):
             nccl = median(cell_stats(runs_by_cell[pair["nccl"]["cell"]])["tokens_per_s"])
             gloo = median(cell_stats(runs_by_cell[pair["gloo"]["cell"]])["tokens_per_s"])
-            rows.append({"ranks": str(key[0]), "zero_stage": str(key[1]), "precision": key[2],
+            rows.append({"ranks": str(key[0]), "engine": engine_label(pair["nccl"]), "zero_stage": str(key[2]),
+                         "precision": key[3],
                          "nccl_tokens_per_s": fmt(nccl, 0), "gloo_tokens_per_s": fmt(gloo, 0),
                          "nccl_faster_pct": fmt((nccl / gloo - 1) * 100, 1),
                          "_ratio": nccl / gloo})
+    return rows
+
+
+def engine_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]:
+    """Engines side by side on the same work: cells equal in ranks, precision, backend and micro batch (so the same
+    model, data and global batch), one row per engine setup, fastest first. Empty unless two engines ran."""
+    entries = [e for e in matrix["cells"] if runs_by_cell.get(e["cell"])]
+    groups: dict[tuple, list[dict]] = {}
+    for entry in entries:
+        key = (entry["gpus"], entry["precision"], entry["comm_backend"], entry["micro_batch_size"])
+        groups.setdefault(key, []).append(entry)
+    one_rank = {group_key(e): e for e in entries if e["gpus"] == 1}
+    rows = []
+    for key, group in sorted(groups.items()):
+        if len({engine_of(e) for e in group}) < 2:
+            continue
+        stats = {e["cell"]: cell_stats(runs_by_cell[e["cell"]]) for e in group}
+        tps = {cell: median(s["tokens_per_s"]) for cell, s in stats.items()}
+        fastest = max(v for v in tps.values() if v)
+        for entry in sorted(group, key=lambda e: -(tps[e["cell"]] or 0)):
+            cell, st = entry["cell"], stats[entry["cell"]]
+            base = one_rank.get(group_key(entry))
+            base_tps = median(cell_stats(runs_by_cell[base["cell"]])["tokens_per_s"]) if base else None
+            speedup = tps[cell] / base_tps if base_tps and tps[cell] else None
+            predicted = measurable_prediction(entry["estimate"], matrix["device"]) if entry.get("estimate") else None
+            measured = median(st["mem_bytes"])
+            comm = [v for v in st["comm_fraction"] if v is not None]
+            rows.append({
+                "ranks": str(key[0]), "precision": key[1], "comm_backend": key[2], "engine": engine_label(entry),
+                "cell": cell, "repeats": str(st["repeats"]), "tokens_per_s": spread(st["tokens_per_s"], 0),
+                "vs_fastest": f"{fmt(tps[cell] / fastest, 2)}×" if tps[cell] else "n/a",
+                "speedup": f"{fmt(speedup, 2)}×" if speedup and entry["gpus"] > 1 else "—",
+                "measured_gib": spread(st["mem_bytes"], 3, 1 / GIB),
+                "predicted_gib": fmt(predicted / GIB, 3) if predicted else "n/a",
+                "ratio": fmt(measured / predicted, 2) if predicted and measured else "n/a",
+                "formula": entry["estimate"]["state_formula"] if entry.get("estimate") else "n/a",
+                "comm_pct": spread(comm, 1, 100) if comm else ("—" if key[0] == 1 else "not measured"),
+                "_tps": tps[cell], "_engine": engine_of(entry),
+            })
     return rows
 
 

@@ -7,6 +7,7 @@ barrier, and the two closing barriers. See `pretrain_bench.train` for the fault-
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -240,7 +241,9 @@ class Trainer:
         if self.reshape and self.settings.engine == "deepspeed":
             tag = ckpt.universal_tag(ckpt_root, step, rank)  # rank 0 converts once, the others wait
         try:
-            with mmap_loads():  # optimizer shards are mapped, not copied, beside the states already allocated
+            # DeepSpeed's optimizer shards are mapped, not copied, beside the states already allocated (DDP maps
+            # its own files; torch.distributed.checkpoint reads through buffers, which cannot be mapped)
+            with mmap_loads() if self.settings.engine == "deepspeed" else contextlib.nullcontext():
                 self.engine.load(ckpt_root / tag, rank, self.reshape)
             if not self.reshape:
                 set_rng_state(torch.load(ckpt_root / tag / f"rng_rank{rank}.pt", weights_only=False))
@@ -404,6 +407,7 @@ class Trainer:
         return {
             "name": plan["name"], "role": plan.get("role", "pretrain"), "engine": settings.engine,
             "world_size": world, "nodes": settings.nodes, "device": self.device, "zero_stage": settings.zero_stage,
+            "offload_optimizer": settings.offload_optimizer, "offload_param": settings.offload_param,
             "precision": settings.precision, "comm_backend": settings.comm_backend,
             "micro_batch_size": settings.micro_batch_size, "grad_accum_steps": settings.grad_accum_steps,
             "global_batch_size": settings.derived_global_batch, "seq_len": self.seq_len,

@@ -1,0 +1,124 @@
+"""train.engine on CPU through the real launcher: DeepSpeed, DDP and FSDP train the same work, DDP reproduces
+DeepSpeed ZeRO-0's losses, DDP and FSDP resume exactly after kill -9, and every engine's checkpoint exports."""
+import json
+import time
+
+import psutil
+import pytest
+
+from support import losses, plan_for, run, start  # noqa: E402  (data: tests/conftest.py)
+
+from pretrain_bench.checkpoint import committed_steps, load_fp32_state_dict  # noqa: E402
+
+pytestmark = pytest.mark.engine
+
+ENGINES = {"deepspeed": {"zero_stage": 0}, "ddp": {"engine": "ddp", "zero_stage": 0},
+           "fsdp": {"engine": "fsdp", "zero_stage": 3}}
+
+
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory):
+    """Each engine, 3 gloo ranks, fp32, the same seed, data and global batch, 8 steps with checkpoints at 4 and 8."""
+    root = tmp_path_factory.mktemp("engines")
+    for name, train in ENGINES.items():
+        assert run(plan_for(data, root / name, **train), 3, root / f"{name}.log") == 0, \
+            (root / f"{name}.log").read_text()[-3000:]
+    return root
+
+
+def test_every_engine_trains_three_ranks_and_its_loss_falls(trained):
+    for name in ENGINES:
+        summary = json.loads((trained / name / "out" / "summary.json").read_text())
+        assert summary["engine"] == name and summary["world_size"] == 3 and summary["steps"] == 8
+        assert len(summary["peak_mem_bytes"]) == 3 and summary["tokens_per_s"] > 0
+        assert committed_steps(trained / name / "state" / "checkpoints") == [4, 8]
+        curve = losses(trained / name)
+        assert len(curve) == 8 and curve[-1] < curve[0] - 0.5, (name, curve)
+    # only DeepSpeed has a DeepSpeed config; DDP times its all-reduces with its communication hook
+    assert (trained / "deepspeed" / "out" / "ds_config.json").is_file()
+    assert not (trained / "ddp" / "out" / "ds_config.json").exists()
+    ddp = json.loads((trained / "ddp" / "out" / "summary.json").read_text())
+    assert 0 < ddp["comm_fraction"] < 1 and "DDP communication hook" in ddp["comm_method"]
+    fsdp = json.loads((trained / "fsdp" / "out" / "summary.json").read_text())
+    assert fsdp["comm_fraction"] is None and "not measured" in fsdp["comm_method"]
+
+
+def test_ddp_and_fsdp_follow_deepspeed_zero0_step_for_step(trained):
+    """Same model, data, AdamW maths, clipping and schedule: the losses agree to float tolerance."""
+    reference = losses(trained / "deepspeed")
+    for name in ("ddp", "fsdp"):
+        curve = losses(trained / name)
+        assert curve == pytest.approx(reference, rel=1e-5, abs=1e-5), (name, curve, reference)
+    # and the trained weights too (the HF export reads every engine's checkpoint layout)
+    weights = {name: load_fp32_state_dict(trained / name / "state" / "checkpoints", 8) for name in ENGINES}
+    assert set(weights["ddp"]) == set(weights["deepspeed"]) == set(weights["fsdp"])
+    for key, tensor in weights["deepspeed"].items():
+        for name in ("ddp", "fsdp"):
+            assert (weights[name][key] - tensor).abs().max().item() < 1e-4, (name, key)
+
+
+def test_hf_export_of_an_fsdp_checkpoint_loads_and_scores_like_training(trained):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pretrain_bench.export import export_checkpoint
+
+    plan = json.loads((trained / "fsdp" / "plan.json").read_text())
+    target = trained / "fsdp-hf"
+    info = export_checkpoint(plan, 8, target)
+    assert info["step"] == 8
+    model = AutoModelForCausalLM.from_pretrained(target, local_files_only=True)
+    state = load_fp32_state_dict(trained / "fsdp" / "state" / "checkpoints", 8)
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[key], value) for key, value in state.items() if key in loaded)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_kill_9_then_rerun_resumes_with_identical_losses(data, tmp_path, engine):
+    train = {**ENGINES[engine], "max_steps": 12}
+    reference = tmp_path / "reference"
+    assert run(plan_for(data, reference, **train), 3, tmp_path / "ref.log") == 0, \
+        (tmp_path / "ref.log").read_text()[-3000:]
+    crashed = tmp_path / "crashed"
+    plan = plan_for(data, crashed, **train)
+    proc = start(plan, 3, tmp_path / "crash.log")
+    deadline = time.monotonic() + 600
+    while not committed_steps(crashed / "state" / "checkpoints"):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "crash.log").read_text()[-3000:]
+        time.sleep(0.2)
+    time.sleep(1.0)
+    root = psutil.Process(proc.pid)
+    job = [root, *root.children(recursive=True)]
+    for process in job:
+        process.kill()
+    proc.wait()
+    psutil.wait_procs(job, timeout=30)
+    assert not (crashed / "out" / "summary.json").exists()
+    kept = committed_steps(crashed / "state" / "checkpoints")
+    assert run(plan, 3, tmp_path / "resume.log") == 0, (tmp_path / "resume.log").read_text()[-3000:]
+    summary = json.loads((crashed / "out" / "summary.json").read_text())
+    assert summary["engine"] == engine and summary["resumed_from_step"] == kept[-1]
+    assert losses(crashed) == losses(reference), "every per-step loss equals the uninterrupted run, bit for bit"
+
+
+def test_ddp_resumes_at_another_world_size_without_conversion(data, tmp_path):
+    """DDP's checkpoint is world-size independent: train.allow_reshape resumes it directly (no universal copy)."""
+    run_dir = tmp_path / "run"
+    assert run(plan_for(data, run_dir, max_steps=4, **ENGINES["ddp"]), 3, tmp_path / "a.log") == 0
+    plan = plan_for(data, run_dir, max_steps=8, gpus=2, global_batch_size=None, allow_reshape=True,
+                    **ENGINES["ddp"])
+    assert run(plan, 2, tmp_path / "b.log") == 0, (tmp_path / "b.log").read_text()[-3000:]
+    summary = json.loads((run_dir / "out" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["resumed_from_step"] == 4
+    assert not (run_dir / "state" / "checkpoints" / "step4-universal").exists()
+    assert len(losses(run_dir)) == 8
+
+
+def test_keys_an_engine_cannot_honour_are_refused_before_launch(data, tmp_path):
+    from pretrain_bench.settings import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.zero_stage 2 means nothing under train.engine ddp"):
+        plan_for(data, tmp_path / "a", engine="ddp", zero_stage=2)
+    with pytest.raises(ConfigError, match=r"train.offload_optimizer cpu means nothing under train.engine fsdp"):
+        plan_for(data, tmp_path / "b", engine="fsdp", zero_stage=3, offload_optimizer="cpu")
+    assert not (tmp_path / "a" / "plan.json").exists() and not (tmp_path / "b" / "plan.json").exists()
