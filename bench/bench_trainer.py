@@ -1,11 +1,14 @@
-"""Trainer overhead and CPU MFU: our DeepSpeed trainer at one rank against a plain PyTorch AdamW loop.
+"""Trainer overhead and CPU MFU: the trainer at one rank, under each engine, against a plain PyTorch AdamW loop.
 
 Same model (~12M parameters, LLaMA architecture), same batch (8 × 128 tokens), same data, same threads (all
 cores), fp32 on CPU. The plain loop is the limit: forward, cross-entropy, backward, clip, AdamW step, nothing else.
+Variants: DeepSpeed ZeRO-0, DeepSpeed ZeRO-2, DDP, FSDP. The machine is noisy, so the variants alternate
+(plain, z0, z2, ddp, fsdp, plain, z0, …) for --repeats rounds, and each ratio is the median over rounds of the
+variant's tokens/s ÷ the same round's plain loop.
 Targets: trainer ≥ 0.95× the plain loop's tokens/s; MFU against the matmul peak measured here ≥ 60%.
 Writes JSON (default bench-results/trainer.json).
 
-    python bench/bench_trainer.py [out.json] [--steps 30]
+    python bench/bench_trainer.py [out.json] [--steps 30] [--repeats 3]
 """
 import argparse
 import json
@@ -38,23 +41,27 @@ def build_data() -> tuple[dict, Path]:
     return config, ROOT / "results" / NAME
 
 
-def run_trainer(config: dict, results: Path, steps: int, warmup: int, zero_stage: int, work: Path) -> dict:
+VARIANTS = {"zero0": {"zero_stage": 0}, "zero2": {"zero_stage": 2}, "ddp": {"engine": "ddp", "zero_stage": 0},
+            "fsdp": {"engine": "fsdp", "zero_stage": 3}}
+
+
+def run_trainer(config: dict, results: Path, steps: int, warmup: int, variant: str, work: Path) -> dict:
     from pretrain_bench.plan import make_plan, write_plan
 
-    train = {"gpus": 1, "global_batch_size": None, "zero_stage": zero_stage, "max_steps": steps,
-             "warmup_timing_steps": warmup, "checkpoint_every": 10**6}
+    train = {"gpus": 1, "global_batch_size": None, "max_steps": steps, "warmup_timing_steps": warmup,
+             "checkpoint_every": 10**6, **VARIANTS[variant]}
     plan = make_plan({**config, "train": {**config["train"], **train}}, index=results / "shards" / "index.json",
-                     tokenizer=results / "tokenizer", out_dir=work / f"z{zero_stage}", state_dir=work / f"s{zero_stage}",
+                     tokenizer=results / "tokenizer", out_dir=work / variant, state_dir=work / f"state-{variant}",
                      role="bench", resume=False, save_checkpoints=False, export_hf=False)
-    plan_path = work / f"plan-z{zero_stage}.json"
+    plan_path = work / f"plan-{variant}.json"
     write_plan(plan, plan_path)
-    log = work / f"trainer-z{zero_stage}.log"
+    log = work / f"trainer-{variant}.log"
     with open(log, "w") as handle:
         code = subprocess.run([sys.executable, str(ROOT / "workflow_scripts" / "launch.py"), "--ranks", "1",
                                "--plan", str(plan_path)], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT).returncode
     if code:
         raise SystemExit(f"trainer failed, see {log}")
-    return json.loads((work / f"z{zero_stage}" / "summary.json").read_text())
+    return json.loads((work / variant / "summary.json").read_text())
 
 
 def run_plain_loop(config: dict, results: Path, steps: int, warmup: int) -> dict:
@@ -100,11 +107,16 @@ def main() -> None:
     parser.add_argument("out", nargs="?", default="bench-results/trainer.json")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = parser.parse_args()
     config, results = build_data()
     work = Path(tempfile.mkdtemp(prefix="bench-trainer-"))
-    plain = run_plain_loop(config, results, args.steps, args.warmup)
-    trainer = {stage: run_trainer(config, results, args.steps, args.warmup, stage, work) for stage in (0, 2)}
+    rounds = []
+    for _ in range(args.repeats):  # A B C … A B C …: slow phases of the machine hit every variant alike
+        plain = run_plain_loop(config, results, args.steps, args.warmup)
+        rounds.append({"plain": plain, **{variant: run_trainer(config, results, args.steps, args.warmup, variant,
+                                                                work) for variant in args.variants}})
     torch.set_num_threads(os.cpu_count())
     peak = max(measure_matmul_peak("fp32", size=1024) for _ in range(3))
     index = json.loads((results / "shards" / "index.json").read_text())
@@ -115,14 +127,20 @@ def main() -> None:
     result = {
         "what": "1 rank, CPU, fp32, same model/batch/data/threads: DeepSpeed trainer vs plain PyTorch AdamW loop",
         "parameters": params["total"], "threads": os.cpu_count(), "steps": args.steps, "warmup_steps": args.warmup,
-        "plain_loop_tokens_per_s": plain["tokens_per_s"],
+        "repeats": args.repeats,
+        "plain_loop_tokens_per_s": [r["plain"]["tokens_per_s"] for r in rounds],
         "measured_matmul_peak_flops": peak, "flops_per_token": per_token,
-        "plain_loop_mfu": plain["tokens_per_s"] * per_token / peak,
-        "trainer": {f"zero{stage}": {"tokens_per_s": s["tokens_per_s"],
-                                     "ratio_to_plain_loop": s["tokens_per_s"] / plain["tokens_per_s"],
-                                     "mfu_vs_bench_peak": s["tokens_per_s"] * per_token / peak,
-                                     "mfu_reported": s["mfu"], "peak_used_by_trainer": s["peak_flops_per_rank"]}
-                    for stage, s in trainer.items()},
+        "plain_loop_mfu": statistics.median(r["plain"]["tokens_per_s"] for r in rounds) * per_token / peak,
+        "trainer": {variant: {
+            "engine": rounds[0][variant]["engine"],
+            "tokens_per_s": [r[variant]["tokens_per_s"] for r in rounds],
+            "ratio_to_plain_loop_per_round": [r[variant]["tokens_per_s"] / r["plain"]["tokens_per_s"] for r in rounds],
+            "ratio_to_plain_loop": statistics.median(r[variant]["tokens_per_s"] / r["plain"]["tokens_per_s"]
+                                                     for r in rounds),
+            "mfu_vs_bench_peak": statistics.median(r[variant]["tokens_per_s"] for r in rounds) * per_token / peak,
+            "mfu_reported": [r[variant]["mfu"] for r in rounds],
+            "peak_used_by_trainer": rounds[0][variant]["peak_flops_per_rank"]}
+            for variant in args.variants},
         "targets": {"ratio_to_plain_loop": 0.95, "mfu": 0.60},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,131 @@
+"""train.engine without training: what each engine refuses, its memory formula, its benchmark cells and its place
+in the report's tables."""
+import pytest
+
+from pretrain_bench.bench_matrix import BenchSettings, cells, plan_matrix
+from pretrain_bench.claims import CLAIMS, check_claims
+from pretrain_bench.memory_fit import fit_run
+from pretrain_bench.memory_model import GIB, checkpoint_bytes, estimate, run_shape
+from pretrain_bench.settings import ConfigError, TrainSettings, check_settings
+from pretrain_bench.tables import engine_rows
+from support import tiny_config
+
+
+def settings(**train) -> TrainSettings:
+    return TrainSettings.from_config({"device": "cpu", "comm_backend": "gloo", "precision": "fp32", **train})
+
+
+@pytest.mark.parametrize("train, message", [
+    ({"engine": "ddp", "zero_stage": 2}, r"train.zero_stage 2 means nothing under train.engine ddp: DDP replicates "
+                                         r".*Set train.zero_stage: 0"),
+    ({"engine": "fsdp", "zero_stage": 2}, r"train.zero_stage 2 means nothing under train.engine fsdp: FSDP shards "
+                                          r".*Set train.zero_stage: 3"),
+    ({"engine": "ddp", "zero_stage": 0, "offload_optimizer": "cpu"},
+     r"train.offload_optimizer cpu means nothing under train.engine ddp"),
+    ({"engine": "fsdp", "zero_stage": 3, "offload_param": "cpu"},
+     r"train.offload_param cpu means nothing under train.engine fsdp"),
+    ({"engine": "ddp", "zero_stage": 0, "deepspeed": {"zero_optimization": {"reduce_bucket_size": 1000}}},
+     r"train.deepspeed \['zero_optimization'\] means nothing under train.engine ddp"),
+    ({"engine": "megatron"}, r"train.engine 'megatron' is not one of"),
+])
+def test_keys_an_engine_cannot_honour_are_refused_with_the_reason(train, message):
+    with pytest.raises(ConfigError, match=message):
+        check_settings(settings(**train), "cpu")
+
+
+def test_each_engine_accepts_its_own_layout():
+    for train in ({"engine": "ddp", "zero_stage": 0}, {"engine": "fsdp", "zero_stage": 3}, {"zero_stage": 1}):
+        check_settings(settings(**train), "cpu")  # no error
+
+
+def shape_of(engine: str, stage: int, ranks: int = 4, precision: str = "bf16"):
+    config = tiny_config("x")
+    config["model"] = {"preset": "llama-125m", "seq_len": 128, "overrides": {}}
+    train = settings(engine=engine, zero_stage=stage, gpus=ranks, precision=precision)
+    return run_shape(config, train, "cuda", 32000)
+
+
+def test_memory_model_ddp_replicates_sixteen_psi_and_fsdp_shards_it():
+    for ranks in (1, 4):
+        ddp = shape_of("ddp", 0, ranks)
+        est = estimate(ddp)
+        # fp32 params + fp32 grads + AdamW moments on every rank, whatever the compute precision
+        assert est.model_states == 16 * ddp.parameters
+        assert "replicated" in est.state_formula
+        assert est.buffers == 2 * ddp.parameters  # bf16 autocast copies of the weights, kept for the backward
+        fsdp = shape_of("fsdp", 3, ranks)
+        assert estimate(fsdp).model_states == 16 * (fsdp.parameters // ranks)
+    assert estimate(shape_of("ddp", 0, precision="fp32")).buffers == 0  # no autocast in fp32
+    # FSDP's gathered layers: the more ranks, the smaller the states, never below the gathered buffers
+    fsdp1, fsdp4 = estimate(shape_of("fsdp", 3, 1)), estimate(shape_of("fsdp", 3, 4))
+    assert fsdp4.model_states * 4 == fsdp1.model_states and fsdp4.buffers == fsdp1.buffers > 0
+    # checkpoints hold fp32 parameters and the two moments: 12Ψ for both PyTorch engines
+    assert checkpoint_bytes(1000, "bf16", 0, "ddp") == checkpoint_bytes(1000, "bf16", 3, "fsdp") == 12000
+
+
+def test_memory_fit_never_offloads_a_pytorch_engine():
+    config = tiny_config("x")
+    config["model"] = {"preset": "llama-1b", "seq_len": 2048, "overrides": {}}
+    config["train"] = {**config["train"], "engine": "ddp", "zero_stage": 0, "device": "cuda", "comm_backend": "nccl",
+                       "precision": "bf16", "gpus": 3}
+    config["benchmark"] = {**config["benchmark"], "device_memory_gib": 24}
+    fitted, record = fit_run(config, TrainSettings.from_config(config["train"]))
+    assert fitted.offload_optimizer == "none" and fitted.zero_stage == 0 and fitted.engine == "ddp"
+    assert record["tried"] and all("offload" not in t["label"] and t["label"].startswith("DDP")
+                                   for t in record["tried"])
+    assert record["changed"] and set(record["changed"]) <= {"activation_checkpointing", "micro_batch_size",
+                                                            "grad_accum_steps"}
+
+
+def test_engine_axis_collapses_the_zero_and_offload_axes_for_ddp_and_fsdp():
+    config = tiny_config("x")
+    config["benchmark"]["matrix"] = {"gpus": [1, 3], "zero_stage": [1, 2], "precision": ["fp32"],
+                                     "comm_backend": ["gloo"], "offload_optimizer": ["none", "cpu"],
+                                     "engine": ["deepspeed", "ddp", "fsdp"]}
+    bench = BenchSettings.from_config(config)
+    names = [c.name(config["train"]) for c in cells(bench)]
+    assert len(names) == len(set(names)) == 2 * 2 * 2 + 2 + 2
+    assert {"ddp-ranks1-fp32-gloo", "ddp-ranks3-fp32-gloo", "fsdp-ranks3-fp32-gloo"} <= set(names)
+    matrix = plan_matrix(config, available_ranks=3)
+    by_name = {e["cell"]: e for e in matrix["cells"]}
+    assert by_name["ddp-ranks3-fp32-gloo"]["zero_stage"] == 0 and by_name["fsdp-ranks3-fp32-gloo"]["zero_stage"] == 3
+    assert by_name["ddp-ranks3-fp32-gloo"]["status"] == "run", by_name["ddp-ranks3-fp32-gloo"]["reason"]
+    assert by_name["fsdp-ranks3-fp32-gloo"]["estimate"]["state_formula"].startswith("16Ψ/N")
+
+
+def summary(engine: str, tps: float, comm: float | None = None) -> dict:
+    return {"tokens_per_s": tps, "step_time_s": {"median": 1.0}, "peak_mem_bytes": [GIB], "mfu": None,
+            "comm_fraction": comm, "peak_flops_per_rank": None, "global_batch_size": 8, "tokens_per_step": 1024,
+            "engine": engine}
+
+
+def test_engine_rows_compare_equal_work_fastest_first_with_speedup_over_its_own_one_rank_cell():
+    estimate_ = {"per_rank": GIB, "host_states": 0, "runtime": 0, "model_states": GIB // 2, "activations": 0,
+                 "state_formula": "f"}
+
+    def entry(engine, gpus, stage):
+        name = f"{engine}-ranks{gpus}" if engine != "deepspeed" else f"ranks{gpus}-zero{stage}"
+        return {"cell": name, "engine": engine, "gpus": gpus, "zero_stage": stage, "precision": "fp32",
+                "comm_backend": "gloo", "micro_batch_size": 8, "offload_optimizer": "none", "estimate": estimate_}
+
+    matrix = {"device": "cpu", "cells": [entry("deepspeed", 1, 2), entry("deepspeed", 3, 2), entry("ddp", 1, 0),
+                                         entry("ddp", 3, 0), entry("fsdp", 3, 3)]}
+    runs = {"ranks1-zero2": [summary("deepspeed", 100)], "ranks3-zero2": [summary("deepspeed", 240, 0.2)],
+            "ddp-ranks1": [summary("ddp", 110)], "ddp-ranks3": [summary("ddp", 300, 0.1)],
+            "fsdp-ranks3": [summary("fsdp", 150)]}
+    rows = engine_rows(matrix, runs)
+    three = [r for r in rows if r["ranks"] == "3"]
+    assert [r["engine"] for r in three] == ["DDP", "DeepSpeed ZeRO-2", "FSDP2"]
+    assert [r["vs_fastest"] for r in three] == ["1.00×", "0.80×", "0.50×"]
+    assert three[0]["speedup"] == "2.73×" and three[1]["speedup"] == "2.40×" and three[2]["speedup"] == "—"
+    assert three[0]["comm_pct"] == "10.0" and three[2]["comm_pct"] == "not measured"
+    assert [r["engine"] for r in rows if r["ranks"] == "1"] == ["DDP", "DeepSpeed ZeRO-2"]
+    # one engine only: nothing to compare
+    assert engine_rows({"device": "cpu", "cells": matrix["cells"][:2]}, runs) == []
+
+
+def test_the_claims_ddp_row_uses_the_ddp_formula():
+    eight = CLAIMS["eight_nodes"]
+    row = next(r for r in check_claims([], [], [], [], 1e12, "cpu") if eight["engine"] in r["claim"])
+    per_gpu = 16 * eight["parameters"] / GIB  # fp32 params + fp32 grads + AdamW moments, on every card
+    assert f"{per_gpu:,.0f} GiB per GPU" in row["physics"] and "impossible as described" in row["verdict"]
