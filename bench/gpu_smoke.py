@@ -26,6 +26,13 @@ RUNS = {
                                  "train": {"precision": "bf16", "zero_stage": 2, "micro_batch_size": 8}},
     "llama-125m-fp16-zero2-loss-scaling": {"model": {"preset": "llama-125m"},
                                            "train": {"precision": "fp16", "zero_stage": 2, "micro_batch_size": 8}},
+    # the PyTorch engines' CUDA paths: DDP with fp16 autocast + GradScaler, FSDP2 with a bf16 policy, over nccl
+    "llama-125m-fp16-ddp-nccl": {"model": {"preset": "llama-125m"},
+                                 "train": {"engine": "ddp", "precision": "fp16", "zero_stage": 0,
+                                           "micro_batch_size": 8}},
+    "llama-125m-bf16-fsdp-nccl": {"model": {"preset": "llama-125m"},
+                                  "train": {"engine": "fsdp", "precision": "bf16", "zero_stage": 3,
+                                            "micro_batch_size": 8}},
 }
 
 

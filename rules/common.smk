@@ -68,12 +68,17 @@ def eval_gpus():
 EVAL_GPUS = eval_gpus()
 
 
+def lm_eval_outputs(name):
+    """lm_eval/step<N>.json per kept checkpoint when evaluate.lm_eval.tasks names any task, else none."""
+    if not LM_EVAL_TASKS:
+        return []
+    return expand("results/{name}/lm_eval/step{step}.json", name=name, step=checkpoint_steps())
+
+
 def evaluation_outputs(name):
     """Per kept checkpoint: the HF export, eval/step<N>.json and, when evaluate.lm_eval.tasks names any, lm-eval's."""
-    outputs = expand("results/{name}/export/step{step}", name=name, step=checkpoint_steps()) + eval_outputs(name)
-    if LM_EVAL_TASKS:
-        outputs += expand("results/{name}/lm_eval/step{step}.json", name=name, step=checkpoint_steps())
-    return outputs
+    return (expand("results/{name}/export/step{step}", name=name, step=checkpoint_steps()) + eval_outputs(name)
+            + lm_eval_outputs(name))
 
 
 # --- benchmark matrix ---

@@ -1,4 +1,4 @@
-# The report: built only from this run's JSON files — the main run's summary.json, metrics.jsonl and eval/*.json,
+# The report: built only from this run's JSON files — the main run's summary.json, metrics.jsonl, eval/*.json and lm_eval/*.json,
 # and the benchmark's matrix.json and bench/<cell>/rep<r>/summary.json.
 
 
@@ -7,6 +7,7 @@ rule report:
         summary="results/{name}/train/summary.json",
         metrics="results/{name}/train/metrics.jsonl",
         evals=lambda wildcards: eval_outputs(wildcards.name),
+        lm_eval=lambda wildcards: lm_eval_outputs(wildcards.name),
         matrix=lambda wildcards: bench_matrix_outputs(wildcards.name),
         bench=lambda wildcards: bench_summaries(wildcards.name),
     output:

@@ -3,12 +3,12 @@ import sys
 from pathlib import Path
 
 
-def main(summary, metrics, evals, matrix, bench, out_md, out_html, plot_dir, target_corpus_tokens):
+def main(summary, metrics, evals, matrix, bench, out_md, out_html, plot_dir, target_corpus_tokens, lm_eval=()):
     from pretrain_bench.report import build_report
 
     build_report(Path(summary), Path(metrics), [Path(p) for p in evals], Path(out_md), Path(out_html),
                  Path(plot_dir), target_corpus_tokens=target_corpus_tokens, matrix_path=_single(matrix),
-                 bench_paths=[Path(p) for p in bench])
+                 bench_paths=[Path(p) for p in bench], lm_eval_paths=[Path(p) for p in lm_eval])
     print(f"report: {out_md} and {out_html}", file=sys.stderr)
 
 
@@ -22,4 +22,5 @@ if "snakemake" in globals():
     sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
     main(snakemake.input.summary, snakemake.input.metrics, snakemake.input.evals,  # noqa: F821
          snakemake.input.matrix, snakemake.input.bench, snakemake.output.md,  # noqa: F821
-         snakemake.output.html, snakemake.output.plots, snakemake.params.target_corpus_tokens)  # noqa: F821
+         snakemake.output.html, snakemake.output.plots, snakemake.params.target_corpus_tokens,  # noqa: F821
+         snakemake.input.lm_eval)  # noqa: F821

@@ -161,11 +161,23 @@ def test_report_files_render_from_json(tmp_path):
             path.parent.mkdir(parents=True)
             path.write_text(json.dumps(run))
             bench.append(path)
+    lm_eval = []
+    for step, acc in ((4, 0.25), (8, 0.5)):  # lm_eval/step<N>.json as run_lm_eval.py writes it
+        path = tmp_path / f"lm_eval-step{step}.json"
+        path.write_text(json.dumps({"step": step, "samples": {"last_word": 8}, "tasks": {"last_word": {
+            "name": "last_word", "sample_len": 8, "acc": acc, "acc_stderr": 0.125, "perplexity": 90.0 / step,
+            "perplexity_stderr": None}}}))
+        lm_eval.append(path)
     out = tmp_path / "report"
     tables = build_report(tmp_path / "summary.json", tmp_path / "metrics.jsonl", evals, out / "report.md",
                           out / "report.html", out / "plots", target_corpus_tokens=1e12,
-                          matrix_path=tmp_path / "matrix.json", bench_paths=bench)
+                          matrix_path=tmp_path / "matrix.json", bench_paths=bench, lm_eval_paths=lm_eval)
     md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    # lm-eval's scores: every checkpoint × metric, with stderr where lm-eval gave one
+    assert "| 4 | last_word | acc | 0.2500 | 0.1250 | 8 |" in md and "| 8 | last_word | acc | 0.5000 | 0.1250 | 8 |" in md
+    assert "| 8 | last_word | perplexity | 11.2500 | n/a | 8 |" in md
+    assert "<td>8</td><td class=\"text\">last_word</td><td class=\"text\">acc</td><td>0.5000</td>" in html
+    assert len(tables["lm_eval"]) == 4
     for row in tables["scaling"]:
         assert f"| {row['tokens_per_s']} | {row['speedup']} | {row['efficiency_pct']} |" in md
         assert f"<td>{row['tokens_per_s']}</td><td>{row['speedup']}</td>" in html

@@ -17,7 +17,7 @@ from . import plots as plotting
 from .claims import CLAIMS, SETUP, check_claims
 from .io import atomic_write_text, read_jsonl
 from .tables import (GIB, backend_rows, communication_rows, engine_label, engine_rows, fmt, fmt_duration, headline,
-                     main_run_tables, matrix_rows, memory_rows, mfu_rows, provenance, scaling_rows)
+                     lm_eval_rows, main_run_tables, matrix_rows, memory_rows, mfu_rows, provenance, scaling_rows)
 
 __all__ = ["GIB", "fmt", "fmt_duration", "build_tables", "load_bench", "build_report"]
 
@@ -32,7 +32,7 @@ def load_bench(summary_paths: list[Path]) -> dict[str, list[dict]]:
 
 
 def build_tables(summary: dict, evals: list[dict], target_corpus_tokens: float, matrix: dict | None = None,
-                 runs_by_cell: dict[str, list[dict]] | None = None) -> dict:
+                 runs_by_cell: dict[str, list[dict]] | None = None, lm_evals: list[dict] = ()) -> dict:
     """Every table of the report, as rows of formatted strings (plus raw `_` fields the plots use)."""
     tables = main_run_tables(summary, evals, target_corpus_tokens)
     matrix = matrix or {"cells": [], "device": summary["device"]}
@@ -45,7 +45,7 @@ def build_tables(summary: dict, evals: list[dict], target_corpus_tokens: float, 
     bench_summaries = [s for runs in runs_by_cell.values() for s in runs]
     tables.update(
         matrix=matrix_rows(matrix, runs_by_cell), scaling=scaling, memory=memory, communication=comms,
-        backends=backends, engines=engines, mfu=mfu_rows(matrix, runs_by_cell), headline=headline(matrix, scaling, backends),
+        backends=backends, engines=engines, lm_eval=lm_eval_rows(list(lm_evals)), mfu=mfu_rows(matrix, runs_by_cell), headline=headline(matrix, scaling, backends),
         claims=check_claims(scaling, memory, backends, comms, target_corpus_tokens, matrix["device"]),
         provenance={"main": provenance([summary]), "bench": provenance(bench_summaries) if bench_summaries else None},
     )
@@ -91,13 +91,14 @@ def eval_during_training(summary: dict) -> str | None:
 
 def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path], out_md: Path, out_html: Path,
                  plot_dir: Path, *, target_corpus_tokens: float, matrix_path: Path | None = None,
-                 bench_paths: list[Path] = ()) -> dict:
+                 bench_paths: list[Path] = (), lm_eval_paths: list[Path] = ()) -> dict:
     summary = json.loads(Path(summary_path).read_text())
     records = read_jsonl(metrics_path)
     evals = [json.loads(Path(p).read_text()) for p in eval_paths]
     matrix = json.loads(Path(matrix_path).read_text()) if matrix_path else None
     runs_by_cell = load_bench(bench_paths)
-    tables = build_tables(summary, evals, target_corpus_tokens, matrix, runs_by_cell)
+    lm_evals = [json.loads(Path(p).read_text()) for p in lm_eval_paths]
+    tables = build_tables(summary, evals, target_corpus_tokens, matrix, runs_by_cell, lm_evals)
 
     plot_dir = Path(plot_dir)
     plot_dir.mkdir(parents=True, exist_ok=True)

@@ -320,6 +320,26 @@ def engine_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]
     return rows
 
 
+def lm_eval_rows(results: list[dict]) -> list[dict]:
+    """lm-eval's scores (lm_eval/step<N>.json): one row per checkpoint × task × metric, with its stderr where lm-eval
+    gives one; checkpoints in step order. A pandas frame, long form, so any number of tasks and metrics fits."""
+    import pandas as pd
+
+    records = [{"step": result["step"], "task": task, "metric": metric, "value": value,
+                "stderr": scores.get(f"{metric}_stderr"), "samples": result["samples"].get(task)}
+               for result in results for task, scores in result["tasks"].items()
+               for metric, value in scores.items()
+               if metric not in ("name", "alias", "sample_len") and not metric.endswith("_stderr")
+               and isinstance(value, (int, float))]
+    if not records:
+        return []
+    frame = pd.DataFrame.from_records(records).sort_values(["task", "metric", "step"], kind="stable")
+    return [{"step": fmt(int(row.step)), "task": row.task, "metric": row.metric, "value": fmt(float(row.value), 4),
+             "stderr": fmt(float(row.stderr), 4) if pd.notna(row.stderr) else "n/a",
+             "samples": fmt(int(row.samples)) if pd.notna(row.samples) else "n/a"}
+            for row in frame.itertuples(index=False)]
+
+
 def mfu_text(runs: list[dict]) -> str:
     """MFU in percent over repeats, or why it is not printed: above 100 % is impossible (a peak below what the run
     achieved is not its peak), whether the run refused it itself or an older summary.json holds one."""
