@@ -139,9 +139,13 @@ def memory_plot(rows: list[dict], device: str, path: Path) -> Path:
     top = max([r["_measured"] for r in rows] + [r["_predicted"] for r in rows]) / gib
     ax.set_ylim(0, top * 1.35)
     ax.set_xticks(x)
-    ax.set_xticklabels([f"ZeRO-{r['zero_stage']}\n{r['ranks']} rank(s)\n{r['precision']}" for r in rows], fontsize=8)
+    labels = [r.get("engine", f"ZeRO-{r['zero_stage']}").replace("DeepSpeed ", "").replace(" + optimizer offload",
+                                                                                             " + offload")
+              for r in rows]
+    ax.set_xticklabels([f"{label}\n{r['ranks']} rank(s)\n{r['precision']}" for label, r in zip(labels, rows)],
+                       fontsize=8)
     kind = "allocator peak" if device == "cuda" else "peak RSS"
-    ax.set(ylabel=f"GiB per rank ({kind})", title="Memory per rank by ZeRO stage: measured vs predicted")
+    ax.set(ylabel=f"GiB per rank ({kind})", title="Memory per rank by engine and ZeRO stage: measured vs predicted")
     ax.legend(fontsize=8, ncol=4, loc="upper center")
     return _save(fig, path)
 
