@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow_scripts"))
 
-from pretrain_bench.corpus import build_corpus, jsonl_line, stdlib_files  # noqa: E402
+from pretrain_bench.corpus import build_corpus, jsonl_line  # noqa: E402
+from pretrain_bench.corpus_sources import stdlib_files  # noqa: E402
 
 REPEATS = 5
 TARGET_RATIO = 2.0

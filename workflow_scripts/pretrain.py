@@ -7,22 +7,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this rank when its torchrun agent dies: torchrun starts ranks in sessions of their
-    own, so a hard kill of the job would otherwise leave them training (and writing checkpoints) as orphans."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+from pretrain_bench.devices import die_with_parent, hardware_description  # noqa: E402
 
 
 def main(argv=None) -> int:
+    # SIGKILL this rank when its torchrun agent dies: torchrun starts ranks in sessions of their own, so a hard kill
+    # of the job would otherwise leave them training (and writing checkpoints) as orphans.
     die_with_parent()
     from pretrain_bench.checkpoint import CheckpointError
-    from pretrain_bench.devices import hardware_description
     from pretrain_bench.launcher import wait_out_stale_build_locks
     from pretrain_bench.train import TrainingAborted, run_training
 

@@ -8,7 +8,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from pretrain_bench import memory_model  # noqa: E402
+from pretrain_bench import devices  # noqa: E402
 from pretrain_bench.bench_matrix import BenchSettings, Cell, cells, plan_matrix, runnable, time_estimate  # noqa: E402
 from pretrain_bench.memory_model import GIB, Budget  # noqa: E402
 from pretrain_bench.plan import cell_train, make_plan, plan_config  # noqa: E402
@@ -89,7 +89,7 @@ def test_a_cell_predicted_not_to_fit_is_left_out_unless_forced():
 
 
 def test_default_matrix_shows_7b_without_offload_as_predicted_oom(monkeypatch):
-    monkeypatch.setattr(memory_model, "_nvidia_smi_memory", lambda: [])
+    monkeypatch.setattr(devices, "nvidia_smi_memory", lambda: [])
     config = merged({"benchmark": {"host_memory_gib": 128}})
     matrix = plan_matrix(config, available_ranks=3)
     assert matrix["budget"]["device_bytes"] == 24 * GIB

@@ -9,7 +9,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from pretrain_bench import memory_model  # noqa: E402
+from pretrain_bench import devices, memory_model  # noqa: E402
 from pretrain_bench.memory_fit import describe, fit_run, ladder  # noqa: E402
 from pretrain_bench.memory_model import GIB, Budget, estimate, run_shape  # noqa: E402
 from pretrain_bench.plan import make_plan, plan_config  # noqa: E402
@@ -18,7 +18,7 @@ from pretrain_bench.settings import ConfigError, TrainSettings, deepspeed_config
 
 @pytest.fixture
 def no_gpu(monkeypatch):
-    monkeypatch.setattr(memory_model, "_nvidia_smi_memory", lambda: [])
+    monkeypatch.setattr(devices, "nvidia_smi_memory", lambda: [])
 
 
 def default_config(**benchmark):

@@ -9,7 +9,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from pretrain_bench import memory_model  # noqa: E402
+from pretrain_bench import devices, memory_model  # noqa: E402
 from pretrain_bench.memory_fit import fit_run  # noqa: E402
 from pretrain_bench.memory_model import GB, GIB, Budget, estimate, judge, model_state_bytes  # noqa: E402
 from pretrain_bench.plan import make_plan  # noqa: E402
@@ -117,7 +117,7 @@ def check_fits(config, settings, what="the training run"):
 
 @pytest.fixture
 def no_gpu(monkeypatch):
-    monkeypatch.setattr(memory_model, "_nvidia_smi_memory", lambda: [])
+    monkeypatch.setattr(devices, "nvidia_smi_memory", lambda: [])
 
 
 def test_default_config_is_stopped_in_seconds_with_what_would_fit(no_gpu):
@@ -145,14 +145,14 @@ def test_default_config_is_stopped_in_seconds_with_what_would_fit(no_gpu):
 def test_guard_passes_on_big_gpus_and_with_force(monkeypatch):
     config = default_config()
     settings = TrainSettings.from_config({**config["train"], "memory_fit": "strict"})
-    monkeypatch.setattr(memory_model, "_nvidia_smi_memory", lambda: [141 * GIB] * 3)
+    monkeypatch.setattr(devices, "nvidia_smi_memory", lambda: [141 * GIB] * 3)
     # GPUs detected: this machine's RAM counts (benchmark.host_memory_gib describes a machine without them here)
     monkeypatch.setattr(memory_model, "host_memory_bytes", lambda: 4 * GIB)
     with pytest.raises(ConfigError, match="host RAM 6.0 GiB for 3 ranks, has 4.0 GiB"):
         check_fits(config, settings)  # 2 GiB per CUDA rank process; the model is built on the GPU, not here
     monkeypatch.setattr(memory_model, "host_memory_bytes", lambda: 512 * GIB)
     assert check_fits(config, settings)["fits"]
-    monkeypatch.setattr(memory_model, "_nvidia_smi_memory", lambda: [])
+    monkeypatch.setattr(devices, "nvidia_smi_memory", lambda: [])
     config["benchmark"]["force"] = True
     assert check_fits(config, settings)["fits"] is False  # reported, not raised
 

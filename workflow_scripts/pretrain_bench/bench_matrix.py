@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass
 
-from .memory_model import (Budget, config_vocab_size, detect_budget, estimate, judge, resolve_device_cheaply,
-                           run_shape)
+from .devices import resolve_device_cheaply
+from .memory_model import Budget, config_vocab_size, detect_budget, estimate, judge, run_shape
 from .plan import cell_train
 from .settings import ENGINE_STAGE, ConfigError, TrainSettings, check_settings
 
@@ -218,7 +218,7 @@ def planning_peak(config: dict, device: str, name: str) -> tuple[float | None, s
     from pathlib import Path
 
     from .flops import gpu_table_peak
-    from .memory_model import gpu_names
+    from .devices import gpu_names
 
     if (config.get("report") or {}).get("peak_tflops"):
         return config["report"]["peak_tflops"] * 1e12, "report.peak_tflops"

@@ -71,16 +71,25 @@ def _states(states: dict) -> int:
 def check_claims(scaling: list[dict], memory: list[dict], backends: list[dict], comms: list[dict],
                  target_corpus_tokens: float, device: str) -> list[dict]:
     """Rows: claim, claimed figures, what physics allows (7B on 24 GB cards), what this run measured, verdict."""
-    one, three = CLAIMS["one_gpu"], CLAIMS["three_gpus"]
-    rows = []
-    here = f"this run ({device})"
+    return [
+        claim_one_gpu(scaling),
+        claim_three_gpu_memory(memory),
+        claim_three_gpu_speedup(scaling),
+        claim_zero2_memory_cut(memory),
+        claim_nccl_vs_gloo(backends, device),
+        claim_epoch_time(scaling, target_corpus_tokens),
+        claim_eight_nodes(comms),
+    ]
 
-    # 1) one GPU
+
+def claim_one_gpu(scaling: list[dict]) -> dict:
+    """Row 1: the 1-GPU column's throughput and memory."""
+    one = CLAIMS["one_gpu"]
     need, fits, _ = _mem(articles_run(1, 0))
     need_off, fits_off, text_off = _mem(articles_run(1, 2, offload=True))
     share = _flops_share(one["tokens_per_s"], 1)
     base = [r for r in scaling if r["_gpus"] == 1]
-    rows.append({
+    return {
         "claim": "1 GPU: throughput and memory",
         "claimed": f"{fmt(one['tokens_per_s'])} tokens/s at {fmt(one['memory_gb'])} GB, batch {one['batch']}",
         "physics": (f"7B, fp16, no offload: {fmt(need)} GiB needed vs {SETUP['gpu_memory_gib']} GiB; with ZeRO-2 "
@@ -91,12 +100,15 @@ def check_claims(scaling: list[dict], memory: list[dict], backends: list[dict], 
         "verdict": ("memory impossible without offload" if not fits else "possible")
         + ("; possible only with optimizer offload" if fits_off and not fits else "")
         + ("; compute plausible" if share < 0.6 else "; compute implausible"),
-    })
+    }
 
-    # 2) three GPUs, ZeRO-2: memory
-    need3, fits3, _ = _mem(articles_run(3, 2))
-    need3_off, fits3_off, _ = _mem(articles_run(3, 2, offload=True))
-    rows.append({
+
+def claim_three_gpu_memory(memory: list[dict]) -> dict:
+    """Row 2: the 3-GPU ZeRO-2 column's memory per GPU."""
+    three = CLAIMS["three_gpus"]
+    need3, _, _ = _mem(articles_run(3, 2))
+    need3_off, _, _ = _mem(articles_run(3, 2, offload=True))
+    return {
         "claim": "3 GPUs, ZeRO-2: memory per GPU",
         "claimed": f"{fmt(three['memory_gb'])} GB per GPU",
         "physics": (f"ZeRO-2 (2Ψ + 14Ψ/N): {fmt(need3)} GiB per GPU; with optimizer offload {fmt(need3_off)} GiB "
@@ -105,13 +117,18 @@ def check_claims(scaling: list[dict], memory: list[dict], backends: list[dict], 
                               for r in memory if r["zero_stage"] == "2") or "no ZeRO-2 cell ran",
         "verdict": ("below what ZeRO-2 can reach for 7B even with offload"
                     if three["memory_gb"] < min(need3, need3_off) else "possible"),
-    })
+    }
 
-    # 3) speedup
+
+def claim_three_gpu_speedup(scaling: list[dict]) -> dict:
+    """Row 3: the 3-GPU ZeRO-2 column's throughput against the 1-GPU column's."""
+    one, three = CLAIMS["one_gpu"], CLAIMS["three_gpus"]
+    _, fits3, _ = _mem(articles_run(3, 2))
+    _, fits3_off, _ = _mem(articles_run(3, 2, offload=True))
     deepspeed = [r for r in scaling if r["_speedup"] and r.get("_engine", "deepspeed") == "deepspeed"]
     largest = max(deepspeed, key=lambda r: (r["_gpus"], r["_speedup"]), default=None)
     claimed_eff = three["speedup"] / three["gpus"]
-    rows.append({
+    return {
         "claim": "3 GPUs, ZeRO-2: speedup",
         "claimed": f"{fmt(three['tokens_per_s'])} tokens/s, {fmt(three['speedup'])}× "
                    f"({fmt(claimed_eff * 100, 0)}% efficiency; {fmt(three['tokens_per_s'] / one['tokens_per_s'], 2)}"
@@ -123,9 +140,13 @@ def check_claims(scaling: list[dict], memory: list[dict], backends: list[dict], 
         "verdict": ("ZeRO-2 as described does not fit (row 2): this throughput cannot come from that setup"
                     + (" unless the optimizer was offloaded, which the articles do not mention" if fits3_off else "")
                     if not fits3 else "plausible"),
-    })
+    }
 
-    # 4) ZeRO-2 memory cut
+
+def claim_zero2_memory_cut(memory: list[dict]) -> dict:
+    """Row 4: 'ZeRO-2 cut per-card memory by 20%', against the model states and this run's ZeRO-2 cells."""
+    one, three = CLAIMS["one_gpu"], CLAIMS["three_gpus"]
+    _, fits, _ = _mem(articles_run(1, 0))
     states_1 = _states(model_state_bytes(articles_run(1, 0).parameters, 1, 0, "fp16"))
     states_3 = _states(model_state_bytes(articles_run(3, 2).parameters, 3, 2, "fp16"))
     cut = 1 - states_3 / states_1
@@ -133,7 +154,7 @@ def check_claims(scaling: list[dict], memory: list[dict], backends: list[dict], 
     zero2 = {r["ranks"]: r for r in memory if r["zero_stage"] == "2"}
     top = zero2[max(zero2, key=int)] if zero2 else None
     measured_cut = (1 - top["_measured"] / zero2["1"]["_measured"]) if "1" in zero2 and top["ranks"] != "1" else None
-    rows.append({
+    return {
         "claim": "ZeRO-2 cuts per-card memory",
         "claimed": f"{fmt(CLAIMS['zero2_memory_cut']['cut_pct'])}% "
                    f"({fmt(one['memory_gb'])} → {fmt(three['memory_gb'])} GB is {fmt(claimed_cut * 100)}%)",
@@ -143,11 +164,14 @@ def check_claims(scaling: list[dict], memory: list[dict], backends: list[dict], 
                      if measured_cut is not None else "needs ZeRO-2 cells at 1 and N ranks"),
         "verdict": (f"the model predicts a {'larger' if cut > claimed_cut else 'smaller'} cut of model states"
                     + ("; the 1-GPU starting point is itself impossible (row 1)" if not fits else "")),
-    })
+    }
 
-    # 5) NCCL vs Gloo
+
+def claim_nccl_vs_gloo(backends: list[dict], device: str) -> dict:
+    """Row 5: 'NCCL is 30% faster than Gloo', against the cells that ran with both backends."""
     nccl = CLAIMS["nccl_vs_gloo"]["nccl_faster_pct"]
-    rows.append({
+    here = f"this run ({device})"
+    return {
         "claim": "NCCL vs Gloo",
         "claimed": f"NCCL {fmt(nccl)}% faster",
         "physics": "NCCL runs collectives on the GPUs, directly between them over NVLink or PCIe P2P where the "
@@ -156,11 +180,14 @@ def check_claims(scaling: list[dict], memory: list[dict], backends: list[dict], 
         "measured": "; ".join(f"{r['ranks']} ranks ZeRO-{r['zero_stage']}: NCCL {r['nccl_faster_pct']}% faster"
                               for r in backends) or f"not measured: no cell ran with both backends on {here}",
         "verdict": "measured here" if backends else "not testable on this machine",
-    })
+    }
 
-    # 6) time per epoch
+
+def claim_epoch_time(scaling: list[dict], target_corpus_tokens: float) -> dict:
+    """Row 6: the days per epoch, against the claimed throughput and report.target_corpus_tokens."""
+    one, three = CLAIMS["one_gpu"], CLAIMS["three_gpus"]
     implied = one["tokens_per_s"] * one["epoch_days"] * 86400
-    rows.append({
+    return {
         "claim": "time per epoch",
         "claimed": f"{fmt(one['epoch_days'])} days on 1 GPU, {fmt(three['epoch_days'])} days on 3, "
                    f"for a {SETUP['corpus']}",
@@ -170,9 +197,11 @@ def check_claims(scaling: list[dict], memory: list[dict], backends: list[dict], 
         "measured": "; ".join(f"{r['cell']}: {r['epoch']} (extrapolated)" for r in scaling
                               if r["_gpus"] in (1, max(x["_gpus"] for x in scaling))) or "no cell ran",
         "verdict": f"inconsistent with the claimed throughput by {fmt(target_corpus_tokens / implied, 0)}×",
-    })
+    }
 
-    # 7) eight nodes, DDP, 70B
+
+def claim_eight_nodes(comms: list[dict]) -> dict:
+    """Row 7: the 8-server article (DDP, 70B), against the model states and this run's communication share."""
     eight = CLAIMS["eight_nodes"]
     # DDP keeps fp32 parameters, fp32 gradients and AdamW's moments on every card (torch_state_bytes: 16Ψ)
     ddp = _states(torch_state_bytes(int(eight["parameters"]), eight["nodes"], "ddp"))
@@ -181,7 +210,7 @@ def check_claims(scaling: list[dict], memory: list[dict], backends: list[dict], 
     # the claim is about DDP: its cells' communication share when any ran, else the widest cell's
     ddp_comms = [r for r in comms if r.get("engine") == "ddp"]
     comm_top = max(ddp_comms or comms, key=lambda r: int(r["ranks"]), default=None)
-    rows.append({
+    return {
         "claim": f"{eight['nodes']} × {eight['gpu']}, {eight['engine']}, 70B",
         "claimed": f"{fmt(eight['tokens_per_s'][0])} → {fmt(eight['tokens_per_s'][1])} tokens/s "
                    f"({fmt(eight['speedup'])}×), {fmt(eight['comm_pct'])}% communication, 4 → 8 cards "
@@ -193,6 +222,4 @@ def check_claims(scaling: list[dict], memory: list[dict], backends: list[dict], 
                      if comm_top else "no multi-rank cell ran"),
         "verdict": ("impossible as described" if ddp > budget else "possible")
         + ("; impossible with any ZeRO stage without offload" if zero3 > budget else ""),
-    })
-    return rows
-
+    }

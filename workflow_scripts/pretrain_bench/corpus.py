@@ -1,4 +1,4 @@
-"""Corpus acquisition and cleaning: sources -> cleaned documents -> train/val split -> jsonl files + manifest.
+"""Corpus cleaning: sources (read by corpus_sources.py) -> cleaned documents -> train/val split -> jsonl + manifest.
 
 Each document passes these steps in source order (or, when the sources carry a `weight`, in mixture order: each
 next document is drawn from a source chosen at random in proportion to its weight, from a generator seeded with
@@ -27,44 +27,24 @@ manifest on disk always describes the jsonl files beside it.
 """
 from __future__ import annotations
 
-import glob
-import gzip
-import random
 import hashlib
-import io
 import json
 import logging
 import os
 import platform
+import random
 import re
-import sysconfig
-from dataclasses import asdict, dataclass, field
-from pathlib import Path, PurePosixPath
-from typing import BinaryIO, Iterator
-from urllib.parse import urlsplit
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
-from pretrain_bench.download import DownloadError, download
+from pretrain_bench.corpus_sources import DROP_REASONS, CorpusError, SourceStats, read_source, source_kind
 from pretrain_bench.io import atomic_write_text
 from pretrain_bench.progress import Progress
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val")
-DROP_REASONS = ("too_short", "duplicate", "over_cap")
-FORMATS = (".txt", ".jsonl", ".parquet")
-COMPRESSIONS = (".gz", ".zst")
-# Test packages are left out of the builtin corpus: distributions ship them or not (Debian splits them off) and
-# their fixtures hold deliberately broken encodings, so the corpus would differ between installs of one version.
-STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
-# The UTF-8 encoding of U+FFFD: replacement characters that were in the input already are not counted as replaced.
-REPLACEMENT_BYTES = "\ufffd".encode()
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-# A blank line (possibly holding spaces or tabs) separates paragraphs in `split: paragraphs` text files.
-PARAGRAPH_BREAK = re.compile(r"\r?\n(?:[ \t]*\r?\n)+")
-
-
-class CorpusError(ValueError):
-    """The corpus cannot be built as configured; the message names the source URI, file or config key."""
 
 
 @dataclass(frozen=True)
@@ -86,43 +66,6 @@ class CleaningSettings:
             raise CorpusError(f"corpus.val_fraction must be in (0, 0.5], got {self.val_fraction!r}")
         if self.encoding_errors not in ("strict", "replace"):
             raise CorpusError(f"corpus.encoding_errors must be 'strict' or 'replace', got {self.encoding_errors!r}")
-
-
-@dataclass
-class SourceStats:
-    """What one source contributed and lost; one entry of manifest["sources"]."""
-
-    uri: str
-    kind: str
-    sha256: str | None = None  # of the fetched file (http/https); None where no single file was fetched
-    documents_in: int = 0
-    bytes_in: int = 0  # UTF-8 bytes of the documents as decoded, before cleaning
-    documents_out: int = 0
-    bytes_out: int = 0
-    replaced_chars: int = 0  # U+FFFD substituted for undecodable bytes or lone surrogates
-    nul_removed: int = 0
-    dropped: dict = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
-    details: dict = field(default_factory=dict)  # kind-specific provenance: files, dataset fingerprint, ...
-
-
-class _Decoder:
-    """UTF-8 decoding under the encoding_errors policy, counting replacements into the source's stats."""
-
-    def __init__(self, errors: str, stats: SourceStats):
-        self.errors, self.stats = errors, stats
-
-    def __call__(self, data: bytes, where: str, offset: int = 0) -> str:
-        try:
-            return data.decode("utf-8")  # the fast path: valid UTF-8 needs no counting
-        except UnicodeDecodeError as error:
-            if self.errors == "strict":
-                raise CorpusError(
-                    f"{where}: invalid UTF-8 at byte offset {offset + error.start} ({error.reason}); "
-                    "set corpus.encoding_errors: replace to substitute U+FFFD instead"
-                ) from None
-        text = data.decode("utf-8", "replace")
-        self.stats.replaced_chars += text.count("\ufffd") - data.count(REPLACEMENT_BYTES)
-        return text
 
 
 def build_corpus(sources: list[dict], out_dir: Path, *, max_bytes: int | None, min_chars: int, dedup: bool,
@@ -209,8 +152,8 @@ def _clean_all(sources, settings: CleaningSettings, files: "_SplitFiles", cache_
     """Steps 2-6 of the module docstring over every source; returns per-source stats and where the cap cut."""
     seen: set[bytes] = set()
     kept_bytes, cut_at = 0, None
-    all_stats = [SourceStats(uri=source["uri"], kind=_kind(source["uri"])) for source in sources]
-    readers = [_read_source(source, stats, settings.encoding_errors, cache_dir)
+    all_stats = [SourceStats(uri=source["uri"], kind=source_kind(source["uri"])) for source in sources]
+    readers = [read_source(source, stats, settings.encoding_errors, cache_dir)
                for source, stats in zip(sources, all_stats)]
     streaming = {i for i, source in enumerate(sources) if source.get("streaming")}
     closed: set[int] = set()  # streaming sources stop being read once the cap is reached
@@ -392,237 +335,3 @@ def _manifest(all_stats, settings: CleaningSettings, files: _SplitFiles, cap: di
         "format": 'jsonl, one {"text": ...} object per line, documents in input order',
         "python": platform.python_version(),
     }
-
-
-# ---------------------------------------------------------------------------------------------------------- readers
-
-
-def _kind(uri: str) -> str:
-    return uri.split("://", 1)[0] if "://" in uri else "unknown"
-
-
-def _read_source(source: dict, stats: SourceStats, errors: str, cache_dir: Path) -> Iterator[str]:
-    """Documents of one source, in a deterministic order."""
-    uri, kind = source["uri"], stats.kind
-    decode = _Decoder(errors, stats)
-    if source.get("sha256") and kind not in ("http", "https"):
-        raise CorpusError(f"{uri}: 'sha256' applies to http(s) sources only")
-    if kind == "builtin":
-        return _read_builtin(uri, stats, decode)
-    if kind == "hf":
-        return _read_hf(source, stats, cache_dir)
-    if source.get("split") not in (None, "paragraphs"):
-        raise CorpusError(f"{uri}: split {source['split']!r} is for hf:// sources; file sources accept 'paragraphs'")
-    if kind in ("http", "https"):
-        return _read_http(source, stats, decode, cache_dir)
-    if kind == "file":
-        return _read_files(source, stats, decode)
-    raise CorpusError(f"{uri}: unknown source kind; use builtin://python-stdlib, hf://, http(s):// or file://")
-
-
-def stdlib_files() -> tuple[str, list[str]]:
-    """The running interpreter's standard-library folder and its .py files (relative paths, sorted as strings).
-
-    Plain strings rather than pathlib: Path arithmetic per file cost a third of the builtin corpus's cleaning time.
-    """
-    root = sysconfig.get_paths()["stdlib"]
-    relative = []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [name for name in dirs if name not in STDLIB_SKIP_DIRS]
-        prefix = os.path.relpath(folder, root).replace(os.sep, "/")
-        relative.extend(name if prefix == "." else f"{prefix}/{name}" for name in names if name.endswith(".py"))
-    return root, sorted(relative)
-
-
-def _read_builtin(uri: str, stats: SourceStats, decode: _Decoder) -> Iterator[str]:
-    """builtin://python-stdlib: one document per standard-library .py file, in sorted relative-path order."""
-    if uri != "builtin://python-stdlib":
-        raise CorpusError(f"{uri}: unknown builtin corpus; the one builtin is builtin://python-stdlib")
-    root, relative = stdlib_files()
-    if not relative:
-        raise CorpusError(f"{uri}: no .py files under the standard library folder {root}")
-    stats.details.update(root=root, python=platform.python_version(), files=len(relative))
-    for name in relative:
-        path = os.path.join(root, name)
-        with open(path, "rb") as handle:
-            data = handle.read()
-        yield decode(data, f"{path} ({uri})")
-
-
-def _read_files(source: dict, stats: SourceStats, decode: _Decoder) -> Iterator[str]:
-    """file://path or file://glob (sorted); relative paths are relative to the working directory."""
-    uri = source["uri"]
-    pattern = uri[len("file://"):]
-    if any(char in pattern for char in "*?["):
-        paths = sorted(path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path))
-        if not paths:
-            raise CorpusError(f"{uri}: the glob matched no files")
-    elif os.path.isdir(pattern):
-        raise CorpusError(f"{uri}: is a folder; name files with a glob such as {pattern.rstrip('/')}/*.txt")
-    elif not os.path.isfile(pattern):
-        raise CorpusError(f"{uri}: no such file: {pattern}")
-    else:
-        paths = [pattern]
-    for path in paths:
-        _format_of(path, uri)  # fail on an unsupported file before reading any
-    stats.details["files"] = len(paths)
-    for path in paths:
-        yield from _read_file(Path(path), f"{path} ({uri})", source, decode)
-
-
-def _read_http(source: dict, stats: SourceStats, decode: _Decoder, cache_dir: Path) -> Iterator[str]:
-    """Download (see download.py) into cache_dir/http, then read like a local file by the URL's extension."""
-    url = source["uri"]
-    name = PurePosixPath(urlsplit(url).path).name
-    _format_of(name, url)  # before downloading: a wrong extension should not cost a download
-    dest = cache_dir / "http" / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name}"
-    try:
-        stats.sha256 = download(url, dest, sha256=source.get("sha256"))
-    except DownloadError as error:
-        raise CorpusError(str(error)) from error
-    stats.details["cached_at"] = str(dest)
-    yield from _read_file(dest, f"{url} (cached at {dest})", source, decode)
-
-
-def _format_of(name: str, uri: str) -> tuple[str, str | None]:
-    """('.jsonl', '.gz') for 'x.jsonl.gz'; a CorpusError naming the URI for anything unsupported."""
-    lowered, compression = str(name).lower(), None
-    for suffix in COMPRESSIONS:
-        if lowered.endswith(suffix):
-            lowered, compression = lowered[: -len(suffix)], suffix
-    for suffix in FORMATS:
-        if lowered.endswith(suffix):
-            return suffix, compression
-    raise CorpusError(f"{uri}: unsupported file {name!r}; expected .txt, .jsonl or .parquet, optionally .gz or .zst")
-
-
-def _read_file(path: Path, label: str, source: dict, decode: _Decoder) -> Iterator[str]:
-    """One local file: .txt (whole file, or paragraphs), .jsonl or .parquet, optionally .gz/.zst compressed."""
-    fmt, compression = _format_of(path.name, source["uri"])
-    field_name = source.get("text_field", "text")
-    try:
-        with _open_decompressed(path, compression) as stream:
-            if fmt == ".txt":
-                text = decode(stream.read(), label)
-                if source.get("split") == "paragraphs":
-                    yield from (block.strip("\r\n") for block in PARAGRAPH_BREAK.split(text) if block.strip())
-                else:
-                    yield text
-            elif fmt == ".jsonl":
-                yield from _read_jsonl(stream, label, field_name, decode)
-            else:
-                yield from _read_parquet(stream, label, field_name, compression)
-    except (OSError, EOFError) as error:  # gzip/zstd corruption, truncated files
-        raise CorpusError(f"{label}: cannot read: {error}") from error
-
-
-def _open_decompressed(path: Path, compression: str | None) -> BinaryIO:
-    if compression == ".gz":
-        return gzip.open(path, "rb")
-    if compression == ".zst":
-        try:
-            import zstandard
-        except ImportError as error:
-            raise CorpusError(f"{path}: reading .zst needs the 'zstandard' package (pip install zstandard)") from error
-        raw = open(path, "rb")
-        # read_across_frames: files concatenated from several zstd frames are common (e.g. `cat a.zst b.zst`).
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
-        return io.BufferedReader(reader, 1 << 20)
-    return open(path, "rb")
-
-
-def _read_jsonl(stream: BinaryIO, label: str, field_name: str, decode: _Decoder) -> Iterator[str]:
-    """One document per non-blank line: the string under `field_name` (null counts as an empty document)."""
-    offset = 0
-    for number, raw in enumerate(stream, 1):
-        start, offset = offset, offset + len(raw)
-        if not raw.strip():
-            continue
-        where = f"{label} line {number}"
-        try:
-            record = json.loads(decode(raw, where, start))
-        except json.JSONDecodeError as error:
-            raise CorpusError(f"{where}: invalid JSON ({error.msg} at column {error.colno})") from None
-        yield _text_value(record.get(field_name, _MISSING) if isinstance(record, dict) else _MISSING,
-                          where, field_name, record)
-
-
-_MISSING = object()
-
-
-def _text_value(value, where: str, field_name: str, record=None) -> str:
-    if isinstance(value, str):
-        return value
-    if value is None:
-        return ""
-    if value is _MISSING:
-        keys = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
-        raise CorpusError(f"{where}: no {field_name!r} key (text_field); found {keys}")
-    raise CorpusError(f"{where}: {field_name!r} (text_field) holds {type(value).__name__}, not text")
-
-
-def _read_parquet(stream: BinaryIO, label: str, field_name: str, compression: str | None) -> Iterator[str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    # Parquet needs random access; a .gz/.zst wrapped file is decompressed into memory first.
-    source = io.BytesIO(stream.read()) if compression else stream
-    try:
-        parquet = pq.ParquetFile(source)
-        if field_name not in parquet.schema_arrow.names:
-            raise CorpusError(f"{label}: no column {field_name!r} (text_field); columns {parquet.schema_arrow.names}")
-        column_type = parquet.schema_arrow.field(field_name).type
-        if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-            raise CorpusError(f"{label}: column {field_name!r} (text_field) is {column_type}, not a string column")
-        for batch in parquet.iter_batches(batch_size=1024, columns=[field_name]):
-            yield from ("" if value is None else value for value in batch.column(0).to_pylist())
-    except pa.ArrowException as error:
-        raise CorpusError(f"{label}: not a readable parquet file: {error}") from error
-
-
-def _read_hf(source: dict, stats: SourceStats, cache_dir: Path) -> Iterator[str]:
-    """hf://<dataset> through datasets.load_dataset, cached under cache_dir/hf; fails fast and helpfully offline."""
-    uri = source["uri"]
-    name, config = uri[len("hf://"):], source.get("config")
-    split, field_name = source.get("split", "train"), source.get("text_field", "text")
-    revision, streaming = source.get("revision"), bool(source.get("streaming", False))
-    hf_cache = str(cache_dir / "hf")
-    stats.details.update(dataset=name, config=config, split=split, text_field=field_name, revision=revision,
-                         streaming=streaming)
-    try:
-        import datasets
-
-        dataset = datasets.load_dataset(name, config, split=split, cache_dir=hf_cache, revision=revision,
-                                        streaming=streaming)
-    except Exception as error:  # datasets raises a zoo of types (ConnectionError, FileNotFoundError, ValueError, ...)
-        raise CorpusError(_hf_failure_message(uri, name, config, split, hf_cache, error, revision)) from error
-    if streaming:
-        # Rows arrive as they are downloaded and are written out one by one; nothing is cached whole on disk.
-        stats.details.update(datasets_version=datasets.__version__)
-        for number, row in enumerate(dataset):
-            if field_name not in row:
-                raise CorpusError(f"{uri} ({split}) row {number}: no column {field_name!r} (text_field); "
-                                  f"columns {sorted(row)}")
-            yield _text_value(row[field_name], f"{uri} ({split})", field_name)
-        return
-    if field_name not in dataset.column_names:
-        raise CorpusError(f"{uri}: no column {field_name!r} (text_field); columns {dataset.column_names}")
-    # datasets' fingerprint identifies the cached Arrow data; it is the closest thing to a sha256 of what was fetched.
-    stats.details.update(rows=dataset.num_rows, fingerprint=getattr(dataset, "_fingerprint", None),
-                         datasets_version=datasets.__version__)
-    for batch in dataset.select_columns([field_name]).iter(batch_size=1024):
-        for value in batch[field_name]:
-            yield _text_value(value, f"{uri} ({split})", field_name)
-
-
-def _hf_failure_message(uri, name, config, split, hf_cache, error, revision=None) -> str:
-    offline = any(os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on")
-                  for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    why = ("offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) and the dataset is not in the cache"
-           if offline else "could not download it")
-    command = (f"HF_HUB_OFFLINE=0 HF_DATASETS_OFFLINE=0 python -c \"import datasets; datasets.load_dataset("
-               f"{name!r}, {config!r}, split={split!r}, cache_dir={hf_cache!r}"
-               + (f", revision={revision!r}" if revision else "") + ")\"")
-    return (f"{uri}: cannot load dataset {name!r} (config {config!r}, split {split!r}): {why}. "
-            f"{type(error).__name__}: {error}. To pre-download it, run on a machine with network access, in the "
-            f"workflow's working directory (or copy {hf_cache} there afterwards):\n  {command}")

@@ -1,16 +1,23 @@
-"""Device discovery and local GPU slot allocation.
+"""Device discovery, local GPU slot allocation and the process setup that goes with them.
 
 Snakemake's `--resources gpu=3` counts GPUs but never says which ones a job may use, so two 1-GPU jobs would both
 land on device 0. `allocate_slots` hands out disjoint device ids to concurrent local jobs through lock files
 (`fcntl.flock`, released automatically if the job dies). Slots are taken from the devices this process may see:
 the entries of CUDA_VISIBLE_DEVICES when the user set it (say "2,3" to keep the pipeline off two GPUs), else every
 GPU. Only a scheduler's allocation (SLURM sets CUDA_VISIBLE_DEVICES for the job's GPUs) is used as it is.
+
+Two ways to look for GPUs: `cuda_device_count` asks torch; `resolve_device_cheaply`, `nvidia_smi_memory` and
+`gpu_names` ask nvidia-smi, so that DAG time and the pre-flight do not import torch where they can avoid it.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import os
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -35,6 +42,58 @@ def resolve_device(requested: str) -> str:
     if requested == "cuda" and not count:
         raise SlotError("train.device is cuda but no CUDA device is visible on this machine (set train.device: cpu)")
     return requested
+
+
+def resolve_device_cheaply(requested: str) -> str:
+    """cuda|cpu without importing torch unless a GPU driver is present (DAG time must stay fast)."""
+    if requested != "auto":
+        return requested
+    if nvidia_smi_memory():
+        return "cuda"
+    if shutil.which("nvidia-smi") is None and os.path.exists("/dev/nvidiactl"):
+        return "cuda" if cuda_device_count() else "cpu"
+    return "cpu"
+
+
+def _nvidia_smi(field: str) -> list[str]:
+    """One nvidia-smi field per visible GPU ([] when there is none or no nvidia-smi)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    values = [line.strip() for line in out.splitlines() if line.strip()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() and all(p.strip().isdigit() for p in visible.split(",")):
+        values = [values[int(i)] for i in visible.split(",") if int(i) < len(values)]
+    return values
+
+
+def nvidia_smi_memory() -> list[int]:
+    """Total memory in bytes of each visible GPU, from nvidia-smi ([] when there is none or no nvidia-smi)."""
+    return [int(float(value)) * 1024**2 for value in _nvidia_smi("memory.total")]
+
+
+def gpu_names() -> list[str]:
+    """Names of the visible GPUs, from nvidia-smi ([] when there is none)."""
+    return _nvidia_smi("name")
+
+
+def usable_cpu_count() -> int:
+    """The CPU cores this process may run on (its affinity mask: a scheduler's or taskset's share), at least 1."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def die_with_parent(signal_number: int = signal.SIGKILL) -> None:
+    """Ask Linux to send this process `signal_number` when its parent dies (prctl PR_SET_PDEATHSIG); elsewhere a
+    no-op. Called first thing in a rank, or as a child's preexec_fn, so a hard kill of a job leaves no orphans."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal_number)
 
 
 # The launcher's and the evaluation rules' shared lock folder: training ranks and evaluations never share a GPU.

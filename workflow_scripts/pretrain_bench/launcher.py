@@ -26,10 +26,11 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 from . import state_lock
-from .devices import gpu_slots, resolve_device
+from .devices import die_with_parent, gpu_slots, resolve_device, usable_cpu_count
 from .settings import TrainSettings, check_settings
 
 
@@ -211,15 +212,6 @@ def slurm_fan_out(nodes: int, relaunch: list[str], rdzv_endpoint: str | None, jo
     return cmd + [*relaunch, "--rdzv-endpoint", rdzv_endpoint]
 
 
-def _terminate_with_parent() -> None:
-    """In the torchrun child: SIGTERM it if this launcher dies, so it stops its ranks (which checkpoint)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _attempt_log(log: Path, header: str) -> int:
     """A new file for this attempt in `<log stem>.attempts/`, starting with `header`, and `log` made a second name for
     it (a hard link; a symbolic link where the file system has none). Returns its open descriptor."""
@@ -318,7 +310,7 @@ def _launch_locked(plan: dict, plan_path: Path, ranks: int, script: Path, lock_d
         print(f"node rank {node_rank} of {settings.nodes}, rendezvous {rdzv_endpoint}", file=sys.stderr, flush=True)
     device = resolve_device(plan["device_request"])
     check_settings(settings, device)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cpu_count()
     env = rank_environment(device, ranks, cores, os.environ)
     for stale in clear_stale_extension_locks():
         print(f"removed {stale}: a torch extension build lock left by a killed process (ranks would wait on it "
@@ -351,7 +343,8 @@ def _run(cmd: list[str], env: dict, pass_fds: tuple[int, ...] = ()) -> int:
     """Run cmd to the end, passing SIGTERM on. `pass_fds` (the state lock) stay open in the child, so the lock
     outlives this launcher while torchrun's ranks still write."""
     print("launch: " + " ".join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=_terminate_with_parent, pass_fds=pass_fds)
+    # torchrun gets SIGTERM if this launcher dies, so it stops its ranks (which checkpoint)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=partial(die_with_parent, signal.SIGTERM), pass_fds=pass_fds)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
     try:
         return proc.wait()

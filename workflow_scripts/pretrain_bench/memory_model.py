@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from . import devices
 from .model import count_parameters, model_shape
 from .settings import ConfigError, TrainSettings
 
@@ -423,45 +423,6 @@ def run_shape(config: dict, settings: TrainSettings, device: str, vocab_size: in
                     engine=settings.engine)
 
 
-def resolve_device_cheaply(requested: str) -> str:
-    """cuda|cpu without importing torch unless a GPU driver is present (DAG time must stay fast)."""
-    if requested != "auto":
-        return requested
-    if _nvidia_smi_memory():
-        return "cuda"
-    if shutil.which("nvidia-smi") is None and os.path.exists("/dev/nvidiactl"):
-        from .devices import cuda_device_count
-
-        return "cuda" if cuda_device_count() else "cpu"
-    return "cpu"
-
-
-def _nvidia_smi(field: str) -> list[str]:
-    """One nvidia-smi field per visible GPU ([] when there is none or no nvidia-smi)."""
-    if shutil.which("nvidia-smi") is None:
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    values = [line.strip() for line in out.splitlines() if line.strip()]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() and all(p.strip().isdigit() for p in visible.split(",")):
-        values = [values[int(i)] for i in visible.split(",") if int(i) < len(values)]
-    return values
-
-
-def _nvidia_smi_memory() -> list[int]:
-    """Total memory in bytes of each visible GPU, from nvidia-smi ([] when there is none or no nvidia-smi)."""
-    return [int(float(value)) * 1024**2 for value in _nvidia_smi("memory.total")]
-
-
-def gpu_names() -> list[str]:
-    """Names of the visible GPUs, from nvidia-smi ([] when there is none)."""
-    return _nvidia_smi("name")
-
-
 def host_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -491,7 +452,7 @@ def detect_budget(device: str, bench: dict | None = None, nvme_path: str | Path 
         disk, disk_source = free_disk_bytes(nvme_path), f"free space at {nvme_path}"
     if device == "cpu":
         return Budget("cpu", host, host_source, host, host_source, None, disk, disk_source)
-    sizes = _nvidia_smi_memory()
+    sizes = devices.nvidia_smi_memory()
     if sizes:
         return Budget("cuda", min(sizes), f"nvidia-smi: smallest of {len(sizes)} GPU(s)", host, host_source,
                       len(sizes), disk, disk_source)

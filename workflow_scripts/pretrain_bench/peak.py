@@ -6,11 +6,10 @@ Each run's own MFU still uses the peak its summary.json names; this file is the 
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
-from .devices import GPU_LOCK_DIR
+from .devices import GPU_LOCK_DIR, usable_cpu_count
 from .evaluation import evaluation_device
 
 
@@ -37,7 +36,7 @@ def _measure(run_device: str, precision: str) -> dict:
         result["peak_flops"], result["peak_source"] = (table if table else
                                                        (measured, "measured: " + result["measured_method"]))
     else:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cpu_count()
         torch.set_num_threads(cores)
         dtype = "fp32" if precision == "fp32" else "bf16"
         measured = max(measure_matmul_peak(dtype, size=size, repeats=8) for size in (512, 1024, 2048))

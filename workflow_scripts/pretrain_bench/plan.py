@@ -11,10 +11,10 @@ import hashlib
 import json
 from pathlib import Path
 
+from .devices import resolve_device_cheaply
 from .flops import plan_peak
 from .io import atomic_write_json
 from .memory_fit import fit_run
-from .memory_model import resolve_device_cheaply
 from .settings import ConfigError, TrainSettings, check_settings
 
 # benchmark.* keys the pre-flight reads (the machine it plans for, and whether to launch runs that do not fit).
