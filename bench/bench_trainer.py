@@ -46,13 +46,13 @@ VARIANTS = {"zero0": {"zero_stage": 0}, "zero2": {"zero_stage": 2}, "ddp": {"eng
 
 
 def run_trainer(config: dict, results: Path, steps: int, warmup: int, variant: str, work: Path) -> dict:
-    from pretrain_bench.plan import make_plan, write_plan
+    from pretrain_bench.plan import make_plan, plan_config, write_plan
 
     train = {"gpus": 1, "global_batch_size": None, "max_steps": steps, "warmup_timing_steps": warmup,
              "checkpoint_every": 10**6, **VARIANTS[variant]}
-    plan = make_plan({**config, "train": {**config["train"], **train}}, index=results / "shards" / "index.json",
+    plan = make_plan(plan_config(config, {**config["train"], **train}), index=results / "shards" / "index.json",
                      tokenizer=results / "tokenizer", out_dir=work / variant, state_dir=work / f"state-{variant}",
-                     role="bench", resume=False, save_checkpoints=False, export_hf=False)
+                     role="bench", resume=False, save_checkpoints=False)
     plan_path = work / f"plan-{variant}.json"
     write_plan(plan, plan_path)
     log = work / f"trainer-{variant}.log"
