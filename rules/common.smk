@@ -3,17 +3,25 @@ import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow_scripts"))
 
-from pretrain_bench.config_types import coerce_command_line_types  # noqa: E402
+from pretrain_bench.config_types import coerce_command_line_types, fill_defaults_and_validate, load_schema  # noqa: E402
 from pretrain_bench.devices import GPU_LOCK_DIR as DEVICE_LOCK_DIR  # noqa: E402
 from pretrain_bench.settings import ConfigError, TrainSettings, check_settings  # noqa: E402
 
 
-coerce_command_line_types(config, Path(workflow.basedir) / "schemas" / "config.schema.yaml")
-validate(config, schema="../schemas/config.schema.yaml")
+# The schema parsed once, for the command-line types and for validation (Snakemake's validate() would parse it a
+# second time, with a slower YAML loader); skipped like validate() when this workflow is a module told to skip it.
+CONFIG_SCHEMA = load_schema(Path(workflow.basedir) / "schemas" / "config.schema.yaml")
+coerce_command_line_types(config, CONFIG_SCHEMA)
+if not workflow.modifier.skip_validation:
+    from jsonschema import ValidationError  # noqa: E402
+
+    try:
+        fill_defaults_and_validate(config, CONFIG_SCHEMA)
+    except ValidationError as error:
+        raise WorkflowError("Error validating config file.", error)
 
 try:
     TRAIN = TrainSettings.from_config(config["train"])
