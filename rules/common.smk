@@ -65,12 +65,11 @@ LM_EVAL_TASKS = config["evaluate"]["lm_eval"]["tasks"]
 
 
 def eval_gpus():
-    """GPUs one evaluation job holds: 1 on CUDA (device auto: when this machine sees a GPU), else 0."""
-    if EVAL_DEVICE == "auto":
-        from pretrain_bench.devices import cuda_device_count
+    """GPUs one evaluation job holds: 1 on CUDA (device auto: when this machine has a GPU, decided as for the
+    benchmark matrix, from nvidia-smi rather than by importing torch), else 0."""
+    from pretrain_bench.memory_model import resolve_device_cheaply
 
-        return 1 if cuda_device_count() else 0
-    return 1 if EVAL_DEVICE == "cuda" else 0
+    return 1 if resolve_device_cheaply(EVAL_DEVICE) == "cuda" else 0
 
 
 EVAL_GPUS = eval_gpus()
