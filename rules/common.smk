@@ -109,8 +109,8 @@ def available_ranks():
 
 try:
     BENCH = BenchSettings.from_config(config)
-    BENCH_MATRIX = plan_matrix(config, available_ranks=available_ranks())
     VOCAB_SIZE = config_vocab_size(config)
+    BENCH_MATRIX = plan_matrix(config, available_ranks=available_ranks(), vocab_size=VOCAB_SIZE)
     # tokenizer.path, or model.init_from's own tokenizer: the tokenizer stage adopts it instead of training one
     ADOPTED_TOKENIZER = adopted_tokenizer_path(config)
 except ConfigError as error:
