@@ -1,6 +1,12 @@
 # Helpers, config validation and wildcard constraints; no rules here.
+import gc
 import sys
 from pathlib import Path
+
+# What Snakemake has loaded by now (its plugins with pandas and SQLAlchemy, the parsed workflow) lives until the
+# process ends, yet every full pass of the cyclic garbage collector, and the one at exit, walks all of it again: a
+# large part of a dry run's time. Frozen, it is left out of those passes (reference counting still frees it).
+gc.freeze()
 
 from snakemake.exceptions import WorkflowError
 
