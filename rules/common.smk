@@ -1,19 +1,33 @@
 # Helpers, config validation and wildcard constraints; no rules here.
+import gc
 import sys
 from pathlib import Path
 
+# What Snakemake has loaded by now (its plugins with pandas and SQLAlchemy, the parsed workflow) lives until the
+# process ends, yet every full pass of the cyclic garbage collector, and the one at exit, walks all of it again: a
+# large part of a dry run's time. Frozen, it is left out of those passes (reference counting still frees it).
+gc.freeze()
+
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir) / "workflow_scripts"))
 
-from pretrain_bench.config_types import coerce_command_line_types  # noqa: E402
+from pretrain_bench.config_types import coerce_command_line_types, fill_defaults_and_validate, load_schema  # noqa: E402
 from pretrain_bench.devices import GPU_LOCK_DIR as DEVICE_LOCK_DIR  # noqa: E402
 from pretrain_bench.settings import ConfigError, TrainSettings, check_settings  # noqa: E402
 
 
-coerce_command_line_types(config, Path(workflow.basedir) / "schemas" / "config.schema.yaml")
-validate(config, schema="../schemas/config.schema.yaml")
+# The schema parsed once, for the command-line types and for validation (Snakemake's validate() would parse it a
+# second time, with a slower YAML loader); skipped like validate() when this workflow is a module told to skip it.
+CONFIG_SCHEMA = load_schema(Path(workflow.basedir) / "schemas" / "config.schema.yaml")
+coerce_command_line_types(config, CONFIG_SCHEMA)
+if not workflow.modifier.skip_validation:
+    from jsonschema import ValidationError  # noqa: E402
+
+    try:
+        fill_defaults_and_validate(config, CONFIG_SCHEMA)
+    except ValidationError as error:
+        raise WorkflowError("Error validating config file.", error)
 
 try:
     TRAIN = TrainSettings.from_config(config["train"])
@@ -57,12 +71,11 @@ LM_EVAL_TASKS = config["evaluate"]["lm_eval"]["tasks"]
 
 
 def eval_gpus():
-    """GPUs one evaluation job holds: 1 on CUDA (device auto: when this machine sees a GPU), else 0."""
-    if EVAL_DEVICE == "auto":
-        from pretrain_bench.devices import cuda_device_count
+    """GPUs one evaluation job holds: 1 on CUDA (device auto: when this machine has a GPU, decided as for the
+    benchmark matrix, from nvidia-smi rather than by importing torch), else 0."""
+    from pretrain_bench.devices import resolve_device_cheaply
 
-        return 1 if cuda_device_count() else 0
-    return 1 if EVAL_DEVICE == "cuda" else 0
+    return 1 if resolve_device_cheaply(EVAL_DEVICE) == "cuda" else 0
 
 
 EVAL_GPUS = eval_gpus()
@@ -102,8 +115,8 @@ def available_ranks():
 
 try:
     BENCH = BenchSettings.from_config(config)
-    BENCH_MATRIX = plan_matrix(config, available_ranks=available_ranks())
     VOCAB_SIZE = config_vocab_size(config)
+    BENCH_MATRIX = plan_matrix(config, available_ranks=available_ranks(), vocab_size=VOCAB_SIZE)
     # tokenizer.path, or model.init_from's own tokenizer: the tokenizer stage adopts it instead of training one
     ADOPTED_TOKENIZER = adopted_tokenizer_path(config)
 except ConfigError as error:

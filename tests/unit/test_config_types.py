@@ -1,7 +1,9 @@
 """Command-line overrides (`snakemake --config 'train={"gpus": 8}'`) reach the schema with the types it wants."""
+import copy
 from pathlib import Path
 
 import jsonschema
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,3 +38,23 @@ def test_values_of_the_wrong_kind_are_left_for_the_schema_to_reject():
     coerce_command_line_types(config, SCHEMA)
     # not numbers or booleans: untouched, so validation names the key and the bad value
     assert config["train"] == {"gpus": "eight", "allow_reshape": "1", "max_steps": "true"}
+
+
+def test_defaults_and_errors_are_those_of_snakemakes_validate():
+    from snakemake.utils import validate
+
+    from pretrain_bench.config_types import fill_defaults_and_validate, load_schema
+
+    for overlay in ({}, yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text())):
+        config = yaml.safe_load((ROOT / "config.yaml").read_text())
+        for key, value in overlay.items():
+            config[key] = {**config[key], **value} if isinstance(value, dict) else value
+        del config["train"]["max_steps"], config["evaluate"]["device"]  # keys with schema defaults
+        theirs = copy.deepcopy(config)
+        validate(theirs, str(SCHEMA))
+        assert fill_defaults_and_validate(config, load_schema(SCHEMA)) == theirs
+        assert "max_steps" in config["train"] and "device" in config["evaluate"]
+
+    config["train"]["gpus"] = "eight"
+    with pytest.raises(jsonschema.ValidationError, match="'eight' is not of type 'integer'"):
+        fill_defaults_and_validate(config, load_schema(SCHEMA))

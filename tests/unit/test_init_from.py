@@ -88,3 +88,21 @@ def test_hf_uri_offline_fails_fast_naming_the_uri_and_the_download_command(tmp_p
     assert "hf download some-org/some-model --revision v1.0" in result.stdout
     with pytest.raises(InitFromError, match="expected hf://<org>/<name>"):
         model_shape({"preset": "tiny", "init_from": "hf://just-a-name"}, 300)
+
+
+def test_an_hf_model_is_fetched_once_per_process(monkeypatch, hf_folder):
+    import huggingface_hub
+
+    from pretrain_bench import model
+
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, **kwargs: calls.append((repo, kwargs["revision"])) or str(hf_folder))
+    model._hf_snapshot.cache_clear()
+    try:
+        # planning reads the shape once per benchmark cell
+        shapes = [model_shape({"preset": "tiny", "init_from": "hf://some-org/some-model@v1.0"}, 300) for _ in range(3)]
+        assert shapes == [model_shape({"preset": "tiny", "init_from": str(hf_folder)}, 300)] * 3
+        assert calls == [("some-org/some-model", "v1.0")]
+    finally:
+        model._hf_snapshot.cache_clear()

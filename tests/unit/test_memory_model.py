@@ -191,3 +191,22 @@ def test_fewer_layers_advice_fits_and_more_would_not(no_gpu):
         smaller = replace(shape, layers=n, parameters=shape.parameters - (shape.layers - n) * per_layer)
         return judge(estimate(smaller), smaller, budget).fits
     assert 1 <= layers < shape.layers and fits(layers) and not fits(layers + 1)
+
+
+def test_nvidia_smi_runs_once_for_names_and_memory(monkeypatch, tmp_path):
+    calls = tmp_path / "calls"
+    fake = tmp_path / "nvidia-smi"  # two GPUs, one with a comma in its name
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nprintf 'NVIDIA H200, SXM, 143771\\nNVIDIA L4, 23034\\n'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    devices._nvidia_smi_table.cache_clear()
+    try:
+        assert devices.gpu_names() == ["NVIDIA H200, SXM", "NVIDIA L4"]
+        assert devices.nvidia_smi_memory() == [143771 * 1024**2, 23034 * 1024**2]
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # read at each call, not cached
+        assert devices.gpu_names() == ["NVIDIA L4"]
+        assert devices.resolve_device_cheaply("auto") == "cuda"
+        assert calls.read_text().splitlines() == ["--query-gpu=name,memory.total --format=csv,noheader,nounits"]
+    finally:
+        devices._nvidia_smi_table.cache_clear()

@@ -106,15 +106,17 @@ def cell_settings(config: dict, cell: Cell, bench: BenchSettings) -> TrainSettin
     return TrainSettings.from_config(cell_train(config, cell.train_overrides(bench)))
 
 
-def plan_matrix(config: dict, available_ranks: int | None = None, budget: Budget | None = None) -> dict:
+def plan_matrix(config: dict, available_ranks: int | None = None, budget: Budget | None = None,
+                vocab_size: int | None = None) -> dict:
     """Every cell of the matrix with its status (run | unsupported | predicted_oom), reason and memory estimate.
 
     available_ranks: Snakemake's `--resources gpu=N` when given (a cell needing more could never be scheduled).
+    vocab_size: `config_vocab_size(config)` when the caller has it already (an adopted tokenizer is read to know it).
     """
     bench = BenchSettings.from_config(config)
     device = resolve_device_cheaply(config["train"].get("device", "auto"))
     budget = budget or detect_budget(device, config.get("benchmark"))
-    vocab_size = config_vocab_size(config)
+    vocab_size = vocab_size or config_vocab_size(config)
     entries = []
     for cell in cells(bench):
         entry = {"cell": cell.name(config["train"]), **asdict(cell), "status": "run", "reason": None,

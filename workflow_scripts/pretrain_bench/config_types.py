@@ -1,9 +1,12 @@
-"""Command-line overrides with the types the schema asks for.
+"""The config against its schema: command-line overrides with the types the schema asks for, defaults, validation.
 
 `snakemake --config 'train={"gpus": 8}'` parses a nested value with YAML's BaseLoader, which keeps every scalar a
-string, so the schema would see "8" where it wants an integer. Snakemake's validate() fills defaults but converts
-no types, and jsonschema has no coercion, so this walks the schema and turns such strings into the YAML value they
-spell, where that value is of a type the key accepts. Strings meant as strings are left alone.
+string, so the schema would see "8" where it wants an integer. Validation fills defaults but converts no types, and
+jsonschema has no coercion, so this walks the schema and turns such strings into the YAML value they spell, where
+that value is of a type the key accepts. Strings meant as strings are left alone.
+
+The Snakefile parses the schema once (`load_schema`) for both steps: Snakemake's own validate() would parse it again
+with the pure-Python YAML loader, a noticeable part of a dry run.
 """
 from __future__ import annotations
 
@@ -15,11 +18,39 @@ _PYTHON_TYPES = {"integer": int, "number": (int, float), "boolean": bool, "null"
                  "array": list, "object": dict}
 
 
-def coerce_command_line_types(config: dict, schema_path: Path | str) -> dict:
-    """Convert, in place, string values whose schema type is not string; returns config."""
+def load_schema(schema_path: Path | str) -> dict:
+    """The JSON schema in a YAML file."""
     # libyaml's loader when PyYAML has it: the pure-Python one takes a noticeable part of a dry run here
-    schema = yaml.load(Path(schema_path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    _coerce_object(config, schema)
+    return yaml.load(Path(schema_path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+def coerce_command_line_types(config: dict, schema: dict | Path | str) -> dict:
+    """Convert, in place, string values whose schema type is not string; returns config.
+
+    schema: the schema (see `load_schema`) or the path of its file."""
+    _coerce_object(config, schema if isinstance(schema, dict) else load_schema(schema))
+    return config
+
+
+def fill_defaults_and_validate(config: dict, schema: dict) -> dict:
+    """Fill in, in place, the schema's defaults for absent keys, then validate; returns config.
+
+    What Snakemake's validate(config, schema) does for a dict (jsonschema's own recipe for defaults: each object's
+    defaults are set before its properties are checked), without parsing the schema file again.
+    Raises jsonschema.ValidationError.
+    """
+    from jsonschema import validators
+
+    checker = validators.validator_for(schema)
+    check_properties = checker.VALIDATORS["properties"]
+
+    def fill_defaults(validator, properties, instance, subschema):
+        for name, property_schema in properties.items():
+            if "default" in property_schema:
+                instance.setdefault(name, property_schema["default"])
+        yield from check_properties(validator, properties, instance, subschema)
+
+    validators.extend(checker, {"properties": fill_defaults})(schema).validate(config)
     return config
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import shutil
 import signal
@@ -55,16 +56,32 @@ def resolve_device_cheaply(requested: str) -> str:
     return "cpu"
 
 
+# The nvidia-smi fields planning reads, asked for in one call.
+_NVIDIA_SMI_FIELDS = ("name", "memory.total")
+
+
+@functools.lru_cache(maxsize=1)
+def _nvidia_smi_table() -> tuple[tuple[str, ...], ...]:
+    """(name, memory.total in MiB) of every GPU nvidia-smi lists, from one call per process: a DAG build asks several
+    times (device, budget of the matrix and of the main run, datasheet peak), and each nvidia-smi start costs from
+    tens of milliseconds to seconds. () when there is no nvidia-smi or it fails."""
+    if shutil.which("nvidia-smi") is None:
+        return ()
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(_NVIDIA_SMI_FIELDS)}",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    # the memory is a number: a comma in a GPU's name stays in the name
+    return tuple(tuple(value.strip() for value in line.rsplit(",", len(_NVIDIA_SMI_FIELDS) - 1))
+                 for line in out.splitlines() if line.strip())
+
+
 def _nvidia_smi(field: str) -> list[str]:
     """One nvidia-smi field per visible GPU ([] when there is none or no nvidia-smi)."""
-    if shutil.which("nvidia-smi") is None:
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    values = [line.strip() for line in out.splitlines() if line.strip()]
+    column = _NVIDIA_SMI_FIELDS.index(field)
+    values = [row[column] for row in _nvidia_smi_table()]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() and all(p.strip().isdigit() for p in visible.split(",")):
         values = [values[int(i)] for i in visible.split(",") if int(i) < len(values)]

@@ -6,6 +6,7 @@ parameters for CPU runs. `model.init_from` takes the shape (and the weights) of 
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -155,6 +156,14 @@ def init_from_folder(uri: str, *, weights: bool = True) -> Path:
             raise InitFromError(f"model.init_from {uri}: no config.json there (expected an HF model folder, e.g. "
                                 "results/<name>/train/hf)")
         return folder
+    return _hf_snapshot(uri, weights)
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_snapshot(uri: str, weights: bool) -> Path:
+    """The HF cache folder of an hf:// model.init_from, fetched once per process: planning reads the model's shape
+    once per benchmark cell, and each snapshot_download asks the hub again (a network round trip) unless offline.
+    A failure is not kept: the next call tries again."""
     repo, revision = parse_hf_uri(uri)
     from huggingface_hub import snapshot_download
 
