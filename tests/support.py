@@ -71,6 +71,32 @@ def start(plan_path: Path, ranks: int, log: Path, env=None) -> subprocess.Popen:
                             env={**os.environ, **(env or {})})
 
 
+def crash_after_first_checkpoint(plan_path: Path, run_dir: Path, log: Path) -> list[int]:
+    """Launch the plan on 3 ranks, let it run a little past its first committed checkpoint, then kill -9 every
+    process of the job at once (launcher, torchrun, ranks); returns the committed steps left behind."""
+    import time
+
+    import psutil
+
+    from pretrain_bench.checkpoint import committed_steps
+
+    proc = start(plan_path, 3, log)
+    deadline = time.monotonic() + 600
+    while not committed_steps(run_dir / "state" / "checkpoints"):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    time.sleep(1.0)  # let it run into the next steps, then crash hard: every process of the job at once
+    root = psutil.Process(proc.pid)
+    job = [root, *root.children(recursive=True)]
+    assert len(job) >= 5, "launcher, torchrun and three ranks"
+    for process in job:
+        process.kill()
+    proc.wait()
+    psutil.wait_procs(job, timeout=30)
+    assert not (run_dir / "out" / "summary.json").exists()
+    return committed_steps(run_dir / "state" / "checkpoints")
+
+
 def run(plan_path: Path, ranks: int, log: Path, timeout=600, env=None) -> int:
     proc = start(plan_path, ranks, log, env)
     try:

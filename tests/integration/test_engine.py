@@ -8,12 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from support import losses, plan_for, run, start  # noqa: E402  (data: tests/conftest.py)
+from support import crash_after_first_checkpoint, losses, plan_for, run, start  # noqa: E402  (data: tests/conftest.py)
 
 from pretrain_bench.checkpoint import committed_steps  # noqa: E402
 from pretrain_bench.plan import make_plan, write_plan  # noqa: E402
@@ -49,21 +48,7 @@ def test_kill_9_then_rerun_resumes_with_identical_losses(data, tmp_path):
     assert run(plan_for(data, reference, max_steps=12), 3, tmp_path / "ref.log") == 0
     crashed = tmp_path / "crashed"
     plan = plan_for(data, crashed, max_steps=12)
-    proc = start(plan, 3, tmp_path / "crash.log")
-    deadline = time.monotonic() + 600
-    while not committed_steps(crashed / "state" / "checkpoints"):
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "crash.log").read_text()[-3000:]
-        time.sleep(0.2)
-    time.sleep(1.0)  # let it run into the next steps, then crash hard: every process of the job at once
-    root = psutil.Process(proc.pid)
-    job = [root, *root.children(recursive=True)]
-    assert len(job) >= 5, "launcher, torchrun and three ranks"
-    for process in job:
-        process.kill()
-    proc.wait()
-    psutil.wait_procs(job, timeout=30)
-    assert not (crashed / "out" / "summary.json").exists()
-    kept = committed_steps(crashed / "state" / "checkpoints")
+    kept = crash_after_first_checkpoint(plan, crashed, tmp_path / "crash.log")
     assert run(plan, 3, tmp_path / "resume.log") == 0, (tmp_path / "resume.log").read_text()[-3000:]
     summary = json.loads((crashed / "out" / "summary.json").read_text())
     assert summary["resumed_from_step"] == kept[-1] and summary["resumed_from_step"] in (4, 8)

@@ -1,12 +1,10 @@
 """train.engine on CPU through the real launcher: DeepSpeed, DDP and FSDP train the same work, DDP reproduces
 DeepSpeed ZeRO-0's losses, DDP and FSDP resume exactly after kill -9, and every engine's checkpoint exports."""
 import json
-import time
 
-import psutil
 import pytest
 
-from support import losses, plan_for, run, start  # noqa: E402  (data: tests/conftest.py)
+from support import crash_after_first_checkpoint, losses, plan_for, run  # noqa: E402  (data: tests/conftest.py)
 
 from pretrain_bench.checkpoint import committed_steps, load_fp32_state_dict  # noqa: E402
 
@@ -81,20 +79,7 @@ def test_kill_9_then_rerun_resumes_with_identical_losses(data, tmp_path, engine)
         (tmp_path / "ref.log").read_text()[-3000:]
     crashed = tmp_path / "crashed"
     plan = plan_for(data, crashed, **train)
-    proc = start(plan, 3, tmp_path / "crash.log")
-    deadline = time.monotonic() + 600
-    while not committed_steps(crashed / "state" / "checkpoints"):
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "crash.log").read_text()[-3000:]
-        time.sleep(0.2)
-    time.sleep(1.0)
-    root = psutil.Process(proc.pid)
-    job = [root, *root.children(recursive=True)]
-    for process in job:
-        process.kill()
-    proc.wait()
-    psutil.wait_procs(job, timeout=30)
-    assert not (crashed / "out" / "summary.json").exists()
-    kept = committed_steps(crashed / "state" / "checkpoints")
+    kept = crash_after_first_checkpoint(plan, crashed, tmp_path / "crash.log")
     assert run(plan, 3, tmp_path / "resume.log") == 0, (tmp_path / "resume.log").read_text()[-3000:]
     summary = json.loads((crashed / "out" / "summary.json").read_text())
     assert summary["engine"] == engine and summary["resumed_from_step"] == kept[-1]
