@@ -144,7 +144,7 @@ class TorchEngine:
         self.skipped_steps = 0
         self._grad_norm: float | None = None
         self.model = self.wrap(model)
-        # foreach=False: the same per-parameter kernels as DeepSpeed's torch_adam path (torch.optim.AdamW defaults)
+        # torch.optim.AdamW with its defaults: what DeepSpeed's torch_adam path builds, so ZeRO-0 and DDP match
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, betas=tuple(settings.adam_betas),
                                            eps=settings.adam_eps, weight_decay=settings.weight_decay)
         self.scheduler = lr_schedule(settings, total_steps)(self.optimizer)

@@ -325,8 +325,8 @@ def torch_engine_terms(run: RunShape) -> tuple[dict, dict]:
         # one decoder layer gathered for compute and the next prefetched
         "layers_gathered": (2 * layer * b, "two decoder layers gathered (current + prefetched)"),
         # the gathered layer's gradient, and its fp32 copy for the reduce-scatter
-        "layer_gradient": (layer * (b + 4 if b != 4 else 4), "one layer's unsharded gradient (+ fp32 for the "
-                                                              "reduce-scatter)"),
+        "layer_gradient": (layer * b + (layer * 4 if b != 4 else 0),
+                           "one layer's unsharded gradient (+ fp32 for the reduce-scatter)"),
     }
     return states, buffers
 

@@ -171,10 +171,8 @@ def group_key(entry: dict) -> tuple:
 
 
 def group_label(entry: dict) -> str:
-    if engine_of(entry) == "deepspeed":
-        label = f"ZeRO-{entry['zero_stage']}, {entry['precision']}, {entry['comm_backend']}"
-    else:
-        label = f"{engine_label(entry)}, {entry['precision']}, {entry['comm_backend']}"
+    layout = f"ZeRO-{entry['zero_stage']}" if engine_of(entry) == "deepspeed" else engine_label(entry)
+    label = f"{layout}, {entry['precision']}, {entry['comm_backend']}"
     label += f", micro batch {entry['micro_batch_size']}"
     if entry["offload_optimizer"] != "none":
         label += ", optimizer offload"
