@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from .rank import number
 from .settings import ENGINES
 
 DDP_MODEL_FILE, DDP_OPTIMIZER_FILE, DCP_FOLDER = "model.pt", "optimizer.pt", "dcp"
@@ -101,16 +102,14 @@ class DeepSpeedEngine:
         return float(self.engine.get_lr()[0])
 
     def grad_norm(self) -> float | None:
-        norm = self.engine.get_global_grad_norm()
-        return None if norm is None else float(norm)
+        return number(self.engine.get_global_grad_norm())
 
     @property
     def skipped_steps(self) -> int:
         return self.engine.skipped_steps
 
     def loss_scale(self) -> float | None:
-        scale = getattr(self.engine.optimizer, "cur_scale", None) if self.settings.precision == "fp16" else None
-        return None if scale is None else float(scale)
+        return number(getattr(self.engine.optimizer, "cur_scale", None) if self.settings.precision == "fp16" else None)
 
     def save(self, folder: Path, writer, client_state: dict) -> None:
         """Every file DeepSpeed writes goes through `writer` (hashed while written)."""
