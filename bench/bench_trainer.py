@@ -46,7 +46,7 @@ VARIANTS = {"zero0": {"zero_stage": 0}, "zero2": {"zero_stage": 2}, "ddp": {"eng
 
 
 def run_trainer(config: dict, results: Path, steps: int, warmup: int, variant: str, work: Path) -> dict:
-    from pretrain_bench.plan import make_plan, plan_config, write_plan
+    from pretrain_bench.plan import make_plan, plan_config
 
     train = {"gpus": 1, "global_batch_size": None, "max_steps": steps, "warmup_timing_steps": warmup,
              "checkpoint_every": 10**6, **VARIANTS[variant]}
@@ -54,7 +54,7 @@ def run_trainer(config: dict, results: Path, steps: int, warmup: int, variant: s
                      tokenizer=results / "tokenizer", out_dir=work / variant, state_dir=work / f"state-{variant}",
                      role="bench", resume=False, save_checkpoints=False)
     plan_path = work / f"plan-{variant}.json"
-    write_plan(plan, plan_path)
+    plan.to_json(plan_path)
     log = work / f"trainer-{variant}.log"
     with open(log, "w") as handle:
         code = subprocess.run([sys.executable, str(ROOT / "workflow_scripts" / "launch.py"), "--ranks", "1",

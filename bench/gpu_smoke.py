@@ -60,7 +60,7 @@ def build_data(work: Path) -> tuple[Path, Path]:
 def run_one(name: str, overrides: dict, steps: int, index: Path, tokenizer: Path, work: Path) -> dict:
     import yaml
 
-    from pretrain_bench.plan import make_plan, plan_config, write_plan
+    from pretrain_bench.plan import make_plan, plan_config
 
     config = yaml.safe_load((ROOT / "config.yaml").read_text())
     config["name"] = f"gpu-smoke-{name}"
@@ -72,7 +72,7 @@ def run_one(name: str, overrides: dict, steps: int, index: Path, tokenizer: Path
     plan = make_plan(plan_config(config), index=index, tokenizer=tokenizer, out_dir=run_dir / "out",
                      state_dir=run_dir / "state", resume=False, save_checkpoints=False)
     plan_path = run_dir / "plan.json"
-    write_plan(plan, plan_path)
+    plan.to_json(plan_path)
     started = time.perf_counter()
     log = run_dir / "train.log"
     with open(log, "w") as out:
@@ -83,7 +83,7 @@ def run_one(name: str, overrides: dict, steps: int, index: Path, tokenizer: Path
     if code:
         return result
     summary = json.loads((run_dir / "out" / "summary.json").read_text())
-    estimate = plan["memory_fit"]["estimate"]
+    estimate = plan.memory_fit["estimate"]
     measured = summary["peak_mem_bytes"][0]
     # torch's allocator peak excludes the CUDA context, which the model's runtime term covers
     predicted = estimate["per_rank"] - estimate["runtime"]

@@ -56,12 +56,12 @@ def plan_for(data, run_dir: Path, **train):
     # warmup_steps: the tiny config's 10 would not end before these short runs do (settings.check_settings)
     overrides = {"max_steps": 8, "checkpoint_every": 4, "warmup_timing_steps": 1, "warmup_steps": 2, **train}
     config = {**config, "train": {**config["train"], **overrides}}
-    from pretrain_bench.plan import make_plan, write_plan
+    from pretrain_bench.plan import make_plan
 
     plan = make_plan(config, index=results / "shards" / "index.json", tokenizer=results / "tokenizer",
                      out_dir=run_dir / "out", state_dir=run_dir / "state")
     path = run_dir / "plan.json"
-    write_plan(plan, path)
+    plan.to_json(path)
     return path
 
 

@@ -9,9 +9,10 @@ def main(plan_path, step, out_dir, dtype, threads):
     import torch
 
     from pretrain_bench.export import export_checkpoint
+    from pretrain_bench.plan import Plan
 
     torch.set_num_threads(max(1, threads))
-    plan = json.loads(Path(plan_path).read_text())
+    plan = Plan.from_json(Path(plan_path))
     info = export_checkpoint(plan, int(step), Path(out_dir), dtype=dtype)
     print(json.dumps(info, indent=2), file=sys.stderr)
 

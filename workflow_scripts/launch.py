@@ -10,13 +10,13 @@ refused because another one holds its state folder says so on the terminal and l
 Thin: parses arguments and hands over to pretrain_bench.launcher (see there for devices, slots and rendezvous).
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pretrain_bench.launcher import launch  # noqa: E402
+from pretrain_bench.plan import Plan  # noqa: E402
 from pretrain_bench.settings import ConfigError  # noqa: E402
 from pretrain_bench.devices import GPU_LOCK_DIR, SlotError  # noqa: E402
 from pretrain_bench.state_lock import StateInUse  # noqa: E402
@@ -34,11 +34,11 @@ def main(argv=None) -> int:
     parser.add_argument("--log", type=Path, default=None,
                         help="the job's log: each attempt gets its own file in <log stem>.attempts/, this names the newest")
     args = parser.parse_args(argv)
-    plan = json.loads(args.plan.read_text())
     # How srun starts this launcher again on every node of a SLURM allocation.
     relaunch = [sys.executable, str(Path(__file__).resolve()), "--ranks", str(args.ranks),
                 "--plan", str(args.plan.resolve()), "--lock-dir", str(args.lock_dir.resolve())]
     try:
+        plan = Plan.from_json(args.plan)
         return launch(plan, args.plan, args.ranks, Path(__file__).resolve().parent / "pretrain.py", args.lock_dir,
                       node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, relaunch=relaunch, log=args.log)
     except (ConfigError, SlotError, ValueError, StateInUse) as error:

@@ -5,13 +5,12 @@ from pathlib import Path
 
 
 def main(config, cell, index, tokenizer, peak, out_dir, state_dir, plan_path):
-    from pretrain_bench.plan import make_plan, write_plan
+    from pretrain_bench.plan import make_plan
 
     plan = make_plan(config, index=Path(index), tokenizer=Path(tokenizer).parent, out_dir=Path(out_dir),
                      state_dir=Path(state_dir), role="bench", resume=False, save_checkpoints=False,
-                     peak=json.loads(Path(peak).read_text()))
-    plan["cell"] = cell
-    write_plan(plan, Path(plan_path))
+                     peak=json.loads(Path(peak).read_text()), cell=cell)
+    plan.to_json(Path(plan_path))
 
 
 if "snakemake" in globals():

@@ -6,13 +6,13 @@ from pathlib import Path
 
 def main(config, index, tokenizer, peak, out_dir, state_dir, plan_path, manifest=None):
     from pretrain_bench.memory_fit import summary_line
-    from pretrain_bench.plan import make_plan, write_plan
+    from pretrain_bench.plan import make_plan
 
     plan = make_plan(config, index=Path(index), tokenizer=Path(tokenizer).parent, out_dir=Path(out_dir),
                      state_dir=Path(state_dir), peak=json.loads(Path(peak).read_text()),
                      manifest=Path(manifest) if manifest else None)
-    print(summary_line(plan["memory_fit"]), file=sys.stderr)
-    write_plan(plan, Path(plan_path))
+    print(summary_line(plan.memory_fit), file=sys.stderr)
+    plan.to_json(Path(plan_path))
 
 
 if "snakemake" in globals():

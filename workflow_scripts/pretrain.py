@@ -1,6 +1,5 @@
 """One training rank, started by torchrun through launch.py: `pretrain.py --plan PLAN`."""
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -16,21 +15,21 @@ def main(argv=None) -> int:
     die_with_parent()
     from pretrain_bench.checkpoint import CheckpointError
     from pretrain_bench.launcher import wait_out_stale_build_locks
+    from pretrain_bench.plan import Plan, RunContext
     from pretrain_bench.train import TrainingAborted, run_training
 
     wait_out_stale_build_locks()  # DeepSpeed loads its CPU op behind torch's build lock in every rank
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--plan", type=Path, required=True)
     args = parser.parse_args(argv)
-    plan = json.loads(args.plan.read_text())
-    plan["device"] = os.environ.get("PRETRAIN_BENCH_DEVICE", "cpu")
-    if plan["device"] == "cuda":
+    plan = Plan.from_json(args.plan)
+    device = os.environ.get("PRETRAIN_BENCH_DEVICE", "cpu")  # what the launcher resolved device_request to
+    if device == "cuda":
         import torch
 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    plan["hardware"] = hardware_description(plan["device"])
     try:
-        run_training(plan)
+        run_training(plan, RunContext(device=device, hardware=hardware_description(device)))
     except (TrainingAborted, CheckpointError) as error:
         print(f"error (rank {os.environ.get('RANK')}): {error}", file=sys.stderr, flush=True)
         return 3

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 from support import crash_after_first_checkpoint, losses, plan_for, run, start  # noqa: E402  (data: tests/conftest.py)
 
 from pretrain_bench.checkpoint import committed_steps  # noqa: E402
-from pretrain_bench.plan import make_plan, write_plan  # noqa: E402
+from pretrain_bench.plan import Plan, make_plan  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -128,7 +128,7 @@ def test_continue_from_export_eval_every_and_csv_monitor(data, tmp_path):
         plan = make_plan(cfg, index=results / "shards" / "index.json", tokenizer=results / "tokenizer",
                          out_dir=run_dir / "out", state_dir=run_dir / "state",
                          manifest=results / "corpus" / "manifest.json")
-        write_plan(plan, run_dir / "plan.json")
+        plan.to_json(run_dir / "plan.json")
         return run_dir / "plan.json"
 
     first = tmp_path / "first"
@@ -139,7 +139,7 @@ def test_continue_from_export_eval_every_and_csv_monitor(data, tmp_path):
     # the final export, as rule export_final makes it once training has ended
     from pretrain_bench.export import export_checkpoint
 
-    export_checkpoint(json.loads(plan.read_text()), 4, first / "out" / "hf")
+    export_checkpoint(Plan.from_json(plan), 4, first / "out" / "hf")
     records = [json.loads(line) for line in (first / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
     assert all(r["val_perplexity"] > 1 and r["eval_time_s"] > 0 for r in records if "val_loss" in r)

@@ -7,6 +7,7 @@ import pytest
 from support import crash_after_first_checkpoint, losses, plan_for, run  # noqa: E402  (data: tests/conftest.py)
 
 from pretrain_bench.checkpoint import committed_steps, load_fp32_state_dict  # noqa: E402
+from pretrain_bench.plan import Plan  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -61,7 +62,7 @@ def test_hf_export_of_an_fsdp_checkpoint_loads_and_scores_like_training(trained)
 
     from pretrain_bench.export import export_checkpoint
 
-    plan = json.loads((trained / "fsdp" / "plan.json").read_text())
+    plan = Plan.from_json(trained / "fsdp" / "plan.json")
     target = trained / "fsdp-hf"
     info = export_checkpoint(plan, 8, target)
     assert info["step"] == 8

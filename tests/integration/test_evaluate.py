@@ -1,5 +1,6 @@
 """Checkpoint evaluation through Snakemake on a short tiny run (20 steps, checkpoints 10 and 20): HF exports that
 match the DeepSpeed model, eval/step<N>.json, lm-eval on the shipped tasks, checkpoints left untouched."""
+import dataclasses
 import json
 import math
 import os
@@ -242,8 +243,10 @@ def test_an_incomplete_zero_checkpoint_fails_naming_its_path(run, tmp_path):
     shards = sorted((tmp_path / "checkpoints" / "step10").glob("*optim_states.pt"))
     assert len(shards) == 3, "one optimizer shard per rank"
     shards[1].unlink()  # a copy that lost one rank's shard, marker and all else intact
-    plan = json.loads((RESULTS / "train" / "plan.json").read_text())
-    plan["paths"]["state_dir"] = str(tmp_path)
+    from pretrain_bench.plan import Plan
+
+    plan = Plan.from_json(RESULTS / "train" / "plan.json")
+    plan = dataclasses.replace(plan, paths=dataclasses.replace(plan.paths, state_dir=str(tmp_path)))
     folder = tmp_path / "checkpoints" / "step10"
     with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {folder} is incomplete or unreadable")):
         export_checkpoint(plan, 10, tmp_path / "export")

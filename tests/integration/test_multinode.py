@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 from support import tiny_config  # noqa: E402
 
 from pretrain_bench.launcher import torchrun_command  # noqa: E402
-from pretrain_bench.plan import make_plan, write_plan  # noqa: E402
+from pretrain_bench.plan import make_plan  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
@@ -45,7 +45,7 @@ def write_run_plan(data, run_dir: Path, **train) -> Path:
     config = {**config, "train": {**config["train"], **settings}}
     plan = make_plan(config, index=results / "shards" / "index.json", tokenizer=results / "tokenizer",
                      out_dir=run_dir / "out", state_dir=run_dir / "state", save_checkpoints=False)
-    write_plan(plan, run_dir / "plan.json")
+    plan.to_json(run_dir / "plan.json")
     return run_dir / "plan.json"
 
 

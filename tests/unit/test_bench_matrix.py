@@ -124,15 +124,15 @@ def test_cell_plan_rederives_the_batch_and_keeps_no_state(tmp_path):
     cell_config = plan_config(config, train=cell_train(config, cell.train_overrides(bench)))
     plan = make_plan(cell_config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "rep1",
                      state_dir=tmp_path / "s", role="bench", resume=False, save_checkpoints=False)
-    assert plan["train"]["gpus"] == 2 and plan["train"]["zero_stage"] == 1
+    assert plan.train["gpus"] == 2 and plan.train["zero_stage"] == 1
     # 8 per rank × 2 ranks, not the main run's 24
-    assert TrainSettings.from_config(plan["train"]).derived_global_batch == 16
-    assert plan["train"]["max_steps"] == bench.steps and plan["train"]["warmup_timing_steps"] == bench.warmup_steps
-    assert plan["train"]["max_tokens"] is None
-    assert plan["role"] == "bench" and not plan["resume"] and not plan["save_checkpoints"]
+    assert TrainSettings.from_config(plan.train).derived_global_batch == 16
+    assert plan.train["max_steps"] == bench.steps and plan.train["warmup_timing_steps"] == bench.warmup_steps
+    assert plan.train["max_tokens"] is None
+    assert plan.role == "bench" and not plan.resume and not plan.save_checkpoints
     # a cell measures its own settings: memory_fit never changes them, and checkpoint keys are not its business
-    assert plan["train"]["memory_fit"] == "strict" and "checkpoint_every" not in cell_config["train"]
-    assert set(plan["config"]) == {"name", "model", "train", "tokenizer", "benchmark", "report"}
+    assert plan.train["memory_fit"] == "strict" and "checkpoint_every" not in cell_config["train"]
+    assert set(plan.config) == {"name", "model", "train", "tokenizer", "benchmark", "report"}
 
 
 def test_time_estimate_is_a_lower_bound_from_the_peak():

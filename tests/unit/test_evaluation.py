@@ -21,7 +21,7 @@ from pretrain_bench.evaluation import (  # noqa: E402
     EvalSettings, GenerationSettings, eval_sample_indices, evaluate_export, evaluate_model, evaluation_device,
     generate_continuations, load_export, token_byte_lengths,
 )
-from pretrain_bench.export import EXPORT_INFO, export_hf, read_export_info  # noqa: E402
+from pretrain_bench.export import export_hf, read_export_info  # noqa: E402
 from pretrain_bench.harness import build_task_data, last_word_example  # noqa: E402
 from pretrain_bench.loader import PackedTokens  # noqa: E402
 from pretrain_bench.model import ModelShape, build_model  # noqa: E402

@@ -166,7 +166,7 @@ def test_make_plan_runs_the_guard_before_anything_else(tmp_path, no_gpu):
         make_plan(config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "out", state_dir=tmp_path / "state")
     config["train"].update(zero_stage=3, offload_optimizer="cpu")
     fits = make_plan(config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "o", state_dir=tmp_path / "s")
-    assert fits["preflight"]["fits"] and fits["preflight"]["estimate"]["optimizer"] == 0
+    assert fits.preflight["fits"] and fits.preflight["estimate"]["optimizer"] == 0
 
 
 def test_tiny_config_fits_on_this_machine():

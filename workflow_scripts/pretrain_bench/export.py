@@ -44,7 +44,7 @@ def read_checkpoint_weights(ckpt_root: Path, step: int) -> dict:
 
 
 def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Path, target: Path, *,
-              dtype: str = "fp32", info: dict | None = None, plan: dict | None = None) -> Path:
+              dtype: str = "fp32", info: dict | None = None, plan=None) -> Path:
     """Save checkpoint `step` as an HF model folder at `target` (replaced atomically); returns target.
 
     With the run's `plan` the folder also gets its model card (README.md, see model_card.py)."""
@@ -90,15 +90,15 @@ def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Pa
     return target
 
 
-def export_checkpoint(plan: dict, step: int, target: Path, *, dtype: str = "fp32") -> dict:
+def export_checkpoint(plan, step: int, target: Path, *, dtype: str = "fp32") -> dict:
     """Export checkpoint `step` of the run described by plan (plan.json) to `target`; returns its description."""
     from .plan import plan_shape
 
-    index = json.loads(Path(plan["paths"]["index"]).read_text())
+    index = json.loads(Path(plan.paths.index).read_text())
     shape = plan_shape(plan, index["vocab_size"])
-    root = Path(plan["paths"]["state_dir"]) / "checkpoints"
-    export_hf(root, step, shape, plan["model"]["seq_len"], Path(plan["paths"]["tokenizer"]), Path(target),
-              dtype=dtype, info={"model": plan["model"], "run": plan["name"]}, plan=plan)
+    root = Path(plan.paths.state_dir) / "checkpoints"
+    export_hf(root, step, shape, plan.model["seq_len"], Path(plan.paths.tokenizer), Path(target),
+              dtype=dtype, info={"model": plan.model, "run": plan.name}, plan=plan)
     return read_export_info(target)
 
 

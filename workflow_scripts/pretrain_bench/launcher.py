@@ -31,6 +31,7 @@ from pathlib import Path
 
 from . import state_lock
 from .devices import die_with_parent, gpu_slots, resolve_device, usable_cpu_count
+from .plan import Plan
 from .settings import TrainSettings, check_settings
 
 
@@ -253,7 +254,7 @@ def record_refusal(log: Path, plan_path: Path, message: str) -> None:
     os.close(fd)
 
 
-def launch(plan: dict, plan_path: Path, ranks: int, script: Path, lock_dir: Path, *, node_rank: int | None = None,
+def launch(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_dir: Path, *, node_rank: int | None = None,
            rdzv_endpoint: str | None = None, relaunch: list[str] | None = None, log: Path | None = None) -> int:
     """Run torchrun for this plan (or, for a multi-node run in a SLURM allocation, srun one launcher per node);
     returns its exit code. SIGTERM is passed on so ranks can checkpoint.
@@ -262,7 +263,7 @@ def launch(plan: dict, plan_path: Path, ranks: int, script: Path, lock_dir: Path
     the module docstring; without it output stays on this process's stdout/stderr.
     Raises state_lock.StateInUse, before starting anything or opening the log, when another run holds the state.
     """
-    settings = TrainSettings.from_config(plan["train"])
+    settings = TrainSettings.from_config(plan.train)
     if ranks != settings.gpus:
         raise ValueError(f"--ranks {ranks} (ranks per node) but train.gpus={settings.gpus}: they must agree")
     check_settings(settings)
@@ -271,7 +272,7 @@ def launch(plan: dict, plan_path: Path, ranks: int, script: Path, lock_dir: Path
     lock = None
     if SLURM_NODE_TASK not in os.environ and not (node_rank or 0):
         try:
-            lock = state_lock.acquire(Path(plan["paths"]["state_dir"]))
+            lock = state_lock.acquire(Path(plan.paths.state_dir))
         except state_lock.StateInUse as error:
             if log:
                 record_refusal(log, plan_path, str(error))
@@ -286,7 +287,7 @@ def launch(plan: dict, plan_path: Path, ranks: int, script: Path, lock_dir: Path
     return code
 
 
-def _launch_locked(plan: dict, plan_path: Path, ranks: int, script: Path, lock_dir: Path, settings: TrainSettings, *,
+def _launch_locked(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_dir: Path, settings: TrainSettings, *,
                    node_rank: int | None, rdzv_endpoint: str | None, relaunch: list[str] | None,
                    pass_fds: tuple[int, ...]) -> int:
     rdzv_endpoint = rdzv_endpoint or settings.rdzv_endpoint
@@ -308,7 +309,7 @@ def _launch_locked(plan: dict, plan_path: Path, ranks: int, script: Path, lock_d
             raise ValueError(f"train.nodes={settings.nodes} outside SLURM needs train.rdzv_endpoint or "
                              "--rdzv-endpoint: host:port on the node started with --node-rank 0")
         print(f"node rank {node_rank} of {settings.nodes}, rendezvous {rdzv_endpoint}", file=sys.stderr, flush=True)
-    device = resolve_device(plan["device_request"])
+    device = resolve_device(plan.device_request)
     check_settings(settings, device)
     cores = usable_cpu_count()
     env = rank_environment(device, ranks, cores, os.environ)
@@ -328,7 +329,7 @@ def _launch_locked(plan: dict, plan_path: Path, ranks: int, script: Path, lock_d
         print(f"note: {ranks} ranks on {cores} cores: oversubscribed, 1 thread per rank; timings are "
               "contended", file=sys.stderr, flush=True)
     slots = gpu_slots(ranks, lock_dir) if device == "cuda" else nullcontext(None)
-    rdzv_id = job_id or f"{plan['name']}-{plan.get('role', 'pretrain')}"
+    rdzv_id = job_id or f"{plan.name}-{plan.role}"
     cmd = torchrun_command(script, ["--plan", str(plan_path)], ranks=ranks, nodes=settings.nodes,
                            max_restarts=settings.max_restarts, rdzv_endpoint=rdzv_endpoint, node_rank=node_rank,
                            rdzv_id=rdzv_id)

@@ -30,16 +30,16 @@ def heldout_at(metrics_path: Path, step: int, index: dict) -> dict | None:
     return {"loss": record["val_loss"], "perplexity": record["val_perplexity"], "bits_per_byte": bits_per_byte}
 
 
-def card_facts(plan: dict, step: int, tokens: int | None) -> dict:
+def card_facts(plan, step: int, tokens: int | None) -> dict:
     """What the card of checkpoint `step` of the run `plan` describes."""
-    index_path = Path(plan["paths"]["index"])
+    index_path = Path(plan.paths.index)
     index = json.loads(index_path.read_text())
-    manifest_path = plan["paths"].get("manifest")  # the plan rule's input (older plans lack it)
+    manifest_path = plan.paths.manifest  # the plan rule's input (None for benchmark cells)
     manifest = json.loads(Path(manifest_path).read_text()) if manifest_path and Path(manifest_path).is_file() else None
     return {
-        "name": plan["name"], "step": step, "tokens": tokens, "seq_len": plan["model"]["seq_len"],
-        "preset": plan["model"]["preset"], "init_from": plan.get("init_from"),
-        "heldout": heldout_at(Path(plan["paths"]["state_dir"]) / "metrics.jsonl", step, index),
+        "name": plan.name, "step": step, "tokens": tokens, "seq_len": plan.model["seq_len"],
+        "preset": plan.model["preset"], "init_from": plan.init_from,
+        "heldout": heldout_at(Path(plan.paths.state_dir) / "metrics.jsonl", step, index),
         "sources": manifest["sources"] if manifest else None,
         "splits": {split: manifest[split] for split in ("train", "val")} if manifest else None,
         "git_commit": git_commit(REPOSITORY),

@@ -7,8 +7,10 @@ the part of the config a training run uses, which the plan rules receive as `par
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from .devices import resolve_device_cheaply
@@ -22,6 +24,78 @@ PLANNING_KEYS = ("force", "device_memory_gib", "host_memory_gib", "disk_gib")
 # train.* keys that mean nothing to a benchmark cell (it keeps no checkpoints, is never restarted, and spends its few
 # steps on timing, not on held-out evaluation).
 CELL_IRRELEVANT = ("checkpoint_every", "keep_checkpoints", "max_restarts", "allow_reshape", "eval_every", "eval_tokens")
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where a run reads its data and writes its outputs and state."""
+
+    index: str  # the shards' index.json
+    tokenizer: str  # the tokenizer folder
+    out_dir: str  # the rule's declared outputs (summary, metrics copy, ds_config)
+    state_dir: str  # resumable state kept outside the declared outputs: checkpoints, metrics.jsonl, tensorboard
+    manifest: str | None  # the corpus manifest the model card lists (None for benchmark cells)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One training run, resolved from the config by the plan rule and read by the launcher and every rank.
+
+    Frozen: nothing changes it at run time. What a rank learns when it starts (its device, the hardware) is a
+    `RunContext`. `to_json`/`from_json` keep plan.json's keys; a plan file that lacks a field is refused by name."""
+
+    name: str
+    role: str  # pretrain | bench
+    config: dict  # plan_config(config): the part of the config a training run reads
+    device_request: str  # train.device as asked (auto | cpu | cuda)
+    train: dict  # the train block after the memory pre-flight (TrainSettings.as_dict)
+    model: dict  # preset, seq_len, overrides, init_from (uri)
+    init_from: dict | None  # init_from_record(): the local folder and identity of model.init_from's weights
+    data_sha256: str  # digest of the shards' index.json
+    paths: RunPaths
+    resume: bool  # continue from the newest verified checkpoint (benchmark cells: never)
+    save_checkpoints: bool
+    peak_tflops: float | None  # report.peak_tflops as configured
+    peak: dict | None  # flops.plan_peak(): the peak FLOP/s per rank every MFU divides by, and its source
+    measure_comm: bool  # run DeepSpeed's comms logger (it synchronises every collective)
+    memory_fit: dict  # the pre-flight's record (memory_fit.fit_run)
+    preflight: dict  # the same record under the name older readers of plan.json use
+    cell: str | None = None  # the benchmark cell this plan measures
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        if data["cell"] is None:
+            del data["cell"]  # a main run's plan.json has no cell key
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "plan") -> "Plan":
+        fields = {field.name: field for field in dataclasses.fields(cls)}
+        required = {name for name, field in fields.items() if field.default is dataclasses.MISSING}
+        missing, unknown = sorted(required - set(data)), sorted(set(data) - set(fields))
+        path_fields = {field.name for field in dataclasses.fields(RunPaths)}
+        missing_paths = sorted(path_fields - set(data.get("paths") or {}))
+        if missing or unknown or missing_paths:
+            raise ConfigError(f"{source} is not a plan this version writes (missing {missing + [f'paths.{k}' for k in missing_paths]}, "
+                              f"unknown {unknown}): rerun its plan rule (snakemake --forcerun plan_pretrain, or plan_bench_cell for a cell)")
+        return cls(**{**data, "paths": RunPaths(**{k: data["paths"][k] for k in path_fields})})
+
+    def to_json(self, path: Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, path: Path) -> "Plan":
+        return cls.from_dict(json.loads(Path(path).read_text()), source=str(path))
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Run-time facts a rank learns when it starts, kept apart from the plan it was given."""
+
+    device: str  # cpu | cuda: what the launcher resolved device_request to
+    hardware: dict  # devices.hardware_description(device)
 
 
 def plan_config(config: dict, train: dict | None = None) -> dict:
@@ -49,8 +123,8 @@ def cell_train(config: dict, overrides: dict) -> dict:
 
 def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, state_dir: Path,
               role: str = "pretrain", resume: bool = True, save_checkpoints: bool = True,
-              peak: dict | None = None, manifest: Path | None = None) -> dict:
-    """Resolve a plan config (see `plan_config`) into a plan dict; raises ConfigError.
+              peak: dict | None = None, manifest: Path | None = None, cell: str | None = None) -> Plan:
+    """Resolve a plan config (see `plan_config`) into a Plan; raises ConfigError.
 
     peak: rule measure_peak's bench/peak.json, the machine's peak that every run's MFU divides by.
     manifest: the corpus manifest, whose sources the export's model card lists."""
@@ -66,29 +140,30 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
     check_settings(settings)
     model = config["model"]
     device = resolve_device_cheaply(settings.device)  # nvidia-smi at most once
-    return {
-        "name": config["name"],
-        "role": role,
-        "config": config,
-        "device_request": settings.device,
-        "train": settings.as_dict(),
-        "model": {"preset": model["preset"], "seq_len": model["seq_len"], "overrides": model.get("overrides") or {},
-                  "init_from": model.get("init_from")},
+    return Plan(
+        name=config["name"],
+        role=role,
+        config=config,
+        device_request=settings.device,
+        train=settings.as_dict(),
+        model={"preset": model["preset"], "seq_len": model["seq_len"], "overrides": model.get("overrides") or {},
+               "init_from": model.get("init_from")},
         # model.init_from fetched (hf://: into the HF cache) once here, so the ranks only read a local folder
-        "init_from": init_from_record(model["init_from"]) if model.get("init_from") else None,
-        "data_sha256": hashlib.sha256(Path(index).read_bytes()).hexdigest(),
-        "paths": {"index": str(index), "tokenizer": str(tokenizer), "out_dir": str(out_dir),
-                  "state_dir": str(state_dir), "manifest": str(manifest) if manifest else None},
-        "resume": resume,
-        "save_checkpoints": save_checkpoints,
-        "peak_tflops": config["report"]["peak_tflops"],
-        "peak": plan_peak(peak, config["report"]["peak_tflops"], device, settings.world_size),
+        init_from=init_from_record(model["init_from"]) if model.get("init_from") else None,
+        data_sha256=hashlib.sha256(Path(index).read_bytes()).hexdigest(),
+        paths=RunPaths(index=str(index), tokenizer=str(tokenizer), out_dir=str(out_dir), state_dir=str(state_dir),
+                       manifest=str(manifest) if manifest else None),
+        resume=resume,
+        save_checkpoints=save_checkpoints,
+        peak_tflops=config["report"]["peak_tflops"],
+        peak=plan_peak(peak, config["report"]["peak_tflops"], device, settings.world_size),
         # the comms logger synchronises every collective: measured where that costs nothing (CPU) or is the point
         # (benchmark cells), never in a production CUDA run
-        "measure_comm": role == "bench" or device == "cpu",
-        "memory_fit": memory_fit,
-        "preflight": memory_fit,  # the name older readers of plan.json use
-    }
+        measure_comm=role == "bench" or device == "cpu",
+        memory_fit=memory_fit,
+        preflight=memory_fit,  # the name older readers of plan.json use
+        cell=cell,
+    )
 
 
 def init_from_record(uri: str) -> dict:
@@ -106,18 +181,13 @@ def init_from_record(uri: str) -> dict:
             "identity": digest.hexdigest()}
 
 
-def plan_shape(plan: dict, tokenizer_vocab: int | None):
+def plan_shape(plan: Plan, tokenizer_vocab: int | None):
     """The model shape of a plan: its preset, or its init_from folder's config.json."""
     from .model import model_shape
 
-    folder = Path(plan["init_from"]["path"]) if plan.get("init_from") else None
-    return model_shape(plan["model"], tokenizer_vocab, init_folder=folder)
+    folder = Path(plan.init_from["path"]) if plan.init_from else None
+    return model_shape(plan.model, tokenizer_vocab, init_folder=folder)
 
 
-def write_plan(plan: dict, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, plan, sort_keys=True)
-
-
-__all__ = ["ConfigError", "cell_train", "init_from_record", "make_plan", "plan_config", "plan_shape", "write_plan"]
+__all__ = ["ConfigError", "Plan", "RunContext", "RunPaths", "cell_train", "init_from_record", "make_plan",
+           "plan_config", "plan_shape"]

@@ -123,9 +123,9 @@ def mark_finished(state_dir: Path, steps: int, digest: str) -> None:
                       sort_keys=True)
 
 
-def plan_digest(plan: dict) -> str:
-    """Digest of a plan as written by the plan rule (run-time facts the rank adds are left out)."""
-    written = {k: v for k, v in plan.items() if k not in ("device", "hardware")}
+def plan_digest(plan) -> str:
+    """Digest of a plan (a Plan) as the plan rule wrote it."""
+    written = plan.to_dict()
     return hashlib.sha256(json.dumps(written, sort_keys=True, default=str).encode()).hexdigest()
 
 

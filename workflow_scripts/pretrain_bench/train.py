@@ -11,12 +11,13 @@ KiB, as a full disk would, where a test cannot mount a small file system.
 """
 from __future__ import annotations
 
+from .plan import Plan, RunContext
 from .rank import TrainingAborted, check_resume_point, heldout_summary, resume_fingerprint
 from .trainer import Trainer
 
 __all__ = ["TrainingAborted", "Trainer", "check_resume_point", "heldout_summary", "resume_fingerprint", "run_training"]
 
 
-def run_training(plan: dict) -> dict | None:
+def run_training(plan: Plan, context: RunContext) -> dict | None:
     """Train per the plan on this rank. Returns the summary on rank 0."""
-    return Trainer(plan).run()
+    return Trainer(plan, context).run()

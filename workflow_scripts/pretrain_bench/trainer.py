@@ -27,7 +27,7 @@ from .heldout import HeldOutSlice
 from .io import atomic_write_json, read_jsonl
 from .metrics import MetricsSink, peak_memory_bytes, summarise_steps, truncate_jsonl
 from .model import build_model, count_parameters, load_pretrained
-from .plan import plan_shape
+from .plan import Plan, RunContext, plan_shape
 from .provenance import provenance
 from .rank import (Preemption, TrainingAborted, check_resume_point, fused_adam_prebuilt, gather_floats,
                    heldout_summary, mmap_loads, resume_fingerprint, rng_state, set_rng_state)
@@ -40,17 +40,17 @@ from .step import PhaseTimer, train_step
 class Trainer:
     """One rank's run of a plan. `run()` returns the summary on rank 0 (None on the other ranks)."""
 
-    def __init__(self, plan: dict):
-        self.plan = plan
+    def __init__(self, plan: Plan, context: RunContext):
+        self.plan, self.context = plan, context
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.settings = TrainSettings.from_config(plan["train"])
-        self.device = plan["device"]
-        self.out_dir, self.state_dir = Path(plan["paths"]["out_dir"]), Path(plan["paths"]["state_dir"])
+        self.settings = TrainSettings.from_config(plan.train)
+        self.device = context.device
+        self.out_dir, self.state_dir = Path(plan.paths.out_dir), Path(plan.paths.state_dir)
         self.ckpt_root = self.state_dir / "checkpoints"
         self.metrics_path = self.state_dir / "metrics.jsonl"
         self.run_device = f"cuda:{self.local_rank}" if self.device == "cuda" else "cpu"
-        self.seq_len = plan["model"]["seq_len"]
+        self.seq_len = plan.model["seq_len"]
         self.total_steps = self.settings.total_steps(self.seq_len)
         self.tokens_per_step = self.settings.derived_global_batch * self.seq_len
         self.fingerprint = resume_fingerprint(plan)
@@ -67,7 +67,7 @@ class Trainer:
         self.build_engine()
         self.restore()
         self.prepare_measures()
-        save_every = self.settings.checkpoint_every if self.plan.get("save_checkpoints", True) else None
+        save_every = self.settings.checkpoint_every if self.plan.save_checkpoints else None
         inject_nan_step = int(os.environ.get("PRETRAIN_BENCH_INJECT_NAN_AT_STEP", "0"))
         self.run_start = time.perf_counter()
         with MetricsSink(self.metrics_path, self.state_dir / "tensorboard", self.start_step,
@@ -135,7 +135,7 @@ class Trainer:
             # Safe under the state lock: no other run can be saving there.
             for folder in ckpt.remove_incomplete(self.ckpt_root):
                 self.log(f"removed {folder}: an incomplete checkpoint left by an interrupted or failed save")
-            if not self.plan["resume"]:
+            if not self.plan.resume:
                 shutil.rmtree(self.ckpt_root, ignore_errors=True)
                 self.metrics_path.unlink(missing_ok=True)
             else:  # which run this job continues, starts fresh, or trains again (see run_state)
@@ -149,19 +149,18 @@ class Trainer:
         from .loader import PackedTokens, RankBatches
 
         plan, settings = self.plan, self.settings
-        index = json.loads(Path(plan["paths"]["index"]).read_text())
-        data = PackedTokens(Path(plan["paths"]["index"]), "train", self.seq_len)
+        index = json.loads(Path(plan.paths.index).read_text())
+        data = PackedTokens(Path(plan.paths.index), "train", self.seq_len)
         self.batches = RankBatches(data, rank=self.rank, world_size=self.world,
                                    micro_batch_size=settings.micro_batch_size, seed=settings.seed)
         self.shape = plan_shape(plan, index["vocab_size"])
         self.params = params = count_parameters(self.shape)
-        self.init_from = init_from = plan.get("init_from")
-        self.log(f"model {init_from['uri'] if init_from else plan['model']['preset']}: {params['total']:,} parameters "
+        self.init_from = init_from = plan.init_from
+        self.log(f"model {init_from['uri'] if init_from else plan.model['preset']}: {params['total']:,} parameters "
                  f"({params['non_embedding']:,} non-embedding), world size {self.world}, device {self.device}")
-        if plan.get("memory_fit"):
-            from .memory_fit import summary_line
+        from .memory_fit import summary_line
 
-            self.log(summary_line(plan["memory_fit"]))
+        self.log(summary_line(plan.memory_fit))
         # DeepSpeed keeps the module in the training precision (its optimizer holds the fp32 master copy); DDP and
         # FSDP train fp32 parameters and compute in bf16/fp16 through autocast or FSDP's mixed-precision policy.
         build_precision = settings.precision if settings.engine == "deepspeed" else "fp32"
@@ -183,7 +182,7 @@ class Trainer:
             self.ds_config = deepspeed_config(settings, self.device, self.total_steps,
                                               fused_adam=fused_adam_prebuilt(),
                                               pin_memory=os.environ.get("PRETRAIN_BENCH_PIN_MEMORY", "1") == "1",
-                                              comms_logger=plan["measure_comm"])
+                                              comms_logger=plan.measure_comm)
             self.write_ds_config()
 
     def write_ds_config(self) -> None:
@@ -197,7 +196,7 @@ class Trainer:
         settings, ckpt_root, world = self.settings, self.ckpt_root, self.world
         self.resume_step, self.marker, self.reshape = None, None, False
         step, problem = None, ""
-        if self.rank == 0 and self.plan.get("resume", True):
+        if self.rank == 0 and self.plan.resume:
             try:
                 step = ckpt.newest_verified(ckpt_root, settings.verify_checkpoints, warn=self.log)
             except ckpt.CheckpointError as error:
@@ -263,18 +262,18 @@ class Trainer:
     def prepare_measures(self) -> None:
         """What the loop measures with: the peak FLOP/s and FLOPs per token for MFU, the held-out slice, the timer."""
         # Peak FLOP/s for MFU: the machine's one figure, resolved by the plan (flops.plan_peak); never measured here
-        self.peak = self.plan.get("peak") or {"flops_per_rank": None, "source": "no peak in the plan"}
+        self.peak = self.plan.peak or {"flops_per_rank": None, "source": "no peak in the plan"}
         settings, shape = self.settings, self.shape
         self.flops_token = flops_per_token(self.params["matmul"], shape.num_hidden_layers, shape.num_attention_heads,
                                            shape.hidden_size // shape.num_attention_heads, self.seq_len)
-        self.heldout = HeldOutSlice(Path(self.plan["paths"]["index"]), self.seq_len, self.rank, self.world,
+        self.heldout = HeldOutSlice(Path(self.plan.paths.index), self.seq_len, self.rank, self.world,
                                     settings.eval_tokens) if settings.eval_every else None
         # Phase times from CUDA events (no synchronisation in the loop); the comms logger synchronises every
         # collective, so a CUDA run measures communication only where the plan asks (benchmark cells), a CPU run
         # always (no cost).
         self.timer = PhaseTimer(self.device, enabled=settings.phase_timing)
         # DDP's hook times its all-reduces without synchronising anything, so a DDP run always measures them
-        self.measure_comm = ((self.plan["measure_comm"] or self.settings.engine == "ddp")
+        self.measure_comm = ((self.plan.measure_comm or self.settings.engine == "ddp")
                              and self.engine.comm_method is not None)
 
     # --- each step ---------------------------------------------------------------------------------------------------
@@ -405,7 +404,7 @@ class Trainer:
         comm_fraction, comm_note = self.comm_fraction()
         peak_flops, peak_source = self.peak["flops_per_rank"], self.peak["source"]
         return {
-            "name": plan["name"], "role": plan.get("role", "pretrain"), "engine": settings.engine,
+            "name": plan.name, "role": plan.role, "engine": settings.engine,
             "world_size": world, "nodes": settings.nodes, "device": self.device, "zero_stage": settings.zero_stage,
             "offload_optimizer": settings.offload_optimizer, "offload_param": settings.offload_param,
             "precision": settings.precision, "comm_backend": settings.comm_backend,
@@ -418,7 +417,7 @@ class Trainer:
             "warmup_timing_steps": settings.warmup_timing_steps,
             "peak_mem_bytes": [max(r["peak_mem_bytes"][i] for r in records) for i in range(world)],
             "peak_mem_kind": peak_memory_bytes(self.device)[1],
-            "model": {"preset": plan["model"]["preset"], "parameters": params["total"],
+            "model": {"preset": plan.model["preset"], "parameters": params["total"],
                       "non_embedding_parameters": params["non_embedding"],
                       "matmul_parameters": params["matmul"], "layers": shape.num_hidden_layers,
                       "hidden_size": shape.hidden_size, "heads": shape.num_attention_heads,
@@ -432,15 +431,14 @@ class Trainer:
             "oversubscribed": os.environ.get("PRETRAIN_BENCH_OVERSUBSCRIBED") == "1",
             "threads_per_rank": self.threads, "resumed_from_step": self.resumed_from,
             # what the pre-flight chose under train.memory_fit (asked vs ran, and why)
-            "memory_fit": {k: plan["memory_fit"][k] for k in ("mode", "asked", "chosen", "changed", "summary")}
-            if plan.get("memory_fit") else None,
+            "memory_fit": {k: plan.memory_fit[k] for k in ("mode", "asked", "chosen", "changed", "summary")},
             "checkpoints": ckpt.committed_steps(self.ckpt_root), "checkpoint_dir": str(self.ckpt_root),
             # where the weights came from: model.init_from (uri, revision, folder) or a random initialisation
             "init_from": {**self.init_from, "loaded": self.loaded} if self.init_from else None,
             "init_seed": None if self.init_from else settings.seed,
             "lr_schedule": settings.lr_schedule,
             "eval_during_training": heldout_summary(records, settings, self.heldout),
-            "provenance": provenance(plan["config"], plan["hardware"] | {"threads_per_rank": self.threads})
+            "provenance": provenance(plan.config, self.context.hardware | {"threads_per_rank": self.threads})
             | {"slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                # 1-, 5- and 15-minute load averages at the end: busy-machine timings are traceable
                "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
@@ -454,7 +452,7 @@ class Trainer:
             shutil.copyfile(self.metrics_path, self.out_dir / "metrics.jsonl")
             shutil.copytree(self.state_dir / "tensorboard", self.out_dir / "tensorboard", dirs_exist_ok=True)
             atomic_write_json(self.out_dir / "summary.json", summary)
-            if self.plan["save_checkpoints"]:
+            if self.plan.save_checkpoints:
                 mark_finished(self.state_dir, self.total_steps, self.digest)
             self.log(f"done: {summary['tokens_per_s']:,.0f} tokens/s steady state, loss "
                      f"{summary['loss']['first']:.3f} → {summary['loss']['last']:.3f}")
