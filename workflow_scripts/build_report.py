@@ -1,6 +1,8 @@
 """Snakemake adapter: render the report (rule report)."""
-import sys
+import logging
 from pathlib import Path
+
+log = logging.getLogger("pretrain_bench.build_report")
 
 
 def main(summary, metrics, evals, matrix, bench, out_md, out_html, plot_dir, target_corpus_tokens, lm_eval=()):
@@ -9,7 +11,7 @@ def main(summary, metrics, evals, matrix, bench, out_md, out_html, plot_dir, tar
     build_report(Path(summary), Path(metrics), [Path(p) for p in evals], Path(out_md), Path(out_html),
                  Path(plot_dir), target_corpus_tokens=target_corpus_tokens, matrix_path=_single(matrix),
                  bench_paths=[Path(p) for p in bench], lm_eval_paths=[Path(p) for p in lm_eval])
-    print(f"report: {out_md} and {out_html}", file=sys.stderr)
+    log.info("%s", f"report: {out_md} and {out_html}")
 
 
 def _single(paths) -> Path | None:
@@ -19,8 +21,10 @@ def _single(paths) -> Path | None:
 
 
 if "snakemake" in globals():
-    sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
-    main(snakemake.input.summary, snakemake.input.metrics, snakemake.input.evals,  # noqa: F821
-         snakemake.input.matrix, snakemake.input.bench, snakemake.output.md,  # noqa: F821
-         snakemake.output.html, snakemake.output.plots, snakemake.params.target_corpus_tokens,  # noqa: F821
-         snakemake.input.lm_eval)  # noqa: F821
+    from pretrain_bench.logs import job_log
+
+    with job_log(snakemake.log[0], "build_report"):  # noqa: F821
+        main(snakemake.input.summary, snakemake.input.metrics, snakemake.input.evals,  # noqa: F821
+             snakemake.input.matrix, snakemake.input.bench, snakemake.output.md,  # noqa: F821
+             snakemake.output.html, snakemake.output.plots, snakemake.params.target_corpus_tokens,  # noqa: F821
+             snakemake.input.lm_eval)  # noqa: F821

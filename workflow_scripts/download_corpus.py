@@ -2,32 +2,19 @@
 
 Snakemake puts this file's folder on sys.path, which makes the pretrain_bench library importable.
 """
-import contextlib
-import logging
 from pathlib import Path
 
 from pretrain_bench.corpus import build_corpus
+from pretrain_bench.logs import job_log
 
 
 def main(log_path: str, out_dir: str, sources: list[dict], *, max_bytes, min_chars: int, dedup: bool,
          val_fraction: float, encoding_errors: str, cache_dir: str, seed: int = 1234) -> dict:
     """Build the corpus into out_dir, logging (stderr included) to log_path; returns the manifest."""
-    with open(log_path, "w", buffering=1) as log_file, contextlib.redirect_stderr(log_file):
-        handler = logging.StreamHandler(log_file)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        library_log = logging.getLogger("pretrain_bench")
-        library_log.addHandler(handler)
-        library_log.setLevel(logging.INFO)
-        try:
-            return build_corpus(sources, Path(out_dir), max_bytes=max_bytes, min_chars=min_chars, dedup=dedup,
-                                val_fraction=val_fraction, encoding_errors=encoding_errors,
-                                cache_dir=Path(cache_dir), seed=seed)
-        except Exception as error:
-            library_log.error("download_corpus failed: %s", error)  # the log says why, not only Snakemake's console
-            raise
-        finally:
-            library_log.removeHandler(handler)
-
+    with job_log(log_path, "download_corpus"):
+        return build_corpus(sources, Path(out_dir), max_bytes=max_bytes, min_chars=min_chars, dedup=dedup,
+                            val_fraction=val_fraction, encoding_errors=encoding_errors, cache_dir=Path(cache_dir),
+                            seed=seed)
 
 if "snakemake" in globals():
     main(snakemake.log[0], str(Path(snakemake.output.manifest).parent), snakemake.params.sources,  # noqa: F821

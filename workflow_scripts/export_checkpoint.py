@@ -1,8 +1,10 @@
 """Snakemake adapter: export one committed DeepSpeed checkpoint as an HF model folder (rules export_checkpoint and
 export_final)."""
 import json
-import sys
+import logging
 from pathlib import Path
+
+log = logging.getLogger("pretrain_bench.export_checkpoint")
 
 
 def main(plan_path, step, out_dir, dtype, threads):
@@ -14,10 +16,12 @@ def main(plan_path, step, out_dir, dtype, threads):
     torch.set_num_threads(max(1, threads))
     plan = Plan.from_json(Path(plan_path))
     info = export_checkpoint(plan, int(step), Path(out_dir), dtype=dtype)
-    print(json.dumps(info, indent=2), file=sys.stderr)
+    log.info("%s", json.dumps(info, indent=2))
 
 
 if "snakemake" in globals():
-    sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
-    main(snakemake.input.plan, snakemake.params.step, snakemake.output[0],  # noqa: F821
-         snakemake.params.dtype, snakemake.threads)  # noqa: F821
+    from pretrain_bench.logs import job_log
+
+    with job_log(snakemake.log[0], "export_checkpoint"):  # noqa: F821
+        main(snakemake.input.plan, snakemake.params.step, snakemake.output[0],  # noqa: F821
+             snakemake.params.dtype, snakemake.threads)  # noqa: F821

@@ -1,7 +1,5 @@
 """Snakemake adapter for rule index_shards: see pretrain_bench.shards.build_index."""
 
-import logging
-import sys
 from pathlib import Path
 
 from pretrain_bench.shards import build_index
@@ -12,6 +10,7 @@ def main(sidecars: list[str], index_json: str, *, seq_len: int) -> None:
 
 
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
-    sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: F821
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    main(snakemake.input.meta, snakemake.output.index, seq_len=snakemake.params.seq_len)  # noqa: F821
+    from pretrain_bench.logs import job_log
+
+    with job_log(snakemake.log[0], "index_shards"):  # noqa: F821
+        main(snakemake.input.meta, snakemake.output.index, seq_len=snakemake.params.seq_len)  # noqa: F821

@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pretrain_bench.launcher import launch  # noqa: E402
+from pretrain_bench.logs import console_log  # noqa: E402
 from pretrain_bench.plan import Plan  # noqa: E402
 from pretrain_bench.settings import ConfigError  # noqa: E402
 from pretrain_bench.devices import GPU_LOCK_DIR, SlotError  # noqa: E402
@@ -34,6 +35,7 @@ def main(argv=None) -> int:
     parser.add_argument("--log", type=Path, default=None,
                         help="the job's log: each attempt gets its own file in <log stem>.attempts/, this names the newest")
     args = parser.parse_args(argv)
+    console_log()
     # How srun starts this launcher again on every node of a SLURM allocation.
     relaunch = [sys.executable, str(Path(__file__).resolve()), "--ranks", str(args.ranks),
                 "--plan", str(args.plan.resolve()), "--lock-dir", str(args.lock_dir.resolve())]

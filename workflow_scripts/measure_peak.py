@@ -1,7 +1,9 @@
 """Snakemake adapter: measure this machine's peak FLOP/s once (rule measure_peak)."""
 import json
-import sys
+import logging
 from pathlib import Path
+
+log = logging.getLogger("pretrain_bench.measure_peak")
 
 
 def main(device, precision, lock_dir, out_path):
@@ -9,10 +11,12 @@ def main(device, precision, lock_dir, out_path):
 
     result = measure_hardware_peak(device, precision, Path(lock_dir))
     Path(out_path).write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2), file=sys.stderr)
+    log.info("%s", json.dumps(result, indent=2))
 
 
 if "snakemake" in globals():
-    sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
-    main(snakemake.params.device, snakemake.params.precision, snakemake.params.lock_dir,  # noqa: F821
-         snakemake.output.peak)  # noqa: F821
+    from pretrain_bench.logs import job_log
+
+    with job_log(snakemake.log[0], "measure_peak"):  # noqa: F821
+        main(snakemake.params.device, snakemake.params.precision, snakemake.params.lock_dir,  # noqa: F821
+             snakemake.output.peak)  # noqa: F821

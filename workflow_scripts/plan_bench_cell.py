@@ -1,6 +1,5 @@
 """Snakemake adapter: the plan of one benchmark cell × repeat (rule plan_bench_cell)."""
 import json
-import sys
 from pathlib import Path
 
 
@@ -14,8 +13,10 @@ def main(config, cell, index, tokenizer, peak, out_dir, state_dir, plan_path):
 
 
 if "snakemake" in globals():
-    sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
-    main(snakemake.params.config, snakemake.wildcards.cell, snakemake.input.index,  # noqa: F821
-         snakemake.input.tokenizer, snakemake.input.peak, snakemake.params.out_dir,  # noqa: F821
-         snakemake.params.state_dir,  # noqa: F821
-         snakemake.output.plan)  # noqa: F821
+    from pretrain_bench.logs import job_log
+
+    with job_log(snakemake.log[0], "plan_bench_cell"):  # noqa: F821
+        main(snakemake.params.config, snakemake.wildcards.cell, snakemake.input.index,  # noqa: F821
+             snakemake.input.tokenizer, snakemake.input.peak, snakemake.params.out_dir,  # noqa: F821
+             snakemake.params.state_dir,  # noqa: F821
+             snakemake.output.plan)  # noqa: F821

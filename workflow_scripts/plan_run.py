@@ -1,7 +1,9 @@
 """Snakemake adapter: resolve the config into a run plan (rule plan_pretrain)."""
 import json
-import sys
+import logging
 from pathlib import Path
+
+log = logging.getLogger("pretrain_bench.plan_run")
 
 
 def main(config, index, tokenizer, peak, out_dir, state_dir, plan_path, manifest=None):
@@ -11,12 +13,14 @@ def main(config, index, tokenizer, peak, out_dir, state_dir, plan_path, manifest
     plan = make_plan(config, index=Path(index), tokenizer=Path(tokenizer).parent, out_dir=Path(out_dir),
                      state_dir=Path(state_dir), peak=json.loads(Path(peak).read_text()),
                      manifest=Path(manifest) if manifest else None)
-    print(summary_line(plan.memory_fit), file=sys.stderr)
+    log.info("%s", summary_line(plan.memory_fit))
     plan.to_json(Path(plan_path))
 
 
 if "snakemake" in globals():
-    sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
-    main(snakemake.params.config, snakemake.input.index, snakemake.input.tokenizer,  # noqa: F821
-         snakemake.input.peak, snakemake.params.out_dir, snakemake.params.state_dir,  # noqa: F821
-         snakemake.output.plan, manifest=snakemake.input.manifest)  # noqa: F821
+    from pretrain_bench.logs import job_log
+
+    with job_log(snakemake.log[0], "plan_run"):  # noqa: F821
+        main(snakemake.params.config, snakemake.input.index, snakemake.input.tokenizer,  # noqa: F821
+             snakemake.input.peak, snakemake.params.out_dir, snakemake.params.state_dir,  # noqa: F821
+             snakemake.output.plan, manifest=snakemake.input.manifest)  # noqa: F821

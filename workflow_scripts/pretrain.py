@@ -7,12 +7,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pretrain_bench.devices import die_with_parent, hardware_description  # noqa: E402
+from pretrain_bench.logs import console_log  # noqa: E402
 
 
 def main(argv=None) -> int:
     # SIGKILL this rank when its torchrun agent dies: torchrun starts ranks in sessions of their own, so a hard kill
     # of the job would otherwise leave them training (and writing checkpoints) as orphans.
     die_with_parent()
+    console_log()
     from pretrain_bench.checkpoint import CheckpointError
     from pretrain_bench.launcher import wait_out_stale_build_locks
     from pretrain_bench.plan import Plan, RunContext

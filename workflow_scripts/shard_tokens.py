@@ -1,8 +1,6 @@
 """Snakemake adapter for rule shard_tokens: see pretrain_bench.shards.encode_shard."""
 
-import logging
 import os
-import sys
 from pathlib import Path
 
 from pretrain_bench.shards import encode_shard
@@ -17,8 +15,9 @@ def main(corpus_jsonl: str, tokenizer_json: str, out_bin: str, out_json: str, *,
 
 
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
-    sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: F821
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    main(snakemake.input.corpus, snakemake.input.tokenizer, snakemake.output.bin, snakemake.output.meta,  # noqa: F821
-         split=snakemake.wildcards.split, shard=snakemake.wildcards.shard,  # noqa: F821
-         count=snakemake.params.shard_count, threads=snakemake.threads)  # noqa: F821
+    from pretrain_bench.logs import job_log
+
+    with job_log(snakemake.log[0], "shard_tokens"):  # noqa: F821
+        main(snakemake.input.corpus, snakemake.input.tokenizer, snakemake.output.bin, snakemake.output.meta,  # noqa: F821
+             split=snakemake.wildcards.split, shard=snakemake.wildcards.shard,  # noqa: F821
+             count=snakemake.params.shard_count, threads=snakemake.threads)  # noqa: F821

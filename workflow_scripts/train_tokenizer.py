@@ -1,8 +1,6 @@
 """Snakemake adapter for rule train_tokenizer: see pretrain_bench.tokenizer.train_tokenizer."""
 
-import logging
 import os
-import sys
 from pathlib import Path
 
 from pretrain_bench.tokenizer import train_tokenizer
@@ -17,7 +15,8 @@ def main(train_jsonl: str, tokenizer_json: str, *, vocab_size: int, train_bytes:
 
 
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
-    sys.stderr = open(snakemake.log[0], "w", buffering=1)  # noqa: F821
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    main(snakemake.input.train, snakemake.output.tokenizer_json, vocab_size=snakemake.params.vocab_size,  # noqa: F821
-         train_bytes=snakemake.params.train_bytes, path=snakemake.params.path, threads=snakemake.threads)  # noqa: F821
+    from pretrain_bench.logs import job_log
+
+    with job_log(snakemake.log[0], "train_tokenizer"):  # noqa: F821
+        main(snakemake.input.train, snakemake.output.tokenizer_json, vocab_size=snakemake.params.vocab_size,  # noqa: F821
+             train_bytes=snakemake.params.train_bytes, path=snakemake.params.path, threads=snakemake.threads)  # noqa: F821

@@ -1,7 +1,9 @@
 """Snakemake adapter: write the benchmark matrix decided at DAG time, with time estimates (rule bench_matrix)."""
 import json
-import sys
+import logging
 from pathlib import Path
+
+log = logging.getLogger("pretrain_bench.write_bench_matrix")
 
 
 def main(matrix, model, vocab_size, grad_accum_steps, peak_path, out_path):
@@ -14,11 +16,12 @@ def main(matrix, model, vocab_size, grad_accum_steps, peak_path, out_path):
     ]}
     Path(out_path).write_text(json.dumps(matrix, indent=2))
     for entry in matrix["cells"]:
-        print(f"{entry['cell']}: {entry['status']}" + (f" ({entry['reason']})" if entry["reason"] else ""),
-              file=sys.stderr)
+        log.info("%s: %s%s", entry["cell"], entry["status"], f" ({entry['reason']})" if entry["reason"] else "")
 
 
 if "snakemake" in globals():
-    sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
-    main(snakemake.params.matrix, snakemake.params.model, snakemake.params.vocab_size,  # noqa: F821
-         snakemake.params.grad_accum_steps, snakemake.input.peak, snakemake.output.matrix)  # noqa: F821
+    from pretrain_bench.logs import job_log
+
+    with job_log(snakemake.log[0], "write_bench_matrix"):  # noqa: F821
+        main(snakemake.params.matrix, snakemake.params.model, snakemake.params.vocab_size,  # noqa: F821
+             snakemake.params.grad_accum_steps, snakemake.input.peak, snakemake.output.matrix)  # noqa: F821

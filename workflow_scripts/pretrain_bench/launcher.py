@@ -19,6 +19,7 @@ Used by every multi-rank rule (`pretrain`, benchmark cells) through workflow_scr
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -33,6 +34,8 @@ from . import state_lock
 from .devices import die_with_parent, gpu_slots, resolve_device, usable_cpu_count
 from .plan import Plan
 from .settings import TrainSettings, check_settings
+
+logger = logging.getLogger(__name__)
 
 
 # Pinned host blocks above this size are allocated at their exact size instead of the next power of two (torch's
@@ -102,8 +105,8 @@ def wait_out_stale_build_locks(max_age_s: float = STALE_EXTENSION_LOCK_S) -> Non
             try:
                 if time.time() - os.path.getmtime(baton.lock_file_path) > max_age_s:
                     os.remove(baton.lock_file_path)
-                    print(f"removed {baton.lock_file_path}: a build lock older than {max_age_s:.0f} s, left by a "
-                          "killed process", file=sys.stderr, flush=True)
+                    logger.warning(f"removed {baton.lock_file_path}: a build lock older than {max_age_s:.0f} s, "
+                                   "left by a killed process")
                     return
             except OSError:
                 pass  # gone meanwhile, or removed by another rank
@@ -282,8 +285,7 @@ def launch(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_dir: Path
     code = _launch_locked(plan, plan_path, ranks, script, lock_dir, settings, node_rank=node_rank,
                           rdzv_endpoint=rdzv_endpoint, relaunch=relaunch,
                           pass_fds=(lock.fileno(),) if lock else ())
-    print(f"=== attempt ended at {time.strftime('%Y-%m-%d %H:%M:%S %z')}: exit status {code} ===",
-          file=sys.stderr, flush=True)
+    logger.info(f"=== attempt ended at {time.strftime('%Y-%m-%d %H:%M:%S %z')}: exit status {code} ===")
     return code
 
 
@@ -293,8 +295,7 @@ def _launch_locked(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_d
     rdzv_endpoint = rdzv_endpoint or settings.rdzv_endpoint
     job_id = os.environ.get("SLURM_JOB_ID")
     if job_id:
-        print(f"SLURM_JOB_ID={job_id} node={os.environ.get('SLURMD_NODENAME', '?')} host={socket.gethostname()}",
-              file=sys.stderr, flush=True)
+        logger.info(f"SLURM_JOB_ID={job_id} node={os.environ.get('SLURMD_NODENAME', '?')} host={socket.gethostname()}")
     if settings.nodes > 1:
         if job_id and SLURM_NODE_TASK not in os.environ and node_rank is None:
             if not relaunch:
@@ -308,26 +309,24 @@ def _launch_locked(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_d
         if not rdzv_endpoint:
             raise ValueError(f"train.nodes={settings.nodes} outside SLURM needs train.rdzv_endpoint or "
                              "--rdzv-endpoint: host:port on the node started with --node-rank 0")
-        print(f"node rank {node_rank} of {settings.nodes}, rendezvous {rdzv_endpoint}", file=sys.stderr, flush=True)
+        logger.info(f"node rank {node_rank} of {settings.nodes}, rendezvous {rdzv_endpoint}")
     device = resolve_device(plan.device_request)
     check_settings(settings, device)
     cores = usable_cpu_count()
     env = rank_environment(device, ranks, cores, os.environ)
     for stale in clear_stale_extension_locks():
-        print(f"removed {stale}: a torch extension build lock left by a killed process (ranks would wait on it "
-              "forever)", file=sys.stderr, flush=True)
+        logger.warning(f"removed {stale}: a torch extension build lock left by a killed process (ranks would wait "
+                       "on it forever)")
     if device == "cuda" and "cpu" in (settings.offload_optimizer, settings.offload_param):
         additions, note = exact_pinning(env)
         env.update(additions)
-        print(note, file=sys.stderr, flush=True)
+        logger.info(note)
     if device == "cuda" and settings.comm_backend == "nccl" and settings.nccl_env:
         env.update(settings.nccl_env)
-        print("nccl environment (train.nccl_env): " + " ".join(f"{k}={v}" for k, v in settings.nccl_env.items()),
-              file=sys.stderr, flush=True)
+        logger.info("nccl environment (train.nccl_env): " + " ".join(f"{k}={v}" for k, v in settings.nccl_env.items()))
     env[state_lock.HELD_ENV] = "1"  # by this launcher, or by node rank 0's in a multi-node run
     if env["PRETRAIN_BENCH_OVERSUBSCRIBED"] == "1":
-        print(f"note: {ranks} ranks on {cores} cores: oversubscribed, 1 thread per rank; timings are "
-              "contended", file=sys.stderr, flush=True)
+        logger.info(f"note: {ranks} ranks on {cores} cores: oversubscribed, 1 thread per rank; timings are contended")
     slots = gpu_slots(ranks, lock_dir) if device == "cuda" else nullcontext(None)
     rdzv_id = job_id or f"{plan.name}-{plan.role}"
     cmd = torchrun_command(script, ["--plan", str(plan_path)], ranks=ranks, nodes=settings.nodes,
@@ -336,14 +335,14 @@ def _launch_locked(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_d
     with slots as device_ids:
         if device_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, device_ids))
-            print(f"device slots: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}", file=sys.stderr, flush=True)
+            logger.info(f"device slots: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}")
         return _run(cmd, env, pass_fds)
 
 
 def _run(cmd: list[str], env: dict, pass_fds: tuple[int, ...] = ()) -> int:
     """Run cmd to the end, passing SIGTERM on. `pass_fds` (the state lock) stay open in the child, so the lock
     outlives this launcher while torchrun's ranks still write."""
-    print("launch: " + " ".join(cmd), file=sys.stderr, flush=True)
+    logger.info("launch: " + " ".join(cmd))
     # torchrun gets SIGTERM if this launcher dies, so it stops its ranks (which checkpoint)
     proc = subprocess.Popen(cmd, env=env, preexec_fn=partial(die_with_parent, signal.SIGTERM), pass_fds=pass_fds)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))

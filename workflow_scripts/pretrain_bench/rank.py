@@ -2,9 +2,9 @@
 outside DeepSpeed's comms logger, RNG state, the resume checks (fingerprint, resume point) and the held-out summary."""
 from __future__ import annotations
 
+import logging
 import random
 import signal
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from .settings import TrainSettings
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingAborted(RuntimeError):
@@ -32,8 +34,9 @@ class Preemption:
 
 
 def log(rank: int, message: str) -> None:
+    """Rank 0's progress and notices (every rank holds the same facts; one of them says them)."""
     if rank == 0:
-        print(message, file=sys.stderr, flush=True)
+        logger.info(message)
 
 
 def comm_ms() -> float:
