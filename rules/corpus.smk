@@ -16,12 +16,13 @@ rule download_corpus:
         "../envs/pretrain.yaml"
     params:
         sources=config["corpus"]["sources"],
-        max_bytes=config["corpus"].get("max_bytes", None),
-        min_chars=config["corpus"].get("min_chars", 1),
-        dedup=config["corpus"].get("dedup", True),
-        val_fraction=config["corpus"].get("val_fraction", 0.01),
-        encoding_errors=config["corpus"].get("encoding_errors", "replace"),
-        seed=config["corpus"].get("seed", 1234),
+        # every key has its default in the schema, filled in when the config was validated
+        max_bytes=config["corpus"]["max_bytes"],
+        min_chars=config["corpus"]["min_chars"],
+        dedup=config["corpus"]["dedup"],
+        val_fraction=config["corpus"]["val_fraction"],
+        encoding_errors=config["corpus"]["encoding_errors"],
+        seed=config["corpus"]["seed"],
         cache_dir="resources/corpus-cache",
     script:
         "../workflow_scripts/download_corpus.py"

@@ -8,7 +8,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from pretrain_bench.config_types import coerce_command_line_types  # noqa: E402
+from pretrain_bench.config_types import coerce_command_line_types, fill_defaults_and_validate, load_schema  # noqa: E402
 
 SCHEMA = ROOT / "schemas" / "config.schema.yaml"
 
@@ -58,3 +58,24 @@ def test_defaults_and_errors_are_those_of_snakemakes_validate():
     config["train"]["gpus"] = "eight"
     with pytest.raises(jsonschema.ValidationError, match="'eight' is not of type 'integer'"):
         fill_defaults_and_validate(config, load_schema(SCHEMA))
+
+
+def test_settings_built_in_code_take_the_schemas_defaults():
+    """The schema is the one place defaults are written: settings made without a config equal those read from a
+    minimal config that validation filled in."""
+    from pretrain_bench.bench_matrix import BenchSettings
+    from pretrain_bench.evaluation import EvalSettings, GenerationSettings
+    from pretrain_bench.settings import TrainSettings
+
+    config = {"name": "t", "corpus": {"sources": [{"uri": "builtin://python-stdlib"}]}, "tokenizer": {},
+              "shards": {}, "model": {"preset": "tiny"}, "train": {}, "evaluate": {"generation": {}}, "report": {},
+              "benchmark": {}}
+    fill_defaults_and_validate(config, load_schema(ROOT / "schemas" / "config.schema.yaml"))
+    assert TrainSettings.from_config(config["train"]) == TrainSettings()
+    evaluate = config["evaluate"]
+    assert GenerationSettings(**evaluate["generation"]) == GenerationSettings()
+    built = EvalSettings(max_tokens=evaluate["max_tokens"], batch_size=evaluate["batch_size"],
+                         device=evaluate["device"] or config["train"]["device"], precision=evaluate["precision"],
+                         prompts=tuple(evaluate["prompts"]))
+    assert built == EvalSettings()
+    assert BenchSettings.from_config(config) == BenchSettings.from_config({**config, "benchmark": {}})

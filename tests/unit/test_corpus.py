@@ -402,7 +402,13 @@ def test_rule_runs_under_snakemake(tmp_path):
     (tmp_path / "config.yaml").write_text(
         "name: t\ncorpus:\n  sources:\n    - uri: builtin://python-stdlib\n  max_bytes: 300000\n")
     (tmp_path / "Snakefile").write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, "{ROOT / 'workflow_scripts'}")
+        from pretrain_bench.config_types import fill_defaults_and_validate, load_schema
         configfile: "config.yaml"
+        # the corpus block validated, which fills in the defaults the rule reads (the Snakefile does this for all)
+        fill_defaults_and_validate(config["corpus"],
+                                   load_schema("{ROOT / 'schemas' / 'config.schema.yaml'}")["properties"]["corpus"])
         include: "{ROOT / 'rules' / 'corpus.smk'}"
         rule all:
             input: "results/t/corpus/manifest.json"

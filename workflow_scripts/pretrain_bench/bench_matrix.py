@@ -13,12 +13,12 @@ from dataclasses import asdict, dataclass
 from .devices import resolve_device_cheaply
 from .memory_model import Budget, config_vocab_size, detect_budget, estimate, judge, run_shape
 from .plan import cell_train
+from .config_types import schema_defaults
 from .settings import ENGINE_STAGE, ConfigError, TrainSettings, check_settings
 
 AXES = ("gpus", "zero_stage", "precision", "comm_backend", "micro_batch_size", "offload_optimizer", "engine")
-DEFAULTS = {"enabled": True, "steps": 30, "warmup_steps": 10, "repeats": 3, "allow_concurrent": False,
-            "force": False, "device_memory_gib": 24.0, "host_memory_gib": None, "disk_gib": None,
-            "assumed_gpu": "RTX 4090"}
+# benchmark.* defaults: the schema's (a config validated against it has them already; code-built configs may not)
+DEFAULTS = {key: value for key, value in schema_defaults("benchmark").items() if key != "matrix"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class BenchSettings:
         # A cell runs benchmark.steps steps, often fewer than the main run's learning-rate warm-up; it keeps a warm-up
         # that ends before its last step (what DeepSpeed's scheduler was clamped to anyway), so that the rule
         # "train.warmup_steps below max_steps" holds for cells too.
-        lr_warmup = min(train.get("warmup_steps", TrainSettings.warmup_steps), bench["steps"] - 1)
+        lr_warmup = min(train["warmup_steps"], bench["steps"] - 1)
         return cls(matrix=matrix, lr_warmup_steps=lr_warmup, **{k: bench[k] for k in DEFAULTS})
 
 
@@ -75,7 +75,7 @@ class Cell:
             name = f"ranks{self.gpus}-zero{self.zero_stage}-{self.precision}-{self.comm_backend}"
         else:  # the engine fixes the layout: no ZeRO stage in the name
             name = f"{self.engine}-ranks{self.gpus}-{self.precision}-{self.comm_backend}"
-        if self.micro_batch_size != train.get("micro_batch_size", 8):
+        if self.micro_batch_size != train["micro_batch_size"]:
             name += f"-mb{self.micro_batch_size}"
         if self.offload_optimizer != "none":
             name += "-offload"
@@ -114,7 +114,7 @@ def plan_matrix(config: dict, available_ranks: int | None = None, budget: Budget
     vocab_size: `config_vocab_size(config)` when the caller has it already (an adopted tokenizer is read to know it).
     """
     bench = BenchSettings.from_config(config)
-    device = resolve_device_cheaply(config["train"].get("device", "auto"))
+    device = resolve_device_cheaply(config["train"]["device"])
     budget = budget or detect_budget(device, config.get("benchmark"))
     vocab_size = vocab_size or config_vocab_size(config)
     entries = []
@@ -227,7 +227,7 @@ def planning_peak(config: dict, device: str, name: str) -> tuple[float | None, s
     precision = config["train"]["precision"]
     if device == "cuda":
         names = gpu_names()
-        gpu = names[0] if names else (config.get("benchmark") or {}).get("assumed_gpu", "RTX 4090")
+        gpu = names[0] if names else config["benchmark"]["assumed_gpu"]
         table = gpu_table_peak(gpu, precision)
         where = "detected" if names else "benchmark.assumed_gpu, no GPU detected here"
         return table if table else (None, f"no datasheet peak for {gpu} ({where}) in {precision}")

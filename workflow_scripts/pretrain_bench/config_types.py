@@ -10,9 +10,14 @@ with the pure-Python YAML loader, a noticeable part of a dry run.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 from pathlib import Path
 
 import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schemas" / "config.schema.yaml"
 
 _PYTHON_TYPES = {"integer": int, "number": (int, float), "boolean": bool, "null": type(None),
                  "array": list, "object": dict}
@@ -22,6 +27,36 @@ def load_schema(schema_path: Path | str) -> dict:
     """The JSON schema in a YAML file."""
     # libyaml's loader when PyYAML has it: the pure-Python one takes a noticeable part of a dry run here
     return yaml.load(Path(schema_path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+@functools.cache
+def _project_schema() -> dict:
+    return load_schema(SCHEMA_PATH)
+
+
+def schema_default(*keys: str):
+    """The default the schema states for config key `keys` (say "evaluate", "generation", "top_k"): the one place
+    defaults are written. Validation fills them into a config; settings objects built in code take them from here."""
+    node = _project_schema()
+    for key in keys:
+        node = node["properties"][key]
+    return copy.deepcopy(node["default"])
+
+
+def schema_defaults(*keys: str) -> dict:
+    """The defaults of every key of the config block `keys` that has one."""
+    node = _project_schema()
+    for key in keys:
+        node = node["properties"][key]
+    return {key: copy.deepcopy(sub["default"]) for key, sub in node["properties"].items() if "default" in sub}
+
+
+def default_field(*keys: str):
+    """A dataclass field whose default is `schema_default(*keys)` (a list becomes a tuple: frozen settings hash)."""
+    value = schema_default(*keys)
+    if isinstance(value, dict):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(value))
+    return dataclasses.field(default=tuple(value) if isinstance(value, list) else value)
 
 
 def coerce_command_line_types(config: dict, schema: dict | Path | str) -> dict:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .config_types import default_field
 from .devices import GPU_LOCK_DIR
 from .io import atomic_write_json
 
@@ -47,23 +48,25 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    """`evaluate.generation` of the config."""
+    """`evaluate.generation` of the config (meanings and defaults: schemas/config.schema.yaml)."""
 
-    max_new_tokens: int = 48  # tokens generated per prompt and mode (fewer when end-of-text comes first)
-    temperature: float = 0.8  # softmax temperature of the sampled continuation
-    top_k: int = 50  # the sampled continuation draws from the k most likely tokens (0 = all)
-    seed: int = 1234  # torch seed set before each prompt's sampled continuation
+    max_new_tokens: int = default_field("evaluate", "generation", "max_new_tokens")
+    temperature: float = default_field("evaluate", "generation", "temperature")
+    top_k: int = default_field("evaluate", "generation", "top_k")
+    seed: int = default_field("evaluate", "generation", "seed")
 
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """The `evaluate:` block of the config that eval/step<N>.json depends on (see schemas/config.schema.yaml)."""
+    """The `evaluate:` block of the config that eval/step<N>.json depends on (meanings and defaults:
+    schemas/config.schema.yaml)."""
 
-    max_tokens: int = 262144  # held-out target tokens per checkpoint (rounded down to whole samples, at least one)
-    batch_size: int = 8  # samples per forward pass
-    device: str = "auto"  # auto | cuda | cpu (the rule passes train.device when evaluate.device is null)
-    precision: str = "fp32"  # weights and activations of the forward passes: fp32 | bf16 | fp16
-    prompts: tuple[str, ...] = ()  # continued greedily and by sampling
+    max_tokens: int = default_field("evaluate", "max_tokens")
+    batch_size: int = default_field("evaluate", "batch_size")
+    # evaluate.device null means train.device (the rule passes it); built in code, the same default applies
+    device: str = default_field("train", "device")
+    precision: str = default_field("evaluate", "precision")
+    prompts: tuple[str, ...] = default_field("evaluate", "prompts")
     generation: GenerationSettings = field(default_factory=GenerationSettings)
 
 

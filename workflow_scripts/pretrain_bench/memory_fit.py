@@ -89,7 +89,7 @@ def checkpoint_disk(config: dict, settings: TrainSettings, parameters: int, stat
     steps = replace(settings, keep_checkpoints=None).checkpoint_steps(config["model"]["seq_len"])
     kept = min(len(steps), settings.keep_checkpoints + 1) if settings.keep_checkpoints else len(steps)
     need = kept * checkpoint_bytes(parameters, settings.precision, settings.zero_stage, settings.engine)
-    bench = config.get("benchmark") or {}
+    bench = config["benchmark"]
     if settings.device != "cpu" and not gpu_here and bench.get("disk_gib"):
         have, source = int(bench["disk_gib"] * GIB), "benchmark.disk_gib, no GPU detected here"
     else:
@@ -105,7 +105,7 @@ def fit_run(config: dict, settings: TrainSettings, vocab_size: int | None = None
     """The settings to run with and the pre-flight record; raises ConfigError when nothing fits (or, under
     `strict`, when the settings asked for do not), unless benchmark.force. With `state_dir` (a run that keeps
     checkpoints) the disk for them is checked too."""
-    bench = config.get("benchmark") or {}
+    bench = config["benchmark"]
     device = resolve_device_cheaply(settings.device)
     if settings.nvme_path is None and nvme_path is not None:
         settings = replace(settings, nvme_path=str(nvme_path))
@@ -137,7 +137,7 @@ def fit_run(config: dict, settings: TrainSettings, vocab_size: int | None = None
                              f"because the settings asked for are predicted not to fit: {record['asked_verdict']}; "
                              f"the choice {verdict.text}")
     elif not verdict.fits:
-        if not bench.get("force", False):
+        if not bench["force"]:
             message = explain(run, est, verdict, budget, what)
             if record["tried"]:
                 tried = "\n".join(f"  - {t['label']}: {t['text']} [does not fit]" for t in record["tried"])
@@ -149,7 +149,7 @@ def fit_run(config: dict, settings: TrainSettings, vocab_size: int | None = None
     if state_dir is not None:
         disk = checkpoint_disk(config, chosen, run.parameters, state_dir, budget.gpu_count is not None)
         record["checkpoint_disk"] = disk
-        if not disk["fits"] and not bench.get("force", False):
+        if not disk["fits"] and not bench["force"]:
             raise ConfigError(f"pre-flight: {what}'s checkpoints do not fit on disk: {disk['text']}; keep fewer "
                               "(train.keep_checkpoints), checkpoint less often (train.checkpoint_every), or free "
                               "space")

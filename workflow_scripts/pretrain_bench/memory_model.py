@@ -415,7 +415,7 @@ def run_shape(config: dict, settings: TrainSettings, device: str, vocab_size: in
     head_dim = shape.hidden_size // shape.num_attention_heads
     return RunShape(parameters=counts["total"], layers=shape.num_hidden_layers, hidden_size=shape.hidden_size,
                     kv_size=shape.num_key_value_heads * head_dim, ffn_size=shape.intermediate_size,
-                    vocab_size=shape.vocab_size, seq_len=config["model"].get("seq_len", 128),
+                    vocab_size=shape.vocab_size, seq_len=config["model"]["seq_len"],
                     micro_batch_size=settings.micro_batch_size, ranks=settings.world_size,
                     zero_stage=settings.zero_stage, precision=settings.precision,
                     offload_optimizer=settings.offload_optimizer, offload_param=settings.offload_param,

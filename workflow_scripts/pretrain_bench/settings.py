@@ -6,7 +6,9 @@ starts, and the launcher can repeat the checks once it knows the real device.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
+
+from .config_types import default_field
 
 
 class ConfigError(ValueError):
@@ -18,48 +20,49 @@ LR_SCHEDULES = ("cosine", "linear", "constant", "warmup-stable-decay")
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """The `train:` block of the config (see schemas/config.schema.yaml for bounds)."""
+    """The `train:` block of the config. What each key means, its bounds and its default: the `description`,
+    limits and `default` of train.<key> in schemas/config.schema.yaml, the only place they are written."""
 
-    gpus: int = 1  # ranks per node
-    nodes: int = 1  # nodes
-    rdzv_endpoint: str | None = None  # host:port of the c10d rendezvous when nodes > 1 (None: derived under SLURM)
-    device: str = "auto"  # auto | cuda | cpu
-    engine: str = "deepspeed"  # deepspeed | ddp | fsdp (see engines.py)
-    comm_backend: str = "nccl"  # nccl | gloo
-    zero_stage: int = 2  # DeepSpeed ZeRO stage 0-3
-    precision: str = "bf16"  # fp16 | bf16 | fp32
-    offload_optimizer: str = "none"  # none | cpu | nvme (nvme: ZeRO-3 only)
-    offload_param: str = "none"  # none | cpu | nvme (ZeRO-3 only)
-    nvme_path: str | None = None  # folder for NVMe offload (None: <state>/nvme, filled in by the plan)
-    memory_fit: str = "auto"  # auto: pick settings that fit when the asked ones do not | strict: stop
-    activation_checkpointing: bool = False  # recompute activations in backward
-    micro_batch_size: int = 8  # samples per rank per micro-step
-    grad_accum_steps: int = 1  # micro-steps per optimizer step
-    global_batch_size: int | None = None  # samples per optimizer step (None: derived)
-    max_steps: int = 1000  # optimizer steps
-    max_tokens: int | None = None  # stop after this many tokens instead of max_steps
-    lr: float = 3e-4  # peak learning rate
-    min_lr: float = 3e-5  # learning rate at the end of the decay (cosine, linear, warmup-stable-decay)
-    warmup_steps: int = 100  # linear warm-up steps
-    lr_schedule: str = "cosine"  # cosine | linear | constant | warmup-stable-decay (see learning_rate)
-    decay_fraction: float = 0.2  # warmup-stable-decay: share of the steps spent decaying at the end
-    weight_decay: float = 0.1  # AdamW decoupled weight decay
-    adam_betas: tuple = (0.9, 0.95)  # AdamW (beta1, beta2)
-    adam_eps: float = 1e-8  # AdamW epsilon
-    grad_clip: float = 1.0  # global gradient-norm clip (0 = off)
-    seed: int = 1234  # weights and data order
-    checkpoint_every: int = 500  # steps between checkpoints
-    keep_checkpoints: int | None = None  # keep the last N complete checkpoints (None: all)
-    warmup_timing_steps: int = 5  # steps left out of steady-state timing
-    max_restarts: int = 0  # torchrun --max-restarts
-    collective_timeout_min: float = 60.0  # torch.distributed timeout of every collective and barrier
-    nccl_env: dict | None = None  # environment for NCCL runs (NCCL_P2P_DISABLE, TORCH_NCCL_ASYNC_ERROR_HANDLING …)
-    allow_reshape: bool = False  # accept a checkpoint saved at another world size
-    phase_timing: bool = True  # forward/backward/optimizer seconds per step (CUDA events: no synchronisation)
-    verify_checkpoints: str = "sampled"  # before a resume: sampled (sizes + sampled sha256) | full (every byte)
-    eval_every: int | None = None  # held-out loss every N steps during training (None: off)
-    eval_tokens: int = 65536  # held-out target tokens per evaluation during training (a fixed slice of val)
-    deepspeed: dict = field(default_factory=dict)  # merged into ds_config.json (keys the pipeline owns refused)
+    gpus: int = default_field("train", "gpus")
+    nodes: int = default_field("train", "nodes")
+    rdzv_endpoint: str | None = default_field("train", "rdzv_endpoint")
+    device: str = default_field("train", "device")
+    engine: str = default_field("train", "engine")
+    comm_backend: str = default_field("train", "comm_backend")
+    zero_stage: int = default_field("train", "zero_stage")
+    precision: str = default_field("train", "precision")
+    offload_optimizer: str = default_field("train", "offload_optimizer")
+    offload_param: str = default_field("train", "offload_param")
+    nvme_path: str | None = default_field("train", "nvme_path")
+    memory_fit: str = default_field("train", "memory_fit")
+    activation_checkpointing: bool = default_field("train", "activation_checkpointing")
+    micro_batch_size: int = default_field("train", "micro_batch_size")
+    grad_accum_steps: int = default_field("train", "grad_accum_steps")
+    global_batch_size: int | None = default_field("train", "global_batch_size")
+    max_steps: int = default_field("train", "max_steps")
+    max_tokens: int | None = default_field("train", "max_tokens")
+    lr: float = default_field("train", "lr")
+    min_lr: float = default_field("train", "min_lr")
+    warmup_steps: int = default_field("train", "warmup_steps")
+    lr_schedule: str = default_field("train", "lr_schedule")
+    decay_fraction: float = default_field("train", "decay_fraction")
+    weight_decay: float = default_field("train", "weight_decay")
+    adam_betas: tuple = default_field("train", "adam_betas")
+    adam_eps: float = default_field("train", "adam_eps")
+    grad_clip: float = default_field("train", "grad_clip")
+    seed: int = default_field("train", "seed")
+    checkpoint_every: int = default_field("train", "checkpoint_every")
+    keep_checkpoints: int | None = default_field("train", "keep_checkpoints")
+    warmup_timing_steps: int = default_field("train", "warmup_timing_steps")
+    max_restarts: int = default_field("train", "max_restarts")
+    collective_timeout_min: float = default_field("train", "collective_timeout_min")
+    nccl_env: dict | None = default_field("train", "nccl_env")
+    allow_reshape: bool = default_field("train", "allow_reshape")
+    phase_timing: bool = default_field("train", "phase_timing")
+    verify_checkpoints: str = default_field("train", "verify_checkpoints")
+    eval_every: int | None = default_field("train", "eval_every")
+    eval_tokens: int = default_field("train", "eval_tokens")
+    deepspeed: dict = default_field("train", "deepspeed")
 
     @classmethod
     def from_config(cls, train: dict) -> "TrainSettings":
