@@ -1,11 +1,17 @@
 """The report's tables, computed only from a run's JSON files (summary.json, matrix.json, eval/*.json).
 
 Every function here is pure (dicts in, rows of formatted strings out) so a test can recompute any table from the
-same files and compare it with the rendered report. One number format (`fmt`) serves every table.
+same files and compare it with the rendered report. One number format (`fmt`) serves every table. The benchmark
+tables all read one pandas frame: `repeats_frame` (one row per cell × repeat, from each summary.json) grouped by
+cell into `cell_table` (median, min and max over the repeats).
 """
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 GIB = 1024**3
 NOISY_SPREAD = 0.25  # (max - min) / median of a cell's tokens/s over repeats above which timings are flagged
@@ -133,22 +139,53 @@ def headline(matrix: dict, scaling: list[dict], backends: list[dict]) -> dict:
 
 # ---- benchmark cells ---------------------------------------------------------------------------------------------
 
-def cell_stats(runs: list[dict]) -> dict:
-    """Figures of one cell over its repeats (raw numbers; the worst rank's peak memory per repeat)."""
-    def field(key):
-        return [r.get(key) for r in runs]
-    return {
-        "repeats": len(runs),
-        "tokens_per_s": field("tokens_per_s"),
-        "step_time_s": [r["step_time_s"]["median"] for r in runs],
-        "mem_bytes": [max(r["peak_mem_bytes"]) for r in runs],
-        "mfu": field("mfu"),
-        "comm_fraction": field("comm_fraction"),
-        "peak_flops_per_rank": field("peak_flops_per_rank"),
-        "oversubscribed": any(r.get("oversubscribed") for r in runs),
-        "global_batch_size": runs[0]["global_batch_size"],
-        "tokens_per_step": runs[0]["tokens_per_step"],
-    }
+# What one repeat of a cell measured (its summary.json), aggregated per cell over the repeats.
+FIGURES = ("tokens_per_s", "step_time_s", "mem_bytes", "mfu", "comm_fraction", "peak_flops_per_rank")
+REPEAT_COLUMNS = ("cell", "repeat", *FIGURES, "oversubscribed", "global_batch_size", "tokens_per_step",
+                  "mfu_note", "comm_method", "peak_flops_source", "flops_per_token")
+
+
+def repeats_frame(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> "pd.DataFrame":
+    """One row per benchmark cell × repeat, read from that repeat's summary.json (peak memory: its worst rank)."""
+    import pandas as pd
+
+    records = [{"cell": entry["cell"], "repeat": number, "tokens_per_s": run.get("tokens_per_s"),
+                "step_time_s": run["step_time_s"]["median"], "mem_bytes": max(run["peak_mem_bytes"]),
+                "mfu": run.get("mfu"), "comm_fraction": run.get("comm_fraction"),
+                "peak_flops_per_rank": run.get("peak_flops_per_rank"), "oversubscribed": bool(run.get("oversubscribed")),
+                "global_batch_size": run["global_batch_size"], "tokens_per_step": run["tokens_per_step"],
+                "mfu_note": run.get("mfu_note"), "comm_method": run.get("comm_method"),
+                "peak_flops_source": run.get("peak_flops_source"), "flops_per_token": run.get("flops_per_token")}
+               for entry in matrix["cells"] for number, run in enumerate(runs_by_cell.get(entry["cell"]) or [], 1)]
+    frame = pd.DataFrame.from_records(records, columns=list(REPEAT_COLUMNS))
+    # None (not measured) as NaN, so that every figure column is numeric
+    frame[list(FIGURES)] = frame[list(FIGURES)].apply(pd.to_numeric)
+    return frame
+
+
+def cell_table(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> "pd.DataFrame":
+    """Per cell that ran (the index): its repeats, and for each measured figure the median, min and max over them
+    (`<figure>`, `<figure>_min`, `<figure>_max`; NaN where no repeat measured it) and the values themselves
+    (`<figure>_values`, what `spread` prints and the plots draw); the first repeat's descriptive fields."""
+    repeats = repeats_frame(matrix, runs_by_cell)
+    grouped = repeats.groupby("cell", sort=False)
+    table = grouped[list(FIGURES)].agg(["median", "min", "max"])
+    table.columns = [figure if stat == "median" else f"{figure}_{stat}" for figure, stat in table.columns]
+    for figure in FIGURES:
+        table[f"{figure}_values"] = grouped[figure].agg(lambda column: column.dropna().tolist())
+    table["repeats"] = grouped.size()
+    table["oversubscribed"] = grouped["oversubscribed"].any()
+    for column in ("global_batch_size", "tokens_per_step", "comm_method", "peak_flops_source", "flops_per_token"):
+        table[column] = grouped[column].first()
+    table["mfu_notes"] = grouped["mfu_note"].agg(lambda column: column.dropna().tolist())
+    return table
+
+
+def _number(value):
+    """A frame's number as the plain Python value the formats expect (None for NaN; an integral count as int)."""
+    if value is None or value != value:
+        return None
+    return value.item() if hasattr(value, "item") else value
 
 
 def engine_of(entry: dict) -> str:
@@ -181,26 +218,27 @@ def group_label(entry: dict) -> str:
 
 def scaling_rows(matrix: dict, runs_by_cell: dict[str, list[dict]], target_corpus_tokens: float) -> list[dict]:
     """The source articles' table: per series, 1 vs N ranks — tokens/s, speedup, efficiency, memory, time per epoch."""
-    entries = [e for e in matrix["cells"] if runs_by_cell.get(e["cell"])]
+    cells = cell_table(matrix, runs_by_cell)
+    entries = [e for e in matrix["cells"] if e["cell"] in cells.index]
     rows = []
     for key in sorted({group_key(e) for e in entries}, key=str):
         series = sorted((e for e in entries if group_key(e) == key), key=lambda e: e["gpus"])
         base = next((e for e in series if e["gpus"] == 1), None)
-        base_tps = median(cell_stats(runs_by_cell[base["cell"]])["tokens_per_s"]) if base else None
+        base_tps = _number(cells.at[base["cell"], "tokens_per_s"]) if base else None
         for entry in series:
-            stats = cell_stats(runs_by_cell[entry["cell"]])
-            tps = median(stats["tokens_per_s"])
+            cell = cells.loc[entry["cell"]]
+            tps = _number(cell["tokens_per_s"])
             speedup = tps / base_tps if base_tps and tps else None
             rows.append({
                 "series": group_label(entry), "cell": entry["cell"], "ranks": str(entry["gpus"]),
-                "global_batch": fmt(stats["global_batch_size"]), "repeats": str(stats["repeats"]),
-                "tokens_per_s": spread(stats["tokens_per_s"], 0),
+                "global_batch": fmt(_number(cell["global_batch_size"])), "repeats": str(cell["repeats"]),
+                "tokens_per_s": spread(cell["tokens_per_s_values"], 0),
                 "speedup": f"{fmt(speedup, 2)}×" if speedup else "n/a",
                 "efficiency_pct": fmt(speedup / entry["gpus"] * 100, 0) if speedup else "n/a",
-                "mem_gib": spread(stats["mem_bytes"], 2, 1 / GIB),
+                "mem_gib": spread(cell["mem_bytes_values"], 2, 1 / GIB),
                 "epoch": fmt_duration(target_corpus_tokens / tps) if tps else "n/a",
-                "oversubscribed": "yes" if stats["oversubscribed"] else "no",
-                "_tps": stats["tokens_per_s"], "_speedup": speedup, "_gpus": entry["gpus"],
+                "oversubscribed": "yes" if cell["oversubscribed"] else "no",
+                "_tps": cell["tokens_per_s_values"], "_speedup": speedup, "_gpus": entry["gpus"],
                 "_engine": engine_of(entry),
             })
     return rows
@@ -220,16 +258,17 @@ def measurable_prediction(estimate: dict, device: str) -> int:
 def memory_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]:
     """Per cell: measured peak per rank against the memory model's prediction, by ZeRO stage."""
     rows = []
-    entries = [e for e in matrix["cells"] if runs_by_cell.get(e["cell"]) and e.get("estimate")]
+    cells = cell_table(matrix, runs_by_cell)
+    entries = [e for e in matrix["cells"] if e["cell"] in cells.index and e.get("estimate")]
     for entry in sorted(entries, key=lambda e: (e["gpus"], e["zero_stage"], e["cell"])):
         est = entry["estimate"]
-        stats = cell_stats(runs_by_cell[entry["cell"]])
+        cell = cells.loc[entry["cell"]]
         predicted = measurable_prediction(est, matrix["device"])
-        measured = median(stats["mem_bytes"])
+        measured = _number(cell["mem_bytes"])
         rows.append({
             "cell": entry["cell"], "engine": engine_label(entry), "zero_stage": str(entry["zero_stage"]),
             "ranks": str(entry["gpus"]),
-            "precision": entry["precision"], "measured_gib": spread(stats["mem_bytes"], 3, 1 / GIB),
+            "precision": entry["precision"], "measured_gib": spread(cell["mem_bytes_values"], 3, 1 / GIB),
             "predicted_gib": fmt(predicted / GIB, 3),
             "states_gib": fmt(est["model_states"] / GIB, 3), "activations_gib": fmt(est["activations"] / GIB, 3),
             "other_gib": fmt((predicted - est["model_states"] - est["activations"]) / GIB, 3),
@@ -244,33 +283,34 @@ def memory_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]
 def communication_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]:
     """Communication share of step time per multi-rank cell."""
     rows = []
+    cells = cell_table(matrix, runs_by_cell)
     for entry in matrix["cells"]:
-        runs = runs_by_cell.get(entry["cell"])
-        if not runs or entry["gpus"] < 2:
+        if entry["cell"] not in cells.index or entry["gpus"] < 2:
             continue
-        stats = cell_stats(runs)
+        cell = cells.loc[entry["cell"]]
         rows.append({"cell": entry["cell"], "engine": engine_of(entry), "ranks": str(entry["gpus"]),
                      "comm_backend": entry["comm_backend"],
-                     "comm_pct": spread(stats["comm_fraction"], 1, 100) if any(
-                         v is not None for v in stats["comm_fraction"]) else "not measured",
-                     "method": runs[0].get("comm_method", "n/a"),
-                     "_comm": median(stats["comm_fraction"])})
+                     "comm_pct": spread(cell["comm_fraction_values"], 1, 100) if cell["comm_fraction_values"]
+                     else "not measured",
+                     "method": cell["comm_method"] or "n/a",
+                     "_comm": _number(cell["comm_fraction"])})
     return rows
 
 
 def backend_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]:
     """NCCL against Gloo for cells that ran with both and are otherwise equal."""
     by_key = {}
+    cells = cell_table(matrix, runs_by_cell)
     for entry in matrix["cells"]:
-        if runs_by_cell.get(entry["cell"]):
+        if entry["cell"] in cells.index:
             key = (entry["gpus"], engine_of(entry), entry["zero_stage"], entry["precision"],
                    entry["micro_batch_size"], entry["offload_optimizer"])
             by_key.setdefault(key, {})[entry["comm_backend"]] = entry
     rows = []
     for key, pair in sorted(by_key.items()):
         if {"nccl", "gloo"} <= set(pair):
-            nccl = median(cell_stats(runs_by_cell[pair["nccl"]["cell"]])["tokens_per_s"])
-            gloo = median(cell_stats(runs_by_cell[pair["gloo"]["cell"]])["tokens_per_s"])
+            nccl = _number(cells.at[pair["nccl"]["cell"], "tokens_per_s"])
+            gloo = _number(cells.at[pair["gloo"]["cell"], "tokens_per_s"])
             rows.append({"ranks": str(key[0]), "engine": engine_label(pair["nccl"]), "zero_stage": str(key[2]),
                          "precision": key[3],
                          "nccl_tokens_per_s": fmt(nccl, 0), "gloo_tokens_per_s": fmt(gloo, 0),
@@ -282,7 +322,8 @@ def backend_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict
 def engine_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]:
     """Engines side by side on the same work: cells equal in ranks, precision, backend and micro batch (so the same
     model, data and global batch), one row per engine setup, fastest first. Empty unless two engines ran."""
-    entries = [e for e in matrix["cells"] if runs_by_cell.get(e["cell"])]
+    cells = cell_table(matrix, runs_by_cell)
+    entries = [e for e in matrix["cells"] if e["cell"] in cells.index]
     groups: dict[tuple, list[dict]] = {}
     for entry in entries:
         key = (entry["gpus"], entry["precision"], entry["comm_backend"], entry["micro_batch_size"])
@@ -292,23 +333,22 @@ def engine_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]
     for key, group in sorted(groups.items()):
         if len({engine_of(e) for e in group}) < 2:
             continue
-        stats = {e["cell"]: cell_stats(runs_by_cell[e["cell"]]) for e in group}
-        tps = {cell: median(s["tokens_per_s"]) for cell, s in stats.items()}
+        tps = {e["cell"]: _number(cells.at[e["cell"], "tokens_per_s"]) for e in group}
         fastest = max(v for v in tps.values() if v)
         for entry in sorted(group, key=lambda e: -(tps[e["cell"]] or 0)):
-            cell, st = entry["cell"], stats[entry["cell"]]
+            cell, st = entry["cell"], cells.loc[entry["cell"]]
             base = one_rank.get(group_key(entry))
-            base_tps = median(cell_stats(runs_by_cell[base["cell"]])["tokens_per_s"]) if base else None
+            base_tps = _number(cells.at[base["cell"], "tokens_per_s"]) if base else None
             speedup = tps[cell] / base_tps if base_tps and tps[cell] else None
             predicted = measurable_prediction(entry["estimate"], matrix["device"]) if entry.get("estimate") else None
-            measured = median(st["mem_bytes"])
-            comm = [v for v in st["comm_fraction"] if v is not None]
+            measured = _number(st["mem_bytes"])
+            comm = st["comm_fraction_values"]
             rows.append({
                 "ranks": str(key[0]), "precision": key[1], "comm_backend": key[2], "engine": engine_label(entry),
-                "cell": cell, "repeats": str(st["repeats"]), "tokens_per_s": spread(st["tokens_per_s"], 0),
+                "cell": cell, "repeats": str(st["repeats"]), "tokens_per_s": spread(st["tokens_per_s_values"], 0),
                 "vs_fastest": f"{fmt(tps[cell] / fastest, 2)}×" if tps[cell] else "n/a",
                 "speedup": f"{fmt(speedup, 2)}×" if speedup and entry["gpus"] > 1 else "—",
-                "measured_gib": spread(st["mem_bytes"], 3, 1 / GIB),
+                "measured_gib": spread(st["mem_bytes_values"], 3, 1 / GIB),
                 "predicted_gib": fmt(predicted / GIB, 3) if predicted else "n/a",
                 "ratio": fmt(measured / predicted, 2) if predicted and measured else "n/a",
                 "formula": entry["estimate"]["state_formula"] if entry.get("estimate") else "n/a",
@@ -339,28 +379,34 @@ def lm_eval_rows(results: list[dict]) -> list[dict]:
 
 
 def mfu_text(runs: list[dict]) -> str:
+    """MFU in percent over repeats (summary.json dicts), or why it is not printed (see `mfu_figure_text`)."""
+    return mfu_figure_text([r.get("mfu") for r in runs], [r["mfu_note"] for r in runs if r.get("mfu_note")],
+                           runs[0].get("peak_flops_source"))
+
+
+def mfu_figure_text(mfus: list, notes: list[str], peak_source: str | None) -> str:
     """MFU in percent over repeats, or why it is not printed: above 100 % is impossible (a peak below what the run
     achieved is not its peak), whether the run refused it itself or an older summary.json holds one."""
-    impossible = [r["mfu"] for r in runs if r.get("mfu") is not None and r["mfu"] > 1.0]
-    notes = [r["mfu_note"] for r in runs if r.get("mfu_note")]
+    impossible = [m for m in mfus if m is not None and m > 1.0]
     if impossible or notes:
         return ("not reported: " + notes[0]) if notes else (
             f"not reported: MFU would be {fmt(max(impossible) * 100, 0)}%, above 100 %, so the peak "
-            f"({runs[0].get('peak_flops_source', 'n/a')}) is not this run's peak")
-    return spread([r.get("mfu") for r in runs], 2, 100)
+            f"({peak_source or 'n/a'}) is not this run's peak")
+    return spread(mfus, 2, 100)
 
 
 def mfu_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]:
     rows = []
+    cells = cell_table(matrix, runs_by_cell)
     for entry in matrix["cells"]:
-        runs = runs_by_cell.get(entry["cell"])
-        if not runs:
+        if entry["cell"] not in cells.index:
             continue
-        stats = cell_stats(runs)
-        rows.append({"cell": entry["cell"], "ranks": str(entry["gpus"]), "mfu_pct": mfu_text(runs),
-                     "peak_tflops": spread(stats["peak_flops_per_rank"], 3, 1e-12),
-                     "peak_source": runs[0].get("peak_flops_source", "n/a"),
-                     "flops_per_token": fmt(runs[0].get("flops_per_token"), 0)})
+        cell = cells.loc[entry["cell"]]
+        rows.append({"cell": entry["cell"], "ranks": str(entry["gpus"]),
+                     "mfu_pct": mfu_figure_text(cell["mfu_values"], cell["mfu_notes"], cell["peak_flops_source"]),
+                     "peak_tflops": spread(cell["peak_flops_per_rank_values"], 3, 1e-12),
+                     "peak_source": cell["peak_flops_source"] or "n/a",
+                     "flops_per_token": fmt(_number(cell["flops_per_token"]), 0)})
     return rows
 
 
@@ -371,18 +417,19 @@ def matrix_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]
     """Every declared cell: what happened to it, the pre-flight prediction and the time estimate."""
     rows = []
     order = {"run": 0, "predicted_oom": 1, "unsupported": 2}
+    cells = cell_table(matrix, runs_by_cell)
     for entry in sorted(matrix["cells"], key=lambda e: order[e["status"]]):
-        runs = runs_by_cell.get(entry["cell"]) or []
+        ran = entry["cell"] in cells.index
         est = entry.get("estimate")
         estimate = entry.get("time_estimate")
-        measured_step = median([r["step_time_s"]["median"] for r in runs]) if runs else None
+        measured_step = _number(cells.at[entry["cell"], "step_time_s"]) if ran else None
         status = STATUS_LABELS[entry["status"]] + (" (forced)" if entry.get("forced") else "")
         rows.append({
             "cell": entry["cell"], "status": status, "reason": entry.get("reason") or "",
             "predicted_gib": fmt(est["per_rank"] / GIB, 2) if est else "n/a",
             "min_step_s": fmt(estimate["min_step_time_s"], 4) if estimate else "n/a",
             "measured_step_s": fmt(measured_step, 3),
-            "repeats": str(len(runs)),
+            "repeats": str(cells.at[entry["cell"], "repeats"] if ran else 0),
         })
     return rows
 
