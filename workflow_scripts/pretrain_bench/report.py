@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
@@ -62,6 +63,16 @@ def _code(text) -> str:
     text = _cell(text)
     fence = "``" if "`" in text else "`"
     return f"{fence} {text} {fence}"  # CommonMark drops one padding space on each side
+
+
+def _template(html: bool):
+    """templates/report.j2 compiled for one format (Jinja fixes autoescaping when it compiles: HTML escapes every
+    value, Markdown keeps them as written and escapes table cells with the `cell` and `code` filters)."""
+    env = Environment(loader=FileSystemLoader(Path(__file__).parent / "templates"), undefined=StrictUndefined,
+                      autoescape=html, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+    env.filters["cell"] = _cell
+    env.filters["code"] = _code
+    return env.get_template("report.j2")
 
 
 def weights_origin(summary: dict) -> str:
@@ -119,10 +130,6 @@ def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path],
     plots = {key: {"name": p.name, "rel": f"plots/{p.name}", "data": base64.b64encode(p.read_bytes()).decode()}
              for key, p in paths.items()}
 
-    env = Environment(loader=FileSystemLoader(Path(__file__).parent / "templates"), undefined=StrictUndefined,
-                      autoescape=False, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
-    env.filters["cell"] = _cell
-    env.filters["code"] = _code
     bench = [s for runs in runs_by_cell.values() for s in runs]
     context = {
         "summary": summary, "tables": tables, "fmt": fmt, "plots": plots, "matrix": matrix,
@@ -138,7 +145,8 @@ def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path],
     }
     out_md, out_html = Path(out_md), Path(out_html)
     out_md.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out_md, env.get_template("report.md.j2").render(**context))
-    env.autoescape = True
-    atomic_write_text(out_html, env.get_template("report.html.j2").render(**context))
+    # one template, two formats: captions and notes are written once (templates/report.j2)
+    markdown = _template(html=False).render(**context, html=False)
+    atomic_write_text(out_md, re.sub(r"\n{3,}", "\n\n", markdown).lstrip("\n"))  # blocks apart by one blank line
+    atomic_write_text(out_html, _template(html=True).render(**context, html=True))
     return tables

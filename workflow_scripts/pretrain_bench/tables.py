@@ -430,6 +430,7 @@ def matrix_rows(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> list[dict]
             "min_step_s": fmt(estimate["min_step_time_s"], 4) if estimate else "n/a",
             "measured_step_s": fmt(measured_step, 3),
             "repeats": str(cells.at[entry["cell"], "repeats"] if ran else 0),
+            "_class": "" if entry["status"] == "run" or entry.get("forced") else "left-out",  # shown greyed
         })
     return rows
 
