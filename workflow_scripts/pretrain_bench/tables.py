@@ -74,14 +74,14 @@ def main_run_tables(summary: dict, evals: list[dict], target_corpus_tokens: floa
     }]
     epoch_s = target_corpus_tokens / summary["tokens_per_s"] if summary["tokens_per_s"] else None
     evaluation = [{
-        "step": fmt(e["step"]),
-        "train_tokens": fmt(e.get("train_tokens")),
-        "loss": fmt(e["loss"], 4),
-        "perplexity": fmt(e["perplexity"], 2),
-        "bits_per_byte": fmt(e["bits_per_byte"], 4),
-        "eval_tokens": fmt(e["tokens"]),
-        "eval_tokens_per_s": fmt(e.get("eval_tokens_per_s"), 0),
-    } for e in sorted(evals, key=lambda e: e["step"])]
+        "step": fmt(row.step),
+        "train_tokens": fmt(_number(row.train_tokens)),
+        "loss": fmt(_number(row.loss), 4),
+        "perplexity": fmt(_number(row.perplexity), 2),
+        "bits_per_byte": fmt(_number(row.bits_per_byte), 4),
+        "eval_tokens": fmt(row.tokens),
+        "eval_tokens_per_s": fmt(_number(row.eval_tokens_per_s), 0),
+    } for row in evaluation_frame(evals).itertuples(index=False)]
     generations = generation_rows(evals)
     return {
         "throughput": throughput,
@@ -90,6 +90,15 @@ def main_run_tables(summary: dict, evals: list[dict], target_corpus_tokens: floa
         "epoch": {"target_tokens": fmt(float(target_corpus_tokens), 0), "seconds": epoch_s,
                   "text": fmt_duration(epoch_s)},
     }
+
+
+def evaluation_frame(evals: list[dict]) -> "pd.DataFrame":
+    """One row per evaluated checkpoint (eval/step<N>.json), in step order; integers stay integers."""
+    import pandas as pd
+
+    columns = ["step", "train_tokens", "loss", "perplexity", "bits_per_byte", "tokens", "eval_tokens_per_s"]
+    frame = pd.DataFrame.from_records([{key: e.get(key) for key in columns} for e in evals], columns=columns)
+    return frame.astype({"step": object, "tokens": object, "train_tokens": object}).sort_values("step", kind="stable")
 
 
 def generation_rows(evals: list[dict]) -> list[dict]:
