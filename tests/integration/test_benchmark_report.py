@@ -1,8 +1,9 @@
 """The tiny benchmark matrix end to end through Snakemake, and the report built from it.
 
-One run of the pipeline (a short main run plus 1, 2, 3 gloo ranks × ZeRO 1, 2, 2 repeats each); nccl cells and
-cells with a micro batch of 100,000 are declared too, and must be reported, not run. The report's tables are
-recomputed here from the summaries, every PNG is opened, the HTML is rendered by headless Chromium.
+The shared pipeline run (tests/conftest.py `pipeline`; its matrix: support.PIPELINE_OVERLAY, 1 and 3 gloo ranks ×
+ZeRO-1, ZeRO-2 and DDP, 2 repeats each); nccl cells and cells with a micro batch of 100,000 are declared too, and
+must be reported, not run. The report's tables are recomputed here from the summaries, every PNG is opened, the HTML
+is rendered by headless Chromium.
 """
 import json
 import os
@@ -18,43 +19,19 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from support import TINY_CONFIG, run_snakemake  # noqa: E402
+from support import PIPELINE_NAME as NAME  # noqa: E402
+from support import run_snakemake  # noqa: E402
 
 pytestmark = pytest.mark.pipeline
-NAME = "itest-bench"
-RESULTS = ROOT / "results" / NAME
-OVERLAY = {
-    "name": NAME,
-    # a short main run: two kept checkpoints, so the eval curves have two points
-    "train": {"max_steps": 12, "checkpoint_every": 6, "warmup_timing_steps": 2},
-    "evaluate": {"lm_eval": {"tasks": []}, "max_tokens": 8192},
-    # DDP beside DeepSpeed ZeRO-1 and -2: its cells collapse the ZeRO axis (one layout), see bench_matrix.cells
-    "benchmark": {"repeats": 2, "matrix": {"micro_batch_size": [8, 100000], "zero_stage": [1, 2],
-                                           "engine": ["deepspeed", "ddp"]}},
-}
+RANKS = (1, 3)  # the shared run's benchmark.matrix.gpus
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--enable-logging=stderr", "--v=0", "--window-size=1280,2400"]
 
 
-def snakemake(overlay: Path, *args, check=True):
-    return run_snakemake(NAME, *args, configfiles=(TINY_CONFIG, overlay), check=check)
-
-
 @pytest.fixture(scope="module")
-def overlay(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench") / "overlay.yaml"
-    path.write_text(yaml.safe_dump(OVERLAY))
-    return path
-
-
-@pytest.fixture(scope="module")
-def run(overlay):
-    if not os.environ.get("PRETRAIN_BENCH_REUSE_RESULTS"):  # set it to re-check a finished run without rerunning
-        for folder in (RESULTS, ROOT / "logs" / NAME, ROOT / "benchmarks" / NAME):
-            shutil.rmtree(folder, ignore_errors=True)
-    snakemake(overlay)
-    return RESULTS
+def run(pipeline):
+    return pipeline.results
 
 
 def matrix_of(run):
@@ -73,14 +50,13 @@ def test_runnable_cells_ran_twice_and_the_others_were_reported_not_run(run):
     for entry in matrix["cells"]:
         by_status.setdefault(entry["status"], []).append(entry)
     # DeepSpeed: ranks × ZeRO × backend × micro batch; DDP: ranks × backend × micro batch
-    assert len(matrix["cells"]) == 3 * 2 * 2 * 2 + 3 * 2 * 2
+    assert len(matrix["cells"]) == len(RANKS) * 2 * 2 * 2 + len(RANKS) * 2 * 2
     assert sorted(e["cell"] for e in by_status["run"]) == sorted(
-        [f"ranks{g}-zero{z}-fp32-gloo" for g in (1, 2, 3) for z in (1, 2)] + [f"ddp-ranks{g}-fp32-gloo"
-                                                                            for g in (1, 2, 3)])
+        [f"ranks{g}-zero{z}-fp32-gloo" for g in RANKS for z in (1, 2)] + [f"ddp-ranks{g}-fp32-gloo" for g in RANKS])
     assert all(e["zero_stage"] == 0 for e in matrix["cells"] if e["engine"] == "ddp")
-    assert len(by_status["unsupported"]) == 18 and all("nccl needs CUDA" in e["reason"]
-                                                         for e in by_status["unsupported"])
-    assert len(by_status["predicted_oom"]) == 9
+    assert len(by_status["unsupported"]) == len(RANKS) * 6 and all("nccl needs CUDA" in e["reason"]
+                                                                   for e in by_status["unsupported"])
+    assert len(by_status["predicted_oom"]) == len(RANKS) * 3
     for entry in by_status["predicted_oom"] + by_status["unsupported"]:
         assert not (run / "bench" / entry["cell"]).exists(), "a left-out cell must not run"
         assert not (ROOT / "logs" / NAME / "bench" / entry["cell"]).exists()
@@ -107,7 +83,7 @@ def test_timed_cells_never_overlapped(run):
         cell, rep = tsv.parent.name, tsv.stem
         end = (run / "bench" / cell / rep / "summary.json").stat().st_mtime
         intervals.append((end - seconds, end, f"{cell}/{rep}"))
-    assert len(intervals) == 18
+    assert len(intervals) == len(RANKS) * 3 * 2
     intervals.sort()
     for (start_a, end_a, a), (start_b, _, b) in zip(intervals, intervals[1:]):
         assert start_b >= end_a - 1.0, f"{a} and {b} ran at the same time"
@@ -134,7 +110,7 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
         return f"{fmt(statistics.median(values), digits)} ({fmt(min(values), digits)}–{fmt(max(values), digits)})"
 
     seeds = _md_table(md, "## 1. The source articles' table")
-    assert len(seeds) == 9
+    assert len(seeds) == len(RANKS) * 3
     for series, ranks, batch, repeats, tps, speedup, efficiency, mem, epoch, oversubscribed in seeds:
         if series.startswith("DDP"):
             reps, base_cell = runs[f"ddp-ranks{ranks}-fp32-gloo"], "ddp-ranks1-fp32-gloo"
@@ -154,7 +130,7 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
         assert f"<td>{tps}</td><td>{speedup}</td><td>{efficiency}</td><td>{mem}</td>" in html
 
     mfu = _md_table(md, "## 5. MFU per cell")
-    assert len(mfu) == 9
+    assert len(mfu) == len(RANKS) * 3
     for cell, ranks, mfu_pct, peak, source, flops in mfu:
         reps = runs[cell]
         assert mfu_pct == span([s["mfu"] * 100 for s in reps], 2)
@@ -162,15 +138,15 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
         assert source == reps[0]["peak_flops_source"] and flops == fmt(reps[0]["flops_per_token"], 0)
 
     comm = _md_table(md, "## 4. Communication")
-    assert len(comm) == 6  # the 2- and 3-rank cells, DDP's timed by its communication hook
+    assert len(comm) == 3  # the 3-rank cells, DDP's timed by its communication hook
     for cell, ranks, backend, share in comm:
         assert share == span([s["comm_fraction"] * 100 for s in runs[cell]], 1)
     assert "DDP communication hook" in md and "DeepSpeed comms_logger" in md
 
     # engines side by side: at each rank count DDP and both ZeRO stages, with the same global batch
     engines = _md_table(md, "## 4b. Engines side by side")
-    assert len(engines) == 9
-    for ranks in ("1", "2", "3"):
+    assert len(engines) == len(RANKS) * 3
+    for ranks in map(str, RANKS):
         group = [row for row in engines if row[0] == ranks]
         assert sorted(row[3] for row in group) == ["DDP", "DeepSpeed ZeRO-1", "DeepSpeed ZeRO-2"]
         fastest = max(statistics.median(s["tokens_per_s"] for s in runs[row[4]]) for row in group)
@@ -256,16 +232,11 @@ def test_html_renders_in_headless_chromium_without_console_errors(run, tmp_path)
     assert colours[0] < 100 < colours[1], "the screenshot shows text, not a blank page"
 
 
-def test_snakemake_report_archive(run, overlay, tmp_path):
+def test_snakemake_report_archive(run, pipeline, tmp_path):
     archive = tmp_path / "report.zip"
-    snakemake(overlay, "--report", str(archive))
+    run_snakemake(NAME, "--report", str(archive), configfiles=pipeline.configfiles)
     with zipfile.ZipFile(archive) as zipped:
         names = zipped.namelist()
     assert any(n.endswith("report/report.html") for n in names)
     assert any("scaling.png" in n for n in names) and any("matrix.json" in n for n in names)
-    assert sum("summary.json" in n for n in names) >= 12
-
-
-def test_rerun_has_nothing_to_do(run, overlay):
-    proc = snakemake(overlay, "-n")
-    assert "Nothing to be done" in proc.stdout + proc.stderr
+    assert sum("summary.json" in n for n in names) >= len(RANKS) * 3 * 2

@@ -19,39 +19,28 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from support import TINY_CONFIG, run_snakemake, tree_digest  # noqa: E402
+from support import PIPELINE_NAME, PIPELINE_STEPS, run_snakemake  # noqa: E402
 
 pytestmark = pytest.mark.pipeline
 
-NAME = "itest-eval"
+NAME = PIPELINE_NAME  # the shared run of the whole tiny pipeline (tests/conftest.py)
 RESULTS = ROOT / "results" / NAME
-STEPS = (10, 20)
+STEPS = PIPELINE_STEPS
 SEQ_LEN, GLOBAL_BATCH = 128, 24  # config/tiny-cpu.yaml
-OVERLAY = {"name": NAME, "train": {"max_steps": 20, "checkpoint_every": 10},
-           "evaluate": {"max_tokens": 4096, "lm_eval": {"limit": 4, "tasks": ["pretrain_bench_last_word",
-                                                                            "pretrain_bench_doc_perplexity"]}}}
 TINY = yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text())
 TARGETS = [f"results/{NAME}/{kind}/step{step}{suffix}" for step in STEPS
            for kind, suffix in (("export", ""), ("eval", ".json"), ("lm_eval", ".json"))]
 
 
-def snakemake(overlay: Path, *targets, options=(), check=True):
-    return run_snakemake(NAME, *options, "--", *targets, configfiles=(TINY_CONFIG, overlay), check=check,
+def snakemake(pipeline, *targets, options=(), check=True):
+    return run_snakemake(NAME, *options, "--", *targets, configfiles=pipeline.configfiles, check=check,
                          timeout=1800)
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    for folder in (RESULTS, ROOT / "logs" / NAME, ROOT / "benchmarks" / NAME):
-        shutil.rmtree(folder, ignore_errors=True)
-    overlay = tmp_path_factory.mktemp("config") / "overlay.yaml"
-    overlay.write_text(yaml.safe_dump(OVERLAY))
-    snakemake(overlay, f"results/{NAME}/train/summary.json")
-    checkpoints = RESULTS / "state" / "checkpoints"
-    before = {step: tree_digest(checkpoints / f"step{step}") for step in STEPS}
-    snakemake(overlay, *TARGETS)
-    after = {step: tree_digest(checkpoints / f"step{step}") for step in STEPS}
-    return {"overlay": overlay, "before": before, "after": after}
+def run(pipeline):
+    """The shared run, with its checkpoints' digests from before and after exports and evaluations read them."""
+    return {"pipeline": pipeline, "before": pipeline.before, "after": pipeline.after}
 
 
 def load_eval(step):
@@ -228,7 +217,7 @@ def test_lm_eval_numbers_are_the_export_models_own(run):
 
 
 def test_a_missing_checkpoint_fails_naming_its_path(run):
-    proc = snakemake(run["overlay"], f"results/{NAME}/eval/step15.json", check=False)
+    proc = snakemake(run["pipeline"], f"results/{NAME}/eval/step15.json", check=False)
     assert proc.returncode != 0
     log = (ROOT / "logs" / NAME / "export_checkpoint" / "step15.log").read_text()
     assert f"checkpoint results/{NAME}/state/checkpoints/step15 is missing or incomplete (no COMMITTED.json)" in log
@@ -253,5 +242,5 @@ def test_an_incomplete_zero_checkpoint_fails_naming_its_path(run, tmp_path):
 
 
 def test_rerun_has_nothing_to_do(run):
-    proc = snakemake(run["overlay"], *TARGETS, options=["-n"])
+    proc = snakemake(run["pipeline"], *TARGETS, options=["-n"])
     assert "Nothing to be done" in proc.stdout + proc.stderr

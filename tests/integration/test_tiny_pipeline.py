@@ -1,8 +1,8 @@
-"""The tiny CPU pipeline end to end through Snakemake, with every stage's output checked for content."""
+"""The tiny CPU pipeline end to end through Snakemake, with every stage's output checked for content (the shared
+run of tests/conftest.py `pipeline`)."""
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -10,23 +10,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from support import run_snakemake  # noqa: E402
+from support import PIPELINE_NAME, PIPELINE_STEPS, run_snakemake  # noqa: E402
 
 pytestmark = pytest.mark.pipeline
-NAME = "itest-tiny"
-RESULTS = ROOT / "results" / NAME
-
-
-def snakemake(*args, check=True):
-    return run_snakemake(NAME, "--config", f"name={NAME}", *args, check=check)
 
 
 @pytest.fixture(scope="module")
-def run():
-    for folder in (RESULTS, ROOT / "logs" / NAME, ROOT / "benchmarks" / NAME):
-        shutil.rmtree(folder, ignore_errors=True)
-    snakemake()
-    return RESULTS
+def run(pipeline):
+    """The shared run of the whole tiny pipeline (tests/conftest.py)."""
+    return pipeline.results
 
 
 def read_jsonl(path):
@@ -77,7 +69,7 @@ def test_training_loss_falls_and_summary_is_measured(run):
     assert summary["tokens_per_s"] == pytest.approx(expected, rel=1e-9)
     assert 0 < summary["mfu"] < 1 and summary["peak_flops_per_rank"] > 0
     assert summary["comm_fraction"] is not None and 0 < summary["comm_fraction"] < 1
-    assert summary["checkpoints"] == [20, 40, 60]
+    assert summary["checkpoints"] == list(PIPELINE_STEPS)
     for field in ("git_commit", "config_sha256", "versions", "hardware"):
         assert field in summary["provenance"]
     ds_config = json.loads((run / "train" / "ds_config.json").read_text())
@@ -85,7 +77,7 @@ def test_training_loss_falls_and_summary_is_measured(run):
 
 
 def test_perplexity_finite_and_falls_across_checkpoints(run):
-    evals = [json.loads((run / "eval" / f"step{s}.json").read_text()) for s in (20, 40, 60)]
+    evals = [json.loads((run / "eval" / f"step{s}.json").read_text()) for s in PIPELINE_STEPS]
     assert all(math.isfinite(e["perplexity"]) and e["perplexity"] > 1 for e in evals)
     assert evals[-1]["perplexity"] < evals[0]["perplexity"]
     assert all(0 < e["bits_per_byte"] < 8 for e in evals)
@@ -125,7 +117,7 @@ def test_report_numbers_equal_summary(run):
         assert fmt(summary["peak_flops_per_rank"] / 1e12, 3) in text
         for b in summary["peak_mem_bytes"]:
             assert fmt(b / GIB, 2) in text
-        for step in (20, 40, 60):
+        for step in PIPELINE_STEPS:
             ev = json.loads((run / "eval" / f"step{step}.json").read_text())
             assert fmt(ev["perplexity"], 2) in text and fmt(ev["bits_per_byte"], 4) in text
         assert "extrapolated" in text and "Oversubscribed" in text
@@ -134,6 +126,6 @@ def test_report_numbers_equal_summary(run):
         assert (run / "report" / "plots" / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_rerun_has_nothing_to_do(run):
-    proc = snakemake("-n")
+def test_rerun_has_nothing_to_do(pipeline):
+    proc = run_snakemake(PIPELINE_NAME, "-n", configfiles=pipeline.configfiles)
     assert "Nothing to be done" in proc.stdout + proc.stderr
