@@ -26,9 +26,11 @@ pytestmark = pytest.mark.pipeline
 
 NAME = "itest-edits"
 RESULTS = ROOT / "results" / NAME
-# Small and quick: 20 steps, checkpoints at 10 and 20, one benchmark cell, no lm-eval.
+# Small and quick: 20 steps, checkpoints at 10 and 20, one benchmark cell, no lm-eval, a short evaluation (every
+# retraining here evaluates each checkpoint again).
 BASE = {"name": NAME, "train": {"max_steps": 20, "checkpoint_every": 10},
-        "evaluate": {"lm_eval": {"tasks": []}},
+        "evaluate": {"lm_eval": {"tasks": []}, "max_tokens": 4096, "prompts": ["def main("],
+                     "generation": {"max_new_tokens": 8}},
         "benchmark": {"matrix": {"gpus": [1], "comm_backend": ["gloo"]}, "steps": 4, "warmup_steps": 1}}
 TRAINING = {"plan_pretrain", "pretrain", "export_checkpoint", "evaluate", "report"}
 DATA = {"download_corpus", "train_tokenizer", "shard_tokens", "index_shards"}
