@@ -7,11 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
+
+from pretrain_bench.tokenizer import EOS_TOKEN
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = "config/tiny-cpu.yaml"
@@ -139,3 +142,33 @@ def mounted_tmpfs(parent: Path, size: str, why_skip: str):
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+# Awkward documents every corpus meets sooner or later: non-ASCII, tabs and CRLF, a literal special-token string.
+TRICKY_TEXTS = [
+    "naïve café — 中文字符 and emoji 😀👩‍👩‍👧 in one line\n",
+    "\tindented\r\n    four spaces\n\n\n        eight\n",
+    f"a document that mentions {EOS_TOKEN} in its text",
+    "",
+]
+
+
+def stdlib_texts(max_bytes: int) -> list[str]:
+    """Python standard-library sources under 20 kB, in a fixed order, up to about max_bytes: a code corpus of
+    many documents (one 200 kB module would otherwise be the whole corpus)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        if path.stat().st_size > 20_000:
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        total += len(text.encode())
+        if total >= max_bytes:
+            break
+    return texts
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return path

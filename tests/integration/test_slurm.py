@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from slurm_cluster import SlurmCluster, ensure_slurm  # noqa: E402
 

@@ -1,13 +1,11 @@
 """Data at scale: weighted mixtures, streamed hf:// datasets stopping at the cap, revision pins, progress lines."""
 import json
 import logging
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).parents[2]
-sys.path.insert(0, str(Path(__file__).parent))
 
 from httpfixture import FixtureServer, Route  # noqa: E402
 

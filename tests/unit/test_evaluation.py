@@ -27,7 +27,7 @@ from pretrain_bench.loader import PackedTokens  # noqa: E402
 from pretrain_bench.model import ModelShape, build_model  # noqa: E402
 from pretrain_bench.shards import build_index, encode_shard  # noqa: E402
 from pretrain_bench.tokenizer import train_tokenizer  # noqa: E402
-from test_tokenizer import stdlib_texts, write_jsonl  # noqa: E402
+from support import stdlib_texts, write_jsonl  # noqa: E402
 
 SEQ_LEN = 32
 STEP = 7

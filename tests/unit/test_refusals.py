@@ -13,7 +13,6 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from httpfixture import FixtureServer, Route  # noqa: E402
 from support import tiny_config  # noqa: E402

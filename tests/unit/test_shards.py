@@ -12,7 +12,7 @@ from pretrain_bench.shards import build_index, dtype_for_vocab, encode_shard, sh
 from pretrain_bench.tokenizer import (  # noqa: E402
     EOS_TOKEN, load_tokenizer, save_hf_folder, train_bpe, train_tokenizer,
 )
-from test_tokenizer import TRICKY_TEXTS, stdlib_texts, write_jsonl  # noqa: E402
+from support import TRICKY_TEXTS, stdlib_texts, write_jsonl  # noqa: E402
 
 TEXTS = stdlib_texts(200_000) + TRICKY_TEXTS
 

@@ -2,7 +2,6 @@
 
 import json
 import random
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -12,34 +11,7 @@ from pretrain_bench.tokenizer import (  # noqa: E402
     EOS_TOKEN, PAD_TOKEN, iter_texts, load_tokenizer, sample_windows, train_bpe, train_tokenizer,
 )
 
-# Awkward documents every corpus meets sooner or later: non-ASCII, tabs and CRLF, a literal special-token string.
-TRICKY_TEXTS = [
-    "naïve café — 中文字符 and emoji 😀👩‍👩‍👧 in one line\n",
-    "\tindented\r\n    four spaces\n\n\n        eight\n",
-    f"a document that mentions {EOS_TOKEN} in its text",
-    "",
-]
-
-
-def stdlib_texts(max_bytes: int) -> list[str]:
-    """Python standard-library sources under 20 kB, in a fixed order, up to about max_bytes: a code corpus of
-    many documents (one 200 kB module would otherwise be the whole corpus)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    texts, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        if path.stat().st_size > 20_000:
-            continue
-        text = path.read_text(encoding="utf-8", errors="replace")
-        texts.append(text)
-        total += len(text.encode())
-        if total >= max_bytes:
-            break
-    return texts
-
-
-def write_jsonl(path: Path, texts: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
-    return path
+from support import TRICKY_TEXTS, stdlib_texts, write_jsonl  # noqa: E402
 
 
 def random_text(rng: random.Random, length: int) -> str:
