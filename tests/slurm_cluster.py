@@ -12,7 +12,7 @@ without accounting, cgroups or task binding.
 - Job status comes from squeue only (AccountingStorageType=accounting_storage/none, no slurmdbd); finished jobs stay
   visible to squeue and `scontrol show job` for MinJobAge seconds.
 
-By hand:  python tests/integration/slurm_cluster.py [--nodes 2] [DIR]   (prints the SLURM_CONF to export; Ctrl-C stops)
+By hand:  python tests/slurm_cluster.py [--nodes 2] [DIR]   (prints the SLURM_CONF to export; Ctrl-C stops)
 """
 from __future__ import annotations
 

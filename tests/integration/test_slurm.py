@@ -1,6 +1,6 @@
 """The tiny pipeline on a real SLURM cluster, through `--profile profiles/slurm` (snakemake-executor-plugin-slurm).
 
-The cluster (tests/integration/slurm_cluster.py) is Debian's slurm-wlm + munge, started here for the module: two
+The cluster (tests/slurm_cluster.py) is Debian's slurm-wlm + munge, started here for the module: two
 nodes on this machine, 2 CPUs and 3 (file-backed) `gpu` GRES each, no accounting. First the pipeline up to training
 runs on one node (every job an sbatch allocation, training 3 gloo ranks), then training again on both nodes (one
 torchrun agent per node through srun, c10d rendezvous on the first node found with `scontrol show hostnames`).
