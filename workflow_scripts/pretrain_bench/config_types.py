@@ -34,21 +34,24 @@ def _project_schema() -> dict:
     return load_schema(SCHEMA_PATH)
 
 
-def schema_default(*keys: str):
-    """The default the schema states for config key `keys` (say "evaluate", "generation", "top_k"): the one place
-    defaults are written. Validation fills them into a config; settings objects built in code take them from here."""
+def _schema_node(keys: tuple[str, ...]) -> dict:
+    """The schema of config key `keys` (say ("evaluate", "generation", "top_k"))."""
     node = _project_schema()
     for key in keys:
         node = node["properties"][key]
-    return copy.deepcopy(node["default"])
+    return node
+
+
+def schema_default(*keys: str):
+    """The default the schema states for config key `keys`: the one place defaults are written. Validation fills
+    them into a config; settings objects built in code take them from here."""
+    return copy.deepcopy(_schema_node(keys)["default"])
 
 
 def schema_defaults(*keys: str) -> dict:
     """The defaults of every key of the config block `keys` that has one."""
-    node = _project_schema()
-    for key in keys:
-        node = node["properties"][key]
-    return {key: copy.deepcopy(sub["default"]) for key, sub in node["properties"].items() if "default" in sub}
+    properties = _schema_node(keys)["properties"]
+    return {key: copy.deepcopy(sub["default"]) for key, sub in properties.items() if "default" in sub}
 
 
 def default_field(*keys: str):

@@ -2,8 +2,8 @@
 decides once where that goes:
 
 - a Snakemake adapter wraps its work in `with job_log(snakemake.log[0], "<script>"):` — the job's log file receives
-  every library record, this process's stderr (tracebacks, other libraries' warnings) and, when the work fails, the error
-  itself, so the log says why without Snakemake's console;
+  every library record, this process's stderr (tracebacks, other libraries' warnings) and, when the work fails, the
+  error itself, so the log says why without Snakemake's console;
 - a command-line entry point (launch.py, pretrain.py's ranks) calls `console_log()`: records go to stderr, which the
   launcher points at the job's attempt log.
 """
@@ -21,7 +21,8 @@ CONSOLE_FORMAT = "%(message)s"
 @contextlib.contextmanager
 def job_log(path: str, what: str, fmt: str = FORMAT):
     """Send stderr and every `logging` record to `path` (line-buffered) for the duration; log a failure of `what`
-    (the adapter's name) there, with its traceback, and re-raise it. Handlers are removed on exit, so tests may call adapters' `main` repeatedly."""
+    (the adapter's name) there, with its traceback, and re-raise it. Handlers are removed on exit, so tests may call
+    adapters' `main` repeatedly."""
     with open(path, "w", buffering=1) as stream, contextlib.redirect_stderr(stream):
         handler = logging.StreamHandler(stream)
         handler.setFormatter(logging.Formatter(fmt))

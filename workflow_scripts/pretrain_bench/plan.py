@@ -75,9 +75,10 @@ class Plan:
         missing, unknown = sorted(required - set(data)), sorted(set(data) - set(fields))
         path_fields = {field.name for field in dataclasses.fields(RunPaths)}
         missing_paths = sorted(path_fields - set(data.get("paths") or {}))
-        if missing or unknown or missing_paths:
-            raise ConfigError(f"{source} is not a plan this version writes (missing {missing + [f'paths.{k}' for k in missing_paths]}, "
-                              f"unknown {unknown}): rerun its plan rule (snakemake --forcerun plan_pretrain, or plan_bench_cell for a cell)")
+        missing += [f"paths.{key}" for key in missing_paths]
+        if missing or unknown:
+            raise ConfigError(f"{source} is not a plan this version writes (missing {missing}, unknown {unknown}): "
+                              "rerun its plan rule (snakemake --forcerun plan_pretrain, or plan_bench_cell for a cell)")
         return cls(**{**data, "paths": RunPaths(**{k: data["paths"][k] for k in path_fields})})
 
     def to_json(self, path: Path) -> None:

@@ -161,7 +161,8 @@ def repeats_frame(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> "pd.Data
     records = [{"cell": entry["cell"], "repeat": number, "tokens_per_s": run.get("tokens_per_s"),
                 "step_time_s": run["step_time_s"]["median"], "mem_bytes": max(run["peak_mem_bytes"]),
                 "mfu": run.get("mfu"), "comm_fraction": run.get("comm_fraction"),
-                "peak_flops_per_rank": run.get("peak_flops_per_rank"), "oversubscribed": bool(run.get("oversubscribed")),
+                "peak_flops_per_rank": run.get("peak_flops_per_rank"),
+                "oversubscribed": bool(run.get("oversubscribed")),
                 "global_batch_size": run["global_batch_size"], "tokens_per_step": run["tokens_per_step"],
                 "mfu_note": run.get("mfu_note"), "comm_method": run.get("comm_method"),
                 "peak_flops_source": run.get("peak_flops_source"), "flops_per_token": run.get("flops_per_token")}
