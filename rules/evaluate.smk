@@ -1,29 +1,50 @@
 # Checkpoint evaluation. Each kept checkpoint of the main run is exported as an HF model folder (safetensors +
 # tokenizer), and that export is evaluated on the held-out val split: loss, perplexity, bits per byte, eval
 # tokens/s, greedy and sampled continuations of evaluate.prompts. When evaluate.lm_eval.tasks names any task,
-# lm-evaluation-harness runs them on the export, offline. One job per checkpoint, so checkpoints are evaluated in
-# parallel (one device slot each on GPU). Checkpoints are only read; they live in results/{name}/state/, outside
-# the declared outputs, so train/summary.json stands in for them as input.
+# lm-evaluation-harness runs them on the export, offline. One job per checkpoint does all three, in one process:
+# Python, torch, transformers and the exported model are loaded once rather than three times, and checkpoints are
+# still evaluated in parallel (one device slot each on GPU). Each output stays its own file, so an edit to any
+# evaluate key reruns this job for every checkpoint (export included), and never training. Checkpoints are only
+# read; they live in results/{name}/state/, outside the declared outputs, so train/summary.json stands in for them
+# as input.
 
 
-rule export_checkpoint:
+rule evaluate:
     input:
         plan="results/{name}/train/plan.json",
         summary="results/{name}/train/summary.json",
+        index="results/{name}/shards/index.json",
+        **({"lm_eval_data": "results/{name}/lm_eval/data"} if LM_EVAL_TASKS else {}),
     output:
-        directory("results/{name}/export/step{step}"),
+        export=directory("results/{name}/export/step{step}"),
+        eval=report("results/{name}/eval/step{step}.json", category="Evaluation"),
+        **(
+            {"lm_eval": report("results/{name}/lm_eval/step{step}.json", category="Evaluation")}
+            if LM_EVAL_TASKS
+            else {}
+        ),
     log:
-        "logs/{name}/export_checkpoint/step{step}.log",
+        "logs/{name}/evaluate/step{step}.log",
     benchmark:
-        "benchmarks/{name}/export_checkpoint/step{step}.tsv"
+        "benchmarks/{name}/evaluate/step{step}.tsv"
     conda:
         "../envs/pretrain.yaml"
     threads: 1
+    resources:
+        gpu=EVAL_GPUS,
     params:
         step=lambda wildcards: int(wildcards.step),
         dtype=config["evaluate"]["export_dtype"],
+        max_tokens=config["evaluate"]["max_tokens"],
+        batch_size=config["evaluate"]["batch_size"],
+        device=EVAL_DEVICE,
+        precision=config["evaluate"]["precision"],
+        prompts=config["evaluate"]["prompts"],
+        generation=config["evaluate"]["generation"],
+        lm_eval=config["evaluate"]["lm_eval"] if LM_EVAL_TASKS else None,
+        lock_dir=GPU_LOCK_DIR,
     script:
-        "../workflow_scripts/export_checkpoint.py"
+        "../workflow_scripts/evaluate_checkpoint.py"
 
 
 # The main run's final weights as train/hf (fp32, exact), exported here rather than inside the training job, so no
@@ -48,33 +69,6 @@ rule export_final:
         "../workflow_scripts/export_checkpoint.py"
 
 
-rule evaluate:
-    input:
-        export="results/{name}/export/step{step}",
-        index="results/{name}/shards/index.json",
-    output:
-        report("results/{name}/eval/step{step}.json", category="Evaluation"),
-    log:
-        "logs/{name}/evaluate/step{step}.log",
-    benchmark:
-        "benchmarks/{name}/evaluate/step{step}.tsv"
-    conda:
-        "../envs/pretrain.yaml"
-    threads: 1
-    resources:
-        gpu=EVAL_GPUS,
-    params:
-        max_tokens=config["evaluate"]["max_tokens"],
-        batch_size=config["evaluate"]["batch_size"],
-        device=EVAL_DEVICE,
-        precision=config["evaluate"]["precision"],
-        prompts=config["evaluate"]["prompts"],
-        generation=config["evaluate"]["generation"],
-        lock_dir=GPU_LOCK_DIR,
-    script:
-        "../workflow_scripts/evaluate_checkpoint.py"
-
-
 rule lm_eval_data:
     input:
         val="results/{name}/corpus/val.jsonl",
@@ -88,29 +82,3 @@ rule lm_eval_data:
         "../envs/pretrain.yaml"
     script:
         "../workflow_scripts/build_lm_eval_data.py"
-
-
-rule lm_eval:
-    input:
-        export="results/{name}/export/step{step}",
-        data="results/{name}/lm_eval/data",
-    output:
-        report("results/{name}/lm_eval/step{step}.json", category="Evaluation"),
-    log:
-        "logs/{name}/lm_eval/step{step}.log",
-    benchmark:
-        "benchmarks/{name}/lm_eval/step{step}.tsv"
-    conda:
-        "../envs/pretrain.yaml"
-    threads: 1
-    resources:
-        gpu=EVAL_GPUS,
-    params:
-        tasks=LM_EVAL_TASKS,
-        limit=config["evaluate"]["lm_eval"]["limit"],
-        batch_size=config["evaluate"]["lm_eval"]["batch_size"],
-        device=EVAL_DEVICE,
-        precision=config["evaluate"]["precision"],
-        lock_dir=GPU_LOCK_DIR,
-    script:
-        "../workflow_scripts/run_lm_eval.py"

@@ -1,30 +1,49 @@
-"""Snakemake adapter: evaluate one checkpoint's HF export on the val shards (rule evaluate)."""
+"""Snakemake adapter: one kept checkpoint in one process (rule evaluate) — its HF export, the export's held-out
+evaluation and, when evaluate.lm_eval.tasks names any task, lm-evaluation-harness on the same loaded model."""
 import json
 import logging
+import os
 from pathlib import Path
 
 log = logging.getLogger("pretrain_bench.evaluate_checkpoint")
 
+# Before anything imports huggingface_hub or datasets: they read these once, at import.
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
-def main(export_dir, index_path, out_path, *, max_tokens, batch_size, device, precision, prompts, generation,
-         lock_dir, threads):
+
+def main(plan_path, index_path, step, export_dir, eval_path, *, dtype, settings, lock_dir, threads,
+         lm_eval=None, lm_eval_data=None, lm_eval_path=None):
+    """settings: the EvalSettings fields; lm_eval: evaluate.lm_eval (tasks, limit, batch_size) or None."""
     import torch
 
-    from pretrain_bench.evaluation import EvalSettings, GenerationSettings, evaluate_export
+    from pretrain_bench.evaluation import EvalSettings, GenerationSettings, evaluate_export, loaded_export
+    from pretrain_bench.export import export_checkpoint
+    from pretrain_bench.plan import Plan
 
     torch.set_num_threads(max(1, threads))
-    settings = EvalSettings(max_tokens=max_tokens, batch_size=batch_size, device=device, precision=precision,
-                            prompts=tuple(prompts), generation=GenerationSettings(**generation))
-    result = evaluate_export(Path(export_dir), Path(index_path), Path(out_path), settings, lock_dir=Path(lock_dir))
-    log.info("%s", json.dumps(result, indent=2))
+    settings = EvalSettings(**{**settings, "prompts": tuple(settings["prompts"]),
+                               "generation": GenerationSettings(**settings["generation"])})
+    info = export_checkpoint(Plan.from_json(Path(plan_path)), int(step), Path(export_dir), dtype=dtype)
+    log.info("exported %s: %s", export_dir, json.dumps(info))
+    with loaded_export(Path(export_dir), settings.device, settings.precision, Path(lock_dir)) as loaded:
+        result = evaluate_export(Path(export_dir), Path(index_path), Path(eval_path), settings, loaded=loaded)
+        log.info("held-out: loss %.4f, perplexity %.2f, bits per byte %s", result["loss"], result["perplexity"],
+                 result["bits_per_byte"])
+        if lm_eval:
+            from pretrain_bench.harness import run_harness
+
+            summary = run_harness(loaded, Path(lm_eval_data), list(lm_eval["tasks"]), Path(lm_eval_path),
+                                  limit=lm_eval["limit"], batch_size=lm_eval["batch_size"])
+            log.info("lm-eval: %s", json.dumps(summary["tasks"], indent=2))
 
 
 if "snakemake" in globals():
     from pretrain_bench.logs import job_log
 
     with job_log(snakemake.log[0], "evaluate_checkpoint"):  # noqa: F821
-        params = snakemake.params  # noqa: F821
-        main(snakemake.input.export, snakemake.input.index, snakemake.output[0],  # noqa: F821
-             max_tokens=params.max_tokens, batch_size=params.batch_size, device=params.device,
-             precision=params.precision, prompts=params.prompts, generation=params.generation,
-             lock_dir=params.lock_dir, threads=snakemake.threads)  # noqa: F821
+        params, inputs, outputs = snakemake.params, snakemake.input, snakemake.output  # noqa: F821
+        main(inputs.plan, inputs.index, params.step, outputs.export, outputs.eval, dtype=params.dtype,
+             settings={key: params[key] for key in ("max_tokens", "batch_size", "device", "precision", "prompts",
+                                                     "generation")},
+             lock_dir=params.lock_dir, threads=snakemake.threads,  # noqa: F821
+             lm_eval=params.lm_eval, lm_eval_data=inputs.get("lm_eval_data"), lm_eval_path=outputs.get("lm_eval"))

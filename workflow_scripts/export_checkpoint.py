@@ -1,5 +1,5 @@
-"""Snakemake adapter: export one committed DeepSpeed checkpoint as an HF model folder (rules export_checkpoint and
-export_final)."""
+"""Snakemake adapter: export the main run's final checkpoint as an HF model folder, train/hf (rule export_final;
+the kept checkpoints are exported by rule evaluate)."""
 import json
 import logging
 from pathlib import Path

@@ -32,7 +32,7 @@ BASE = {"name": NAME, "train": {"max_steps": 20, "checkpoint_every": 10},
         "evaluate": {"lm_eval": {"tasks": []}, "max_tokens": 4096, "prompts": ["def main("],
                      "generation": {"max_new_tokens": 8}},
         "benchmark": {"matrix": {"gpus": [1], "comm_backend": ["gloo"]}, "steps": 4, "warmup_steps": 1}}
-TRAINING = {"plan_pretrain", "pretrain", "export_checkpoint", "evaluate", "report"}
+TRAINING = {"plan_pretrain", "pretrain", "evaluate", "report"}
 DATA = {"download_corpus", "train_tokenizer", "shard_tokens", "index_shards"}
 BENCH = {"plan_bench_cell", "bench_cell"}
 
@@ -77,11 +77,11 @@ EDITS = {  # section: (edit, rules that must rerun, rules that must not)
     "model": ({"model": {"overrides": {"num_hidden_layers": 3}}}, TRAINING | BENCH | {"bench_matrix"}, DATA),
     "train": ({"train": {"lr": 1.0e-3}}, TRAINING | BENCH, DATA | {"bench_matrix", "measure_peak"}),
     "evaluate": ({"evaluate": {"prompts": ["def main(", "class Queue:"]}}, {"evaluate", "report"},
-                 DATA | BENCH | {"plan_pretrain", "pretrain", "export_checkpoint"}),
+                 DATA | BENCH | {"plan_pretrain", "pretrain"}),
     "benchmark": ({"benchmark": {"steps": 5}}, BENCH | {"bench_matrix", "report"},
-                  DATA | {"plan_pretrain", "pretrain", "export_checkpoint", "evaluate"}),
+                  DATA | {"plan_pretrain", "pretrain", "evaluate"}),
     "report": ({"report": {"target_corpus_tokens": 2.0e+12}}, {"report"},
-               DATA | BENCH | {"plan_pretrain", "pretrain", "export_checkpoint", "evaluate", "bench_matrix"}),
+               DATA | BENCH | {"plan_pretrain", "pretrain", "evaluate", "bench_matrix"}),
 }
 
 

@@ -219,7 +219,7 @@ def test_lm_eval_numbers_are_the_export_models_own(run):
 def test_a_missing_checkpoint_fails_naming_its_path(run):
     proc = snakemake(run["pipeline"], f"results/{NAME}/eval/step15.json", check=False)
     assert proc.returncode != 0
-    log = (ROOT / "logs" / NAME / "export_checkpoint" / "step15.log").read_text()
+    log = (ROOT / "logs" / NAME / "evaluate" / "step15.log").read_text()
     assert f"checkpoint results/{NAME}/state/checkpoints/step15 is missing or incomplete (no COMMITTED.json)" in log
     assert not (RESULTS / "export" / "step15").exists()
 

@@ -162,7 +162,7 @@ def test_report_files_render_from_json(tmp_path):
             path.write_text(json.dumps(run))
             bench.append(path)
     lm_eval = []
-    for step, acc in ((4, 0.25), (8, 0.5)):  # lm_eval/step<N>.json as run_lm_eval.py writes it
+    for step, acc in ((4, 0.25), (8, 0.5)):  # lm_eval/step<N>.json as harness.run_harness writes it
         path = tmp_path / f"lm_eval-step{step}.json"
         path.write_text(json.dumps({"step": step, "samples": {"last_word": 8}, "tasks": {"last_word": {
             "name": "last_word", "sample_len": 8, "acc": acc, "acc_stderr": 0.125, "perplexity": 90.0 / step,

@@ -224,9 +224,34 @@ def load_export(export_dir: Path, device: str, precision: str):
     return model.to(device).eval(), tokenizer
 
 
+@dataclass(frozen=True)
+class LoadedExport:
+    """An HF export loaded for evaluation: what the held-out evaluation and lm-eval both run on."""
+
+    folder: Path
+    model: object
+    tokenizer: object
+    device: str  # "cpu" | "cuda:<index>"
+    precision: str  # the one used (supported_precision)
+    precision_note: str | None
+
+
+@contextlib.contextmanager
+def loaded_export(export_dir: Path, device: str, precision: str, lock_dir: Path = GPU_LOCK_DIR):
+    """The export loaded with AutoModelForCausalLM on the evaluation device (holding its GPU slot) for the block."""
+    with evaluation_device(device, lock_dir) as run_device:
+        precision, precision_note = supported_precision(precision, run_device)
+        if precision_note:
+            log.warning(precision_note)
+        model, tokenizer = load_export(Path(export_dir), run_device, precision)
+        yield LoadedExport(Path(export_dir), model, tokenizer, run_device, precision, precision_note)
+
+
 def evaluate_export(export_dir: Path, index_path: Path, out_path: Path, settings: EvalSettings, *,
-                    lock_dir: Path = GPU_LOCK_DIR) -> dict:
-    """Evaluate the HF export of one checkpoint on the val shards; writes eval/step<N>.json atomically."""
+                    lock_dir: Path = GPU_LOCK_DIR, loaded: LoadedExport | None = None) -> dict:
+    """Evaluate the HF export of one checkpoint on the val shards; writes eval/step<N>.json atomically.
+
+    loaded: the export already loaded (loaded_export) by the caller, which then also holds its device slot."""
     from .devices import hardware_description
     from .export import read_export_info
     from .loader import PackedTokens
@@ -234,22 +259,20 @@ def evaluate_export(export_dir: Path, index_path: Path, out_path: Path, settings
     info = read_export_info(export_dir)
     seq_len = info["seq_len"]
     data = PackedTokens(Path(index_path), "val", seq_len)
-    with evaluation_device(settings.device, lock_dir) as device:
-        precision, precision_note = supported_precision(settings.precision, device)
-        if precision_note:
-            log.warning(precision_note)
-        model, tokenizer = load_export(Path(export_dir), device, precision)
+    with (contextlib.nullcontext(loaded) if loaded is not None
+          else loaded_export(export_dir, settings.device, settings.precision, lock_dir)) as loaded:
+        model, tokenizer = loaded.model, loaded.tokenizer
         byte_lengths, exact = _token_byte_lengths(Path(export_dir), model.config.vocab_size)
         result = evaluate_model(model, data, byte_lengths, max_tokens=settings.max_tokens,
                                 batch_size=settings.batch_size)
         generations = generate_continuations(model, tokenizer, settings.prompts, settings.generation,
                                              seq_len=seq_len)
-        hardware = hardware_description(torch.device(device).type)
+        hardware = hardware_description(torch.device(loaded.device).type)
     result.update(
         step=info["step"], train_tokens=info["train_tokens"], checkpoint=info["checkpoint"], split="val",
         bits_per_byte_exact=exact, seq_len=seq_len, batch_size=settings.batch_size,
-        sample_selection="evenly spaced", device=device, precision=precision, precision_note=precision_note,
-        hardware=hardware,
+        sample_selection="evenly spaced", device=loaded.device, precision=loaded.precision,
+        precision_note=loaded.precision_note, hardware=hardware,
         export=str(export_dir), generation=asdict(settings.generation), generations=generations,
     )
     out_path = Path(out_path)

@@ -10,8 +10,9 @@ no download and measure the run on text it never trained on:
 Other lm-eval task names are looked up among lm-eval's own tasks; offline, their datasets must already be in the
 local HF datasets cache.
 
-lm-eval runs its `hf` model type on the export folder with `max_length` = the trained seq_len: the LLaMA config
-allows 2048 positions, but the model never saw more than seq_len, and lm-eval would otherwise fill 2048.
+lm-eval runs its `hf` model type (HFLM) on the export, the same loaded model the held-out evaluation used, with
+`max_length` = the trained seq_len: the LLaMA config allows 2048 positions, but the model never saw more than
+seq_len, and lm-eval would otherwise fill 2048.
 
 lm_eval/step<N>.json: step, train_tokens, checkpoint, export; tasks {task: {metric: value, metric_stderr: value}}
 (lm-eval's "acc,none" keys without the ",none" filter suffix); samples {task: examples evaluated}; limit,
@@ -26,7 +27,6 @@ import re
 import time
 from pathlib import Path
 
-from .devices import GPU_LOCK_DIR
 from .io import atomic_write_json
 from .tokenizer import iter_texts
 
@@ -99,39 +99,38 @@ def _metrics(task_results: dict) -> dict:
     return out
 
 
-def run_harness(export_dir: Path, data_dir: Path, tasks: list[str], out_path: Path, *, limit: int | None,
-                batch_size: int, device: str, precision: str, lock_dir: Path = GPU_LOCK_DIR,
-                bootstrap_iters: int = 1000) -> dict:
-    """Run lm-eval's `hf` model on one export, offline; writes lm_eval/step<N>.json atomically and returns it."""
+def run_harness(loaded, data_dir: Path, tasks: list[str], out_path: Path, *, limit: int | None,
+                batch_size: int, bootstrap_iters: int = 1000) -> dict:
+    """Run lm-eval's `hf` model (HFLM) on one export, offline, already loaded (evaluation.loaded_export, which holds
+    its device slot); writes lm_eval/step<N>.json atomically and returns it."""
     # Offline for good: set before lm-eval imports datasets / huggingface_hub (the rule script sets them earlier).
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     from importlib.metadata import version
 
     import lm_eval
+    from lm_eval.models.huggingface import HFLM
 
-    from .evaluation import evaluation_device, supported_precision
     from .export import read_export_info
 
     if not tasks:
         raise ValueError("evaluate.lm_eval.tasks is empty: nothing to run")
+    export_dir = loaded.folder
     info = read_export_info(export_dir)
     manager = task_manager(list(tasks), data_dir)
-    with evaluation_device(device, lock_dir) as run_device:
-        precision, precision_note = supported_precision(precision, run_device)
-        model_args = {"pretrained": str(export_dir), "dtype": _HF_PRECISION[precision],
-                      "max_length": info["seq_len"]}
-        start = time.perf_counter()
-        results = lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=list(tasks),
-                                          batch_size=batch_size, device=run_device, limit=limit,
-                                          task_manager=manager, log_samples=False, bootstrap_iters=bootstrap_iters)
-        elapsed = time.perf_counter() - start
+    # the model instance the held-out evaluation used: lm-eval takes its device and dtype as they are
+    model = HFLM(pretrained=loaded.model, tokenizer=loaded.tokenizer, max_length=info["seq_len"],
+                 batch_size=batch_size, device=loaded.device)
+    start = time.perf_counter()
+    results = lm_eval.simple_evaluate(model=model, tasks=list(tasks), limit=limit, task_manager=manager,
+                                      log_samples=False, bootstrap_iters=bootstrap_iters)
+    elapsed = time.perf_counter() - start
     summary = {
         "step": info["step"], "train_tokens": info["train_tokens"], "checkpoint": info["checkpoint"],
         "export": str(export_dir),
         "tasks": {task: _metrics(values) for task, values in results["results"].items()},
         "samples": {task: counts["effective"] for task, counts in results["n-samples"].items()},
-        "limit": limit, "max_length": info["seq_len"], "batch_size": batch_size, "device": run_device,
-        "precision": precision, "precision_note": precision_note, "bootstrap_iters": bootstrap_iters,
+        "limit": limit, "max_length": info["seq_len"], "batch_size": batch_size, "device": loaded.device,
+        "precision": loaded.precision, "precision_note": loaded.precision_note, "bootstrap_iters": bootstrap_iters,
         "eval_time_s": elapsed,
         "lm_eval_version": version("lm_eval"), "task_versions": results["versions"],
         "lm_eval_results": results["results"],
