@@ -38,7 +38,7 @@ def main(plan_path, index_path, step, export_dir, eval_path, *, dtype, settings,
 
 
 if "snakemake" in globals():
-    from pretrain_bench.logs import job_log
+    from pretrain_bench.logs import exit_without_teardown, job_log
 
     with job_log(snakemake.log[0], "evaluate_checkpoint"):  # noqa: F821
         params, inputs, outputs = snakemake.params, snakemake.input, snakemake.output  # noqa: F821
@@ -47,3 +47,4 @@ if "snakemake" in globals():
                                                      "generation")},
              lock_dir=params.lock_dir, threads=snakemake.threads,  # noqa: F821
              lm_eval=params.lm_eval, lm_eval_data=inputs.get("lm_eval_data"), lm_eval_path=outputs.get("lm_eval"))
+    exit_without_teardown(0)  # every output is written (atomically): skip the seconds of teardown

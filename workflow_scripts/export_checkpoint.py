@@ -20,8 +20,9 @@ def main(plan_path, step, out_dir, dtype, threads):
 
 
 if "snakemake" in globals():
-    from pretrain_bench.logs import job_log
+    from pretrain_bench.logs import exit_without_teardown, job_log
 
     with job_log(snakemake.log[0], "export_checkpoint"):  # noqa: F821
         main(snakemake.input.plan, snakemake.params.step, snakemake.output[0],  # noqa: F821
              snakemake.params.dtype, snakemake.threads)  # noqa: F821
+    exit_without_teardown(0)  # the export is written (atomically): skip the seconds of teardown

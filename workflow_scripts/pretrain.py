@@ -7,7 +7,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pretrain_bench.devices import die_with_parent, hardware_description  # noqa: E402
-from pretrain_bench.logs import console_log  # noqa: E402
+from pretrain_bench.logs import console_log, exit_without_teardown  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -39,4 +39,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())  # the run's files are written and closed: skip the seconds of teardown

@@ -1,11 +1,14 @@
 import json
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[2]
 
 from pretrain_bench import checkpoint as ckpt  # noqa: E402
 from pretrain_bench.devices import SlotError, allocate_slots, gpu_slots  # noqa: E402
@@ -149,6 +152,23 @@ def test_stale_torch_extension_locks_are_removed_fresh_ones_kept(tmp_path):
     assert clear_stale_extension_locks(root=tmp_path) == [stale]
     assert not stale.exists() and fresh.exists(), "a build in progress keeps its lock"
     assert clear_stale_extension_locks(root=tmp_path / "missing") == []
+
+
+def test_the_launcher_finds_torchs_extension_cache_and_the_cpu_device_without_importing_torch(tmp_path):
+    # in a fresh interpreter: the launcher runs before every rank, and importing torch there costs seconds
+    code = ("import sys; sys.path.insert(0, 'workflow_scripts')\n"
+            "from pretrain_bench.launcher import extension_build_root\n"
+            "from pretrain_bench.devices import resolve_device\n"
+            "print(extension_build_root(), resolve_device('cpu'), 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    root, device, imported = out.stdout.split()
+    from torch.utils.cpp_extension import get_default_build_root
+
+    assert (root, device, imported) == (get_default_build_root(), "cpu", "False")
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[0] == str(tmp_path)
 
 
 def test_a_rank_gives_up_on_a_stale_build_lock_and_waits_for_a_live_one(tmp_path, monkeypatch):

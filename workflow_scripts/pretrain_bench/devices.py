@@ -37,6 +37,8 @@ def cuda_device_count() -> int:
 
 def resolve_device(requested: str) -> str:
     """'auto' → 'cuda' when a GPU is visible, else 'cpu'; 'cuda' without a GPU is an error."""
+    if requested == "cpu":
+        return "cpu"  # without importing torch, which costs a launch seconds before any rank starts
     count = cuda_device_count()
     if requested == "auto":
         return "cuda" if count else "cpu"

@@ -73,16 +73,28 @@ def exact_pinning(env: dict) -> tuple[dict, str]:
 STALE_EXTENSION_LOCK_S = 15 * 60
 
 
+def extension_build_root() -> Path:
+    """torch's JIT-extension cache: TORCH_EXTENSIONS_DIR, else torch's default (cpp_extension.get_default_build_root),
+    found without importing torch, which would cost every launch about 2 s before any rank starts: torch's
+    `_appdirs.py` (standard library imports only) is loaded on its own from the installed package."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    import importlib.util
+
+    appdirs_path = Path(importlib.util.find_spec("torch").origin).parent / "_appdirs.py"
+    spec = importlib.util.spec_from_file_location("_pretrain_bench_torch_appdirs", appdirs_path)
+    appdirs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(appdirs)
+    return Path(os.path.realpath(appdirs.user_cache_dir(appname="torch_extensions")))
+
+
 def clear_stale_extension_locks(max_age_s: float = STALE_EXTENSION_LOCK_S, root: Path | None = None) -> list[Path]:
     """Remove torch extension build locks older than max_age_s; returns what was removed. Never raises."""
     import time
 
     removed = []
     try:
-        if root is None:
-            from torch.utils.cpp_extension import get_default_build_root
-
-            root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+        root = extension_build_root() if root is None else root
         for lock in Path(root).glob("**/lock"):
             if time.time() - lock.stat().st_mtime > max_age_s:
                 lock.unlink()

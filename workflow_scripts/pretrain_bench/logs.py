@@ -9,8 +9,10 @@ decides once where that goes:
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import os
 import sys
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -47,4 +49,16 @@ def console_log(fmt: str = CONSOLE_FORMAT) -> None:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format=fmt, force=True)
 
 
-__all__ = ["CONSOLE_FORMAT", "FORMAT", "console_log", "job_log"]
+def exit_without_teardown(code: int) -> None:
+    """End a process whose work is done without the interpreter's module-by-module teardown of torch, DeepSpeed and
+    transformers: about 1.5 s of CPU per process on 2 cores (measured), paid by every training rank and evaluation
+    job after its files are written and closed. The atexit handlers still run and every log and stream is flushed
+    first. For processes that import torch and write their outputs atomically (ranks, rule evaluate)."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+__all__ = ["CONSOLE_FORMAT", "FORMAT", "console_log", "exit_without_teardown", "job_log"]
