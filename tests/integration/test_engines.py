@@ -11,16 +11,18 @@ from pretrain_bench.plan import Plan  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
+STEPS = 12
 ENGINES = {"deepspeed": {"zero_stage": 0}, "ddp": {"engine": "ddp", "zero_stage": 0},
            "fsdp": {"engine": "fsdp", "zero_stage": 3}}
 
 
 @pytest.fixture(scope="module")
 def trained(data, tmp_path_factory):
-    """Each engine, 3 gloo ranks, fp32, the same seed, data and global batch, 8 steps with checkpoints at 4 and 8."""
+    """Each engine, 3 gloo ranks, fp32, the same seed, data and global batch, 12 steps with checkpoints at 4, 8 and
+    12. The kill -9 tests below use these runs as their uninterrupted reference."""
     root = tmp_path_factory.mktemp("engines")
     for name, train in ENGINES.items():
-        assert run(plan_for(data, root / name, **train), 3, root / f"{name}.log") == 0, \
+        assert run(plan_for(data, root / name, max_steps=STEPS, **train), 3, root / f"{name}.log") == 0, \
             (root / f"{name}.log").read_text()[-3000:]
     return root
 
@@ -28,11 +30,11 @@ def trained(data, tmp_path_factory):
 def test_every_engine_trains_three_ranks_and_its_loss_falls(trained):
     for name in ENGINES:
         summary = json.loads((trained / name / "out" / "summary.json").read_text())
-        assert summary["engine"] == name and summary["world_size"] == 3 and summary["steps"] == 8
+        assert summary["engine"] == name and summary["world_size"] == 3 and summary["steps"] == STEPS
         assert len(summary["peak_mem_bytes"]) == 3 and summary["tokens_per_s"] > 0
-        assert committed_steps(trained / name / "state" / "checkpoints") == [4, 8]
+        assert committed_steps(trained / name / "state" / "checkpoints") == [4, 8, 12]
         curve = losses(trained / name)
-        assert len(curve) == 8 and curve[-1] < curve[0] - 0.5, (name, curve)
+        assert len(curve) == STEPS and curve[-1] < curve[0] - 0.5, (name, curve)
     # only DeepSpeed has a DeepSpeed config; DDP times its all-reduces with its communication hook
     assert (trained / "deepspeed" / "out" / "ds_config.json").is_file()
     assert not (trained / "ddp" / "out" / "ds_config.json").exists()
@@ -49,7 +51,7 @@ def test_ddp_and_fsdp_follow_deepspeed_zero0_step_for_step(trained):
         curve = losses(trained / name)
         assert curve == pytest.approx(reference, rel=1e-5, abs=1e-5), (name, curve, reference)
     # and the trained weights too (the HF export reads every engine's checkpoint layout)
-    weights = {name: load_fp32_state_dict(trained / name / "state" / "checkpoints", 8) for name in ENGINES}
+    weights = {name: load_fp32_state_dict(trained / name / "state" / "checkpoints", STEPS) for name in ENGINES}
     assert set(weights["ddp"]) == set(weights["deepspeed"]) == set(weights["fsdp"])
     for key, tensor in weights["deepspeed"].items():
         for name in ("ddp", "fsdp"):
@@ -64,22 +66,19 @@ def test_hf_export_of_an_fsdp_checkpoint_loads_and_scores_like_training(trained)
 
     plan = Plan.from_json(trained / "fsdp" / "plan.json")
     target = trained / "fsdp-hf"
-    info = export_checkpoint(plan, 8, target)
-    assert info["step"] == 8
+    info = export_checkpoint(plan, STEPS, target)
+    assert info["step"] == STEPS
     model = AutoModelForCausalLM.from_pretrained(target, local_files_only=True)
-    state = load_fp32_state_dict(trained / "fsdp" / "state" / "checkpoints", 8)
+    state = load_fp32_state_dict(trained / "fsdp" / "state" / "checkpoints", STEPS)
     loaded = model.state_dict()
     assert all(torch.equal(loaded[key], value) for key, value in state.items() if key in loaded)
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
-def test_kill_9_then_rerun_resumes_with_identical_losses(data, tmp_path, engine):
-    train = {**ENGINES[engine], "max_steps": 12}
-    reference = tmp_path / "reference"
-    assert run(plan_for(data, reference, **train), 3, tmp_path / "ref.log") == 0, \
-        (tmp_path / "ref.log").read_text()[-3000:]
+def test_kill_9_then_rerun_resumes_with_identical_losses(data, trained, tmp_path, engine):
+    reference = trained / engine  # the same plan, run without interruption
     crashed = tmp_path / "crashed"
-    plan = plan_for(data, crashed, **train)
+    plan = plan_for(data, crashed, max_steps=STEPS, **ENGINES[engine])
     kept = crash_after_first_checkpoint(plan, crashed, tmp_path / "crash.log")
     assert run(plan, 3, tmp_path / "resume.log") == 0, (tmp_path / "resume.log").read_text()[-3000:]
     summary = json.loads((crashed / "out" / "summary.json").read_text())

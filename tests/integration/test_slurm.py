@@ -54,9 +54,11 @@ def snakemake(cluster, tmp_path, train: dict, *args) -> str:
     cmd = [sys.executable, "-m", "snakemake", f"results/{NAME}/train/summary.json", f"results/{NAME}/train/hf",
            "--profile", "profiles/slurm", "--configfile", "config/tiny-cpu.yaml", str(overlay),
            # The test nodes: 2 CPUs and 16 GB each; status checks soon after submission (squeue stays reliable
-           # while MinJobAge >= 3 x this delay).
+           # while MinJobAge >= 3 x this delay) and every second after that (Snakemake's default, 10 s, would add
+           # seconds to each of the chain's jobs on this local cluster).
            "--cores", "2", "--set-resources", "pretrain:mem_mb=4000", "pretrain:runtime=30",
-           "--slurm-init-seconds-before-status-checks", "2", "--rerun-triggers", "mtime", "params", *args]
+           "--slurm-init-seconds-before-status-checks", "2", "--seconds-between-status-checks", "1",
+           "--rerun-triggers", "mtime", "params", *args]
     env = dict(cluster.env, PATH=f"{Path(sys.executable).parent}:{cluster.env['PATH']}")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     output = proc.stdout + proc.stderr
