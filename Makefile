@@ -35,8 +35,12 @@ demo: $(STAMP)
 	@echo "        $(CURDIR)/results/$(TINY_NAME)/report.zip (snakemake --report)"
 	@echo "Curves: tensorboard --logdir results/$(TINY_NAME)/train/tensorboard"
 
+# pytest-xdist workers: the integration modules spend much of their time waiting (process start-up, collectives,
+# the SLURM test's scheduler), which a second worker fills; tests/conftest.py keeps each module on one worker.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) lint
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q -n $(TEST_WORKERS) --dist loadgroup
 
 # The fast loop while editing: unit tests and the workflow lint (a few minutes on 2 cores). `make test` is the whole
 # suite, what CI runs; `pytest -m pipeline|engine|slurm` picks one kind of integration test.

@@ -1,4 +1,5 @@
-"""Fixtures shared by test modules (pytest finds this file; helpers live in support.py)."""
+"""Fixtures shared by test modules (pytest finds this file; helpers live in support.py), and how `make test`
+spreads the modules over its pytest-xdist workers."""
 import os
 import shutil
 import subprocess
@@ -8,10 +9,28 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from support import PIPELINE_NAME, PIPELINE_OVERLAY, PIPELINE_STEPS, ROOT, TINY_CONFIG, run_snakemake, tiny_config, \
-    tree_digest
+from support import PIPELINE_NAME, PIPELINE_OVERLAY, PIPELINE_STEPS, ROOT, TINY_CONFIG, engine_data_lock, \
+    run_snakemake, tiny_config, tree_digest
 
 ENGINE_NAME = "itest-engine"
+
+# `make test` runs pytest-xdist workers with --dist loadgroup: a group stays on one worker, so a module's fixtures are
+# built once, and the three modules that share the `pipeline` run share a worker. On 2 cores two workers overlap one
+# module's waits (process start-up, collectives, scheduler polling) with another's compute. Groups start longest first
+# (their serial minutes on 2 cores, measured) so that no long one is left for the end.
+SHARED_GROUPS = {"test_benchmark_report": "pipeline", "test_evaluate": "pipeline", "test_tiny_pipeline": "pipeline"}
+LONGEST_FIRST = ("test_declarative", "test_slurm", "pipeline", "test_engine", "test_engines", "test_faults",
+                 "test_memory_measured", "test_multinode")
+
+
+def pytest_collection_modifyitems(config, items):
+    def group(item) -> str:
+        return SHARED_GROUPS.get(item.path.stem, item.path.stem)
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(group(item), len(rank)))  # stable: each module keeps its own order
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +40,8 @@ def data():
     targets = [f"results/{ENGINE_NAME}/shards/index.json", f"results/{ENGINE_NAME}/tokenizer/tokenizer.json"]
     cmd = [sys.executable, "-m", "snakemake", *targets, "--cores", "2", "--configfile", "config/tiny-cpu.yaml",
            "--config", f"name={ENGINE_NAME}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    with engine_data_lock():  # another worker may be building the same files, or training on them (test_engines)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = tiny_config(ENGINE_NAME)
     return config, results

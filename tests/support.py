@@ -36,6 +36,22 @@ PIPELINE_OVERLAY = {
 LAUNCHER = ROOT / "workflow_scripts" / "launch.py"
 
 
+@contextlib.contextmanager
+def engine_data_lock():
+    """Held around Snakemake runs on the shared engine data (conftest `data`, results/itest-engine): under pytest-xdist
+    two workers must not run Snakemake on the same files at once (Snakemake refuses to lock them)."""
+    import fcntl
+
+    path = ROOT / "results" / ".itest-engine.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def run_snakemake(name: str, *args, configfiles=(TINY_CONFIG,), check=True, timeout=3600, env=None):
     """`snakemake --cores 2 --resources gpu=3 --configfile … ARGS` in the repository; on failure the test fails
     showing Snakemake's stderr and the tail of every job log of run `name`."""

@@ -114,7 +114,7 @@ def test_the_pipeline_trains_and_exports_with_fsdp(data, tmp_path):
     import yaml
     from transformers import AutoModelForCausalLM
 
-    from support import ROOT, TINY_CONFIG, run_snakemake
+    from support import ROOT, TINY_CONFIG, engine_data_lock, run_snakemake
 
     config, results = data
     overlay = tmp_path / "fsdp.yaml"
@@ -122,7 +122,8 @@ def test_the_pipeline_trains_and_exports_with_fsdp(data, tmp_path):
         "engine": "fsdp", "zero_stage": 3, "max_steps": 6, "checkpoint_every": 3, "warmup_steps": 2,
         "warmup_timing_steps": 1, "eval_every": None}}))
     target = f"results/{config['name']}/train/hf"
-    run_snakemake(config["name"], "--forcerun", "pretrain", "--", target, configfiles=(TINY_CONFIG, overlay))
+    with engine_data_lock():
+        run_snakemake(config["name"], "--forcerun", "pretrain", "--", target, configfiles=(TINY_CONFIG, overlay))
     summary = json.loads((results / "train" / "summary.json").read_text())
     assert summary["engine"] == "fsdp" and summary["steps"] == 6 and summary["checkpoints"] == [3, 6]
     assert not (results / "train" / "ds_config.json").exists()

@@ -14,8 +14,8 @@ def test_offloaded_zero2_rss_matches_the_memory_model(data, tmp_path):
     config, results = data
     config = {**config, "model": {**config["model"], "preset": "llama-125m", "overrides": {}}}
     plan_path = plan_for((config, results), tmp_path, gpus=1, global_batch_size=None, zero_stage=2,
-                         offload_optimizer="cpu", max_steps=4, checkpoint_every=100, memory_fit="strict",
-                         eval_every=None)
+                         offload_optimizer="cpu", micro_batch_size=2, max_steps=2, warmup_steps=1,
+                         checkpoint_every=100, memory_fit="strict", eval_every=None)
     assert run(plan_path, 1, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-3000:]
     plan = json.loads(plan_path.read_text())
     estimate = plan["memory_fit"]["estimate"]
