@@ -40,7 +40,7 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest tests -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest tests -q -n $(TEST_WORKERS)
 
 # The fast loop while editing: unit tests and the workflow lint (a few minutes on 2 cores). `make test` is the whole
 # suite, what CI runs; `pytest -m pipeline|engine|slurm` picks one kind of integration test.

@@ -14,23 +14,36 @@ from support import PIPELINE_NAME, PIPELINE_OVERLAY, PIPELINE_STEPS, ROOT, TINY_
 
 ENGINE_NAME = "itest-engine"
 
-# `make test` runs pytest-xdist workers with --dist loadgroup: a group stays on one worker, so a module's fixtures are
-# built once, and the three modules that share the `pipeline` run share a worker. On 2 cores two workers overlap one
-# module's waits (process start-up, collectives, scheduler polling) with another's compute. Groups start longest first
-# (their serial minutes on 2 cores, measured) so that no long one is left for the end.
+# `make test` runs two pytest-xdist workers. A group of tests stays on one worker, so module fixtures are built once:
+# each module is a group, and the three modules that share the `pipeline` run are one. On 2 cores two workers overlap
+# one module's waits (process start-up, collectives, the SLURM test's scheduler) with another's compute. Groups start
+# longest first (their serial time on 2 cores, measured), so that no long one is left for the end.
 SHARED_GROUPS = {"test_benchmark_report": "pipeline", "test_evaluate": "pipeline", "test_tiny_pipeline": "pipeline"}
 LONGEST_FIRST = ("test_declarative", "test_slurm", "pipeline", "test_engine", "test_engines", "test_faults",
                  "test_memory_measured", "test_multinode")
 
 
-def pytest_collection_modifyitems(config, items):
-    def group(item) -> str:
-        return SHARED_GROUPS.get(item.path.stem, item.path.stem)
+def test_group(nodeid: str) -> str:
+    stem = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return SHARED_GROUPS.get(stem, stem)
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
+
+def pytest_collection_modifyitems(config, items):
     rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(group(item), len(rank)))  # stable: each module keeps its own order
+    items.sort(key=lambda item: rank.get(test_group(item.nodeid), len(rank)))  # stable: a module keeps its order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with test_group as the scope, in collection order (written here because xdist's own
+    --dist loadgroup marks node ids in a way pytest 9 no longer reads)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_group(nodeid)
+
+    config.option.loadscopereorder = False  # keep the longest-first order above
+    return ModuleGroups(config, log)
 
 
 @pytest.fixture(scope="session")
