@@ -129,3 +129,51 @@ def test_the_claims_ddp_row_uses_the_ddp_formula():
     row = next(r for r in check_claims([], [], [], [], 1e12, "cpu") if eight["engine"] in r["claim"])
     per_gpu = 16 * eight["parameters"] / GIB  # fp32 params + fp32 grads + AdamW moments, on every card
     assert f"{per_gpu:,.0f} GiB per GPU" in row["physics"] and "impossible as described" in row["verdict"]
+
+
+ALONE_SCRIPT = """
+import json, os, sys
+os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[2])
+import torch, torch.nn.functional as F, deepspeed
+from pretrain_bench.engines import DeepSpeedEngine
+from pretrain_bench.model import build_model, resolve_shape
+from pretrain_bench.settings import TrainSettings, deepspeed_config
+torch.set_num_threads(1)
+deepspeed.init_distributed(dist_backend="gloo")
+settings = TrainSettings.from_config({"zero_stage": 0, "micro_batch_size": 2, "gpus": 1, "device": "cpu",
+                                      "comm_backend": "gloo", "precision": "fp32", "max_steps": 4, "warmup_steps": 1})
+engine = DeepSpeedEngine(build_model(resolve_shape("tiny", {}, 512), 32, 1234), settings,
+                         deepspeed_config(settings, "cpu", 4), 4)
+skipped = not engine.engine.enable_backward_allreduce
+engine.engine.enable_backward_allreduce = sys.argv[1] == "reduce"
+batches = torch.randint(0, 512, (4, 2, 33), generator=torch.Generator().manual_seed(0))
+losses = []
+for batch in batches:
+    loss = F.cross_entropy(engine(input_ids=batch[:, :-1]).logits.reshape(-1, 512), batch[:, 1:].reshape(-1))
+    engine.backward(loss)
+    engine.step()
+    losses.append(loss.item())
+print(json.dumps({"skipped": skipped, "losses": losses}))
+"""
+
+
+def test_zero0_alone_skips_deepspeeds_self_all_reduce_and_trains_the_same():
+    """At world size 1 the all-reduce of ZeRO-0's backward is off (bench/bench_trainer.py measures the gain), and the
+    losses are those of the same steps with it on, bit for bit."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root / "workflow_scripts")}
+    runs = {}
+    for port, mode in ((29711, "skip"), (29712, "reduce")):
+        proc = subprocess.run([sys.executable, "-c", ALONE_SCRIPT, mode, str(port)], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["skip"]["skipped"] is True
+    assert runs["skip"]["losses"] == runs["reduce"]["losses"] and len(set(runs["skip"]["losses"])) == 4
