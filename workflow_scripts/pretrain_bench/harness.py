@@ -35,7 +35,6 @@ SHIPPED_TASKS = ("pretrain_bench_last_word", "pretrain_bench_doc_perplexity")
 LAST_WORD_CHARS = 400  # passage length cap; about seq_len 128 tokens of code or prose
 MIN_CONTEXT_CHARS = 32
 _WORD = re.compile(r"(?<= )[A-Za-z_][A-Za-z0-9_]+\b")
-_HF_PRECISION = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def last_word_example(text: str, max_chars: int = LAST_WORD_CHARS, min_context: int = MIN_CONTEXT_CHARS) -> dict | None:
