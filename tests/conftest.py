@@ -23,24 +23,24 @@ LONGEST_FIRST = ("test_declarative", "test_slurm", "pipeline", "test_engine", "t
                  "test_memory_measured", "test_multinode")
 
 
-def test_group(nodeid: str) -> str:
+def module_group(nodeid: str) -> str:
     stem = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
     return SHARED_GROUPS.get(stem, stem)
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(test_group(item.nodeid), len(rank)))  # stable: a module keeps its order
+    items.sort(key=lambda item: rank.get(module_group(item.nodeid), len(rank)))  # stable: a module keeps its order
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling with test_group as the scope, in collection order (written here because xdist's own
+    """xdist's scope scheduling with module_group as the scope, in collection order (written here because xdist's own
     --dist loadgroup marks node ids in a way pytest 9 no longer reads)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return test_group(nodeid)
+            return module_group(nodeid)
 
     config.option.loadscopereorder = False  # keep the longest-first order above
     return ModuleGroups(config, log)
