@@ -133,20 +133,25 @@ def test_the_claims_ddp_row_uses_the_ddp_formula():
 
 ALONE_SCRIPT = """
 import json, os, sys
+stage, mode = int(sys.argv[1]), sys.argv[2]
 os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=sys.argv[2])
+                  MASTER_PORT=sys.argv[3])
 import torch, torch.nn.functional as F, deepspeed
+from pretrain_bench import engines
 from pretrain_bench.engines import DeepSpeedEngine
+if mode == "real muon":
+    engines.skip_muon_import = lambda: None
 from pretrain_bench.model import build_model, resolve_shape
 from pretrain_bench.settings import TrainSettings, deepspeed_config
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
-settings = TrainSettings.from_config({"zero_stage": 0, "micro_batch_size": 2, "gpus": 1, "device": "cpu",
+settings = TrainSettings.from_config({"zero_stage": stage, "micro_batch_size": 2, "gpus": 1, "device": "cpu",
                                       "comm_backend": "gloo", "precision": "fp32", "max_steps": 4, "warmup_steps": 1})
 engine = DeepSpeedEngine(build_model(resolve_shape("tiny", {}, 512), 32, 1234), settings,
                          deepspeed_config(settings, "cpu", 4), 4)
 skipped = not engine.engine.enable_backward_allreduce
-engine.engine.enable_backward_allreduce = sys.argv[1] == "reduce"
+if mode == "reduce":
+    engine.engine.enable_backward_allreduce = True
 batches = torch.randint(0, 512, (4, 2, 33), generator=torch.Generator().manual_seed(0))
 losses = []
 for batch in batches:
@@ -154,26 +159,37 @@ for batch in batches:
     engine.backward(loss)
     engine.step()
     losses.append(loss.item())
-print(json.dumps({"skipped": skipped, "losses": losses}))
+print(json.dumps({"skipped": skipped, "losses": losses, "compile_fx": "torch._inductor.compile_fx" in sys.modules}))
 """
 
 
 def test_zero0_alone_skips_deepspeeds_self_all_reduce_and_trains_the_same():
     """At world size 1 the all-reduce of ZeRO-0's backward is off (bench/bench_trainer.py measures the gain), and the
     losses are those of the same steps with it on, bit for bit."""
+    runs = {mode: train_alone(0, mode, port) for port, mode in ((29711, "as built"), (29712, "reduce"))}
+    assert runs["as built"]["skipped"] is True
+    assert runs["as built"]["losses"] == runs["reduce"]["losses"] and len(set(runs["reduce"]["losses"])) == 4
+
+
+def test_zero2_runs_without_deepspeeds_muon_modules_and_trains_the_same():
+    """DeepSpeed's ZeRO-1/2 reduction imports its Muon modules, whose torch.compile loads inductor's compiler (about
+    0.9 s per rank); an AdamW run gets stand-ins (engines.skip_muon_import), and its losses are those with the real
+    modules, bit for bit."""
+    runs = {mode: train_alone(2, mode, port) for port, mode in ((29713, "as built"), (29714, "real muon"))}
+    assert runs["as built"]["compile_fx"] is False and runs["real muon"]["compile_fx"] is True
+    assert runs["as built"]["losses"] == runs["real muon"]["losses"] and len(set(runs["as built"]["losses"])) == 4
+
+
+def train_alone(stage: int, mode: str, port: int) -> dict:
+    """4 steps of the tiny model on one rank in a fresh interpreter (ALONE_SCRIPT): its losses and what it loaded."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root / "workflow_scripts")}
-    runs = {}
-    for port, mode in ((29711, "skip"), (29712, "reduce")):
-        proc = subprocess.run([sys.executable, "-c", ALONE_SCRIPT, mode, str(port)], env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert runs["skip"]["skipped"] is True
-    assert runs["skip"]["losses"] == runs["reduce"]["losses"] and len(set(runs["skip"]["losses"])) == 4
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "workflow_scripts")}
+    proc = subprocess.run([sys.executable, "-c", ALONE_SCRIPT, str(stage), mode, str(port)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -64,12 +64,46 @@ def build_engine(name: str, model, settings, *, device: str, total_steps: int, d
     raise ValueError(f"unknown train.engine {name!r}; choose one of {list(ENGINES)}")
 
 
+MUON_MODULES = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.muon.original_muon")
+
+
+def skip_muon_import() -> None:
+    """Stand in for DeepSpeed's Muon modules in a run whose optimizer is not Muon.
+
+    DeepSpeed's ZeRO optimizers import them at set-up and again in every gradient reduction (stage_1_and_2's
+    average_tensor and _get_flat_partition_unpadded), only to test `isinstance(optimizer, MuonWithAuxAdam)` or to
+    have `muon_update` at hand for parameters marked `use_muon`, which only a Muon optimizer marks. Importing them
+    applies torch.compile to Muon's kernels, which loads inductor's compiler: about 0.9 s of every ZeRO-1/2 rank's
+    start on CPU. Hand-written because DeepSpeed has no switch for it. The stand-ins hold a class that no optimizer
+    is an instance of and a `muon_update` that refuses to run; a process that already imported the real modules
+    keeps them."""
+    import sys
+    import types
+
+    if any(name in sys.modules for name in MUON_MODULES):
+        return
+
+    class MuonWithAuxAdam:  # never instantiated: DeepSpeed's isinstance tests are all it is for
+        pass
+
+    def muon_update(*args, **kwargs):
+        raise RuntimeError("DeepSpeed's Muon update was called in a run built without Muon (pretrain_bench.engines."
+                           "skip_muon_import stands in for it)")
+
+    for name in MUON_MODULES:
+        module = types.ModuleType(name, "pretrain-bench's stand-in: this run's optimizer is not Muon")
+        module.MuonWithAuxAdam, module.muon_update, module.adam_update = MuonWithAuxAdam, muon_update, muon_update
+        sys.modules[name] = module
+
+
 class DeepSpeedEngine:
     name = "deepspeed"
 
     def __init__(self, model, settings, ds_config: dict, total_steps: int):
         import deepspeed
 
+        if ds_config["optimizer"]["type"].lower() != "muon":
+            skip_muon_import()
         self.settings = settings
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                     config=ds_config, lr_scheduler=lr_schedule(settings, total_steps))
