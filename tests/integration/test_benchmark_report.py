@@ -1,7 +1,7 @@
 """The tiny benchmark matrix end to end through Snakemake, and the report built from it.
 
 The shared pipeline run (tests/conftest.py `pipeline`; its matrix: support.PIPELINE_OVERLAY, 1 and 3 gloo ranks ×
-ZeRO-1, ZeRO-2 and DDP, 2 repeats each); nccl cells and cells with a micro batch of 100,000 are declared too, and
+DeepSpeed ZeRO-2 and DDP, 2 repeats each); nccl cells and cells with a micro batch of 100,000 are declared too, and
 must be reported, not run. The report's tables are recomputed here from the summaries, every PNG is opened, the HTML
 is rendered by headless Chromium.
 """
@@ -20,10 +20,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 from support import PIPELINE_NAME as NAME  # noqa: E402
-from support import run_snakemake  # noqa: E402
+from support import PIPELINE_OVERLAY, run_snakemake  # noqa: E402
 
 pytestmark = pytest.mark.pipeline
-RANKS = (1, 3)  # the shared run's benchmark.matrix.gpus
+RANKS = tuple(PIPELINE_OVERLAY["benchmark"]["matrix"]["gpus"])  # (1, 2)
+ZEROS = tuple(PIPELINE_OVERLAY["benchmark"]["matrix"]["zero_stage"])  # DeepSpeed's stages; DDP is one more series
+SERIES = len(ZEROS) + 1
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--enable-logging=stderr", "--v=0", "--window-size=1280,2400"]
@@ -50,13 +52,13 @@ def test_runnable_cells_ran_twice_and_the_others_were_reported_not_run(run):
     for entry in matrix["cells"]:
         by_status.setdefault(entry["status"], []).append(entry)
     # DeepSpeed: ranks × ZeRO × backend × micro batch; DDP: ranks × backend × micro batch
-    assert len(matrix["cells"]) == len(RANKS) * 2 * 2 * 2 + len(RANKS) * 2 * 2
+    assert len(matrix["cells"]) == len(RANKS) * len(ZEROS) * 2 * 2 + len(RANKS) * 2 * 2
     assert sorted(e["cell"] for e in by_status["run"]) == sorted(
-        [f"ranks{g}-zero{z}-fp32-gloo" for g in RANKS for z in (1, 2)] + [f"ddp-ranks{g}-fp32-gloo" for g in RANKS])
+        [f"ranks{g}-zero{z}-fp32-gloo" for g in RANKS for z in ZEROS] + [f"ddp-ranks{g}-fp32-gloo" for g in RANKS])
     assert all(e["zero_stage"] == 0 for e in matrix["cells"] if e["engine"] == "ddp")
-    assert len(by_status["unsupported"]) == len(RANKS) * 6 and all("nccl needs CUDA" in e["reason"]
+    assert len(by_status["unsupported"]) == len(RANKS) * SERIES * 2 and all("nccl needs CUDA" in e["reason"]
                                                                    for e in by_status["unsupported"])
-    assert len(by_status["predicted_oom"]) == len(RANKS) * 3
+    assert len(by_status["predicted_oom"]) == len(RANKS) * SERIES
     for entry in by_status["predicted_oom"] + by_status["unsupported"]:
         assert not (run / "bench" / entry["cell"]).exists(), "a left-out cell must not run"
         assert not (ROOT / "logs" / NAME / "bench" / entry["cell"]).exists()
@@ -83,7 +85,7 @@ def test_timed_cells_never_overlapped(run):
         cell, rep = tsv.parent.name, tsv.stem
         end = (run / "bench" / cell / rep / "summary.json").stat().st_mtime
         intervals.append((end - seconds, end, f"{cell}/{rep}"))
-    assert len(intervals) == len(RANKS) * 3 * 2
+    assert len(intervals) == len(RANKS) * SERIES * 2
     intervals.sort()
     for (start_a, end_a, a), (start_b, _, b) in zip(intervals, intervals[1:]):
         assert start_b >= end_a - 1.0, f"{a} and {b} ran at the same time"
@@ -110,7 +112,7 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
         return f"{fmt(statistics.median(values), digits)} ({fmt(min(values), digits)}–{fmt(max(values), digits)})"
 
     seeds = _md_table(md, "## 1. The source articles' table")
-    assert len(seeds) == len(RANKS) * 3
+    assert len(seeds) == len(RANKS) * SERIES
     for series, ranks, batch, repeats, tps, speedup, efficiency, mem, epoch, oversubscribed in seeds:
         if series.startswith("DDP"):
             reps, base_cell = runs[f"ddp-ranks{ranks}-fp32-gloo"], "ddp-ranks1-fp32-gloo"
@@ -130,7 +132,7 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
         assert f"<td>{tps}</td><td>{speedup}</td><td>{efficiency}</td><td>{mem}</td>" in html
 
     mfu = _md_table(md, "## 5. MFU per cell")
-    assert len(mfu) == len(RANKS) * 3
+    assert len(mfu) == len(RANKS) * SERIES
     for cell, ranks, mfu_pct, peak, source, flops in mfu:
         reps = runs[cell]
         assert mfu_pct == span([s["mfu"] * 100 for s in reps], 2)
@@ -138,24 +140,24 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
         assert source == reps[0]["peak_flops_source"] and flops == fmt(reps[0]["flops_per_token"], 0)
 
     comm = _md_table(md, "## 4. Communication")
-    assert len(comm) == 3  # the 3-rank cells, DDP's timed by its communication hook
+    assert len(comm) == (len(RANKS) - 1) * SERIES  # the multi-rank cells, DDP's timed by its communication hook
     for cell, ranks, backend, share in comm:
         assert share == span([s["comm_fraction"] * 100 for s in runs[cell]], 1)
     assert "DDP communication hook" in md and "DeepSpeed comms_logger" in md
 
-    # engines side by side: at each rank count DDP and both ZeRO stages, with the same global batch
+    # engines side by side: at each rank count DDP and the ZeRO stages, with the same global batch
     engines = _md_table(md, "## 4b. Engines side by side")
-    assert len(engines) == len(RANKS) * 3
+    assert len(engines) == len(RANKS) * SERIES
     for ranks in map(str, RANKS):
         group = [row for row in engines if row[0] == ranks]
-        assert sorted(row[3] for row in group) == ["DDP", "DeepSpeed ZeRO-1", "DeepSpeed ZeRO-2"]
+        assert sorted(row[3] for row in group) == ["DDP", *(f"DeepSpeed ZeRO-{z}" for z in ZEROS)]
         fastest = max(statistics.median(s["tokens_per_s"] for s in runs[row[4]]) for row in group)
         for row in group:
             med = statistics.median(s["tokens_per_s"] for s in runs[row[4]])
             assert row[5] == span([s["tokens_per_s"] for s in runs[row[4]]], 0)
             assert row[6] == f"{fmt(med / fastest, 2)}×"
         assert group[0][6] == "1.00×", "fastest first"
-    ddp_row = next(row for row in engines if row[4] == "ddp-ranks3-fp32-gloo")
+    ddp_row = next(row for row in engines if row[4] == f"ddp-ranks{RANKS[-1]}-fp32-gloo")
     assert ddp_row[12].startswith("16Ψ (4Ψ fp32 params")
 
     memory = {row[0]: row for row in _md_table(md, "## 3. Memory by engine and ZeRO stage")}
@@ -239,4 +241,4 @@ def test_snakemake_report_archive(run, pipeline, tmp_path):
         names = zipped.namelist()
     assert any(n.endswith("report/report.html") for n in names)
     assert any("scaling.png" in n for n in names) and any("matrix.json" in n for n in names)
-    assert sum("summary.json" in n for n in names) >= len(RANKS) * 3 * 2
+    assert sum("summary.json" in n for n in names) >= len(RANKS) * SERIES * 2
