@@ -106,7 +106,7 @@ def start(plan_path: Path, ranks: int, log: Path, env=None) -> subprocess.Popen:
 
 
 def crash_after_first_checkpoint(plan_path: Path, run_dir: Path, log: Path) -> list[int]:
-    """Launch the plan on 3 ranks, let it run a little past its first committed checkpoint, then kill -9 every
+    """Launch the plan on 3 ranks, let it record two steps past its first committed checkpoint, then kill -9 every
     process of the job at once (launcher, torchrun, ranks); returns the committed steps left behind."""
     import time
 
@@ -116,10 +116,15 @@ def crash_after_first_checkpoint(plan_path: Path, run_dir: Path, log: Path) -> l
 
     proc = start(plan_path, 3, log)
     deadline = time.monotonic() + 600
-    while not committed_steps(run_dir / "state" / "checkpoints"):
+
+    def past(step: int) -> bool:
+        return len(recorded_losses(run_dir)) >= step + 2
+
+    while not (committed_steps(run_dir / "state" / "checkpoints")
+               and past(committed_steps(run_dir / "state" / "checkpoints")[0])):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
-    time.sleep(1.0)  # let it run into the next steps, then crash hard: every process of the job at once
+        time.sleep(0.1)
+    # crash hard: every process of the job at once
     root = psutil.Process(proc.pid)
     job = [root, *root.children(recursive=True)]
     assert len(job) >= 5, "launcher, torchrun and three ranks"
@@ -143,6 +148,14 @@ def run(plan_path: Path, ranks: int, log: Path, timeout=600, env=None) -> int:
 def losses(run_dir: Path) -> list[float]:
     lines = (run_dir / "state" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["loss"] for line in lines]
+
+
+def recorded_losses(run_dir: Path) -> list[float]:
+    """The losses of the complete records in metrics.jsonl so far: a run may be writing, or have been killed while
+    writing, the last line."""
+    path = run_dir / "state" / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line)["loss"] for line in text.split("\n")[:-1]]
 
 
 @contextlib.contextmanager
