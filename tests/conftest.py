@@ -17,9 +17,9 @@ ENGINE_NAME = "itest-engine"
 # `make test` runs two pytest-xdist workers. A group of tests stays on one worker, so module fixtures are built once:
 # each module is a group, and the three modules that share the `pipeline` run are one. On 2 cores two workers overlap
 # one module's waits (process start-up, collectives, the SLURM test's scheduler) with another's compute. Groups start
-# longest first (their serial time on 2 cores, measured), so that no long one is left for the end.
+# longest first (their time under `make test`, measured), so that no long one is left for the end.
 SHARED_GROUPS = {"test_benchmark_report": "pipeline", "test_evaluate": "pipeline", "test_tiny_pipeline": "pipeline"}
-LONGEST_FIRST = ("test_declarative", "test_slurm", "pipeline", "test_engine", "test_engines", "test_faults",
+LONGEST_FIRST = ("test_engine", "pipeline", "test_declarative", "test_slurm", "test_engines", "test_faults",
                  "test_memory_measured", "test_multinode")
 
 
