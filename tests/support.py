@@ -116,12 +116,8 @@ def crash_after_first_checkpoint(plan_path: Path, run_dir: Path, log: Path) -> l
 
     proc = start(plan_path, 3, log)
     deadline = time.monotonic() + 600
-
-    def past(step: int) -> bool:
-        return len(recorded_losses(run_dir)) >= step + 2
-
-    while not (committed_steps(run_dir / "state" / "checkpoints")
-               and past(committed_steps(run_dir / "state" / "checkpoints")[0])):
+    while not ((steps := committed_steps(run_dir / "state" / "checkpoints"))
+               and len(recorded_losses(run_dir)) >= steps[0] + 2):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.1)
     # crash hard: every process of the job at once
