@@ -159,7 +159,9 @@ for batch in batches:
     engine.backward(loss)
     engine.step()
     losses.append(loss.item())
-print(json.dumps({"skipped": skipped, "losses": losses, "compile_fx": "torch._inductor.compile_fx" in sys.modules}))
+adamw = engine.engine.basic_optimizer  # the torch optimizer under DeepSpeed's wrapper
+print(json.dumps({"skipped": skipped, "losses": losses, "compile_fx": "torch._inductor.compile_fx" in sys.modules,
+                  "optimizer": [type(adamw).__name__, adamw.defaults["fused"], adamw.defaults["foreach"]]}))
 """
 
 
@@ -168,6 +170,7 @@ def test_zero0_alone_skips_deepspeeds_self_all_reduce_and_trains_the_same():
     losses are those of the same steps with it on, bit for bit."""
     runs = {mode: train_alone(0, mode, port) for port, mode in ((29711, "as built"), (29712, "reduce"))}
     assert runs["as built"]["skipped"] is True
+    assert runs["as built"]["optimizer"] == ["AdamW", True, None]  # torch's fused kernel (TORCH_ADAMW_KWARGS)
     assert runs["as built"]["losses"] == runs["reduce"]["losses"] and len(set(runs["reduce"]["losses"])) == 4
 
 
@@ -177,6 +180,7 @@ def test_zero2_runs_without_deepspeeds_muon_modules_and_trains_the_same():
     modules, bit for bit."""
     runs = {mode: train_alone(2, mode, port) for port, mode in ((29713, "as built"), (29714, "real muon"))}
     assert runs["as built"]["compile_fx"] is False and runs["real muon"]["compile_fx"] is True
+    assert runs["as built"]["optimizer"] == ["AdamW", True, None]  # fused, on ZeRO-2's flat fp32 partition too
     assert runs["as built"]["losses"] == runs["real muon"]["losses"] and len(set(runs["as built"]["losses"])) == 4
 
 

@@ -90,7 +90,10 @@ def test_flops_formula_and_gpu_table():
 def test_adam_needs_no_compiler_unless_fused_adam_is_prebuilt():
     s = settings(device="cuda", comm_backend="nccl", precision="bf16")
     assert deepspeed_config(s, "cuda", 10)["optimizer"]["params"]["torch_adam"] is True
-    assert "torch_adam" not in deepspeed_config(s, "cuda", 10, fused_adam=True)["optimizer"]["params"]
+    # torch's AdamW with its fused kernel, as DDP and FSDP build it (DeepSpeed passes the key through)
+    assert deepspeed_config(s, "cuda", 10)["optimizer"]["params"]["fused"] is True
+    assert deepspeed_config(settings(), "cpu", 10)["optimizer"]["params"]["fused"] is True
+    assert not {"torch_adam", "fused"} & set(deepspeed_config(s, "cuda", 10, fused_adam=True)["optimizer"]["params"])
     # with the optimizer offloaded DeepSpeedCPUAdam runs (built with the host compiler): no torch_adam switch
     offloaded = settings(device="cuda", comm_backend="nccl", precision="bf16", offload_optimizer="cpu")
     assert "torch_adam" not in deepspeed_config(offloaded, "cuda", 10)["optimizer"]["params"]

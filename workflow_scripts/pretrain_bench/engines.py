@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .rank import number
-from .settings import ENGINES
+from .settings import ENGINES, TORCH_ADAMW_KWARGS
 
 DDP_MODEL_FILE, DDP_OPTIMIZER_FILE, DCP_FOLDER = "model.pt", "optimizer.pt", "dcp"
 
@@ -182,9 +182,10 @@ class TorchEngine:
         self.skipped_steps = 0
         self._grad_norm: float | None = None
         self.model = self.wrap(model)
-        # torch.optim.AdamW with its defaults: what DeepSpeed's torch_adam path builds, so ZeRO-0 and DDP match
+        # torch.optim.AdamW as DeepSpeed's torch_adam path builds it (fused), so ZeRO-0 and DDP match
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, betas=tuple(settings.adam_betas),
-                                           eps=settings.adam_eps, weight_decay=settings.weight_decay)
+                                           eps=settings.adam_eps, weight_decay=settings.weight_decay,
+                                           **TORCH_ADAMW_KWARGS)
         self.scheduler = lr_schedule(settings, total_steps)(self.optimizer)
         self.scaler = self.make_scaler() if settings.precision == "fp16" else None
 
