@@ -3,13 +3,15 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+OPS_STAMP := $(VENV)/.cpu-ops-built
+INSTALLED := $(STAMP) $(OPS_STAMP)
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 TINY := --configfile config/tiny-cpu.yaml
 TINY_NAME := tiny-cpu
 
 .PHONY: install demo test check test-unit test-integration lint bench dry-run clean gpu-smoke
 
-install: $(STAMP)
+install: $(INSTALLED)
 
 $(STAMP): requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,13 +20,17 @@ $(STAMP): requirements.txt
 	# a multi-GB CUDA torch into an isolated build environment).
 	$(BIN)/python -m pip install --quiet torch==2.13.0 numpy==2.4.6
 	$(BIN)/python -m pip install --quiet --no-build-isolation -r requirements.txt
-	# DeepSpeed's CPU ops (shared-memory collectives, CPU Adam) compile on first use: build them once here, into
-	# torch's extension cache, instead of inside the first (timed) training job.
-	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; \
-	[a().create_op_builder(name).load(verbose=False) for name in ('ShareMemCommBuilder', 'CPUAdamBuilder')]"
 	touch $@
 
-demo: $(STAMP)
+$(OPS_STAMP): $(STAMP)
+	# DeepSpeed's CPU ops (shared-memory collectives, CPU Adam) compile on first use: build them once here, into
+	# this environment's own extension cache (.venv/torch_extensions), instead of inside the first (timed) training job.
+	$(BIN)/python -c "import sys; sys.path.insert(0, 'workflow_scripts'); \
+	from pretrain_bench.launcher import build_cpu_ops, extension_build_root; \
+	print('built', *build_cpu_ops(), 'in', extension_build_root())"
+	touch $@
+
+demo: $(INSTALLED)
 	$(BIN)/snakemake --cores 2 --resources gpu=3 $(TINY) --printshellcmds
 	# the README's "Reading the results": Snakemake's own report (every output wrapped in report()) and the log
 	$(BIN)/snakemake --cores 2 --resources gpu=3 $(TINY) --report results/$(TINY_NAME)/report.zip
@@ -39,34 +45,34 @@ demo: $(STAMP)
 # the SLURM test's scheduler), which a second worker fills; tests/conftest.py keeps each module on one worker.
 TEST_WORKERS ?= 2
 
-test: $(STAMP) lint
+test: $(INSTALLED) lint
 	$(BIN)/python -m pytest tests -q -n $(TEST_WORKERS)
 
 # The fast loop while editing: unit tests and the workflow lint (a few minutes on 2 cores). `make test` is the whole
 # suite, what CI runs; `pytest -m pipeline|engine|slurm` picks one kind of integration test.
-check: $(STAMP) lint
+check: $(INSTALLED) lint
 	$(BIN)/python -m pytest tests/unit -q
 
-test-unit: $(STAMP)
+test-unit: $(INSTALLED)
 	$(BIN)/python -m pytest tests/unit -q
 
-test-integration: $(STAMP)
+test-integration: $(INSTALLED)
 	$(BIN)/python -m pytest tests/integration -q
 
 # A throw-away SLURM cluster on this machine (installs Debian's slurm-wlm + munge when missing, as root), the tiny
 # pipeline through profiles/slurm on it, one and two nodes; and two hand-launched "nodes" without a scheduler.
 .PHONY: test-slurm
-test-slurm: $(STAMP)
+test-slurm: $(INSTALLED)
 	$(BIN)/python -m pytest tests/integration/test_slurm.py tests/integration/test_multinode.py -q
 
-lint: $(STAMP)
+lint: $(INSTALLED)
 	$(BIN)/snakemake --lint --cores 1 $(TINY)
 	$(BIN)/snakemake --lint --cores 1
 
-dry-run: $(STAMP)
+dry-run: $(INSTALLED)
 	$(BIN)/snakemake -n --cores 32 --resources gpu=3
 
-bench: $(STAMP)
+bench: $(INSTALLED)
 	mkdir -p bench-results
 	$(BIN)/python bench/bench_corpus.py bench-results/corpus.json
 	$(BIN)/python bench/bench_tokens.py bench-results/tokens.json
@@ -75,7 +81,7 @@ bench: $(STAMP)
 
 # The CUDA path on one GPU in a few minutes (1B bf16, fp16 ZeRO-2 loss scaling, nccl at world size 1): tokens/s, MFU,
 # peak memory against the memory model, in bench-results/gpu-smoke.json. Without CUDA it says why and exits 0.
-gpu-smoke: $(STAMP)
+gpu-smoke: $(INSTALLED)
 	$(BIN)/python bench/gpu_smoke.py bench-results/gpu-smoke.json
 
 clean:

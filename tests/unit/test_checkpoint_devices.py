@@ -154,7 +154,7 @@ def test_stale_torch_extension_locks_are_removed_fresh_ones_kept(tmp_path):
     assert clear_stale_extension_locks(root=tmp_path / "missing") == []
 
 
-def test_the_launcher_finds_torchs_extension_cache_and_the_cpu_device_without_importing_torch(tmp_path):
+def test_the_launcher_finds_the_extension_cache_and_the_cpu_device_without_importing_torch(tmp_path):
     # in a fresh interpreter: the launcher runs before every rank, and importing torch there costs seconds
     code = ("import sys; sys.path.insert(0, 'workflow_scripts')\n"
             "from pretrain_bench.launcher import extension_build_root\n"
@@ -163,12 +163,34 @@ def test_the_launcher_finds_torchs_extension_cache_and_the_cpu_device_without_im
     env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     root, device, imported = out.stdout.split()
-    from torch.utils.cpp_extension import get_default_build_root
-
-    assert (root, device, imported) == (get_default_build_root(), "cpu", "False")
+    assert (root, device, imported) == (str(Path(sys.prefix) / "torch_extensions"), "cpu", "False"), \
+        "this environment's own cache (the test venv is writable), not the one all environments share"
     env["TORCH_EXTENSIONS_DIR"] = str(tmp_path)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split()[0] == str(tmp_path)
+
+
+def test_ranks_load_deepspeeds_ops_from_the_environments_cache_where_make_install_built_them(monkeypatch):
+    from torch.utils.cpp_extension import get_default_build_root
+
+    from pretrain_bench.launcher import extension_build_root
+
+    base = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    env = rank_environment("cpu", ranks=3, cores=2, base=base)
+    assert env["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
+    # what `make install` runs: DeepSpeed's CPU ops are (already, after make install) in that directory
+    code = ("import sys; sys.path.insert(0, 'workflow_scripts')\n"
+            "from pretrain_bench.launcher import build_cpu_ops; print(*build_cpu_ops())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=base, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-2:] == ["ShareMemCommBuilder", "CPUAdamBuilder"]
+    root = Path(env["TORCH_EXTENSIONS_DIR"])
+    assert (root / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").is_file()
+    assert (root / "cpu_adam" / "cpu_adam.so").is_file()
+    assert rank_environment("cpu", 1, 2, dict(base, TORCH_EXTENSIONS_DIR="/x"))["TORCH_EXTENSIONS_DIR"] == "/x"
+    # an environment this user cannot write to (a system Python): torch's own default, shared
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    assert extension_build_root(environ={}) == Path(get_default_build_root())
 
 
 def test_a_rank_gives_up_on_a_stale_build_lock_and_waits_for_a_live_one(tmp_path, monkeypatch):

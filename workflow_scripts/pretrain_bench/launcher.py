@@ -73,12 +73,26 @@ def exact_pinning(env: dict) -> tuple[dict, str]:
 STALE_EXTENSION_LOCK_S = 15 * 60
 
 
-def extension_build_root() -> Path:
-    """torch's JIT-extension cache: TORCH_EXTENSIONS_DIR, else torch's default (cpp_extension.get_default_build_root),
-    found without importing torch, which would cost every launch about 2 s before any rank starts: torch's
-    `_appdirs.py` (standard library imports only) is loaded on its own from the installed package."""
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+def environment_extension_dir() -> Path | None:
+    """This Python environment's own JIT-extension cache, <sys.prefix>/torch_extensions, when sys.prefix is writable
+    (a venv, a conda env); None otherwise. torch's default cache (~/.cache/torch_extensions/py311_cpu) is shared by
+    every environment of one Python version, and a build there records the environment's own paths: with two
+    checkouts' .venvs on one machine, each rebuilds DeepSpeed's CPU ops (about 30 s on 2 cores) after the other has
+    built them, inside the first multi-rank job, which may be a timed benchmark cell."""
+    prefix = Path(sys.prefix)
+    return prefix / "torch_extensions" if os.access(prefix, os.W_OK) else None
+
+
+def extension_build_root(environ=os.environ) -> Path:
+    """Where DeepSpeed's ops build and load: TORCH_EXTENSIONS_DIR in environ when set, else this environment's own cache
+    (environment_extension_dir), else torch's default (cpp_extension.get_default_build_root). Found without importing
+    torch, which would cost every launch about 2 s before any rank starts: torch's `_appdirs.py` (standard library
+    imports only) is loaded on its own from the installed package."""
+    if environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(environ["TORCH_EXTENSIONS_DIR"])
+    own = environment_extension_dir()
+    if own is not None:
+        return own
     import importlib.util
 
     appdirs_path = Path(importlib.util.find_spec("torch").origin).parent / "_appdirs.py"
@@ -86,6 +100,19 @@ def extension_build_root() -> Path:
     appdirs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(appdirs)
     return Path(os.path.realpath(appdirs.user_cache_dir(appname="torch_extensions")))
+
+
+def build_cpu_ops() -> list[str]:
+    """`make install`: build DeepSpeed's CPU ops (shared-memory collectives, CPU Adam) into extension_build_root(),
+    where every rank the launcher starts loads them, so no training job compiles. Returns the ops' names."""
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extension_build_root())
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    names = ["ShareMemCommBuilder", "CPUAdamBuilder"]
+    for name in names:
+        get_accelerator().create_op_builder(name).load(verbose=False)
+    return names
 
 
 def clear_stale_extension_locks(max_age_s: float = STALE_EXTENSION_LOCK_S, root: Path | None = None) -> list[Path]:
@@ -137,6 +164,7 @@ def rank_environment(device: str, ranks: int, cores: int, base: dict) -> dict:
         PRETRAIN_BENCH_OVERSUBSCRIBED="1" if ranks > cores else "0",
         OMP_NUM_THREADS=str(threads),
         TOKENIZERS_PARALLELISM="false",
+        TORCH_EXTENSIONS_DIR=str(extension_build_root(base)),  # where `make install` built DeepSpeed's CPU ops
     )
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
