@@ -1,6 +1,7 @@
 import json
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -187,6 +188,11 @@ def test_ranks_load_deepspeeds_ops_from_the_environments_cache_where_make_instal
     assert (root / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").is_file()
     assert (root / "cpu_adam" / "cpu_adam.so").is_file()
     assert rank_environment("cpu", 1, 2, dict(base, TORCH_EXTENSIONS_DIR="/x"))["TORCH_EXTENSIONS_DIR"] == "/x"
+    # the environment's own ninja first, whatever PATH the job had: another ninja version would rebuild the ops
+    own_bin = str(Path(sys.executable).parent)
+    path = rank_environment("cpu", 1, 2, dict(base, PATH=f"/usr/bin:{own_bin}:/bin"))["PATH"]
+    assert path == f"{own_bin}:/usr/bin:/bin"
+    assert Path(shutil.which("ninja", path=path)).parent == Path(own_bin), "deepspeed's dependency ninja is there"
     # an environment this user cannot write to (a system Python): torch's own default, shared
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     monkeypatch.setattr(os, "access", lambda path, mode: False)

@@ -102,10 +102,21 @@ def extension_build_root(environ=os.environ) -> Path:
     return Path(os.path.realpath(appdirs.user_cache_dir(appname="torch_extensions")))
 
 
+def extension_build_environment(environ=os.environ) -> dict:
+    """The variables under which DeepSpeed's ops build and load the same way in every process: the cache
+    (extension_build_root) and, first on PATH, this interpreter's own bin directory, whose `ninja` (a dependency of
+    deepspeed) torch runs. ninja's log format differs between versions (1.11 and 1.13 hash commands differently), so
+    a system ninja and the environment's would each take the other's build for stale and recompile, whichever ran
+    last; which one a process found used to depend on whether the venv was activated."""
+    own_bin = str(Path(sys.executable).parent)
+    path = [entry for entry in environ.get("PATH", "").split(os.pathsep) if entry and entry != own_bin]
+    return {"TORCH_EXTENSIONS_DIR": str(extension_build_root(environ)), "PATH": os.pathsep.join([own_bin, *path])}
+
+
 def build_cpu_ops() -> list[str]:
     """`make install`: build DeepSpeed's CPU ops (shared-memory collectives, CPU Adam) into extension_build_root(),
-    where every rank the launcher starts loads them, so no training job compiles. Returns the ops' names."""
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(extension_build_root())
+    as every rank the launcher starts loads them, so no training job compiles. Returns the ops' names."""
+    os.environ.update(extension_build_environment())
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.accelerator import get_accelerator
 
@@ -164,8 +175,8 @@ def rank_environment(device: str, ranks: int, cores: int, base: dict) -> dict:
         PRETRAIN_BENCH_OVERSUBSCRIBED="1" if ranks > cores else "0",
         OMP_NUM_THREADS=str(threads),
         TOKENIZERS_PARALLELISM="false",
-        TORCH_EXTENSIONS_DIR=str(extension_build_root(base)),  # where `make install` built DeepSpeed's CPU ops
     )
+    env.update(extension_build_environment(base))  # DeepSpeed's CPU ops: where and how `make install` built them
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     return env
