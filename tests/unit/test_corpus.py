@@ -217,8 +217,10 @@ def test_lone_surrogate_escape_is_an_encoding_error(tmp_path):
 
 @pytest.mark.parametrize("text", ["plain ascii", 'quotes " and \\ backslash', "tab\tcr\rlf\nff\fbs\b",
                                   "controls \x01\x1f\x7f", "non-ascii é 中 😀 \u2028", ""])
-def test_jsonl_line_matches_json_dumps(text):
-    assert jsonl_line(text) == (json.dumps({"text": text}, ensure_ascii=False) + "\n").encode()
+def test_jsonl_line_is_one_compact_json_object_per_line(text):
+    line = jsonl_line(text)
+    assert line == (json.dumps({"text": text}, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+    assert line.count(b"\n") == 1 and json.loads(line) == {"text": text}
 
 
 # ----------------------------------------------------------------------------------------------- split and cap
