@@ -78,6 +78,7 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/bench_tokens.py bench-results/tokens.json
 	$(BIN)/python bench/bench_dag.py bench-results/dag.json
 	$(BIN)/python bench/bench_trainer.py bench-results/trainer.json
+	$(BIN)/python bench/bench_pipeline.py bench-results/pipeline.json
 
 # The CUDA path on one GPU in a few minutes (1B bf16, fp16 ZeRO-2 loss scaling, nccl at world size 1): tokens/s, MFU,
 # peak memory against the memory model, in bench-results/gpu-smoke.json. Without CUDA it says why and exits 0.

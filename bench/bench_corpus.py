@@ -7,6 +7,8 @@ each the best of REPEATS runs after one warm-up pass, so all read from the page 
 work, not disk speed:
 - bare_read:   open and read every file's bytes;
 - read_decode: the same plus UTF-8 decoding, the least any consumer of text must do;
+- read_write:  read every file and append its bytes, unchanged, to one file in the same scratch directory as
+               cleaning's output: copying alone, no cleaning, the least any stage that writes its input out must do;
 - cleaning:    build_corpus end to end: read, decode, NUL scan, length filter, sha256 dedup, split, JSON encoding,
                writing train/val.jsonl, hashing them for the manifest and the atomic renames.
 Throughput is input bytes / seconds in MB/s (10**6 bytes). The target is cleaning <= 2x the bare read.
@@ -61,7 +63,14 @@ def main(out_path: Path) -> dict:
             build_corpus([{"uri": "builtin://python-stdlib"}], Path(scratch) / "out", max_bytes=None, min_chars=1,
                          dedup=True, val_fraction=0.02, encoding_errors="replace", cache_dir=Path(scratch) / "cache")
 
-        seconds = {"bare_read": best_of(bare_read), "read_decode": best_of(read_decode), "cleaning": best_of(cleaning)}
+        def read_write():
+            with open(Path(scratch) / "copy.bin", "wb") as out:
+                for path in paths:
+                    with open(path, "rb") as handle:
+                        out.write(handle.read())
+
+        seconds = {"bare_read": best_of(bare_read), "read_decode": best_of(read_decode),
+                   "read_write": best_of(read_write), "cleaning": best_of(cleaning)}
 
     texts = []
     for path in paths:
@@ -84,11 +93,14 @@ def main(out_path: Path) -> dict:
         "repeats": REPEATS,
         "bare_read": figures("bare_read"),
         "read_decode": figures("read_decode"),
+        "read_write": figures("read_write"),
         "cleaning": figures("cleaning"),
         "floors_seconds": {name: round(value, 5) for name, value in floors.items()},
         "floors_over_bare_read": round(sum(floors.values()) / seconds["bare_read"], 2),
         "cleaning_over_bare_read": round(seconds["cleaning"] / seconds["bare_read"], 2),
         "cleaning_over_read_decode": round(seconds["cleaning"] / seconds["read_decode"], 2),
+        "read_write_over_bare_read": round(seconds["read_write"] / seconds["bare_read"], 2),
+        "cleaning_over_read_write": round(seconds["cleaning"] / seconds["read_write"], 2),
         "target_cleaning_over_bare_read": TARGET_RATIO,
         "meets_target": seconds["cleaning"] <= TARGET_RATIO * seconds["bare_read"],
         "python": platform.python_version(),
