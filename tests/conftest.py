@@ -9,10 +9,15 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from pretrain_bench.launcher import extension_build_environment
 from support import PIPELINE_NAME, PIPELINE_OVERLAY, PIPELINE_STEPS, ROOT, TINY_CONFIG, engine_data_lock, \
     run_snakemake, tiny_config, tree_digest
 
 ENGINE_NAME = "itest-engine"
+
+# Engines that tests build in their own processes (not through the launcher) load DeepSpeed's CPU ops as every rank
+# does: from where `make install` built them, with the same ninja; not from a second build in torch's shared cache.
+os.environ.update(extension_build_environment())
 
 # `make test` runs two pytest-xdist workers. A group of tests stays on one worker, so module fixtures are built once:
 # each module is a group, and the three modules that share the `pipeline` run are one. On 2 cores two workers overlap
