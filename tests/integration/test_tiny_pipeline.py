@@ -76,6 +76,12 @@ def test_training_loss_falls_and_summary_is_measured(run):
     assert ds_config["zero_optimization"]["stage"] == 2 and ds_config["train_batch_size"] == 24
 
 
+def test_training_log_holds_no_warning_about_deepspeeds_own_calls(run):
+    log = (ROOT / "logs" / run.name / "pretrain.log").read_text()
+    assert f"step {PIPELINE_STEPS[-1]}/{PIPELINE_STEPS[-1]}" in log and "exit status 0" in log
+    assert "all_gather_into_tensor" not in log and "FutureWarning" not in log
+
+
 def test_perplexity_finite_and_falls_across_checkpoints(run):
     evals = [json.loads((run / "eval" / f"step{s}.json").read_text()) for s in PIPELINE_STEPS]
     assert all(math.isfinite(e["perplexity"]) and e["perplexity"] > 1 for e in evals)

@@ -104,6 +104,11 @@ class DeepSpeedEngine:
 
         if ds_config["optimizer"]["type"].lower() != "muon":
             skip_muon_import()
+        # DeepSpeed 0.19's ZeRO-1/2 step all-gathers the updated partitions with
+        # torch.distributed.all_gather_into_tensor, which torch 2.13 marks deprecated: a FutureWarning (two lines)
+        # per rank in every training log, about a call the user cannot change.
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                                category=FutureWarning)
         self.settings = settings
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                     config=ds_config, lr_scheduler=lr_schedule(settings, total_steps))
