@@ -70,15 +70,16 @@ def main(out: Path) -> dict:
         if proc.returncode:
             raise SystemExit(f"the tiny pipeline failed:\n{proc.stderr[-4000:]}")
         jobs = job_seconds(Path(workdir) / "benchmarks" / NAME)
-        plans = {path.parent.parent.name: json.loads(path.read_text())
-                 for path in (Path(workdir) / "results" / NAME / "bench").glob("*/rep*/plan.json")}
+        # one launch per cell and repeat
+        plans = [json.loads(path.read_text())
+                 for path in (Path(workdir) / "results" / NAME / "bench").glob("*/rep*/plan.json")]
         main_plan = json.loads((Path(workdir) / "results" / NAME / "train" / "plan.json").read_text())
     by_rule = defaultdict(float)
     for job, seconds in jobs.items():
         by_rule[rule_family(job)] += seconds
     pretrain = jobs["pretrain.tsv"]
     launches = len(plans) + 1
-    ranks = sum(plan["config"]["train"]["gpus"] for plan in plans.values()) + main_plan["config"]["train"]["gpus"]
+    ranks = sum(plan["config"]["train"]["gpus"] for plan in [*plans, main_plan])
     model_processes = sum(rule_family(job) in ("evaluate", "export_final") for job in jobs)
     startup = {"torch_s": import_seconds(TORCH_ONLY), "rank_imports_s": import_seconds(RANK_IMPORTS),
                "processes": {"torchrun_agents": launches, "ranks": ranks, "evaluate_and_export": model_processes}}
