@@ -13,6 +13,7 @@ import torch
 from support import mounted_tmpfs, tree_digest  # noqa: E402
 
 from pretrain_bench import checkpoint as ckpt  # noqa: E402
+from pretrain_bench.config_types import schema_default  # noqa: E402
 
 
 @pytest.fixture
@@ -60,26 +61,54 @@ def test_marker_records_every_file_with_the_hashes_taken_while_saving(tmp_path, 
     assert ckpt.verify(tmp_path, 2)["world_size"] == 2 and ckpt.verify(tmp_path, 2, "full")
 
 
-def test_verify_names_a_truncated_file_and_full_mode_finds_any_changed_byte(tmp_path, small_samples):
+def test_verify_names_a_truncated_file_and_by_default_finds_any_changed_byte(tmp_path, small_samples):
     folder = save_checkpoint(tmp_path, 2)
     shard = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     size = shard.stat().st_size
     assert size > 3 * 4096
-    # A byte outside every sampled window: the sampled check (the default) cannot see it, the full one does.
+    # A byte outside every sampled window: the default (full) check finds it, the sampled opt-out cannot see it.
     flip_byte(shard, 4096 + 1000)
-    ckpt.verify(tmp_path, 2)
     with pytest.raises(ckpt.CheckpointError, match=f"{shard} does not match the sha256 recorded"):
-        ckpt.verify(tmp_path, 2, "full")
+        ckpt.verify(tmp_path, 2)
+    ckpt.verify(tmp_path, 2, "sampled")
     flip_byte(shard, 4096 + 1000)
     flip_byte(shard, 2 * 4096 + 10)  # inside a sampled window
     with pytest.raises(ckpt.CheckpointError, match=f"{shard} does not match the sampled sha256"):
-        ckpt.verify(tmp_path, 2)
+        ckpt.verify(tmp_path, 2, "sampled")
     flip_byte(shard, 2 * 4096 + 10)
     with open(shard, "r+b") as handle:
         handle.truncate(size // 2)
+    for mode in ckpt.VERIFY_MODES:
+        with pytest.raises(ckpt.CheckpointError) as caught:
+            ckpt.verify(tmp_path, 2, mode)
+        assert f"{shard} has {size // 2:,} bytes, {size:,} were saved" in str(caught.value)
+
+
+def test_the_default_check_finds_same_size_damage_in_several_files_and_names_each(tmp_path):
+    """Real sample windows (1 MiB in every 64 MiB): bytes overwritten in place past the first MiB of a file, as a
+    bad disk block or a stray writer leaves them, pass the sampled opt-out and fail the default check, which names
+    every damaged file and leaves the others unnamed."""
+    folder = tmp_path / "step3"
+    folder.mkdir()
+    writer = ckpt.CheckpointWriter(3, folder)
+    for rank in range(3):
+        writer.save({"w": torch.randn(600_000)}, folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    ckpt.write_marker(tmp_path, 3, {"world_size": 3}, writer.files)
+    damaged = [folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in (0, 2)]
+    for path in damaged:
+        size = path.stat().st_size
+        with open(path, "r+b") as handle:  # same size, in place
+            handle.seek(2 << 20)
+            handle.write(b"\xff" * 4096)
+        assert path.stat().st_size == size
+    assert schema_default("train", "verify_checkpoints") == "full"
     with pytest.raises(ckpt.CheckpointError) as caught:
-        ckpt.verify(tmp_path, 2)
-    assert f"{shard} has {size // 2:,} bytes, {size:,} were saved" in str(caught.value)
+        ckpt.verify(tmp_path, 3)
+    message = str(caught.value)
+    for path in damaged:
+        assert f"{path} does not match the sha256 recorded when it was saved" in message
+    assert "zero_pp_rank_1" not in message
+    assert ckpt.verify(tmp_path, 3, "sampled")["step"] == 3, "the opt-out's windows miss it: why it is not default"
 
 
 def test_damaged_newest_checkpoints_are_set_aside_and_the_newest_good_one_is_chosen(tmp_path, small_samples):

@@ -162,3 +162,143 @@ def test_failed_download_leaves_no_part_and_no_lock(tmp_path):
     with FixtureServer({"/data.bin": Route(body)}) as server:
         download(server.url("/data.bin"), tmp_path / "data.bin", retries=0)
     assert (tmp_path / "data.bin").read_bytes() == body
+
+
+# --- train.deepspeed: every spelling that changes what trains is refused, naming the key to use ---------------------
+
+def _deepspeed_sees(extra: dict) -> dict:
+    """What DeepSpeed 0.19.8's own config parser makes of the pipeline's ds_config with `extra` merged in (one rank,
+    fp32, ZeRO-2, micro-batch 2 × accumulation 2): precision, ZeRO stage, offload, optimizer, batch, clipping."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from pretrain_bench.settings import _merge, deepspeed_config
+
+    settings = TrainSettings(gpus=1, device="cpu", comm_backend="gloo", precision="fp32", zero_stage=2,
+                             micro_batch_size=2, grad_accum_steps=2)
+    parsed = DeepSpeedConfig(_merge(deepspeed_config(settings, "cpu", 10), extra))
+    zero = parsed.zero_config
+    return {"bf16": parsed.bfloat16_config.enabled, "fp16": parsed.float16_config.enabled,
+            "autocast": parsed.torch_autocast_enabled, "stage": int(parsed.zero_optimization_stage),
+            "offload": (zero.offload_optimizer is not None, zero.offload_param is not None),
+            "optimizer": (parsed.optimizer_name, parsed.zero_allow_untested_optimizer,
+                          parsed.zero_force_ds_cpu_optimizer, parsed.scheduler_name),
+            "batch": (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu,
+                      parsed.gradient_accumulation_steps, parsed.managed_gradient_accumulation),
+            "grad": (parsed.gradient_clipping, parsed.gradient_allreduce_op, parsed.grad_accum_dtype,
+                     parsed.param_dtype)}
+
+
+# (train.deepspeed, the key the refusal names, the pipeline key it points to). Each changes what DeepSpeed runs (the
+# first test proves it with DeepSpeed's own parser), so the summary would describe another run.
+CHANGING = [
+    ({"bf16": {"enabled": True}}, "bf16", "train.precision"),
+    ({"bfloat16": {"enabled": True}}, "bfloat16", "train.precision: bf16"),
+    ({"fp16": {"enabled": True}}, "fp16", "train.precision"),
+    ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast", "train.precision"),
+    ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types", "train.precision"),
+    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage", "train.zero_stage"),
+    ({"zero_optimization": {"cpu_offload": True}}, "zero_optimization.cpu_offload", "train.offload_optimizer"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer",
+     "train.offload_optimizer"),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "optimizer", "train.lr"),
+    ({"zero_allow_untested_optimizer": True}, "zero_allow_untested_optimizer", "train.lr"),
+    ({"zero_force_ds_cpu_optimizer": False}, "zero_force_ds_cpu_optimizer", "train.offload_optimizer"),
+    ({"scheduler": {"type": "WarmupLR"}}, "scheduler", "train.lr_schedule"),
+    ({"train_batch_size": 8, "gradient_accumulation_steps": 4}, "train_batch_size", "train.global_batch_size"),
+    ({"train_micro_batch_size_per_gpu": 4, "train_batch_size": 8}, "train_micro_batch_size_per_gpu",
+     "train.micro_batch_size"),
+    ({"gradient_accumulation_steps": 1, "train_batch_size": 2}, "gradient_accumulation_steps",
+     "train.grad_accum_steps"),
+    ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation", "train.grad_accum_steps"),
+    ({"gradient_clipping": 0.0}, "gradient_clipping", "train.grad_clip"),
+    ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op", None),  # None: no key replaces it
+]
+
+
+@pytest.mark.parametrize("extra,key,use", CHANGING, ids=[c[1] for c in CHANGING])
+def test_deepspeed_keys_that_change_what_trains_are_refused_naming_the_key_to_use(extra, key, use):
+    assert _deepspeed_sees(extra) != _deepspeed_sees({}), f"DeepSpeed reads {key}: it changes what runs"
+    settings = TrainSettings(gpus=1, device="cpu", comm_backend="gloo", precision="fp32", deepspeed=extra)
+    with pytest.raises(ConfigError) as caught:
+        check_settings(settings)
+    message = str(caught.value)
+    assert message.startswith("train.deepspeed sets what the pipeline owns: ")
+    assert (f"train.deepspeed.{key}: set {use}" if use else f"train.deepspeed.{key}: remove it (") in message
+
+
+def test_zero_optimization_as_a_switch_or_a_number_is_refused_not_run_as_stage_one():
+    assert _deepspeed_sees({"zero_optimization": True})["stage"] == 1, "DeepSpeed's old switch: ZeRO-1, not 2"
+    for value, spelled in ((True, "true"), (False, "false"), (2, "2"), ("2", '"2"')):
+        settings = TrainSettings(gpus=1, device="cpu", comm_backend="gloo", precision="fp32", zero_stage=2,
+                                 deepspeed={"zero_optimization": value})
+        with pytest.raises(ConfigError, match=rf"train.deepspeed.zero_optimization: {spelled} is not a mapping "
+                                              r"\(DeepSpeed reads true as ZeRO stage 1\): set train.zero_stage"):
+            check_settings(settings)
+
+
+def test_the_deprecated_and_parallel_layout_keys_are_refused_too():
+    for extra, key, fix in (
+            ({"amp": {"enabled": True}}, "amp", "set train.precision"),
+            ({"zero_optimization": {"cpu_offload_param": True}}, "zero_optimization.cpu_offload_param",
+             "set train.offload_param"),
+            ({"zero_optimization": {"cpu_offload_use_pin_memory": True}},
+             "zero_optimization.cpu_offload_use_pin_memory", "set train.offload_optimizer"),
+            ({"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow",
+             "remove it (ZenFlow skips"),
+            ({"sequence_parallel_size": 2}, "sequence_parallel_size", "remove it (the pipeline trains data-parallel"),
+            ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel", "remove it (the pipeline trains"),
+            ({"expert_parallel": {"enabled": True}}, "expert_parallel", "remove it (the pipeline trains"),
+            ({"checkpoint": {"load_universal": True}}, "checkpoint", "set train.allow_reshape"),
+            ({"comms_logger": {"enabled": False}}, "comms_logger", "remove it (the pipeline's communication")):
+        settings = TrainSettings(gpus=1, device="cpu", comm_backend="gloo", precision="fp32", deepspeed=extra)
+        with pytest.raises(ConfigError) as caught:
+            check_settings(settings)
+        assert f"train.deepspeed.{key}: {fix}" in str(caught.value)
+
+
+def test_tuning_keys_pass_and_leave_precision_stage_optimizer_and_batch_as_configured():
+    tuning = {"zero_optimization": {"reduce_bucket_size": 1000, "allgather_bucket_size": 1000,
+                                    "stage3_prefetch_bucket_size": 1000},
+              "communication_data_type": "fp32", "flops_profiler": {"enabled": False},
+              "csv_monitor": {"enabled": False}, "wall_clock_breakdown": False}
+    check_settings(TrainSettings(gpus=1, device="cpu", comm_backend="gloo", precision="fp32", deepspeed=tuning))
+    assert _deepspeed_sees(tuning) == _deepspeed_sees({})
+    # the schema's description names the spellings refused
+    description = yaml.safe_load((ROOT / "schemas" / "config.schema.yaml").read_text())[
+        "properties"]["train"]["properties"]["deepspeed"]["description"]
+    for key in ("bfloat16", "torch_autocast", "data_types", "zero_optimization: true"):
+        assert key in description
+
+
+RAN_SCRIPT = """
+import json, os, sys
+os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[1])
+import deepspeed
+from pretrain_bench.engines import DeepSpeedEngine
+from pretrain_bench.model import build_model, resolve_shape
+from pretrain_bench.settings import TrainSettings, _merge, deepspeed_config
+deepspeed.init_distributed(dist_backend="gloo")
+settings = TrainSettings.from_config({"zero_stage": 2, "micro_batch_size": 2, "grad_accum_steps": 3, "gpus": 1,
+                                      "device": "cpu", "comm_backend": "gloo", "precision": "fp32", "max_steps": 4,
+                                      "warmup_steps": 1})
+# what the refusals stop at plan time, forced past them here: the engine reports what DeepSpeed parsed
+config = _merge(deepspeed_config(settings, "cpu", 4), json.loads(sys.argv[2]))
+engine = DeepSpeedEngine(build_model(resolve_shape("tiny", {}, 512), 32, 1234), settings, config, 4)
+print(json.dumps(engine.ran()))
+"""
+
+
+def test_the_summary_fields_are_read_back_from_the_engine_that_ran():
+    """summary.json's precision, zero_stage and batch come from DeepSpeed's parsed config (DeepSpeedEngine.ran),
+    so a key that got past the refusals shows as it ran, not as train.* says."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "workflow_scripts")}
+    runs = {}
+    for port, extra in ((29721, {}), (29722, {"bfloat16": {"enabled": True}, "zero_optimization": True})):
+        proc = subprocess.run([sys.executable, "-c", RAN_SCRIPT, str(port), json.dumps(extra)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[port] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs[29721] == {"precision": "fp32", "zero_stage": 2, "micro_batch_size": 2, "grad_accum_steps": 3,
+                           "global_batch_size": 6}
+    assert runs[29722]["precision"] == "bf16" and runs[29722]["zero_stage"] == 1

@@ -7,10 +7,11 @@ no torch to see what a checkpoint holds, and lists every file with its size and 
 
 Integrity: every file a rank saves goes through `CheckpointWriter`, which hashes the bytes as they are written (never
 read back) and fsyncs the file; the marker is written, fsynced and its folder fsynced last. Before a resume,
-`newest_verified` checks the newest checkpoint: sizes plus a sampled hash (SAMPLE_BYTES at every SAMPLE_STRIDE
-bytes, about 1/64 of the data, so verifying a 7B checkpoint does not double the resume time), or every byte against
-the full sha256 with `train.verify_checkpoints: full`. A damaged checkpoint is renamed aside (`step<N>.damaged`) and
-the run falls back to the newest one that verifies.
+`newest_verified` checks the newest checkpoint: by default every byte of every file against the sha256 recorded at
+save time (`train.verify_checkpoints: full`, files hashed in parallel), so nothing a resume loads has changed since it
+was saved. `sampled` is the cheaper opt-out: sizes plus a hash of SAMPLE_BYTES at every SAMPLE_STRIDE bytes (about
+1/64 of the data), which misses damage between the sampled windows. A damaged checkpoint is renamed aside
+(`step<N>.damaged`) and the run falls back to the newest one that verifies.
 """
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from .config_types import schema_default
 
 MARKER = "COMMITTED.json"
 _TAG = re.compile(r"^step(\d+)$")
@@ -28,7 +32,7 @@ _TAG = re.compile(r"^step(\d+)$")
 # whole; a 30 GB optimizer shard costs 480 MB of reads. Truncation is caught by the size, whatever the sample.
 SAMPLE_BYTES = 1 << 20
 SAMPLE_STRIDE = 64 << 20
-VERIFY_MODES = ("sampled", "full")
+VERIFY_MODES = ("full", "sampled")  # train.verify_checkpoints; its default is in schemas/config.schema.yaml
 
 
 class CheckpointError(RuntimeError):
@@ -117,6 +121,11 @@ def digest_file(path: Path) -> dict:
                 sampled.update(chunk[start - size:stop - size])
             size += len(chunk)
     return {"size": size, "sha256": full.hexdigest(), "sampled_sha256": sampled.hexdigest()}
+
+
+def _full_digest(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _sampled_digest(path: Path, size: int) -> str:
@@ -237,9 +246,25 @@ def read_marker(root: Path, step: int) -> dict:
     return marker
 
 
-def verify(root: Path, step: int, mode: str = "sampled") -> dict:
-    """Check checkpoint `step` against its marker: every file present with its size and its sampled sha256 (or, with
-    mode 'full', its whole sha256). Returns the marker; raises CheckpointError naming every bad file."""
+def _file_problem(path: Path, record: dict, mode: str) -> str | None:
+    """What is wrong with one listed file (None when it matches its record)."""
+    if not path.is_file():
+        return f"{path} is missing"
+    size = path.stat().st_size
+    if size != record["size"]:
+        return f"{path} has {size:,} bytes, {record['size']:,} were saved"
+    if mode == "full" and _full_digest(path) != record["sha256"]:
+        return f"{path} does not match the sha256 recorded when it was saved"
+    if mode == "sampled" and _sampled_digest(path, size) != record["sampled_sha256"]:
+        return f"{path} does not match the sampled sha256 recorded when it was saved"
+    return None
+
+
+def verify(root: Path, step: int, mode: str | None = None) -> dict:
+    """Check checkpoint `step` against its marker: every file present with its size and its whole sha256 (mode
+    'full'), or its sampled sha256 (mode 'sampled'). Returns the marker; raises CheckpointError naming every bad
+    file. No mode: train.verify_checkpoints' default."""
+    mode = mode or schema_default("train", "verify_checkpoints")
     if mode not in VERIFY_MODES:
         raise ValueError(f"checkpoint verification mode {mode!r} is not one of {list(VERIFY_MODES)}")
     marker = read_marker(root, step)
@@ -247,19 +272,10 @@ def verify(root: Path, step: int, mode: str = "sampled") -> dict:
     files = marker.get("files")
     if files is None:
         return marker  # committed before markers listed their files: nothing to verify against
-    problems = []
-    for name, record in sorted(files.items()):
-        path = folder / name
-        if not path.is_file():
-            problems.append(f"{path} is missing")
-            continue
-        size = path.stat().st_size
-        if size != record["size"]:
-            problems.append(f"{path} has {size:,} bytes, {record['size']:,} were saved")
-        elif mode == "full" and digest_file(path)["sha256"] != record["sha256"]:
-            problems.append(f"{path} does not match the sha256 recorded when it was saved")
-        elif mode == "sampled" and _sampled_digest(path, size) != record["sampled_sha256"]:
-            problems.append(f"{path} does not match the sampled sha256 recorded when it was saved")
+    # hashlib releases the GIL while hashing, so threads hash one file per core: the ranks' shards in parallel
+    with ThreadPoolExecutor(max_workers=max(1, min(len(files), os.cpu_count() or 1))) as pool:
+        found = pool.map(lambda item: _file_problem(folder / item[0], item[1], mode), sorted(files.items()))
+        problems = [problem for problem in found if problem]
     if problems:
         raise CheckpointError(f"checkpoint {folder} is damaged: {'; '.join(problems)}")
     return marker
@@ -277,7 +293,7 @@ def set_aside(root: Path, step: int) -> Path:
     return target
 
 
-def newest_verified(root: Path, mode: str = "sampled", warn=print) -> int | None:
+def newest_verified(root: Path, mode: str | None = None, warn=print) -> int | None:
     """The newest committed checkpoint that verifies (None when there is none at all).
 
     Newer ones that fail are set aside with a warning naming the bad file. When none verifies nothing is moved and

@@ -6,6 +6,7 @@ The Trainer's loop knows only this interface; each engine wraps the same model, 
     engine.backward(loss) backward of one micro-step (the engine scales for gradient accumulation)
     engine.step()         end of one micro-step; the optimizer steps at the accumulation boundary
     engine.lr(), engine.grad_norm(), engine.skipped_steps, engine.loss_scale()
+    engine.ran()          precision, ZeRO stage and batch as the engine runs them (for the summary)
     engine.save(folder, writer, client_state) / engine.load(folder, rank, reshape)
     engine.eval() / engine.train()
 
@@ -155,6 +156,17 @@ class DeepSpeedEngine:
     def loss_scale(self) -> float | None:
         return number(getattr(self.engine.optimizer, "cur_scale", None) if self.settings.precision == "fp16" else None)
 
+    def ran(self) -> dict:
+        """Precision, ZeRO stage and batch as DeepSpeed parsed them from the merged ds_config (train.deepspeed
+        included): what the summary reports, so it cannot disagree with what ran."""
+        engine = self.engine
+        precision = "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"
+        if engine.torch_autocast_enabled():
+            precision += f"+autocast({str(engine.torch_autocast_dtype()).removeprefix('torch.')})"
+        return {"precision": precision, "zero_stage": int(engine.zero_optimization_stage()),
+                "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
+                "grad_accum_steps": engine.gradient_accumulation_steps(), "global_batch_size": engine.train_batch_size()}
+
     def save(self, folder: Path, writer, client_state: dict) -> None:
         """Every file DeepSpeed writes goes through `writer` (hashed while written)."""
         engine = self.engine
@@ -263,6 +275,12 @@ class TorchEngine:
 
     def loss_scale(self) -> float | None:
         return float(self.scaler.get_scale()) if self.scaler is not None else None
+
+    def ran(self) -> dict:
+        """Precision, ZeRO-equivalent stage and batch: this engine takes them from the settings and nothing else."""
+        s = self.settings
+        return {"precision": s.precision, "zero_stage": s.zero_stage, "micro_batch_size": s.micro_batch_size,
+                "grad_accum_steps": s.grad_accum_steps, "global_batch_size": s.derived_global_batch}
 
     def engine_state(self) -> dict:
         return {"scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps,

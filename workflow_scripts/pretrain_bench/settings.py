@@ -5,9 +5,11 @@ starts, and the launcher can repeat the checks once it knows the real device.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields
 
+from .checkpoint import VERIFY_MODES
 from .config_types import default_field
 
 
@@ -104,36 +106,68 @@ class TrainSettings:
         return values
 
 
-# ds_config keys the pipeline sets from its own config keys (or needs for its measurements): train.deepspeed may not
-# set them, and the error names the key to use instead. A nested key is "parent.child".
+# ds_config keys that decide what trains (precision, ZeRO stage and offload, optimizer and schedule, batch, the
+# gradient's reduction) or that the pipeline needs for its own measurements, in every spelling DeepSpeed 0.19.8 reads
+# (deepspeed/runtime/config.py, precision_config.py, zero/config.py): train.deepspeed may not set them, and the error
+# names the pipeline key to use instead, so summary.json's precision, zero_stage and batch are what ran. A nested
+# key is "parent.child".
+_PRECISION = "train.precision"
+_DATA_PARALLEL = "nothing: the pipeline trains data-parallel over all train.gpus × train.nodes ranks"
 OWNED_DEEPSPEED_KEYS = {
     "train_batch_size": "train.global_batch_size (or micro_batch_size × grad_accum_steps × ranks)",
     "train_micro_batch_size_per_gpu": "train.micro_batch_size",
     "gradient_accumulation_steps": "train.grad_accum_steps",
+    "managed_gradient_accumulation": "train.grad_accum_steps (the engine accumulates its micro-steps itself)",
     "gradient_clipping": "train.grad_clip",
     "optimizer": "train.lr, train.weight_decay, train.adam_betas and train.adam_eps",
+    "zero_allow_untested_optimizer": "train.lr, train.weight_decay, train.adam_betas and train.adam_eps (the "
+                                     "optimizer is the pipeline's AdamW)",
+    "zero_force_ds_cpu_optimizer": "train.offload_optimizer (DeepSpeed's CPU Adam runs with it)",
     "scheduler": "train.lr_schedule, train.warmup_steps, train.min_lr and train.decay_fraction",
-    "fp16": "train.precision",
-    "bf16": "train.precision",
-    "amp": "train.precision",
+    "fp16": _PRECISION + " (fp16, bf16 or fp32)",
+    "bf16": _PRECISION + " (fp16, bf16 or fp32)",
+    "bfloat16": _PRECISION + ": bf16 (bfloat16 is DeepSpeed's older name of bf16)",
+    "amp": _PRECISION,
+    "torch_autocast": _PRECISION + " (the DDP and FSDP engines train bf16/fp16 through autocast)",
+    "data_types": _PRECISION + " (data_types sets the gradient-accumulation and parameter dtypes)",
+    "gradient_allreduce_op": "nothing: every engine averages gradients over the ranks",
     "zero_optimization.stage": "train.zero_stage",
     "zero_optimization.offload_optimizer": "train.offload_optimizer (and train.nvme_path)",
     "zero_optimization.offload_param": "train.offload_param (and train.nvme_path)",
+    "zero_optimization.cpu_offload": "train.offload_optimizer (cpu_offload is DeepSpeed's older name of it)",
+    "zero_optimization.cpu_offload_param": "train.offload_param (cpu_offload_param is DeepSpeed's older name of it)",
+    "zero_optimization.cpu_offload_use_pin_memory": "train.offload_optimizer / train.offload_param",
+    "zero_optimization.zenflow": "nothing: ZenFlow skips and delays optimizer updates of the pipeline's AdamW",
+    "tensor_parallel": _DATA_PARALLEL,
+    "sequence_parallel_size": _DATA_PARALLEL,
+    "expert_parallel": _DATA_PARALLEL,
     "activation_checkpointing": "train.activation_checkpointing",
     "comms_logger": "nothing: the pipeline's communication share (summary comm_fraction) is measured with it",
     "checkpoint": "train.allow_reshape",
 }
 
 
+def _instead(key: str) -> str:
+    """'train.deepspeed.<key>: set <pipeline key> instead' (or 'remove it (<why>)' where no key replaces it)."""
+    use = OWNED_DEEPSPEED_KEYS[key]
+    return f"train.deepspeed.{key}: " + (f"remove it ({use.removeprefix('nothing: ')})" if use.startswith("nothing: ")
+                                         else f"set {use} instead")
+
+
 def owned_deepspeed_keys(extra: dict) -> list[str]:
-    """The keys of a train.deepspeed mapping that the pipeline owns, as "train.deepspeed.<key>: use <key>" texts."""
+    """The keys of a train.deepspeed mapping that the pipeline owns, as "train.deepspeed.<key>: set <key> instead"
+    texts."""
     found = []
     for key, value in extra.items():
         if key in OWNED_DEEPSPEED_KEYS:
-            found.append(f"train.deepspeed.{key}: set {OWNED_DEEPSPEED_KEYS[key]} instead")
+            found.append(_instead(key))
+        elif key == "zero_optimization" and not isinstance(value, dict):
+            # DeepSpeed reads `true` as ZeRO stage 1 (and a number as nothing it can parse)
+            found.append(f"train.deepspeed.zero_optimization: {json.dumps(value)} is not a mapping (DeepSpeed reads true as "
+                         f"ZeRO stage 1): set train.zero_stage instead, and tune ZeRO in a mapping "
+                         f"(zero_optimization: {{reduce_bucket_size: ...}})")
         elif isinstance(value, dict):
-            found += [f"train.deepspeed.{key}.{child}: set {OWNED_DEEPSPEED_KEYS[f'{key}.{child}']} instead"
-                      for child in value if f"{key}.{child}" in OWNED_DEEPSPEED_KEYS]
+            found += [_instead(f"{key}.{child}") for child in value if f"{key}.{child}" in OWNED_DEEPSPEED_KEYS]
     return found
 
 
@@ -186,8 +220,8 @@ def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | N
             f"= {s.derived_global_batch}: {hint}"
         )
     check_engine(s)
-    if s.verify_checkpoints not in ("sampled", "full"):
-        raise ConfigError(f"train.verify_checkpoints {s.verify_checkpoints!r} is not sampled or full")
+    if s.verify_checkpoints not in VERIFY_MODES:
+        raise ConfigError(f"train.verify_checkpoints {s.verify_checkpoints!r} is not one of {list(VERIFY_MODES)}")
     if s.offload_param != "none" and s.zero_stage != 3:
         raise ConfigError(f"train.offload_param={s.offload_param} needs train.zero_stage 3 (got {s.zero_stage})")
     if s.offload_optimizer != "none" and s.zero_stage == 0:

@@ -249,8 +249,10 @@ class Trainer:
         except (OSError, RuntimeError, ValueError, KeyError, EOFError) as error:
             raise ckpt.CheckpointError(
                 f"loading checkpoint {ckpt_root / tag} failed on rank {rank}: {type(error).__name__}: {error}. Its "
-                f"files passed the {self.settings.verify_checkpoints} check; set train.verify_checkpoints: full to "
-                "find a damaged file, or move the folder aside to resume from the checkpoint before it") from error
+                f"files passed the {self.settings.verify_checkpoints} check"
+                + ("" if self.settings.verify_checkpoints == "full" else
+                   "; set train.verify_checkpoints: full to find a damaged file")
+                + ", or move the folder aside to resume from the checkpoint before it") from error
         # The loader position is global (samples consumed), so it carries over to another world size.
         self.batches.load_state_dict(self.marker["loader"], **({"allow_reshape": True} if self.reshape else {}))
         self.start_step = self.resumed_from = self.last_saved = step
@@ -405,11 +407,13 @@ class Trainer:
         peak_flops, peak_source = self.peak["flops_per_rank"], self.peak["source"]
         return {
             "name": plan.name, "role": plan.role, "engine": settings.engine,
-            "world_size": world, "nodes": settings.nodes, "device": self.device, "zero_stage": settings.zero_stage,
+        ran = self.engine.ran()  # precision, ZeRO stage and batch as the engine parsed them, train.deepspeed included
+            "world_size": world, "nodes": settings.nodes, "device": self.device, "zero_stage": ran["zero_stage"],
             "offload_optimizer": settings.offload_optimizer, "offload_param": settings.offload_param,
-            "precision": settings.precision, "comm_backend": settings.comm_backend,
-            "micro_batch_size": settings.micro_batch_size, "grad_accum_steps": settings.grad_accum_steps,
-            "global_batch_size": settings.derived_global_batch, "seq_len": self.seq_len,
+            "precision": ran["precision"], "comm_backend": settings.comm_backend,
+            "micro_batch_size": ran["micro_batch_size"], "grad_accum_steps": ran["grad_accum_steps"],
+            "global_batch_size": ran["global_batch_size"], "seq_len": self.seq_len,
+            "deepspeed_overrides": settings.deepspeed,  # train.deepspeed, as merged into ds_config.json
             "steps": self.total_steps, "tokens_per_step": self.tokens_per_step,
             "tokens": self.total_steps * self.tokens_per_step,
             "tokens_per_s": tokens_per_s, "step_time_s": steady["step_time_s"],
