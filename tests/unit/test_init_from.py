@@ -106,3 +106,96 @@ def test_an_hf_model_is_fetched_once_per_process(monkeypatch, hf_folder):
         assert calls == [("some-org/some-model", "v1.0")]
     finally:
         model._hf_snapshot.cache_clear()
+
+
+# --- checked before launch: the plan rule refuses weights that are missing or do not fit their config.json ---
+
+def copy_folder(source: Path, target: Path, skip=()) -> Path:
+    import shutil
+
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns(*skip))
+    return target
+
+
+def plan_with_init_from(folder: Path, tmp_path: Path):
+    """make_plan, as rule plan_pretrain calls it, for a tiny CPU run continuing from `folder`."""
+    import json
+
+    import yaml
+
+    from pretrain_bench.plan import make_plan, plan_config
+
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    for key, value in yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text()).items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    config["model"] = {**config["model"], "init_from": str(folder), "seq_len": 64}
+    index = tmp_path / "index.json"
+    index.write_text(json.dumps({"vocab_size": 300, "splits": {"val": {"shards": [{"tokens": 10**6}]}}}))
+    return make_plan(plan_config(config), index=index, tokenizer=folder, out_dir=tmp_path / "out",
+                     state_dir=tmp_path / "state")
+
+
+def test_plan_records_weights_that_fit_and_reads_only_their_headers(hf_folder, tmp_path):
+    folder = copy_folder(hf_folder, tmp_path / "model")
+    weights = folder / "model.safetensors"
+    header = 8 + int.from_bytes(weights.read_bytes()[:8], "little")
+    with open(weights, "r+b") as handle:  # every byte of every tensor overwritten, the header left as it was
+        handle.seek(header)
+        handle.write(b"\xff" * (weights.stat().st_size - header))
+    plan = plan_with_init_from(folder, tmp_path)
+    assert plan.init_from["weight_files"] == ["model.safetensors"] and plan.init_from["path"] == str(folder)
+
+
+def test_missing_weights_are_refused_at_plan_time_naming_the_folder(hf_folder, tmp_path):
+    folder = copy_folder(hf_folder, tmp_path / "model", skip=("*.safetensors",))
+    with pytest.raises(InitFromError) as error:
+        plan_with_init_from(folder, tmp_path)
+    assert f"model.init_from {folder}: no weights there (neither model.safetensors nor " \
+           "model.safetensors.index.json)" in str(error.value)
+
+
+def test_pickled_weights_are_refused_with_the_command_that_converts_them(hf_folder, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = copy_folder(hf_folder, tmp_path / "model", skip=("*.safetensors",))
+    # how older transformers versions saved a model (the current one writes safetensors only)
+    torch.save(AutoModelForCausalLM.from_pretrained(hf_folder).state_dict(), folder / "pytorch_model.bin")
+    with pytest.raises(InitFromError) as error:
+        plan_with_init_from(folder, tmp_path)
+    message = str(error.value)
+    assert f"model.init_from {folder}: its weights are PyTorch pickles (pytorch_model.bin)" in message
+    assert f"save_pretrained('{folder}', safe_serialization=True)" in message
+
+
+def test_a_sharded_model_missing_a_shard_is_refused_naming_it(hf_folder, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = copy_folder(hf_folder, tmp_path / "model", skip=("*.safetensors",))
+    AutoModelForCausalLM.from_pretrained(hf_folder).save_pretrained(folder, max_shard_size="100KB")
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (folder / "model.safetensors.index.json").is_file()
+    assert plan_with_init_from(folder, tmp_path).init_from["weight_files"] == [s.name for s in shards]
+    shards[1].unlink()
+    with pytest.raises(InitFromError) as error:
+        plan_with_init_from(folder, tmp_path)
+    assert f"model.init_from {folder}: model.safetensors.index.json lists {len(shards)} weight file(s) and " \
+           f"['{shards[1].name}'] is not there" in str(error.value)
+
+
+def test_weights_whose_shapes_disagree_with_config_json_are_refused_at_plan_time(hf_folder, tmp_path):
+    import json
+
+    folder = copy_folder(hf_folder, tmp_path / "model")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 128, "num_hidden_layers": 6}))
+    with pytest.raises(InitFromError) as error:
+        plan_with_init_from(folder, tmp_path)
+    message = str(error.value)
+    assert f"model.init_from {folder}: its weights do not fit the model its config.json describes (6 layers" in message
+    assert "model.safetensors: model.layers.0.mlp.gate_proj.weight has shape [96, 64], the model [128, 64]" in message
+    assert "the weights lack 9 tensor(s) of the model, e.g. ['model.layers.5.self_attn.q_proj.weight'" in message
+    assert "Use the config.json these weights were saved with" in message
+    # the same rules when the ranks load them
+    shape = model_shape({"preset": "tiny", "init_from": str(folder)}, 300)
+    with pytest.raises(InitFromError, match="gate_proj.weight has shape"):
+        load_pretrained(build_model(shape, 64, seed=0), folder)

@@ -123,7 +123,7 @@ def test_a_cpu_run_short_of_ram_recomputes_activations():
 def test_plan_records_asked_and_chosen(tmp_path, no_gpu):
     config = default_config()
     index = tmp_path / "index.json"
-    index.write_text(json.dumps({"vocab_size": 102400}))
+    index.write_text(json.dumps({"vocab_size": 102400, "splits": {"val": {"shards": [{"tokens": 10**7}]}}}))
     plan = make_plan(plan_config(config), index=index, tokenizer=tmp_path, out_dir=tmp_path / "o",
                      state_dir=tmp_path / "state")
     assert plan.train["offload_optimizer"] == "cpu" and plan.memory_fit["asked"]["offload_optimizer"] == "none"

@@ -161,7 +161,7 @@ def test_make_plan_runs_the_guard_before_anything_else(tmp_path, no_gpu):
     config = default_config()
     config["train"]["memory_fit"] = "strict"
     index = tmp_path / "index.json"
-    index.write_text(json.dumps({"vocab_size": 102400}))
+    index.write_text(json.dumps({"vocab_size": 102400, "splits": {"val": {"shards": [{"tokens": 10**7}]}}}))
     with pytest.raises(ConfigError, match="pre-flight: the pretrain run is predicted not to fit"):
         make_plan(config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "out", state_dir=tmp_path / "state")
     config["train"].update(zero_stage=3, offload_optimizer="cpu")

@@ -20,7 +20,7 @@ def plan_file(tmp_path, monkeypatch):
     monkeypatch.setattr(devices, "nvidia_smi_memory", lambda: [])
     config = yaml.safe_load((ROOT / "config.yaml").read_text())
     index = tmp_path / "index.json"
-    index.write_text(json.dumps({"vocab_size": 102400}))
+    index.write_text(json.dumps({"vocab_size": 102400, "splits": {"val": {"shards": [{"tokens": 10**7}]}}}))
     plan = make_plan(plan_config(config), index=index, tokenizer=tmp_path, out_dir=tmp_path / "out",
                      state_dir=tmp_path / "state", peak={"peak_flops": 2e12, "peak_source": "measured"})
     path = tmp_path / "plan.json"
@@ -62,3 +62,90 @@ def test_a_plan_file_missing_or_adding_a_field_is_refused_by_name(plan_file, cha
     with pytest.raises(ConfigError) as error:
         Plan.from_json(path)
     assert str(path) in str(error.value) and named in str(error.value)
+
+
+# --- refused before launch, naming the key and the fix ---
+
+def dry_run(name: str, tmp_path: Path):
+    """`snakemake -n` on the tiny config under another name, as a user starts it."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "2", "--resources", "gpu=3",
+                           "--configfile", "config/tiny-cpu.yaml", "--config", f"name={name}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_a_name_too_long_for_the_file_system_is_refused_by_validation(tmp_path):
+    name = "run-" + "0123456789abcdef" * 18 + "x"  # 293 characters: results/<name> would fail with ENAMETOOLONG
+    proc = dry_run(name, tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "Error validating config file." in output and f"'{name}' is too long" in output
+    assert "Failed validating 'maxLength' in schema['properties']['name']" in output
+    assert "1 to 128" in output and "'maxLength': 128" in output, "the error says what the name may be"
+    with pytest.raises(OSError, match="File name too long"):  # what the run would have met, in its first job
+        (tmp_path / "results" / name).mkdir(parents=True)
+
+
+def test_every_path_built_from_the_longest_name_allowed_can_be_created(tmp_path):
+    import re
+
+    name = "run-" + "0123456789abcdef" * 8 + "x" * 124  # 128 characters, not a repetition of one piece
+    name = name[:128]
+    proc = dry_run(name, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    paths = set(re.findall(rf"(?:results|logs|benchmarks)/{re.escape(name)}/[^\s,]+", proc.stdout + proc.stderr))
+    assert any("/bench/" in p and "/rep1/" in p for p in paths) and any("/export/step" in p for p in paths)
+    for path in paths:  # each as a file under a real folder: ENAMETOOLONG would raise here
+        target = tmp_path / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.touch()
+        # what tools write beside a file or folder: a temporary copy (io.atomic_write_json) and a set-aside copy
+        target.with_name(f"{target.name}.{2 ** 22}-{'f' * 8}.tmp").touch()
+        target.with_name(f"{target.name}.damaged99").touch()
+
+
+def val_index(tmp_path: Path, tokens: int) -> Path:
+    """A shards index whose val split holds `tokens` tokens, with the file it lists."""
+    import numpy as np
+
+    (tmp_path / "val-00000.bin").write_bytes(np.arange(tokens, dtype=np.uint16).tobytes())
+    index = tmp_path / "index.json"
+    index.write_text(json.dumps({"dtype": "uint16", "eos_id": 0, "pad_id": 1, "vocab_size": 4096, "seq_len": 128,
+                                 "splits": {"val": {"shards": [{"file": "val-00000.bin", "tokens": tokens}]}}}))
+    return index
+
+
+def tiny_plan(tmp_path: Path, index: Path, **train):
+    from support import tiny_config
+
+    config = tiny_config("plan-test")
+    config["train"] = {**config["train"], **train}
+    return make_plan(plan_config(config), index=index, tokenizer=tmp_path, out_dir=tmp_path / "out",
+                     state_dir=tmp_path / "state")
+
+
+def test_a_val_split_too_small_for_eval_every_is_refused_at_plan_time(tmp_path, monkeypatch):
+    from pretrain_bench.heldout import HeldOutSlice
+
+    monkeypatch.setattr(devices, "nvidia_smi_memory", lambda: [])
+    index = val_index(tmp_path, 2 * 128 + 1)  # 2 samples for 3 ranks
+    with pytest.raises(ConfigError) as error:
+        tiny_plan(tmp_path, index)  # the tiny config: eval_every 20, eval_tokens 6144 (48 samples), 3 ranks
+    assert str(error.value) == (
+        f"train.eval_every: the val split of {index} holds 257 tokens, 2 sample(s) of 128+1 tokens (model.seq_len "
+        "128); an evaluation needs 48 (6,145 tokens: train.eval_tokens 6,144 over 3 rank(s), at least one sample "
+        "per rank). Raise corpus.val_fraction (or the corpus size), lower train.gpus (one val sample per rank is "
+        "the least an evaluation takes), or set train.eval_every: null")
+    assert tiny_plan(tmp_path, index, eval_every=None).train["eval_every"] is None
+
+    index = val_index(tmp_path, 10 * 128 + 1)  # 10 samples: 9 for 3 ranks, not the 48 asked for
+    with pytest.raises(ConfigError, match=r"holds 1,281 tokens, 10 sample\(s\) .* lower train.eval_tokens to at "
+                                          r"most 1,152, or set train.eval_every: null"):
+        tiny_plan(tmp_path, index)
+    assert tiny_plan(tmp_path, index, eval_tokens=1152).train["eval_tokens"] == 1152
+    # the ranks count with the same function: what the plan accepts, they take; what it refuses, they would too
+    assert HeldOutSlice(index, 128, rank=0, world_size=3, eval_tokens=1152).samples == 9
+    with pytest.raises(ConfigError, match="lower train.eval_tokens to at most 1,152"):
+        HeldOutSlice(index, 128, rank=0, world_size=3, eval_tokens=6144)

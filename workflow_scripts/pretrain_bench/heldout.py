@@ -1,7 +1,8 @@
 """Held-out loss during training (train.eval_every): a fixed slice of the val shards, split over all ranks.
 
 The slice is the same at every evaluation, so the curve compares like with like: `eval_tokens // seq_len` val samples
-(rounded down to a multiple of the ranks, at least one per rank) chosen evenly spaced over the split exactly as
+(rounded down to a multiple of the ranks, at least one per rank; a val split with fewer is refused when the run is
+planned, see `heldout_samples`) chosen evenly spaced over the split exactly as
 `evaluation.eval_sample_indices` chooses the samples of a checkpoint's evaluation; rank r takes every world-th one
 from r. Every rank runs the same number of forward passes, which ZeRO-3's parameter gathers need.
 """
@@ -15,6 +16,26 @@ import torch.nn.functional as F
 
 from .evaluation import eval_sample_indices
 from .loader import PackedTokens
+from .settings import ConfigError
+
+
+def heldout_samples(val_tokens: int, seq_len: int, world_size: int, eval_tokens: int, index_path: Path) -> int:
+    """Val samples one evaluation takes over all ranks: eval_tokens // seq_len, rounded down to a multiple of the
+    ranks, at least one per rank. Raises ConfigError when the val split of `index_path` holds fewer, naming its size,
+    what is needed and the keys that change either; the plan rule calls this before launch, with the same numbers
+    the ranks use."""
+    available = max(0, (val_tokens - 1) // seq_len)  # samples of seq_len + 1 tokens, as loader.PackedTokens counts
+    wanted = max(world_size, eval_tokens // seq_len // world_size * world_size)
+    if wanted <= available:
+        return wanted
+    fits = available // world_size * world_size * seq_len
+    lower = (f"lower train.eval_tokens to at most {fits:,}, " if fits else
+             "lower train.gpus (one val sample per rank is the least an evaluation takes), ")
+    raise ConfigError(
+        f"train.eval_every: the val split of {index_path} holds {val_tokens:,} tokens, {available} sample(s) of "
+        f"{seq_len}+1 tokens (model.seq_len {seq_len}); an evaluation needs {wanted} ({wanted * seq_len + 1:,} "
+        f"tokens: train.eval_tokens {eval_tokens:,} over {world_size} rank(s), at least one sample per rank). "
+        f"Raise corpus.val_fraction (or the corpus size), {lower}or set train.eval_every: null")
 
 
 class HeldOutSlice:
@@ -23,12 +44,7 @@ class HeldOutSlice:
     def __init__(self, index_path: Path, seq_len: int, rank: int, world_size: int, eval_tokens: int):
         self.data = PackedTokens(Path(index_path), "val", seq_len)
         self.seq_len = seq_len
-        usable = self.data.num_samples // world_size * world_size
-        if usable == 0:
-            raise ValueError(f"train.eval_every: the val split of {index_path} holds {self.data.num_samples} "
-                             f"sample(s) of {seq_len}+1 tokens, fewer than the {world_size} ranks; raise "
-                             "corpus.val_fraction or set train.eval_every: null")
-        count = min(usable, max(world_size, eval_tokens // seq_len // world_size * world_size))
+        count = heldout_samples(self.data.num_tokens, seq_len, world_size, eval_tokens, index_path)
         self.samples = count  # over all ranks
         self.indices = eval_sample_indices(self.data.num_samples, seq_len, count * seq_len)[rank::world_size]
 

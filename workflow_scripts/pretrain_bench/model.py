@@ -222,6 +222,96 @@ def model_shape(model: dict, tokenizer_vocab: int | None = None, init_folder: Pa
     return shape
 
 
+# Where an HF folder keeps its weights. Only safetensors are read: their header gives every tensor's name and shape
+# without loading a byte of the weights, and loading them runs no pickled code.
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+# Tensors with a row per token: rows the model has beyond the weights' (a pad token the adopted tokenizer added) are
+# filled by load_pretrained, so fewer rows in the weights is not a mismatch.
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of an HF model folder: the shards its model.safetensors.index.json lists, else every
+    *.safetensors there; raises InitFromError naming the folder, what is missing and how to get it."""
+    folder = Path(folder)
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in names if not (folder / name).is_file()]
+        if missing:
+            raise InitFromError(f"model.init_from {folder}: {SAFETENSORS_INDEX} lists {len(names)} weight file(s) "
+                                f"and {missing[:3]} {'is' if len(missing) == 1 else 'are'} not there (an interrupted "
+                                "download or copy): fetch or copy the folder again")
+        return [folder / name for name in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickled = [name for name in PICKLED_WEIGHTS if (folder / name).is_file()]
+    if pickled:
+        raise InitFromError(
+            f"model.init_from {folder}: its weights are PyTorch pickles ({', '.join(pickled)}); only safetensors are "
+            "read. Convert them once: python -c \"from transformers import AutoModelForCausalLM as M; "
+            f"M.from_pretrained('{folder}').save_pretrained('{folder}', safe_serialization=True)\"")
+    raise InitFromError(f"model.init_from {folder}: no weights there (neither model.safetensors nor "
+                        f"{SAFETENSORS_INDEX}); point it at a folder that holds them, e.g. results/<name>/train/hf")
+
+
+def header_shapes(files: list[Path]) -> dict[str, tuple[list[int], Path]]:
+    """{tensor name: (shape, file)} from the safetensors headers alone (no weights are read)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = (list(handle.get_slice(name).get_shape()), file)
+    return shapes
+
+
+def weight_mismatches(shapes: dict[str, tuple[list[int], Path]], expected: dict[str, list[int]],
+                      tied: bool) -> list[str]:
+    """What keeps weights with these header `shapes` from loading into a model with these `expected` parameter
+    shapes (load_pretrained's rules: a tied head is the embedding, older exports' rotary buffers are recomputed,
+    the vocabulary tensors may have fewer rows than the model)."""
+    missing = [name for name in expected if name not in shapes and not (tied and name == "lm_head.weight")]
+    problems = [f"the weights lack {len(missing)} tensor(s) of the model, e.g. {missing[:3]}"] if missing else []
+    for name, (shape, file) in shapes.items():
+        if name not in expected:
+            if not (name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")):
+                problems.append(f"{file.name}: tensor {name} has no place in the model")
+            continue
+        want = list(expected[name])
+        fewer_rows = name in VOCAB_TENSORS and shape[1:] == want[1:] and shape[0] <= want[0]
+        if shape != want and not fewer_rows:
+            problems.append(f"{file.name}: {name} has shape {shape}, the model {want}")
+    return problems
+
+
+def check_init_from_weights(folder: Path, shape: ModelShape, seq_len: int) -> list[Path]:
+    """Before launch: model.init_from's weights exist, and every tensor's shape (read from the safetensors headers)
+    is the one the model described by `shape` (its config.json, as this run builds it) has; returns the weight
+    files. The model is built on torch's meta device, which allocates nothing."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    folder = Path(folder)
+    files = weight_files(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(shape, seq_len))
+    expected = {name: list(param.shape) for name, param in model.named_parameters()}
+    problems = weight_mismatches(header_shapes(files), expected, shape.tie_word_embeddings)
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise InitFromError(
+            f"model.init_from {folder}: its weights do not fit the model its config.json describes "
+            f"({shape.num_hidden_layers} layers, hidden {shape.hidden_size}, {shape.num_attention_heads} heads / "
+            f"{shape.num_key_value_heads} key-value heads, FFN {shape.intermediate_size}, vocabulary "
+            f"{shape.vocab_size}): {shown}. Use the config.json these weights were saved with (or the weights "
+            "this config.json belongs to)")
+    return files
+
+
 def load_pretrained(model, folder: Path) -> dict:
     """Copy an HF folder's safetensors weights into `model` (built with the same shape), tensor by tensor so at
     most one extra tensor is in memory; returns {'files', 'bytes', 'added_vocab_rows'}.
@@ -233,32 +323,24 @@ def load_pretrained(model, folder: Path) -> dict:
     from safetensors import safe_open
 
     folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise InitFromError(f"model.init_from {folder}: no *.safetensors weights (only safetensors are read)")
+    files = weight_files(folder)
     params = dict(model.named_parameters())  # a tied lm_head shares the embedding and is not listed
     tied = getattr(model.config, "tie_word_embeddings", False)
-    seen, added, total = set(), 0, 0
+    problems = weight_mismatches(header_shapes(files), {name: list(p.shape) for name, p in params.items()}, tied)
+    if problems:
+        raise InitFromError(f"model.init_from {folder}: " + "; ".join(problems[:5]))
+    added, total = 0, 0
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
                     if name not in params:
-                        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-                            continue  # older exports saved this buffer; it is recomputed from the config
-                        raise InitFromError(f"{file}: tensor {name} has no place in the model")
+                        continue  # a rotary buffer or a tied head (weight_mismatches allowed only those)
                     tensor, target = handle.get_tensor(name), params[name]
                     total += tensor.numel() * tensor.element_size()
-                    if name in ("model.embed_tokens.weight", "lm_head.weight") and tensor.shape[0] < target.shape[0]:
+                    if name in VOCAB_TENSORS and tensor.shape[0] < target.shape[0]:
                         added = target.shape[0] - tensor.shape[0]
                         target[tensor.shape[0]:] = tensor.float().mean(0).to(target.dtype)
                         target = target[:tensor.shape[0]]
-                    if tensor.shape != target.shape:
-                        raise InitFromError(f"{file}: {name} has shape {list(tensor.shape)}, the model "
-                                            f"{list(target.shape)}")
                     target.copy_(tensor.to(target.dtype))
-                    seen.add(name)
-    missing = [name for name in params if name not in seen and not (tied and name == "lm_head.weight")]
-    if missing:
-        raise InitFromError(f"model.init_from {folder}: the weights lack {missing[:5]}")
     return {"files": [file.name for file in files], "bytes": total, "added_vocab_rows": added}

@@ -140,6 +140,8 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
                                    state_dir=str(state_dir) if save_checkpoints else None)
     check_settings(settings)
     model = config["model"]
+    if settings.eval_every:
+        check_val_split(index_data, Path(index), model["seq_len"], settings)
     device = resolve_device_cheaply(settings.device)  # nvidia-smi at most once
     return Plan(
         name=config["name"],
@@ -150,7 +152,8 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
         model={"preset": model["preset"], "seq_len": model["seq_len"], "overrides": model.get("overrides") or {},
                "init_from": model.get("init_from")},
         # model.init_from fetched (hf://: into the HF cache) once here, so the ranks only read a local folder
-        init_from=init_from_record(model["init_from"]) if model.get("init_from") else None,
+        init_from=init_from_record(model["init_from"], model, index_data.get("vocab_size"))
+        if model.get("init_from") else None,
         data_sha256=hashlib.sha256(Path(index).read_bytes()).hexdigest(),
         paths=RunPaths(index=str(index), tokenizer=str(tokenizer), out_dir=str(out_dir), state_dir=str(state_dir),
                        manifest=str(manifest) if manifest else None),
@@ -167,14 +170,27 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
     )
 
 
-def init_from_record(uri: str) -> dict:
+def check_val_split(index_data: dict, index: Path, seq_len: int, settings: TrainSettings) -> None:
+    """train.eval_every: the val split holds the samples every evaluation takes (heldout.heldout_samples, which the
+    ranks use too), refused here, before launch, rather than inside the ranks."""
+    from .heldout import heldout_samples
+
+    val_tokens = sum(shard["tokens"] for shard in index_data["splits"]["val"]["shards"])
+    heldout_samples(val_tokens, seq_len, settings.world_size, settings.eval_tokens, index)
+
+
+def init_from_record(uri: str, model: dict, tokenizer_vocab: int | None) -> dict:
     """Where model.init_from's weights are (a local folder) and what identifies them: the hf:// commit, and a digest
-    of config.json and the weight files' names and sizes (a changed model starts a fresh run, never a resume)."""
-    from .model import init_from_folder
+    of config.json and the weight files' names and sizes (a changed model starts a fresh run, never a resume).
+
+    The weights are checked here, before launch: they exist, and each tensor's shape (from the safetensors headers)
+    is the one the model of `model` (its config.json, with the vocabulary of the tokenizer) has."""
+    from .model import check_init_from_weights, init_from_folder, model_shape
 
     folder = init_from_folder(uri, weights=True)
+    shape = model_shape(model, tokenizer_vocab, init_folder=folder)
+    weights = check_init_from_weights(folder, shape, model["seq_len"])
     digest = hashlib.sha256((folder / "config.json").read_bytes())
-    weights = sorted(folder.glob("*.safetensors"))
     for file in weights:
         digest.update(f"{file.name}:{file.stat().st_size}".encode())
     return {"uri": uri, "path": str(folder), "revision": folder.name if uri.startswith("hf://") else None,
@@ -190,5 +206,5 @@ def plan_shape(plan: Plan, tokenizer_vocab: int | None):
     return model_shape(plan.model, tokenizer_vocab, init_folder=folder)
 
 
-__all__ = ["ConfigError", "Plan", "RunContext", "RunPaths", "cell_train", "init_from_record", "make_plan",
+__all__ = ["ConfigError", "Plan", "RunContext", "RunPaths", "cell_train", "check_val_split", "init_from_record", "make_plan",
            "plan_config", "plan_shape"]
