@@ -1,5 +1,6 @@
 # Helpers, config validation and wildcard constraints; no rules here.
 import gc
+import re
 import sys
 from pathlib import Path
 
@@ -36,6 +37,44 @@ except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}")
 
 NAME = config["name"]
+
+
+def check_init_from_sibling(init_from, name):
+    """model.init_from under results/<other name>/ is another run's output, read as it is: this config never builds
+    it (see wildcard_constraints). Missing, the error says how that run builds it, before any job runs."""
+    if not init_from or init_from.startswith("hf://"):
+        return
+    folder = Path(init_from.removeprefix("file://"))
+    try:
+        parts = folder.resolve().relative_to(Path("results").resolve()).parts
+    except ValueError:
+        return  # a folder outside results/: nothing of a run's
+    if not parts:
+        return
+    if parts[0] == name:
+        raise WorkflowError(f"model.init_from {init_from} is inside this run's own results/{name}/: a run cannot "
+                            "continue from itself; give the continued run a new name (name: ...)")
+    if not (folder / "config.json").is_file():
+        target = Path("results", *parts).as_posix()
+        raise WorkflowError(
+            f"model.init_from {init_from}: run {parts[0]!r} has not written it yet (no {folder / 'config.json'}), "
+            f"and this run ({name!r}) never builds another run's results. Build it first with the config files "
+            f"of run {parts[0]!r}:\n  snakemake --cores all --resources gpu=<N> --configfile <its config files> "
+            f"--config name={parts[0]} -- {target}\nthen run this again.")
+
+
+check_init_from_sibling(config["model"]["init_from"], NAME)
+# The local files of corpus.sources (file://, globs expanded here, at DAG time): inputs of the corpus.
+from pretrain_bench.corpus_sources import CorpusError, local_source_files  # noqa: E402
+
+try:
+    CORPUS_FILES = local_source_files(config["corpus"]["sources"])
+except CorpusError as error:
+    raise WorkflowError(f"corpus.sources: {error}")
+# A local model.init_from folder is an input of planning: a newer export there replans (and so continues again).
+INIT_FROM_INPUT = [] if (config["model"]["init_from"] or "hf://").startswith("hf://") else [
+    config["model"]["init_from"].removeprefix("file://")]
+
 # Multi-rank rules start torchrun through this script (it needs its sibling pretrain_bench/ beside it, so it is
 # run from the workflow folder rather than from Snakemake's source cache).
 LAUNCHER = Path(workflow.basedir) / "workflow_scripts" / "launch.py"
@@ -48,8 +87,10 @@ from snakemake.settings.types import DeploymentMethod  # noqa: E402
 PYTHON = Path("python" if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method else sys.executable)
 
 
+# `name` matches this config's name only: another run's results/<name>/ (say the export model.init_from continues
+# from) is never a job's output here, so it is read as a plain input and never rebuilt or deleted with this config.
 wildcard_constraints:
-    name=r"[A-Za-z0-9][A-Za-z0-9_.-]*",
+    name=re.escape(NAME),
     step=r"\d+",
 
 

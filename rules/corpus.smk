@@ -4,6 +4,9 @@
 
 
 rule download_corpus:
+    input:
+        # the local files of file:// sources (globs expanded when the DAG is built): editing one rebuilds the corpus
+        files=CORPUS_FILES,
     output:
         train="results/{name}/corpus/train.jsonl",
         val="results/{name}/corpus/val.jsonl",

@@ -16,6 +16,7 @@ rule plan_pretrain:
         # the machine's peak FLOP/s, measured once per run name: every run's MFU divides by the same figure
         peak="results/{name}/bench/peak.json",
         manifest="results/{name}/corpus/manifest.json",  # the export's model card lists the sources
+        init_from=INIT_FROM_INPUT,  # model.init_from's local folder (another run's export is read, never built)
     output:
         plan="results/{name}/train/plan.json",
     log:

@@ -6,7 +6,13 @@ so no test leaves a server behind. Faults are per path and listed in `Route`:
                     socket; later requests are served normally (honouring Range);
 - fail_first:       the first `fail_first` requests answer HTTP 500;
 - stall_first:      the first response waits `stall_first` seconds before sending anything (read timeout);
-- ignore_range:     every request gets 200 and the whole body, whatever Range says.
+- ignore_range:     every request gets 200 and the whole body, whatever Range says;
+- hold:             a threading.Event each request waits for (up to a minute) before it is answered: a download
+                    that stays in progress until the test lets it finish;
+- changed_body:     from the second request on, this body (with changed_etag as ETag) is served instead: the file
+                    changed on the server between a dropped request and its resume.
+Replies carry `etag` / `last_modified` as ETag / Last-Modified when set, and honour If-Range: a Range whose If-Range
+names neither gets the whole (current) body with 200.
 Unknown paths answer 404. Every request's path and Range header are recorded in `server.requests`.
 """
 from __future__ import annotations
@@ -26,7 +32,13 @@ class Route:
     fail_first: int = 0
     stall_first: float = 0.0
     ignore_range: bool = False
+    etag: str | None = None
+    last_modified: str | None = None
+    changed_body: bytes | None = None
+    changed_etag: str | None = None
+    hold: threading.Event | None = None
     served: int = field(default=0)  # requests answered so far on this path
+    if_ranges: list = field(default_factory=list)  # the If-Range header of each request (None when absent)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -44,19 +56,29 @@ class _Handler(BaseHTTPRequestHandler):
             attempt = route.served if route else 0
             if route:
                 route.served += 1
+                route.if_ranges.append(self.headers.get("If-Range"))
         if route is None:
             return self._reply(404, b"not found")
         if attempt < route.fail_first:
             return self._reply(500, b"injected failure")
         if attempt == 0 and route.stall_first:
             time.sleep(route.stall_first)
-        body, status, extra = route.body, 200, {}
+        if route.hold is not None:
+            route.hold.wait(60)
+        body, etag = route.body, route.etag
+        if attempt >= 1 and route.changed_body is not None:
+            body, etag = route.changed_body, route.changed_etag
+        status = 200
+        extra = {key: value for key, value in (("ETag", etag), ("Last-Modified", route.last_modified)) if value}
+        if_range = self.headers.get("If-Range")
+        current = if_range is None or if_range in (etag, route.last_modified)
         match = re.fullmatch(r"bytes=(\d+)-", range_header or "")
-        if match and not route.ignore_range:
+        if match and current and not route.ignore_range:
             start = int(match.group(1))
             if start >= len(body):
                 return self._reply(416, b"", {"Content-Range": f"bytes */{len(body)}"})
-            status, extra = 206, {"Content-Range": f"bytes {start}-{len(body) - 1}/{len(body)}"}
+            status = 206
+            extra["Content-Range"] = f"bytes {start}-{len(body) - 1}/{len(body)}"
             body = body[start:]
         if attempt == 0 and route.drop_first:
             self.send_response(status)

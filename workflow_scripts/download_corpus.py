@@ -5,16 +5,18 @@ Snakemake puts this file's folder on sys.path, which makes the pretrain_bench li
 from pathlib import Path
 
 from pretrain_bench.corpus import build_corpus
-from pretrain_bench.logs import job_log
+from pretrain_bench.state_lock import stage_job_log
 
 
 def main(log_path: str, out_dir: str, sources: list[dict], *, max_bytes, min_chars: int, dedup: bool,
          val_fraction: float, encoding_errors: str, cache_dir: str, seed: int = 1234) -> dict:
-    """Build the corpus into out_dir, logging (stderr included) to log_path; returns the manifest."""
-    with job_log(log_path, "download_corpus"):
+    """Build the corpus into out_dir, logging (stderr included) to log_path; returns the manifest. Refused, naming
+    the holder, while another pipeline builds the same corpus (state_lock.stage_job_log)."""
+    with stage_job_log(log_path, "download_corpus"):
         return build_corpus(sources, Path(out_dir), max_bytes=max_bytes, min_chars=min_chars, dedup=dedup,
                             val_fraction=val_fraction, encoding_errors=encoding_errors, cache_dir=Path(cache_dir),
                             seed=seed)
+
 
 if "snakemake" in globals():
     main(snakemake.log[0], str(Path(snakemake.output.manifest).parent), snakemake.params.sources,  # noqa: F821

@@ -10,7 +10,7 @@ def main(sidecars: list[str], index_json: str, *, seq_len: int) -> None:
 
 
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
-    from pretrain_bench.logs import job_log
+    from pretrain_bench.state_lock import stage_job_log
 
-    with job_log(snakemake.log[0], "index_shards"):  # noqa: F821
+    with stage_job_log(snakemake.log[0], "index_shards"):  # noqa: F821
         main(snakemake.input.meta, snakemake.output.index, seq_len=snakemake.params.seq_len)  # noqa: F821

@@ -15,9 +15,9 @@ def main(corpus_jsonl: str, tokenizer_json: str, out_bin: str, out_json: str, *,
 
 
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
-    from pretrain_bench.logs import job_log
+    from pretrain_bench.state_lock import stage_job_log
 
-    with job_log(snakemake.log[0], "shard_tokens"):  # noqa: F821
+    with stage_job_log(snakemake.log[0], "shard_tokens"):  # noqa: F821
         main(snakemake.input.corpus, snakemake.input.tokenizer, snakemake.output.bin, snakemake.output.meta,  # noqa: F821
              split=snakemake.wildcards.split, shard=snakemake.wildcards.shard,  # noqa: F821
              count=snakemake.params.shard_count, threads=snakemake.threads)  # noqa: F821

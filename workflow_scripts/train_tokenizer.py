@@ -15,8 +15,8 @@ def main(train_jsonl: str, tokenizer_json: str, *, vocab_size: int, train_bytes:
 
 
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
-    from pretrain_bench.logs import job_log
+    from pretrain_bench.state_lock import stage_job_log
 
-    with job_log(snakemake.log[0], "train_tokenizer"):  # noqa: F821
+    with stage_job_log(snakemake.log[0], "train_tokenizer"):  # noqa: F821
         main(snakemake.input.train, snakemake.output.tokenizer_json, vocab_size=snakemake.params.vocab_size,  # noqa: F821
              train_bytes=snakemake.params.train_bytes, path=snakemake.params.path, threads=snakemake.threads)  # noqa: F821

@@ -6,6 +6,7 @@ continue training (run with no virtualenv on PATH, as `.venv/bin/snakemake` may 
 model shape start a fresh run beside the old one, `--forcerun pretrain` trains again, and evaluation, benchmark and
 report edits show up in their outputs.
 """
+import hashlib
 import json
 import os
 import re
@@ -19,7 +20,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from support import TINY_CONFIG, run_snakemake  # noqa: E402
+from support import TINY_CONFIG, run_snakemake, tree_digest  # noqa: E402
 from pretrain_bench.checkpoint import committed_steps  # noqa: E402
 
 pytestmark = pytest.mark.pipeline
@@ -190,3 +191,145 @@ def test_dry_run_prints_the_memory_choice_and_the_cost_of_the_matrix():
     matrix = re.search(r"benchmark matrix \((\d+) launches\): ≥ .+ at 100 % MFU", out)
     assert main and matrix and int(matrix.group(1)) == 12  # (1 + 3 GPUs) × nccl/gloo offloaded cells × 3 repeats
     assert out.count("rule bench_cell:") == 12
+
+
+# --- continuing from another run: its results are read, never built or deleted with this config ---
+SIBLING_A, SIBLING_B = "itest-sibling-a", "itest-sibling-b"
+
+
+def clean(*names):
+    for name in names:
+        for top in ("results", "logs", "benchmarks"):
+            shutil.rmtree(ROOT / top / name, ignore_errors=True)
+
+
+def test_continuing_from_a_sibling_export_builds_nothing_of_the_sibling(overlays):
+    clean(SIBLING_A, SIBLING_B)
+    base, export = overlays("base", BASE), f"results/{SIBLING_A}/train/hf"
+    run_snakemake(SIBLING_A, "--", export, configfiles=(TINY_CONFIG, base, overlays("a", {"name": SIBLING_A})))
+    sibling = {top: tree_digest(ROOT / top / SIBLING_A) for top in ("results", "logs", "benchmarks")}
+    continued = overlays("b", {"name": SIBLING_B, "model": {"init_from": export}})
+    run_snakemake(SIBLING_B, "--", f"results/{SIBLING_B}/train/summary.json", configfiles=(TINY_CONFIG, base, continued))
+    assert {top: tree_digest(ROOT / top / SIBLING_A) for top in sibling} == sibling, "run A was written to"
+    summary_b = json.loads((ROOT / "results" / SIBLING_B / "train" / "summary.json").read_text())
+    assert summary_b["init_from"]["uri"] == export and summary_b["init_from"]["path"] == export
+    assert summary_b["init_from"]["loaded"]["files"], "B started from A's weights"
+    tokenizer = json.loads((ROOT / "results" / SIBLING_B / "tokenizer" / "tokenizer.json").read_text())
+    assert tokenizer == json.loads((ROOT / export / "tokenizer.json").read_text()), "A's tokenizer adopted"
+    # A's export is a plain input of B now: B has nothing left to do, and still nothing of A is scheduled
+    dry = run_snakemake(SIBLING_B, "-n", "--", f"results/{SIBLING_B}/train/summary.json",
+                        configfiles=(TINY_CONFIG, base, continued))
+    assert "Nothing to be done" in dry.stdout + dry.stderr
+
+
+def test_a_missing_sibling_export_names_the_command_that_builds_it(overlays):
+    missing, continued = "itest-sibling-missing", "itest-sibling-c"
+    clean(missing, continued)
+    overlay = overlays("c", {"name": continued, "model": {"init_from": f"results/{missing}/train/hf"}})
+    proc = run_snakemake(continued, configfiles=(TINY_CONFIG, overlay), check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert (f"run {missing!r} has not written it yet" in out
+            and f"--config name={missing} -- results/{missing}/train/hf" in out), out[-3000:]
+    assert not (ROOT / "results" / missing).exists() and not (ROOT / "logs" / continued).exists()
+
+
+def test_init_from_inside_this_runs_own_results_is_refused(overlays):
+    overlay = overlays("self", {"name": "itest-sibling-self", "model": {"init_from": "results/itest-sibling-self/train/hf"}})
+    proc = run_snakemake("itest-sibling-self", "-n", configfiles=(TINY_CONFIG, overlay), check=False)
+    assert proc.returncode != 0 and "a run cannot continue from itself" in proc.stdout + proc.stderr
+
+
+# --- local source files are inputs of the corpus ---
+SOURCE_EDIT = "itest-source-edit"
+
+
+def rules_scheduled(configfiles, target) -> set[str]:
+    """Rules `snakemake -n TARGET` would run."""
+    out = run_snakemake(SOURCE_EDIT, "-n", "--", target, configfiles=configfiles).stdout
+    if "Nothing to be done" in out:
+        return set()
+    table = out.split("Job stats:")[1].split("total")[0]
+    return {m.group(1) for m in re.finditer(r"^(\w+)\s+\d+\s*$", table, re.M)}
+
+
+def test_editing_a_local_source_file_rebuilds_the_corpus_and_what_follows(overlays, tmp_path):
+    clean(SOURCE_EDIT)
+    source = tmp_path / "notes.txt"
+    source.write_text("def alpha_function(value):\n    return value * 2\n" * 40)
+    overlay = overlays("source-edit", {**BASE, "name": SOURCE_EDIT,
+                                       "corpus": {"sources": [{"uri": f"file://{source}"},
+                                                              {"uri": "builtin://python-stdlib"}]}})
+    configfiles, index = (TINY_CONFIG, overlay), f"results/{SOURCE_EDIT}/shards/index.json"
+    corpus = ROOT / "results" / SOURCE_EDIT / "corpus"
+    run_snakemake(SOURCE_EDIT, "--", index, configfiles=configfiles)
+    before = json.loads((corpus / "manifest.json").read_text())
+    assert before["sources"][0]["sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
+    assert "alpha_function" in (corpus / "train.jsonl").read_text() + (corpus / "val.jsonl").read_text()
+    shards_before = (ROOT / index).read_bytes()
+
+    size = source.stat().st_size
+    source.write_text(source.read_text().replace("alpha", "omega"))  # the same path, the same size
+    assert source.stat().st_size == size
+    assert rules_scheduled(configfiles, index) == {"download_corpus", "train_tokenizer", "shard_tokens",
+                                                   "index_shards"}
+    run_snakemake(SOURCE_EDIT, "--", index, configfiles=configfiles)
+    after = json.loads((corpus / "manifest.json").read_text())
+    text = (corpus / "train.jsonl").read_text() + (corpus / "val.jsonl").read_text()
+    assert "omega_function" in text and "alpha_function" not in text
+    assert after["sources"][0]["sha256"] == hashlib.sha256(source.read_bytes()).hexdigest() != before["sources"][0]["sha256"]
+    assert after["sources"][0]["details"]["file_sha256"] == {str(source): after["sources"][0]["sha256"]}
+    assert (ROOT / index).read_bytes() != shards_before
+    assert rules_scheduled(configfiles, index) == set()
+
+
+# --- two pipelines on the same name's data stages at once ---
+CONCURRENT = "itest-concurrent"
+
+
+def test_a_second_pipeline_on_the_same_data_job_is_refused_naming_the_holder(overlays):
+    import threading
+
+    import psutil
+    from httpfixture import FixtureServer, Route
+
+    clean(CONCURRENT)
+    payload = "".join(json.dumps({"text": f"document {i}: " + "text " * 20}) + "\n" for i in range(40)).encode()
+    release = threading.Event()
+    route = Route(payload, hold=release)  # the first pipeline's download stays in progress until released
+    target = f"results/{CONCURRENT}/corpus/manifest.json"
+    with FixtureServer({"/held.jsonl": route}) as server:
+        overlay = overlays("concurrent", {"name": CONCURRENT, "corpus": {"sources": [{"uri": server.url("/held.jsonl")}]}})
+        configfiles = ("--configfile", TINY_CONFIG, str(overlay))
+        first = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "2", "--resources", "gpu=3",
+                                  *configfiles, "--", target], cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        try:
+            while route.served == 0:  # the first job holds its lock before it downloads
+                assert first.poll() is None, first.stdout.read()[-3000:]
+                release.wait(0.05)
+            first_job = {p.pid for p in psutil.Process(first.pid).children(recursive=True)}
+            log = ROOT / "logs" / CONCURRENT / "download_corpus.log"
+            first_log = log.read_text()
+            second = run_snakemake(CONCURRENT, "--nolock", "--", target, configfiles=(TINY_CONFIG, overlay),
+                                   check=False)
+        finally:
+            release.set()
+            out_first = first.communicate(timeout=600)[0]
+    out_second = second.stdout + second.stderr
+    assert second.returncode != 0
+    holder = re.search(r"another pipeline \(pid (\d+), started at [^)]+ on host [^)]+\) is running download_corpus",
+                       out_second)
+    assert holder and int(holder.group(1)) in first_job, out_second[-3000:]
+    assert route.served == 1, "the refused job never downloaded"
+    # the first pipeline finished, its corpus whole and its log its own, never truncated or replaced
+    assert first.returncode == 0, out_first[-3000:]
+    manifest = json.loads((ROOT / target).read_text())
+    assert manifest["documents"] == 40 and manifest["sources"][0]["sha256"] == hashlib.sha256(payload).hexdigest()
+    final_log = log.read_text()
+    assert final_log.startswith(first_log) and "corpus: 40 documents" in final_log
+    assert "another pipeline" not in final_log
+    attempts = sorted((log.parent / "download_corpus.attempts").glob("*.log"))
+    assert len(attempts) == 1 and attempts[0].read_text() == final_log
+    for cached in (ROOT / "resources" / "corpus-cache" / "http").glob("*-held.jsonl*"):
+        cached.unlink()

@@ -319,6 +319,38 @@ def test_manifest_describes_the_files(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "train.jsonl", "val.jsonl"]
 
 
+def test_manifest_records_the_sha256_of_every_local_file(tmp_path):
+    single = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
+    (tmp_path / "parts").mkdir()
+    for number in range(3):
+        (tmp_path / "parts" / f"{number}.txt.gz").write_bytes(gzip.compress(f"part {number} text".encode()))
+    pattern = str(tmp_path / "parts" / "*.txt.gz")
+    manifest = build(tmp_path, [{"uri": uri(single)}, {"uri": f"file://{pattern}"}])
+    one, glob_source = manifest["sources"]
+    assert one["sha256"] == sha256_file(single) and one["details"]["file_sha256"] == {str(single): one["sha256"]}
+    files = sorted((tmp_path / "parts").iterdir())
+    # each file as it is on disk (compressed), and the glob's digest over sha256sum's listing of them
+    assert glob_source["details"]["file_sha256"] == {str(f): sha256_file(f) for f in files}
+    listing = "".join(f"{sha256_file(f)}  {f}\n" for f in files)
+    assert glob_source["sha256"] == hashlib.sha256(listing.encode()).hexdigest()
+    # the same bytes rewritten the same size: another digest
+    (tmp_path / "parts" / "1.txt.gz").write_bytes(gzip.compress(b"part 9 text"))
+    again = build(tmp_path, [{"uri": uri(single)}, {"uri": f"file://{pattern}"}], out="out2")["sources"][1]
+    assert again["sha256"] != glob_source["sha256"]
+    assert again["details"]["file_sha256"][str(files[1])] != glob_source["details"]["file_sha256"][str(files[1])]
+
+
+def test_local_source_files_lists_what_the_workflow_declares_as_inputs(tmp_path):
+    from pretrain_bench.corpus_sources import local_source_files
+
+    (tmp_path / "b.txt").write_text("b")
+    (tmp_path / "a.txt").write_text("a")
+    sources = [{"uri": "builtin://python-stdlib"}, {"uri": uri(tmp_path / "*.txt")}, {"uri": uri(tmp_path / "b.txt")}]
+    assert local_source_files(sources) == [str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), str(tmp_path / "b.txt")]
+    with pytest.raises(CorpusError, match="the glob matched no files"):
+        local_source_files([{"uri": uri(tmp_path / "*.jsonl")}])
+
+
 # ------------------------------------------------------------------------------------------ builtin and hf://
 
 
@@ -372,6 +404,8 @@ def test_hf_source_reads_a_local_dataset(tmp_path):
     manifest = build(tmp_path, [source])
     assert sorted(written(tmp_path / "out")) == sorted(DOCS)
     assert manifest["sources"][0]["details"]["rows"] == len(DOCS)
+    # what datasets resolved the source to (a Hub commit; for a local folder, datasets' hash of its files)
+    assert manifest["sources"][0]["details"]["resolved_revision"]
     with pytest.raises(CorpusError, match=r"no column 'text'.*'content'"):
         build(tmp_path, [{**source, "text_field": "text"}], out="out2")
 
@@ -398,6 +432,38 @@ def test_script_main_logs_success_and_failure(tmp_path):
     assert "download_corpus failed" in (tmp_path / "bad.log").read_text()
 
 
+def test_script_is_refused_while_another_process_runs_the_same_job(tmp_path):
+    from pretrain_bench.state_lock import StateInUse
+
+    log = tmp_path / "logs" / "download_corpus.log"
+    log.parent.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import logging, sys
+        sys.path.insert(0, {str(ROOT / 'workflow_scripts')!r})
+        from pretrain_bench.state_lock import stage_job_log
+        with stage_job_log({str(log)!r}, "download_corpus"):
+            logging.getLogger("pretrain_bench").info("the first job is running")
+            print("holding", flush=True)
+            sys.stdin.readline()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        held = log.read_text()
+        path = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
+        settings = {**DEFAULTS, "cache_dir": str(tmp_path / "cache")}
+        with pytest.raises(StateInUse, match=rf"another pipeline \(pid {holder.pid}, .* on host .*\) is running "
+                                             "download_corpus"):
+            load_script().main(str(log), str(tmp_path / "out"), [{"uri": uri(path)}], **settings)
+        assert not (tmp_path / "out").exists() and log.read_text() == held
+        assert "the first job is running" in held
+    finally:
+        holder.communicate("done\n", timeout=60)
+    assert holder.returncode == 0
+    manifest = load_script().main(str(log), str(tmp_path / "out"), [{"uri": uri(path)}], **settings)
+    assert manifest["documents"] == len(DOCS) and "corpus:" in log.read_text()
+    assert len(list(log.with_name("download_corpus.attempts").glob("*.log"))) == 2  # each job's log kept
+
+
 @pytest.mark.skipif(shutil.which("snakemake", path=str(Path(sys.executable).parent)) is None,
                     reason="snakemake not installed in this environment")
 def test_rule_runs_under_snakemake(tmp_path):
@@ -407,10 +473,12 @@ def test_rule_runs_under_snakemake(tmp_path):
         import sys
         sys.path.insert(0, "{ROOT / 'workflow_scripts'}")
         from pretrain_bench.config_types import fill_defaults_and_validate, load_schema
+        from pretrain_bench.corpus_sources import local_source_files
         configfile: "config.yaml"
         # the corpus block validated, which fills in the defaults the rule reads (the Snakefile does this for all)
         fill_defaults_and_validate(config["corpus"],
                                    load_schema("{ROOT / 'schemas' / 'config.schema.yaml'}")["properties"]["corpus"])
+        CORPUS_FILES = local_source_files(config["corpus"]["sources"])  # as rules/common.smk sets it
         include: "{ROOT / 'rules' / 'corpus.smk'}"
         rule all:
             input: "results/t/corpus/manifest.json"

@@ -10,7 +10,7 @@ import pytest
 
 from httpfixture import FixtureServer, Route  # noqa: E402
 from pretrain_bench.corpus import CorpusError, build_corpus  # noqa: E402
-from pretrain_bench.download import DownloadError, download  # noqa: E402
+from pretrain_bench.download import DownloadError, download, http_validators  # noqa: E402
 
 # ~1 MiB of non-repeating bytes: several 64 KiB stream chunks arrive before an injected drop at the halfway mark.
 BODY = b"".join(hashlib.sha256(str(i).encode()).digest() for i in range(32768))
@@ -28,7 +28,7 @@ def test_plain_download_is_verified_and_atomic(tmp_path):
         digest = download(server.url("/data.bin"), tmp_path / "data.bin", sha256=BODY_SHA.upper(), **FAST)
     assert digest == BODY_SHA
     assert (tmp_path / "data.bin").read_bytes() == BODY
-    assert leftovers(tmp_path) == ["data.bin"]
+    assert leftovers(tmp_path) == ["data.bin", "data.bin.http.json"]  # the file and its validators
     assert server.requests == [("/data.bin", None)]
 
 
@@ -42,7 +42,7 @@ def test_dropped_connection_resumes_with_range(tmp_path):
     assert first == ("/data.bin", None)
     resumed_from = int(second[1].removeprefix("bytes=").removesuffix("-"))
     assert 0 < resumed_from <= len(BODY) // 2  # resumed, not restarted, and not past what was sent
-    assert leftovers(tmp_path) == ["data.bin"]
+    assert leftovers(tmp_path) == ["data.bin", "data.bin.http.json"]
 
 
 def test_server_error_is_retried(tmp_path):
@@ -129,6 +129,42 @@ def test_cached_file_is_reused_only_when_it_matches(tmp_path):
     assert dest.read_bytes() == BODY
 
 
+ETAG, LAST_MODIFIED = '"v1-5f3a"', "Tue, 01 Dec 2026 10:00:00 GMT"
+
+
+def test_server_validators_are_kept_with_the_file_and_its_cache_hits(tmp_path):
+    dest = tmp_path / "data.bin"
+    with FixtureServer({"/data.bin": Route(BODY, etag=ETAG, last_modified=LAST_MODIFIED)}) as server:
+        download(server.url("/data.bin"), dest, **FAST)
+        assert http_validators(dest) == {"etag": ETAG, "last_modified": LAST_MODIFIED}
+        download(server.url("/data.bin"), dest, **FAST)  # cache hit: no request, same validators
+        assert len(server.requests) == 1
+    assert http_validators(dest) == {"etag": ETAG, "last_modified": LAST_MODIFIED}
+    with FixtureServer({"/other.bin": Route(BODY)}) as server:  # a server that sends none
+        download(server.url("/other.bin"), tmp_path / "other.bin", **FAST)
+    assert http_validators(tmp_path / "other.bin") == {"etag": None, "last_modified": None}
+
+
+def test_resume_carries_if_range_and_a_file_changed_meanwhile_is_fetched_whole(tmp_path):
+    new_body = BODY[::-1]  # the same size: only the validator tells the two versions apart
+    route = Route(BODY, etag=ETAG, drop_first=True, changed_body=new_body, changed_etag='"v2-77c1"')
+    with FixtureServer({"/data.bin": route}) as server:
+        digest = download(server.url("/data.bin"), tmp_path / "data.bin", **FAST)
+    assert route.if_ranges == [None, ETAG]  # the resume asked for the rest of version 1 only
+    assert server.requests[1][1] is not None, "it did try to resume"
+    # not BODY's first half spliced onto new_body's second half
+    assert (tmp_path / "data.bin").read_bytes() == new_body and digest == hashlib.sha256(new_body).hexdigest()
+    assert http_validators(tmp_path / "data.bin")["etag"] == '"v2-77c1"'
+
+
+def test_resume_of_an_unchanged_file_continues_with_if_range(tmp_path):
+    route = Route(BODY, etag=ETAG, drop_first=True)
+    with FixtureServer({"/data.bin": route}) as server:
+        download(server.url("/data.bin"), tmp_path / "data.bin", sha256=BODY_SHA, **FAST)
+    assert route.if_ranges == [None, ETAG] and server.requests[1][1] != "bytes=0-"
+    assert (tmp_path / "data.bin").read_bytes() == BODY
+
+
 # ---------------------------------------------------------------- http(s) sources through build_corpus
 
 
@@ -152,6 +188,16 @@ def test_http_source_is_parsed_like_a_file(tmp_path):
     assert sorted(written) == sorted(texts)
     assert manifest["sources"][0]["sha256"] == hashlib.sha256(payload).hexdigest()
     assert manifest["sources"][0]["kind"] == "http"
+
+
+def test_manifest_records_the_http_validators_of_the_source(tmp_path):
+    payload = jsonl_gz(["a document", "another document", "a third one"])
+    with FixtureServer({"/d.jsonl.gz": Route(payload, etag=ETAG, last_modified=LAST_MODIFIED)}) as server:
+        manifest = build_corpus([{"uri": server.url("/d.jsonl.gz"), "text_field": "body"}], tmp_path / "out",
+                                cache_dir=tmp_path / "cache", **SETTINGS)
+    source = manifest["sources"][0]
+    assert source["sha256"] == hashlib.sha256(payload).hexdigest()
+    assert source["details"]["etag"] == ETAG and source["details"]["last_modified"] == LAST_MODIFIED
 
 
 def test_http_checksum_mismatch_fails_the_build_without_outputs(tmp_path):

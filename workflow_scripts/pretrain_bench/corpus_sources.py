@@ -3,8 +3,9 @@
 builtin://python-stdlib (the running interpreter's standard-library .py files), hf://<dataset> (datasets.load_dataset,
 optionally streamed), http(s)://… (downloaded through download.py into the cache, sha256-checked) and
 file://path-or-glob; files are .txt (whole, or `split: paragraphs`), .jsonl or .parquet, optionally .gz or .zst.
-Bytes are decoded as UTF-8 under `encoding_errors`; provenance (files, dataset fingerprint, download sha256) goes into
-the source's SourceStats. Cleaning, the cap and the split are corpus.py's.
+Bytes are decoded as UTF-8 under `encoding_errors`; what each source was goes into the source's SourceStats (the
+manifest): the sha256 of every local file, a downloaded file's sha256 and HTTP validators (ETag, Last-Modified), the
+Hub commit an hf:// dataset resolved to. Cleaning, the cap and the split are corpus.py's.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO, Iterator
 from urllib.parse import urlsplit
 
-from pretrain_bench.download import DownloadError, download
+from pretrain_bench.download import DownloadError, download, http_validators, sha256_file
 
 # Why a cleaning step dropped a document; SourceStats counts each per source.
 DROP_REASONS = ("too_short", "duplicate", "over_cap")
@@ -47,7 +48,9 @@ class SourceStats:
 
     uri: str
     kind: str
-    sha256: str | None = None  # of the fetched file (http/https); None where no single file was fetched
+    # http(s): of the fetched file; file://: of the one file, or of a glob's `sha256  path` lines (sha256sum's format,
+    # paths sorted) with each file's own in details["file_sha256"]; None for builtin:// and hf://
+    sha256: str | None = None
     documents_in: int = 0
     bytes_in: int = 0  # UTF-8 bytes of the documents as decoded, before cleaning
     documents_out: int = 0
@@ -131,9 +134,9 @@ def _read_builtin(uri: str, stats: SourceStats, decode: _Decoder) -> Iterator[st
         yield decode(data, f"{path} ({uri})")
 
 
-def _read_files(source: dict, stats: SourceStats, decode: _Decoder) -> Iterator[str]:
-    """file://path or file://glob (sorted); relative paths are relative to the working directory."""
-    uri = source["uri"]
+def local_files(uri: str) -> list[str]:
+    """The files a file://path or file://glob source names (a glob's sorted); relative paths are relative to the
+    working directory. Also what the workflow declares as the corpus's inputs, so that editing one reruns it."""
     pattern = uri[len("file://"):]
     if any(char in pattern for char in "*?["):
         paths = sorted(path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path))
@@ -147,9 +150,28 @@ def _read_files(source: dict, stats: SourceStats, decode: _Decoder) -> Iterator[
         paths = [pattern]
     for path in paths:
         _format_of(path, uri)  # fail on an unsupported file before reading any
+    return paths
+
+
+def local_source_files(sources: list[dict]) -> list[str]:
+    """Every file the file:// entries of corpus.sources name, globs expanded now: the workflow declares them inputs
+    of the corpus, so editing one (or a new file matching a glob) rebuilds it and everything after it."""
+    return [path for source in sources if source_kind(source["uri"]) == "file" for path in local_files(source["uri"])]
+
+
+def _read_files(source: dict, stats: SourceStats, decode: _Decoder) -> Iterator[str]:
+    """file://path or file://glob: each file in order, its sha256 recorded before it is read."""
+    uri = source["uri"]
+    paths = local_files(uri)
     stats.details["files"] = len(paths)
+    # Hashed in a pass of their own (the read after it comes from the page cache): the decompressors and parquet's
+    # random access read the bytes in no order a running hash could follow.
+    digests = stats.details["file_sha256"] = {}
     for path in paths:
+        digests[path] = sha256_file(Path(path))
         yield from _read_file(Path(path), f"{path} ({uri})", source, decode)
+    listing = "".join(f"{digest}  {path}\n" for path, digest in digests.items())
+    stats.sha256 = digests[paths[0]] if len(paths) == 1 else hashlib.sha256(listing.encode()).hexdigest()
 
 
 def _read_http(source: dict, stats: SourceStats, decode: _Decoder, cache_dir: Path) -> Iterator[str]:
@@ -162,7 +184,7 @@ def _read_http(source: dict, stats: SourceStats, decode: _Decoder, cache_dir: Pa
         stats.sha256 = download(url, dest, sha256=source.get("sha256"))
     except DownloadError as error:
         raise CorpusError(str(error)) from error
-    stats.details["cached_at"] = str(dest)
+    stats.details.update(cached_at=str(dest), **http_validators(dest))
     yield from _read_file(dest, f"{url} (cached at {dest})", source, decode)
 
 
@@ -274,8 +296,14 @@ def _read_hf(source: dict, stats: SourceStats, cache_dir: Path) -> Iterator[str]
     try:
         import datasets
 
-        dataset = datasets.load_dataset(name, config, split=split, cache_dir=hf_cache, revision=revision,
-                                        streaming=streaming)
+        # load_dataset's own steps, through the builder, whose hash is the Hub commit the revision resolved to
+        builder = datasets.load_dataset_builder(name, config, cache_dir=hf_cache, revision=revision)
+        stats.details["resolved_revision"] = builder.hash
+        if streaming:
+            dataset = builder.as_streaming_dataset(split=split)
+        else:
+            builder.download_and_prepare()
+            dataset = builder.as_dataset(split=split)
     except Exception as error:  # datasets raises a zoo of types (ConnectionError, FileNotFoundError, ValueError, ...)
         raise CorpusError(_hf_failure_message(uri, name, config, split, hf_cache, error, revision)) from error
     if streaming:

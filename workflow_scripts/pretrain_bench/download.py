@@ -15,12 +15,16 @@ What `download()` guarantees:
 5) only then is `.part` renamed onto `dest` (os.replace), so `dest` exists only complete and verified;
 6) a download that fails for good leaves nothing behind: its `.part` and its lock file are removed (a rerun starts
    that file from zero; only an interrupted or killed download leaves a `.part`, which the next run resumes).
+7) the server's validators (ETag, Last-Modified) are kept beside the file in `<dest>.http.json`, for the manifest
+   (`http_validators`) and for resuming: a resumed request carries `If-Range`, so a file changed on the server since
+   the `.part` was started is fetched whole again rather than spliced from two versions.
 A lock file serialises concurrent downloads of one URL (two Snakemake jobs sharing resources/corpus-cache).
 """
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import time
@@ -58,6 +62,21 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def validators_path(dest: Path) -> Path:
+    """Where the server's ETag and Last-Modified for `dest` (or its `.part`) are kept."""
+    return dest.with_name(dest.name + ".http.json")
+
+
+def http_validators(dest: Path) -> dict:
+    """{"etag", "last_modified"} as the server sent them with `dest`'s bytes; None each where it sent none (or the
+    file was downloaded before they were kept)."""
+    try:
+        info = json.loads(validators_path(Path(dest)).read_text())
+    except (OSError, ValueError):
+        info = {}
+    return {"etag": info.get("etag"), "last_modified": info.get("last_modified")}
+
+
 def download(
     url: str,
     dest: Path,
@@ -86,6 +105,8 @@ def download(
                                     retries, backoff_s)
         except Exception:  # an interrupt (Ctrl-C) keeps the .part for the next run to resume
             part.unlink(missing_ok=True)
+            if not dest.exists():
+                validators_path(dest).unlink(missing_ok=True)
             # Unlinked while still held: a process waiting on this lock file notices and locks the new one.
             lock_path.unlink(missing_ok=True)
             raise
@@ -167,6 +188,8 @@ def _fetch_once(session, url, part: Path, timeout) -> None:
     headers = {"Accept-Encoding": "identity"}
     if offset:
         headers["Range"] = f"bytes={offset}-"
+        if if_range := _if_range(part):
+            headers["If-Range"] = if_range  # changed on the server since: it answers 200 with the new file whole
     with session.get(url, headers=headers, stream=True, timeout=timeout) as response:
         status = response.status_code
         if status == 416 and offset:
@@ -188,8 +211,10 @@ def _fetch_once(session, url, part: Path, timeout) -> None:
             mode = "ab"
         else:
             if offset:
-                log.warning("%s: server ignored Range (HTTP %d); restarting from zero", url, status)
+                log.warning("%s: server sent the whole file (HTTP %d: Range ignored, or the file changed since the "
+                            ".part was started); restarting from zero", url, status)
             offset, mode = 0, "wb"
+            _keep_validators(part, response.headers)
             length = response.headers.get("Content-Length")
             total = int(length) if length and length.isdigit() else None
         progress = Progress(f"download {url}", log, total=total)
@@ -202,6 +227,20 @@ def _fetch_once(session, url, part: Path, timeout) -> None:
     if total is not None and size != total:
         # urllib3 usually raises on a short body; this catches servers that close without a length error.
         raise _Retryable(f"incomplete body: have {size} of {total} bytes")
+
+
+def _keep_validators(part: Path, headers) -> None:
+    """Record the validators of the response whose body starts the .part (they describe the file it becomes)."""
+    dest = part.with_name(part.name.removesuffix(".part"))
+    validators = {"etag": headers.get("ETag"), "last_modified": headers.get("Last-Modified")}
+    validators_path(dest).write_text(json.dumps(validators) + "\n")
+
+
+def _if_range(part: Path) -> str | None:
+    """The validator a resumed request sends as If-Range: a strong ETag, else Last-Modified (RFC 9110 13.1.5)."""
+    validators = http_validators(part.with_name(part.name.removesuffix(".part")))
+    etag = validators["etag"]
+    return etag if etag and not etag.startswith("W/") else validators["last_modified"]
 
 
 def _parse_content_range(value: str) -> tuple[int | None, int | None]:
