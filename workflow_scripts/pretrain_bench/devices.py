@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import json
 import os
 import shutil
 import signal
@@ -214,3 +215,40 @@ def _cpu_model() -> str:
     import platform
 
     return platform.processor() or "unknown"
+
+
+def peer_access_pairs(count: int) -> list[tuple[int, int, bool]]:
+    """(a, b, can a access b's memory directly) for every ordered pair of the first `count` visible GPUs."""
+    import torch
+
+    return [(a, b, bool(torch.cuda.can_device_access_peer(a, b)))
+            for a in range(count) for b in range(count) if a != b]
+
+
+# Run in a child with the job's CUDA_VISIBLE_DEVICES, so the launcher itself never holds a CUDA context on a GPU its
+# ranks will use, and the devices probed are exactly the job's.
+_PEER_PROBE = """
+import json, sys
+import torch
+from pretrain_bench.devices import peer_access_pairs
+count = torch.cuda.device_count()
+if count < int(sys.argv[1]):
+    sys.exit(f"{count} CUDA device(s) visible, the job has {sys.argv[1]}")
+print(json.dumps(peer_access_pairs(int(sys.argv[1]))))
+"""
+
+
+def probe_peer_access(count: int, env: dict) -> tuple[list[tuple[int, int, bool]] | None, str | None]:
+    """(pairs, None) from peer_access_pairs run in a child with `env` (the job's CUDA_VISIBLE_DEVICES), or
+    (None, why the probe failed)."""
+    library = str(Path(__file__).resolve().parents[1])
+    child_env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [library, env.get("PYTHONPATH")]))}
+    try:
+        probe = subprocess.run([sys.executable, "-c", _PEER_PROBE, str(count)], env=child_env, capture_output=True,
+                               text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"the probe did not run: {error}"
+    if probe.returncode:
+        lines = (probe.stderr or probe.stdout).strip().splitlines()
+        return None, f"the probe failed: {lines[-1] if lines else f'exit status {probe.returncode}'}"
+    return [tuple(pair) for pair in json.loads(probe.stdout.strip().splitlines()[-1])], None

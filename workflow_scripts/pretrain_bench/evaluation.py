@@ -206,8 +206,10 @@ def supported_precision(precision: str, device: str) -> tuple[str, str | None]:
     """The precision a forward pass can use on `device`, and why it differs from the one asked for (or None).
 
     GPUs before Ampere (compute capability < 8) have no bf16 arithmetic: there bf16 falls back to fp16, which every
-    CUDA GPU runs, and the result files say so."""
-    if precision == "bf16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+    CUDA GPU runs, and the result files say so. torch's check counts a bf16 tensor that can merely be created
+    (emulated, many times slower) as support unless told not to."""
+    if (precision == "bf16" and device.startswith("cuda")
+            and not torch.cuda.is_bf16_supported(including_emulation=False)):
         name = torch.cuda.get_device_name(torch.device(device))
         return "fp16", f"evaluate.precision bf16 is not supported by {name}: evaluated in fp16"
     return precision, None

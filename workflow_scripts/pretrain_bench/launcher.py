@@ -31,7 +31,7 @@ from functools import partial
 from pathlib import Path
 
 from . import state_lock
-from .devices import die_with_parent, gpu_slots, resolve_device, usable_cpu_count
+from .devices import die_with_parent, gpu_slots, probe_peer_access, resolve_device, usable_cpu_count
 from .plan import Plan
 from .settings import TrainSettings, check_settings
 
@@ -65,6 +65,32 @@ def exact_pinning(env: dict) -> tuple[dict, str]:
         return {key: conf}, f"pinned host memory at exact sizes: {key}={conf}"
     return {"PRETRAIN_BENCH_PIN_MEMORY": "0"}, ("pinned host memory off: this torch cannot stop rounding pinned "
                                                "blocks up to powers of two (offload copies are slower, RAM exact)")
+
+
+P2P_KEY = "NCCL_P2P_DISABLE"
+
+
+def nccl_peer_environment(nccl_env: dict, env: dict, ranks: int, probe=probe_peer_access) -> tuple[dict, str]:
+    """NCCL_P2P_DISABLE=1 where the job's GPUs cannot reach each other peer to peer, and a line for the log.
+
+    NCCL turns peer to peer off by itself where the driver says no, but some consumer-card drivers say yes and then
+    hang; NVLink machines lose most of their bandwidth with it off. So each ordered pair of the job's GPUs (`env`'s
+    CUDA_VISIBLE_DEVICES) is asked (torch.cuda.can_device_access_peer) and P2P is turned off only where one cannot,
+    or where the probe fails. A value in train.nccl_env or the environment is kept as it is."""
+    if P2P_KEY in nccl_env:
+        return {}, f"{P2P_KEY}={nccl_env[P2P_KEY]} as train.nccl_env sets it"
+    if P2P_KEY in env:
+        return {}, f"{P2P_KEY}={env[P2P_KEY]} as the environment sets it"
+    if ranks < 2:
+        return {}, "GPU peer to peer not probed: one GPU per node has no peer"
+    pairs, failure = probe(ranks, env)
+    if pairs is None:
+        return {P2P_KEY: "1"}, f"{P2P_KEY}=1: peer access between the job's GPUs could not be probed ({failure})"
+    blocked = [f"{a}->{b}" for a, b, reachable in pairs if not reachable]
+    if blocked:
+        return {P2P_KEY: "1"}, (f"{P2P_KEY}=1: GPU pairs without peer access (torch.cuda.can_device_access_peer): "
+                                + ", ".join(blocked))
+    return {}, f"GPU peer to peer on: all {ranks} GPUs of the job reach each other (torch.cuda.can_device_access_peer)"
 
 
 # A torch JIT-extension build holds a bare lock file (torch.utils.file_baton) that names no owner; every rank takes
@@ -387,6 +413,10 @@ def _launch_locked(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_d
         if device_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, device_ids))
             logger.info(f"device slots: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}")
+        if device == "cuda" and settings.comm_backend == "nccl":  # probed on the job's own GPUs
+            additions, note = nccl_peer_environment(settings.nccl_env or {}, env, ranks)
+            env.update(additions)
+            logger.info(note)
         return _run(cmd, env, pass_fds)
 
 

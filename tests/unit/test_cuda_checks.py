@@ -1,0 +1,88 @@
+"""CUDA-only decisions, taken on CPU against a monkeypatched torch.cuda: bf16 support without emulation, and which
+GPU pairs may talk peer to peer."""
+import types
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def volta(monkeypatch):
+    """torch.cuda as on a V100 (compute capability 7.0): bf16 tensors can be created (emulated), not computed."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(major=7, minor=0))
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
+
+
+def test_bf16_evaluation_falls_back_to_fp16_where_bf16_is_only_emulated(volta):
+    from pretrain_bench.evaluation import supported_precision
+
+    assert torch.cuda.is_bf16_supported(), "torch's default counts the emulation as support"
+    precision, note = supported_precision("bf16", "cuda:0")
+    assert precision == "fp16"
+    assert note == "evaluate.precision bf16 is not supported by Tesla V100-SXM2-16GB: evaluated in fp16"
+
+
+def test_bf16_evaluation_stays_bf16_on_ampere_and_later(volta, monkeypatch):
+    from pretrain_bench.evaluation import supported_precision
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(major=9, minor=0))
+    assert supported_precision("bf16", "cuda:0") == ("bf16", None)
+
+
+@pytest.fixture
+def three_gpus_two_linked(monkeypatch):
+    """torch.cuda with GPUs 0 and 1 linked peer to peer (NVLink) and GPU 2 reachable only through the host."""
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: {a, b} == {0, 1})
+
+
+def test_peer_access_is_asked_for_every_ordered_pair_of_the_jobs_gpus(three_gpus_two_linked):
+    from pretrain_bench.devices import peer_access_pairs
+
+    assert peer_access_pairs(3) == [(0, 1, True), (0, 2, False), (1, 0, True), (1, 2, False), (2, 0, False),
+                                    (2, 1, False)]
+    assert peer_access_pairs(1) == []
+
+
+def _in_process_probe(count, env):
+    from pretrain_bench.devices import peer_access_pairs
+
+    return peer_access_pairs(count), None
+
+
+def test_p2p_is_disabled_only_where_a_pair_of_the_jobs_gpus_lacks_peer_access(three_gpus_two_linked):
+    from pretrain_bench.launcher import nccl_peer_environment
+
+    additions, note = nccl_peer_environment({}, {}, 3, probe=_in_process_probe)
+    assert additions == {"NCCL_P2P_DISABLE": "1"}
+    assert note.endswith("without peer access (torch.cuda.can_device_access_peer): 0->2, 1->2, 2->0, 2->1")
+    additions, note = nccl_peer_environment({}, {}, 2, probe=_in_process_probe)
+    assert additions == {} and note.startswith("GPU peer to peer on: all 2 GPUs of the job reach each other")
+
+
+def test_a_p2p_setting_given_by_the_user_is_kept_and_one_gpu_is_not_probed():
+    from pretrain_bench.launcher import nccl_peer_environment
+
+    def never(count, env):
+        raise AssertionError("probed although the user decided")
+
+    assert nccl_peer_environment({"NCCL_P2P_DISABLE": "0"}, {}, 3, probe=never) == (
+        {}, "NCCL_P2P_DISABLE=0 as train.nccl_env sets it")
+    assert nccl_peer_environment({}, {"NCCL_P2P_DISABLE": "1"}, 3, probe=never) == (
+        {}, "NCCL_P2P_DISABLE=1 as the environment sets it")
+    assert nccl_peer_environment({}, {}, 1, probe=never)[0] == {}
+
+
+def test_a_failed_peer_probe_disables_p2p_and_names_the_failure():
+    import os
+
+    from pretrain_bench.launcher import nccl_peer_environment
+
+    # the real probe, in a child, on this machine's torch, which sees no CUDA device
+    additions, note = nccl_peer_environment({}, dict(os.environ), 2)
+    assert additions == {"NCCL_P2P_DISABLE": "1"}
+    assert note == ("NCCL_P2P_DISABLE=1: peer access between the job's GPUs could not be probed (the probe failed: "
+                    "0 CUDA device(s) visible, the job has 2)")
