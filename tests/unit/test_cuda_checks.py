@@ -1,5 +1,5 @@
-"""CUDA-only decisions, taken on CPU against a monkeypatched torch.cuda: bf16 support without emulation, and which
-GPU pairs may talk peer to peer."""
+"""CUDA paths, taken on CPU: bf16 support without emulation and which GPU pairs may talk peer to peer (against a
+monkeypatched torch.cuda), and the comms logger's records staying one step's worth (gloo)."""
 import types
 
 import pytest
@@ -86,3 +86,44 @@ def test_a_failed_peer_probe_disables_p2p_and_names_the_failure():
     assert additions == {"NCCL_P2P_DISABLE": "1"}
     assert note == ("NCCL_P2P_DISABLE=1: peer access between the job's GPUs could not be probed (the probe failed: "
                     "0 CUDA device(s) visible, the job has 2)")
+
+
+COMMS_SCRIPT = """
+import json, os, sys
+os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[1])
+import torch, deepspeed
+from deepspeed.comm import comm as ds_comm
+from pretrain_bench.rank import comm_ms
+deepspeed.init_distributed(dist_backend="gloo")
+ds_comm.configure(enabled=True, prof_all=True)  # as the comms_logger block of a measured run's ds_config
+held, totals = [], []
+for step in range(40):
+    before = comm_ms()
+    for _ in range(3):
+        deepspeed.comm.all_reduce(torch.ones(1024))
+    deepspeed.comm.broadcast(torch.ones(16), src=0)
+    held.append([len(ds_comm.timers(name).event_timers) for name in ("all_reduce", "broadcast")]
+                + [sum(len(r[1]) for r in by_size.values()) for by_size in ds_comm.comms_logger.comms_dict.values()])
+    totals.append([before, comm_ms()])
+print(json.dumps({"held": held, "totals": totals}))
+"""
+
+
+def test_the_comms_logger_holds_one_steps_records_however_many_steps_ran():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", COMMS_SCRIPT, "29731"], capture_output=True, text=True, timeout=300,
+                          cwd=root / "workflow_scripts")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # each step's 3 all-reduces and 1 broadcast, never the steps before: the timers' start/stop pairs, the logger's
+    # latency lists
+    assert all(held == [3, 1, 3, 1] for held in result["held"]), result["held"]
+    totals = result["totals"]
+    assert all(after > before for before, after in totals), "each step's collectives add their time"
+    assert all(later[0] == earlier[1] for earlier, later in zip(totals, totals[1:])), "nothing is lost between steps"

@@ -39,20 +39,30 @@ def log(rank: int, message: str) -> None:
         logger.info(message)
 
 
+_comm_total_ms = 0.0  # comm_ms's running total: what earlier calls took out of DeepSpeed's logger
+
+
 def comm_ms() -> float:
     """Total milliseconds spent in deepspeed.comm collectives on this rank so far (DeepSpeed's comms logger).
 
-    The logger times each op with a synchronised wall-clock timer that is never reset, and appends the timer's
-    running total (not the op's own duration) to its list, so the largest value per op name is the cumulative
-    time of that op.
+    deepspeed.comm times each op name with one of its synchronised timers and appends the timer's running total (not
+    the op's own duration) to the logger's lists, so the largest value per op name is that op's time since the timer
+    was last reset. Left alone, nothing is ever reset: every op appends to the lists, and each op's
+    `elapsed(reset=False)` re-reads every start/stop pair its timer holds (on CUDA one event query each), so a
+    collective costs more with every one before it. So each call takes the per-op totals, resets those timers and
+    empties the logger, and keeps the sum here: called every step, the records held stay one step's worth.
     """
+    global _comm_total_ms
     from deepspeed.comm import comm as ds_comm
 
     logger = getattr(ds_comm, "comms_logger", None)
-    total = 0.0
-    for by_size in getattr(logger, "comms_dict", {}).values():
-        total += max((max(record[1]) for record in by_size.values() if record[1]), default=0.0)
-    return total
+    recorded = getattr(logger, "comms_dict", {})
+    for name, by_size in recorded.items():
+        _comm_total_ms += max((max(record[1]) for record in by_size.values() if record[1]), default=0.0)
+        ds_comm.timers(name).reset()  # the logger's record names are the timers' names (comm.timed_op)
+    if logger is not None:
+        logger.reset_data()
+    return _comm_total_ms
 
 
 def gather_floats(values: list[float], device: str) -> list[list[float]]:
