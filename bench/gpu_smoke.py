@@ -1,12 +1,29 @@
-"""GPU smoke test (`make gpu-smoke`): the CUDA path end to end on one GPU, in a few minutes, without Snakemake.
+"""GPU smoke test (`make gpu-smoke`) and its CPU twin (`make gpu-smoke-cpu`): the training paths end to end on one
+device, in a few minutes, without Snakemake.
 
-1. llama-1b in bf16, ZeRO-2, nccl at world size 1: tokens/s, MFU, peak memory against the memory model.
-2. llama-125m in fp16, ZeRO-2, with dynamic loss scaling: loss scale and skipped steps as DeepSpeed reports them.
-Both runs go through the launcher with plan files, exactly as rule pretrain starts them, on a small corpus built
-from the Python standard library (no network). Writes one JSON with every figure; on a machine without CUDA it
-writes the reason it skipped and exits 0.
+Runs, each at world size 1 over the device's collective backend (nccl on CUDA, gloo on CPU):
+1. default-setup: the default config's chosen setup, DeepSpeed ZeRO-3 with the optimizer offloaded to the CPU
+   (DeepSpeed's CPU Adam, pinned host buffers, the host-side overflow check) in fp16 with dynamic loss scaling.
+2. zero2-large: DeepSpeed ZeRO-2 in bf16 on the larger model: tokens/s and MFU at a size that loads the device.
+3. zero2-loss-scaling: DeepSpeed ZeRO-2 in fp16 with dynamic loss scaling (loss scale and skipped steps).
+4. ddp: PyTorch DDP with fp16 autocast and GradScaler.
+5. fsdp: PyTorch FSDP2 with a bf16 mixed-precision policy.
+On CPU fp16 has no loss scaling (DeepSpeed's CPU accelerator lacks it), so those runs use bf16; everything else is
+the same steps. Every run goes through the launcher with a plan file, exactly as rule pretrain starts it, on a small
+corpus built from the Python standard library (no network).
 
-Usage: python bench/gpu_smoke.py OUT.json [--work DIR] [--steps N]
+Each run reports tokens/s, MFU against the device's peak (CUDA: the GPU's datasheet figure from
+pretrain_bench.flops, or a measured matmul where the GPU is not in the table; CPU: a bf16 matmul measured on this
+machine's cores; the JSON names which), the peak memory measured (CUDA: torch's allocator peak; CPU: the rank's peak
+RSS) and the memory model's prediction of it.
+
+Needs no CUDA toolkit: DeepSpeed's CUDA kernels are not used (torch's AdamW stands in for FusedAdam). g++ is needed
+only for the run that offloads (default-setup), whose CPU Adam is a C++ op DeepSpeed compiles on first use
+(`make install` builds it ahead).
+
+With --device cuda on a machine without CUDA it writes the reason it skipped and exits 0.
+
+Usage: python bench/gpu_smoke.py OUT.json [--device cuda|cpu] [--size gpu|cpu|tiny] [--work DIR] [--steps N]
 """
 from __future__ import annotations
 
@@ -15,116 +32,197 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
-SEQ_LEN = 512
-RUNS = {
-    "llama-1b-bf16-zero2-nccl": {"model": {"preset": "llama-1b"},
-                                 "train": {"precision": "bf16", "zero_stage": 2, "micro_batch_size": 8}},
-    "llama-125m-fp16-zero2-loss-scaling": {"model": {"preset": "llama-125m"},
-                                           "train": {"precision": "fp16", "zero_stage": 2, "micro_batch_size": 8}},
-    # the PyTorch engines' CUDA paths: DDP with fp16 autocast + GradScaler, FSDP2 with a bf16 policy, over nccl
-    "llama-125m-fp16-ddp-nccl": {"model": {"preset": "llama-125m"},
-                                 "train": {"engine": "ddp", "precision": "fp16", "zero_stage": 0,
-                                           "micro_batch_size": 8}},
-    "llama-125m-bf16-fsdp-nccl": {"model": {"preset": "llama-125m"},
-                                  "train": {"engine": "fsdp", "precision": "bf16", "zero_stage": 3,
-                                            "micro_batch_size": 8}},
+
+@dataclass(frozen=True)
+class Size:
+    """How big the smoke's data and models are."""
+
+    large: str  # model preset of the zero2-large and default-setup runs
+    small: str  # model preset of the other runs
+    seq_len: int
+    micro_batch_size: int
+    steps: int
+    timing_warmup: int  # steps left out of tokens/s (warmup_timing_steps)
+    vocab_size: int  # the tokenizer's; the llama presets have 32,000 rows whatever it is
+    corpus_bytes: int
+    tokenizer_bytes: int
+
+
+SIZES = {
+    # minutes on one GPU; llama-1b's host Adam step (default-setup) is about a second on a server's cores
+    "gpu": Size("llama-1b", "llama-125m", 512, 8, 30, 5, 32000, 20_000_000, 5_000_000),
+    # minutes on a few CPU cores: one 125M-parameter model, short sequences
+    "cpu": Size("llama-125m", "llama-125m", 128, 2, 8, 3, 32000, 4_000_000, 2_000_000),
+    # seconds: the test suite's form
+    "tiny": Size("tiny", "tiny", 64, 2, 4, 1, 1024, 1_000_000, 300_000),
 }
 
+# (name, which model, train settings as run on CUDA). Every run is at world size 1.
+RUNS = [
+    ("default-setup", "large", {"engine": "deepspeed", "zero_stage": 3, "offload_optimizer": "cpu",
+                                "precision": "fp16"}),
+    ("zero2-large", "large", {"engine": "deepspeed", "zero_stage": 2, "precision": "bf16"}),
+    ("zero2-loss-scaling", "small", {"engine": "deepspeed", "zero_stage": 2, "precision": "fp16"}),
+    ("ddp", "small", {"engine": "ddp", "zero_stage": 0, "precision": "fp16"}),
+    ("fsdp", "small", {"engine": "fsdp", "zero_stage": 3, "precision": "bf16"}),
+]
 
-def build_data(work: Path) -> tuple[Path, Path]:
-    """Corpus, tokenizer (32,000 ids, the presets' vocabulary) and shards, as the pipeline's first stages do."""
+
+def device_settings(train: dict, device: str) -> dict:
+    """A run's train settings on `device`: on CPU gloo, and bf16 where CUDA runs fp16 (no CPU loss scaling)."""
+    if device == "cuda":
+        return {**train, "comm_backend": "nccl"}
+    return {**train, "comm_backend": "gloo", "precision": "bf16" if train["precision"] == "fp16" else train["precision"]}
+
+
+def build_data(work: Path, size: Size) -> tuple[Path, Path]:
+    """Corpus, tokenizer and shards, as the pipeline's first stages make them."""
     from pretrain_bench.corpus import build_corpus
     from pretrain_bench.shards import build_index, encode_shard
     from pretrain_bench.tokenizer import train_tokenizer
 
     corpus, tokenizer, shards = work / "corpus", work / "tokenizer", work / "shards"
     if not (shards / "index.json").is_file():
-        build_corpus([{"uri": "builtin://python-stdlib"}], corpus, max_bytes=20_000_000, min_chars=32, dedup=True,
-                     val_fraction=0.02, encoding_errors="replace", cache_dir=work / "cache")
-        train_tokenizer(corpus / "train.jsonl", tokenizer, vocab_size=32000, train_bytes=5_000_000, path=None)
+        build_corpus([{"uri": "builtin://python-stdlib"}], corpus, max_bytes=size.corpus_bytes, min_chars=32,
+                     dedup=True, val_fraction=0.02, encoding_errors="replace", cache_dir=work / "cache")
+        train_tokenizer(corpus / "train.jsonl", tokenizer, vocab_size=size.vocab_size,
+                        train_bytes=size.tokenizer_bytes, path=None)
         sidecars = []
         for split in ("train", "val"):
             meta = shards / f"{split}-00000.json"
             encode_shard(corpus / f"{split}.jsonl", tokenizer, shards / f"{split}-00000.bin", meta, split=split,
                          index=0, count=1)
             sidecars.append(meta)
-        build_index(sidecars, shards / "index.json", seq_len=SEQ_LEN)
+        build_index(sidecars, shards / "index.json", seq_len=size.seq_len)
     return shards / "index.json", tokenizer
 
 
-def run_one(name: str, overrides: dict, steps: int, index: Path, tokenizer: Path, work: Path) -> dict:
+def smoke_config(name: str, preset: str, train: dict, size: Size, device: str) -> dict:
+    """config.yaml with one run's settings: one rank on `device`, the memory model's verdict kept as asked."""
     import yaml
-
-    from pretrain_bench.plan import make_plan, plan_config
 
     config = yaml.safe_load((ROOT / "config.yaml").read_text())
     config["name"] = f"gpu-smoke-{name}"
-    config["model"].update(overrides["model"], seq_len=SEQ_LEN, overrides={})
-    config["train"].update(overrides["train"], gpus=1, nodes=1, device="cuda", comm_backend="nccl",
-                           global_batch_size=None, grad_accum_steps=1, max_steps=steps, warmup_steps=5,
-                           warmup_timing_steps=5, offload_optimizer="none", memory_fit="strict")
+    config["model"].update(preset=preset, seq_len=size.seq_len, overrides={}, init_from=None)
+    config["train"].update(train, gpus=1, nodes=1, device=device, global_batch_size=None, grad_accum_steps=1,
+                           micro_batch_size=size.micro_batch_size, max_steps=size.steps, max_tokens=None,
+                           warmup_steps=1, warmup_timing_steps=size.timing_warmup, eval_every=None,
+                           memory_fit="strict")
+    config["tokenizer"].update(vocab_size=size.vocab_size, path=None)
+    config["benchmark"]["force"] = True  # the smoke measures the model's prediction; it does not plan around it
+    return config
+
+
+def predicted_memory_bytes(estimate: dict, device: str) -> int:
+    """What the memory model predicts the run's measured peak to be. CUDA: the device memory torch's allocator
+    counts (the CUDA context is the model's runtime term, outside the allocator). CPU: the rank's RSS, where the
+    device and the host are one memory, so offloaded states count too."""
+    if device == "cuda":
+        return estimate["per_rank"] - estimate["runtime"]
+    return estimate["per_rank"] + estimate["host_states"]
+
+
+def run_one(name: str, preset: str, train: dict, size: Size, device: str, peak: dict, index: Path,
+            tokenizer: Path, work: Path) -> dict:
+    """Plan and launch one run; its figures, or its exit code and log tail when it failed."""
+    from pretrain_bench.plan import make_plan, plan_config
+
+    config = smoke_config(name, preset, train, size, device)
     run_dir = work / name
     plan = make_plan(plan_config(config), index=index, tokenizer=tokenizer, out_dir=run_dir / "out",
-                     state_dir=run_dir / "state", resume=False, save_checkpoints=False)
+                     state_dir=run_dir / "state", resume=False, save_checkpoints=False, peak=peak)
     plan_path = run_dir / "plan.json"
     plan.to_json(plan_path)
+    settings = plan.train
+    result = {"name": name, "preset": preset, "engine": settings["engine"], "zero_stage": settings["zero_stage"],
+              "offload_optimizer": settings["offload_optimizer"], "precision": settings["precision"],
+              "comm_backend": settings["comm_backend"], "device": device}
     started = time.perf_counter()
     log = run_dir / "train.log"
     with open(log, "w") as out:
         code = subprocess.call([sys.executable, str(ROOT / "workflow_scripts" / "launch.py"), "--ranks", "1",
                                 "--plan", str(plan_path), "--lock-dir", str(work / "slots")],
                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    result = {"exit_code": code, "wall_s": time.perf_counter() - started, "log_tail": log.read_text()[-3000:]}
+    result.update(exit_code=code, wall_s=time.perf_counter() - started)
     if code:
-        return result
+        return {**result, "log_tail": log.read_text()[-3000:]}
     summary = json.loads((run_dir / "out" / "summary.json").read_text())
     estimate = plan.memory_fit["estimate"]
     measured = summary["peak_mem_bytes"][0]
-    # torch's allocator peak excludes the CUDA context, which the model's runtime term covers
-    predicted = estimate["per_rank"] - estimate["runtime"]
+    predicted = predicted_memory_bytes(estimate, device)
     records = [json.loads(line) for line in (run_dir / "out" / "metrics.jsonl").read_text().splitlines()]
     result.update(
-        tokens_per_s=summary["tokens_per_s"], mfu=summary["mfu"], peak_flops_source=summary["peak_flops_source"],
-        step_time_s=summary["step_time_s"], loss=summary["loss"], comm_backend=summary["comm_backend"],
-        precision=summary["precision"], parameters=summary["model"]["parameters"],
-        peak_mem_bytes=measured, predicted_mem_bytes=predicted, measured_over_predicted=measured / predicted,
-        memory_terms={k: estimate[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "init")},
-        skipped_steps=summary["skipped_steps"], loss_scale=[r["loss_scale"] for r in records][:10],
-        gpu=summary["provenance"]["hardware"].get("gpu_name"), torch=summary["provenance"]["versions"],
+        tokens_per_s=summary["tokens_per_s"], mfu=summary["mfu"], mfu_note=summary.get("mfu_note"),
+        peak_flops_per_rank=summary["peak_flops_per_rank"], peak_flops_source=summary["peak_flops_source"],
+        step_time_s=summary["step_time_s"], loss=summary["loss"], parameters=summary["model"]["parameters"],
+        peak_memory_bytes=measured, peak_memory_kind=summary.get("peak_mem_kind"),
+        predicted_memory_bytes=predicted, measured_over_predicted=measured / predicted,
+        memory_terms={k: estimate[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "init",
+                                               "runtime", "host_states")},
+        skipped_steps=summary["skipped_steps"], loss_scale=[r.get("loss_scale") for r in records][:10],
     )
     return result
+
+
+def result_line(run: dict) -> str:
+    """One line per run for the terminal; every figure may be missing (a failed run, an MFU not reported)."""
+    text = f"{run['name']} ({run['precision']}, ZeRO-{run['zero_stage']}, {run['engine']}, {run['comm_backend']}): "
+    if run["exit_code"]:
+        return text + f"exit {run['exit_code']}, see {run['name']}/train.log"
+    mfu = f"{run['mfu']:.1%}" if run["mfu"] is not None else f"n/a ({run['mfu_note']})"
+    return text + (f"{run['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, peak {run['peak_memory_bytes'] / 2**30:.2f} GiB "
+                   f"vs predicted {run['predicted_memory_bytes'] / 2**30:.2f} GiB "
+                   f"(×{run['measured_over_predicted']:.2f})")
+
+
+def smoke(out: Path, device: str, size: Size, work: Path) -> int:
+    """Every run on `device`, the JSON rewritten after each; 0 when all ran."""
+    from pretrain_bench.devices import hardware_description
+    from pretrain_bench.peak import measure_hardware_peak
+
+    work.mkdir(parents=True, exist_ok=True)
+    index, tokenizer = build_data(work, size)
+    # fp16 and bf16 share a GPU's datasheet figure; a CPU runs bf16, measured here
+    peak = measure_hardware_peak(device, "bf16", lock_dir=work / "slots")
+    print(f"gpu-smoke on {device}: peak {peak['peak_flops'] / 1e12:,.3g} TFLOP/s ({peak['peak_source']})")
+    report = {"device": device, "hardware": hardware_description(device), "peak": peak, "size": vars(size),
+              "runs": []}
+    for name, model, train in RUNS:
+        preset = size.large if model == "large" else size.small
+        run = run_one(name, preset, device_settings(train, device), size, device, peak, index, tokenizer, work)
+        report["runs"].append(run)
+        out.write_text(json.dumps(report, indent=2))
+        print(result_line(run), flush=True)
+    return 0 if all(not run["exit_code"] for run in report["runs"]) else 1
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--work", type=Path, default=ROOT / "bench-results" / "gpu-smoke")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--size", choices=sorted(SIZES), help="data and model sizes (default: the device's)")
+    parser.add_argument("--work", type=Path, help="working folder (default: beside OUT, named after it)")
+    parser.add_argument("--steps", type=int, help="steps per run (default: the size's)")
     args = parser.parse_args(argv)
-    import torch
-
+    size = SIZES[args.size or ("gpu" if args.device == "cuda" else "cpu")]
+    if args.steps:
+        size = Size(**{**vars(size), "steps": args.steps})
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    if not torch.cuda.is_available():
-        reason = f"no CUDA device visible (torch {torch.__version__}, torch.cuda.is_available() is False)"
-        print(f"gpu-smoke: skipped: {reason}")
-        args.out.write_text(json.dumps({"skipped": reason}, indent=2))
-        return 0
-    args.work.mkdir(parents=True, exist_ok=True)
-    index, tokenizer = build_data(args.work)
-    report = {"gpu": torch.cuda.get_device_name(), "runs": {}}
-    for name, overrides in RUNS.items():
-        report["runs"][name] = run_one(name, overrides, args.steps, index, tokenizer, args.work)
-        args.out.write_text(json.dumps(report, indent=2))
-        run = report["runs"][name]
-        print(f"{name}: exit {run['exit_code']}" + (
-            f", {run['tokens_per_s']:,.0f} tokens/s, MFU {run['mfu']:.1%}, peak {run['peak_mem_bytes'] / 2**30:.1f} "
-            f"GiB vs predicted {run['predicted_mem_bytes'] / 2**30:.1f} GiB" if not run["exit_code"] else ""))
-    return 0 if all(not r["exit_code"] for r in report["runs"].values()) else 1
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            reason = f"no CUDA device visible (torch {torch.__version__}, torch.cuda.is_available() is False)"
+            print(f"gpu-smoke: skipped: {reason}")
+            args.out.write_text(json.dumps({"skipped": reason}, indent=2))
+            return 0
+    return smoke(args.out, args.device, size, args.work or args.out.with_suffix(""))
 
 
 if __name__ == "__main__":

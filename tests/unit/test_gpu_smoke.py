@@ -1,10 +1,14 @@
-"""`make gpu-smoke` on a machine without CUDA: a clear skip, exit 0, the reason in its JSON."""
+"""`make gpu-smoke` on a machine without CUDA (a clear skip, exit 0, the reason in its JSON), its result lines,
+its CPU twin's settings, and the GPU peak table its MFU divides by."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 
 def test_gpu_smoke_skips_with_the_reason_without_cuda(tmp_path):
@@ -15,3 +19,62 @@ def test_gpu_smoke_skips_with_the_reason_without_cuda(tmp_path):
     assert "gpu-smoke: skipped: no CUDA device visible" in proc.stdout
     assert "torch.cuda.is_available() is False" in json.loads(out.read_text())["skipped"]
     assert not (tmp_path / "work").exists(), "nothing is built when there is no GPU"
+
+
+def _smoke_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_smoke_script", ROOT / "bench" / "gpu_smoke.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _finished_run(**figures):
+    return {"name": "zero2-large", "precision": "bf16", "zero_stage": 2, "engine": "deepspeed", "comm_backend": "nccl",
+            "exit_code": 0, "tokens_per_s": 12345.6, "mfu": 0.421, "mfu_note": None,
+            "peak_memory_bytes": 3 * 2**30, "predicted_memory_bytes": 4 * 2**30, "measured_over_predicted": 0.75,
+            **figures}
+
+
+def test_result_line_prints_a_run_without_mfu_with_the_reason():
+    smoke = _smoke_module()
+    line = smoke.result_line(_finished_run(mfu=None, mfu_note="no throughput or no peak to divide by"))
+    assert "MFU n/a (no throughput or no peak to divide by)" in line
+    assert "12,346 tokens/s" in line and "peak 3.00 GiB vs predicted 4.00 GiB (×0.75)" in line
+    assert "MFU 42.1%" in smoke.result_line(_finished_run())
+    failed = smoke.result_line({**_finished_run(), "exit_code": 1})
+    assert failed.endswith("exit 1, see zero2-large/train.log")
+
+
+def test_cpu_twin_runs_fp16_sections_in_bf16_over_gloo_and_cuda_keeps_them():
+    smoke = _smoke_module()
+    fp16 = {"engine": "ddp", "zero_stage": 0, "precision": "fp16"}
+    assert smoke.device_settings(fp16, "cpu") == {**fp16, "precision": "bf16", "comm_backend": "gloo"}
+    assert smoke.device_settings(fp16, "cuda") == {**fp16, "comm_backend": "nccl"}
+    fp32 = {**fp16, "precision": "fp32"}
+    assert smoke.device_settings(fp32, "cpu")["precision"] == "fp32"
+
+
+def test_cpu_twin_predicts_rss_with_offloaded_states_and_cuda_the_allocator_peak():
+    smoke = _smoke_module()
+    estimate = {"per_rank": 10, "runtime": 3, "host_states": 5}
+    assert smoke.predicted_memory_bytes(estimate, "cpu") == 15
+    assert smoke.predicted_memory_bytes(estimate, "cuda") == 7
+
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H200", 989.5), ("NVIDIA H200 NVL", 835.5), ("NVIDIA H100 80GB HBM3", 989.5), ("NVIDIA H100 PCIe", 756.5),
+    ("NVIDIA H100 NVL", 835.5), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0),
+    ("NVIDIA L40S", 362.05), ("NVIDIA L40", 181.05), ("NVIDIA GeForce RTX 4090", 165.2),
+    ("NVIDIA GeForce RTX 3090", 71.0), ("NVIDIA GeForce RTX 3090 Ti", 80.0),
+])
+def test_gpu_peak_table_names_the_datasheet_figure_of_each_gpu_torch_reports(name, tflops):
+    from pretrain_bench.flops import gpu_table_peak
+
+    for precision in ("fp16", "bf16"):
+        peak, source = gpu_table_peak(name, precision)
+        assert peak == tflops * 1e12 and source.startswith("datasheet table: ") and f"{tflops} TFLOP/s" in source
+    assert gpu_table_peak(name, "fp32") is None
+    assert gpu_table_peak("NVIDIA Tesla T4", "fp16") is None, "an unknown GPU is measured, never guessed"

@@ -83,7 +83,7 @@ def test_flops_formula_and_gpu_table():
     peak, source = gpu_table_peak("NVIDIA GeForce RTX 4090", "fp16")
     assert peak == 165.2e12 and "RTX 4090" in source
     assert gpu_table_peak("NVIDIA GeForce RTX 4090 D", "bf16")[0] == 147.0e12
-    assert gpu_table_peak("NVIDIA H200", "bf16")[0] == 989e12
+    assert gpu_table_peak("NVIDIA H200", "bf16")[0] == 989.5e12
     assert gpu_table_peak("NVIDIA H200", "fp32") is None
 
 

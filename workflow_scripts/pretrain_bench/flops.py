@@ -9,13 +9,23 @@ from __future__ import annotations
 
 FLOPS_FORMULA = "6N + 12*L*H*Q*T (PaLM appendix B; N = parameters in matmuls: all but the input embedding)"
 
-# Dense peak TFLOP/s per GPU for 16-bit inputs with fp32 accumulation (vendor datasheets, no sparsity).
+# Dense peak TFLOP/s per GPU for 16-bit (fp16 and bf16) tensor-core inputs with fp32 accumulation, without
+# sparsity: the figure MFU divides by. Datasheets that print only the 2:4-sparse figure (marked *) are halved.
+# Names are matched longest first against torch.cuda.get_device_name(), so "H100 PCIe" wins over "H100".
 GPU_PEAK_TFLOPS_16BIT = {
-    "RTX 4090": 165.2,  # Ada whitepaper: 165.2 dense FP16/BF16 tensor TFLOPS with FP32 accumulate
+    "H200": 989.5,  # NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM: BF16/FP16 1,979* TFLOPS
+    "H200 NVL": 835.5,  # same datasheet, H200 NVL: 1,671* TFLOPS
+    "H100": 989.5,  # NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM: BF16/FP16 1,979* TFLOPS
+    "H100 PCIe": 756.5,  # same datasheet, H100 PCIe: 1,513* TFLOPS
+    "H100 NVL": 835.5,  # same datasheet, H100 NVL: 1,671* TFLOPS (per GPU)
+    "A100": 312.0,  # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM and PCIe: BF16/FP16 312 (624*) TFLOPS
+    "L40S": 362.05,  # NVIDIA L40S datasheet (2023): BF16/FP16 362.05 (733*) TFLOPS
+    "L40": 181.05,  # NVIDIA L40 datasheet (2022): BF16/FP16 181.05 (362.1*) TFLOPS
+    "RTX 4090": 165.2,  # NVIDIA Ada GPU architecture whitepaper, table 2: FP16/BF16 tensor with FP32 accumulate 165.2
     "RTX 4090 D": 147.0,  # 4090 D: 14,592 CUDA cores vs 16,384 (same clock) -> 165.2 * 0.89
-    "A100": 312.0,
-    "H100": 989.0,  # SXM dense BF16
-    "H200": 989.0,
+    "RTX 3090": 71.0,  # NVIDIA Ampere GA102 GPU architecture whitepaper, table 9: FP16/BF16 tensor with FP32
+                       # accumulate 71 (142*) TFLOPS
+    "RTX 3090 Ti": 80.0,  # GA102 full die: 84 SMs at 1.86 GHz vs the 3090's 82 at 1.695 GHz -> 71 * 1.124
 }
 
 

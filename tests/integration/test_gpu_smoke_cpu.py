@@ -1,0 +1,42 @@
+"""`make gpu-smoke-cpu` in its short form: every section of the GPU smoke run on CPU (gloo, bf16 for fp16), with
+tiny sizes, through the launcher as on a GPU; its JSON holds each run's figures."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_smoke_cpu_twin_runs_every_section_and_reports_each(tmp_path):
+    out = tmp_path / "gpu-smoke-cpu.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), str(out), "--device", "cpu",
+                           "--size", "tiny", "--steps", "3", "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=900)
+    report = json.loads(out.read_text())
+    failed = {run["name"]: run["log_tail"] for run in report["runs"] if run["exit_code"]}
+    assert proc.returncode == 0 and not failed, (proc.stdout[-3000:], proc.stderr[-3000:], failed)
+    assert report["device"] == "cpu"
+    assert report["peak"]["peak_source"].startswith("measured: best bf16 square matmul")
+    runs = {run["name"]: run for run in report["runs"]}
+    assert list(runs) == ["default-setup", "zero2-large", "zero2-loss-scaling", "ddp", "fsdp"]
+    layouts = {name: (run["engine"], run["zero_stage"], run["offload_optimizer"]) for name, run in runs.items()}
+    assert layouts == {"default-setup": ("deepspeed", 3, "cpu"), "zero2-large": ("deepspeed", 2, "none"),
+                       "zero2-loss-scaling": ("deepspeed", 2, "none"), "ddp": ("ddp", 0, "none"),
+                       "fsdp": ("fsdp", 3, "none")}
+    for name, run in runs.items():
+        # fp16 is CUDA's: on CPU every run is bf16 over gloo at world size 1
+        assert (run["device"], run["precision"], run["comm_backend"]) == ("cpu", "bf16", "gloo"), name
+        assert run["tokens_per_s"] > 0, name
+        assert 0 < run["mfu"] < 1, name
+        assert run["peak_flops_per_rank"] == report["peak"]["peak_flops"], name
+        assert run["peak_memory_kind"] == "peak RSS of the rank process (getrusage)", name
+        # the memory model's prediction of the rank's RSS (offloaded states included) against the measured peak
+        assert 0.5 < run["peak_memory_bytes"] / run["predicted_memory_bytes"] < 1.5, (name, run["memory_terms"])
+    assert runs["default-setup"]["memory_terms"]["host_states"] > 0, "the optimizer states were offloaded"
+    printed = [line for line in proc.stdout.splitlines() if line.startswith(tuple(runs))]
+    assert len(printed) == len(runs) and all("tokens/s, MFU " in line for line in printed), proc.stdout
