@@ -78,6 +78,10 @@ INIT_FROM_INPUT = [] if (config["model"]["init_from"] or "hf://").startswith("hf
 # Multi-rank rules start torchrun through this script (it needs its sibling pretrain_bench/ beside it, so it is
 # run from the workflow folder rather than from Snakemake's source cache).
 LAUNCHER = Path(workflow.basedir) / "workflow_scripts" / "launch.py"
+# SIGINT to Snakemake (Ctrl-C, kill -INT) stops a running training with a checkpoint; Snakemake alone would wait.
+from pretrain_bench.launcher import interrupts_stop_training  # noqa: E402
+
+interrupts_stop_training(LAUNCHER)
 # Shell rules start the launcher with the interpreter Snakemake runs with (a venv's, activated or not); under
 # --sdm conda with the rule's environment's own python, which conda puts first on PATH. A Path, not a str: Snakemake
 # tracks only plain values as params, and the same venv reached by another path must not count as a changed param

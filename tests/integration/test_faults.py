@@ -3,6 +3,7 @@ save, damaged checkpoints, and a resume point beyond the run's last step. Each a
 and that nothing committed was lost."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,12 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
-from support import LAUNCHER, ROOT, mounted_tmpfs, plan_for, run, tree_digest  # data: the engine tests' shards (tests/conftest.py)
+from support import LAUNCHER, ROOT, TINY_CONFIG, mounted_tmpfs, plan_for, recorded_losses, run, tree_digest  # data: the engine tests' shards (tests/conftest.py)
 
 from pretrain_bench import checkpoint as ckpt  # noqa: E402
 
 pytestmark = pytest.mark.engine
+RANK_SCRIPT = ROOT / "workflow_scripts" / "pretrain.py"
 
 
 def start_logged(plan: Path, ranks: int, log: Path, stderr: Path) -> subprocess.Popen:
@@ -146,3 +149,137 @@ def test_damaged_checkpoints_fall_back_and_steps_never_go_backwards(data, tmp_pa
     assert "resumed from" not in log and "step 1/4" not in log
     assert tree_digest(run_dir / "state", exclude=("run.lock",)) == before
     assert json.loads((run_dir / "out" / "summary.json").read_text())["steps"] == 8
+
+
+# --- Interrupts through Snakemake, and the reruns after them -------------------------------------------------------
+INTERRUPT_NAME = "itest-interrupt"
+INTERRUPT_STEPS = 120
+INTERRUPT_OVERLAY = {"name": INTERRUPT_NAME, "train": {"gpus": 2, "max_steps": INTERRUPT_STEPS,
+                                                       "checkpoint_every": 1000, "eval_every": None}}
+
+
+def start_snakemake(overlay: Path, output: Path, *args: str) -> subprocess.Popen:
+    """`snakemake … -- results/<name>/train/summary.json` as a user starts it, in a process group of its own (the
+    terminal's foreground group)."""
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--resources", "gpu=3", "--configfile", TINY_CONFIG,
+           str(overlay), *args, "--", f"results/{INTERRUPT_NAME}/train/summary.json"]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(output, "w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def finish_snakemake(overlay: Path, output: Path, *args: str) -> str:
+    proc = start_snakemake(overlay, output, *args)
+    try:
+        assert proc.wait(1800) == 0, output.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return (ROOT / "logs" / INTERRUPT_NAME / "pretrain.log").read_text()
+
+
+@pytest.mark.parametrize("interrupt", ["snakemake", "terminal"])
+def test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_finished_run_is_never_retrained(
+        tmp_path, interrupt):
+    import psutil
+
+    results = ROOT / "results" / INTERRUPT_NAME
+    for folder in (results / "state", results / "train", ROOT / "logs" / INTERRUPT_NAME):
+        shutil.rmtree(folder, ignore_errors=True)  # the corpus, tokenizer and shards are kept between variants
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text(yaml.safe_dump(INTERRUPT_OVERLAY))
+    run_dir, terminal = results, tmp_path / "terminal.log"
+    proc = start_snakemake(overlay, terminal)
+    try:
+        wait_for(lambda: len(recorded_losses(run_dir)) >= 3, proc, terminal, timeout=1800)
+        seen = len(recorded_losses(run_dir))
+        if interrupt == "snakemake":  # kill -INT <snakemake>: Snakemake alone
+            os.kill(proc.pid, signal.SIGINT)
+        else:  # Ctrl-C: the terminal's whole group (Snakemake, the job's shell, launcher, torchrun) and the ranks
+            ranks = rank_processes(proc)
+            assert len(ranks) == 2
+            os.killpg(proc.pid, signal.SIGINT)
+            for rank in ranks:
+                rank.send_signal(signal.SIGINT)
+        code = proc.wait(600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = (ROOT / "logs" / INTERRUPT_NAME / "pretrain.log").read_text()
+    assert code != 0, terminal.read_text()[-3000:]
+    saved = ckpt.committed_steps(run_dir / "state" / "checkpoints")
+    # the step in flight (or one more, trained while the stop was passed on), saved and committed
+    assert len(saved) == 1 and seen <= saved[0] <= seen + 5 and saved[0] < INTERRUPT_STEPS, (saved, seen, log[-3000:])
+    assert f"received: checkpoint step {saved[0]} saved in" in log, log[-3000:]
+    assert "SIGINT received: asking the ranks to save the step in flight and stop" in log
+    assert ckpt.verify(run_dir / "state" / "checkpoints", saved[0], "full")["step"] == saved[0]
+    assert not (run_dir / "train" / "summary.json").exists()
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(run_dir / "train" / "plan.json") in
+                " ".join(p.info["cmdline"] or [])], "no process of the job is left"
+
+    # the same command resumes from it
+    log = finish_snakemake(overlay, tmp_path / "rerun.log")
+    summary = json.loads((run_dir / "train" / "summary.json").read_text())
+    assert f"resumed from {Path('results', INTERRUPT_NAME, 'state', 'checkpoints', ckpt.tag_for(saved[0]))}" in log
+    assert summary["resumed_from_step"] == saved[0] and summary["steps"] == INTERRUPT_STEPS
+    records = [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, INTERRUPT_STEPS + 1))
+    if interrupt == "terminal":
+        return
+    # A finished run is never trained again: its outputs deleted, or --forcerun, rewrite them from the final checkpoint
+    checkpoints = tree_digest(run_dir / "state" / "checkpoints")
+    state_metrics = (run_dir / "state" / "metrics.jsonl").read_text()
+    for args in ((), ("--forcerun", "pretrain")):
+        (run_dir / "train" / "summary.json").unlink(missing_ok=True)
+        (run_dir / "train" / "metrics.jsonl").unlink(missing_ok=True)
+        log = finish_snakemake(overlay, tmp_path / "rewrite.log", *args)
+        assert (f"already finished step {INTERRUPT_STEPS}: resuming at its final checkpoint to rewrite the outputs, "
+                "no step is trained again") in log, log[-3000:]
+        assert f"step {saved[0] + 1}/" not in log and "starts fresh" not in log
+        rewritten = json.loads((run_dir / "train" / "summary.json").read_text())
+        assert rewritten["resumed_from_step"] == INTERRUPT_STEPS and rewritten["loss"] == summary["loss"]
+        assert rewritten["tokens_per_s"] == summary["tokens_per_s"]
+        assert (run_dir / "train" / "metrics.jsonl").read_text().splitlines() == [json.dumps(r) for r in records]
+        assert not (run_dir / "state" / "runs").exists()
+        assert tree_digest(run_dir / "state" / "checkpoints") == checkpoints
+        assert (run_dir / "state" / "metrics.jsonl").read_text() == state_metrics
+
+
+def rank_processes(proc: subprocess.Popen) -> list:
+    import psutil
+
+    return [p for p in psutil.Process(proc.pid).children(recursive=True)
+            if str(RANK_SCRIPT) in p.cmdline() and "torch.distributed.run" not in p.cmdline()]  # not torchrun
+
+
+def mapped_deleted_files(pid: int, folder: Path) -> list[str]:
+    """Files under `folder` that process `pid` still maps although they were deleted (their blocks stay allocated)."""
+    return [line.split(maxsplit=5)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+            if str(folder.resolve()) in line and line.endswith("(deleted)")]
+
+
+def test_pruned_checkpoints_free_their_disk_while_a_resumed_run_continues(data, tmp_path):
+    run_dir = tmp_path / "run"
+    root = run_dir / "state" / "checkpoints"
+    first = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=4, checkpoint_every=2, keep_checkpoints=1)
+    assert run(first, 2, tmp_path / "a.log") == 0, (tmp_path / "a.log").read_text()[-3000:]
+    assert ckpt.committed_steps(root) == [4]
+    # resumed from step 4, which the save of step 6 prunes while the run goes on
+    plan = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=400, checkpoint_every=2,
+                    keep_checkpoints=1)
+    log = tmp_path / "b.log"
+    proc = start_logged(plan, 2, log, tmp_path / "b.terminal")
+    try:
+        wait_for(lambda: len(recorded_losses(run_dir)) >= 9 and 8 in ckpt.committed_steps(root), proc, log)
+        assert not (root / "step4").exists()
+        ranks = rank_processes(proc)
+        assert len(ranks) == 2
+        held = {rank.pid: mapped_deleted_files(rank.pid, root) for rank in ranks}
+        assert held == {rank.pid: [] for rank in ranks}, held
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(300) != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "resumed from" in log.read_text()
+

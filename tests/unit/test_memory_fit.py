@@ -226,3 +226,16 @@ def test_the_kept_checkpoints_must_fit_on_disk(tmp_path, no_gpu):
     # keeping one (and the one being written) needs the same two; a checkpoint every 100 steps keeping 3 needs 4
     assert fit_run(default_config(), settings_of(config, checkpoint_every=100, keep_checkpoints=3),
                    state_dir=str(tmp_path))[1]["checkpoint_disk"]["checkpoints"] == 4
+
+
+def test_small_checkpoints_are_shown_in_mib(tmp_path, no_gpu):
+    from pretrain_bench.memory_fit import checkpoint_disk
+
+    config = default_config()
+    config["model"] = {"preset": "tiny", "seq_len": 128, "overrides": {}}
+    settings = settings_of(config, max_steps=60, checkpoint_every=20, keep_checkpoints=1, device="cpu",
+                           precision="fp32", comm_backend="gloo")
+    disk = checkpoint_disk(config, settings, 3_000_000, str(tmp_path), gpu_here=False)
+    # 3M parameters, fp32 ZeRO-2: 4 + 12 bytes each = 45.8 MiB; the kept one and the one being written
+    assert disk["checkpoints"] == 2 and disk["text"].startswith("2 checkpoint(s) × 45.8 MiB = 91.6 MiB on disk, ")
+    assert "0.0 GiB" not in disk["text"]

@@ -8,9 +8,12 @@ it: `pretrain_bench.checkpoint` adds its own sizes, hashes and commit marker.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -34,8 +37,26 @@ def atomic_write_json(path: Path, data, **dumps) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSON-lines file (blank lines skipped); [] when there is no such file."""
+    """The records of a JSON-lines file (blank lines skipped); [] when there is no such file.
+
+    A last line that is not JSON and has no newline after it is a record whose append was cut short (a crash, a
+    full disk): it is dropped with a warning naming the file. Anything else that is not JSON raises ValueError
+    naming the file and line."""
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number == len(lines):  # no newline after it
+                logger.warning(f"{path}: dropped its last line ({len(line.encode())} bytes), a record cut short "
+                               f"while it was written: {line[:60]!r}")
+                continue
+            raise ValueError(f"{path} line {number} is not JSON ({error}): {line[:60]!r}; a record cut short can only "
+                             "be the last line, so this file was edited or damaged") from error
+    return records

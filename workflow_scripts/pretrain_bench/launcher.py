@@ -43,28 +43,36 @@ logger = logging.getLogger(__name__)
 # 16 GiB; the memory model counts exact sizes. Where torch lacks the option, DeepSpeed's pin_memory is turned off.
 PINNED_EXACT_OPTION = "pinned_max_round_threshold_mb:64"
 _PINNED_PROBE = """
+import sys
 import torch
 torch.empty(1, device="cuda")
 torch.empty(1024).pin_memory()
 from torch._C import _accelerator_getAllocatorSettings
-assert "pinned_max_round_threshold_mb" in _accelerator_getAllocatorSettings()
+if "pinned_max_round_threshold_mb" not in _accelerator_getAllocatorSettings():
+    sys.exit("this torch cannot stop rounding pinned blocks up to powers of two")
 """
 
 
 def exact_pinning(env: dict) -> tuple[dict, str]:
-    """Environment additions that keep pinned host buffers at their exact size, and a line for the log."""
+    """Environment additions that keep pinned host buffers at their exact size, and a line for the log.
+
+    Probed in a child with `env`: the job's own GPU slot (CUDA_VISIBLE_DEVICES) and allocator settings. Where the
+    probe fails, pinning is off and the line names the failure (a torch without the option, or a GPU or pinned
+    allocation that failed)."""
     key = "PYTORCH_CUDA_ALLOC_CONF"
     conf = ",".join(filter(None, [env.get(key, ""), PINNED_EXACT_OPTION]))
     try:
         probe = subprocess.run([sys.executable, "-c", _PINNED_PROBE], env={**env, key: conf}, capture_output=True,
-                               timeout=300)
-        supported = probe.returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        supported = False
-    if supported:
-        return {key: conf}, f"pinned host memory at exact sizes: {key}={conf}"
-    return {"PRETRAIN_BENCH_PIN_MEMORY": "0"}, ("pinned host memory off: this torch cannot stop rounding pinned "
-                                               "blocks up to powers of two (offload copies are slower, RAM exact)")
+                               text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as error:
+        failure = f"the pinning probe did not run: {error}"
+    else:
+        if probe.returncode == 0:
+            return {key: conf}, f"pinned host memory at exact sizes: {key}={conf}"
+        lines = probe.stderr.strip().splitlines()
+        failure = lines[-1] if lines else f"the pinning probe exited with status {probe.returncode}"
+    return {"PRETRAIN_BENCH_PIN_MEMORY": "0"}, (f"pinned host memory off: {failure} (offload copies are slower, RAM "
+                                               "exact)")
 
 
 P2P_KEY = "NCCL_P2P_DISABLE"
@@ -222,11 +230,19 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
+# How long torchrun waits, after passing a stop on, for the ranks to finish their step, save it and exit before it
+# kills them (torchrun's own default, 30 s, is shorter than one save of a large model).
+GRACEFUL_STOP_S = 600
+# torchrun turns these into a stop of its ranks; SIGINT is left out (and ignored): the launcher passes every stop on
+# as one SIGTERM, so a Ctrl-C that reaches the launcher and torchrun together is not a second, harder stop.
+TORCHRUN_SIGNALS = "SIGTERM,SIGHUP,SIGQUIT"
+
+
 def torchrun_command(script: Path, script_args: list[str], *, ranks: int, nodes: int, max_restarts: int,
                      rdzv_endpoint: str | None = None, node_rank: int | None = None,
                      rdzv_id: str = "pretrain-bench") -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-           f"--max-restarts={max_restarts}"]
+           f"--max-restarts={max_restarts}", f"--shutdown-timeout={GRACEFUL_STOP_S}"]
     if nodes == 1:
         cmd.append("--standalone")
     else:
@@ -394,10 +410,6 @@ def _launch_locked(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_d
     for stale in clear_stale_extension_locks():
         logger.warning(f"removed {stale}: a torch extension build lock left by a killed process (ranks would wait "
                        "on it forever)")
-    if device == "cuda" and "cpu" in (settings.offload_optimizer, settings.offload_param):
-        additions, note = exact_pinning(env)
-        env.update(additions)
-        logger.info(note)
     if device == "cuda" and settings.comm_backend == "nccl" and settings.nccl_env:
         env.update(settings.nccl_env)
         logger.info("nccl environment (train.nccl_env): " + " ".join(f"{k}={v}" for k, v in settings.nccl_env.items()))
@@ -413,21 +425,88 @@ def _launch_locked(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_d
         if device_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, device_ids))
             logger.info(f"device slots: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}")
-        if device == "cuda" and settings.comm_backend == "nccl":  # probed on the job's own GPUs
+        if device == "cuda" and "cpu" in (settings.offload_optimizer, settings.offload_param):
+            additions, note = exact_pinning(env)  # probed on the job's own GPUs, as are the peers below
+            env.update(additions)
+            logger.info(note)
+        if device == "cuda" and settings.comm_backend == "nccl":
             additions, note = nccl_peer_environment(settings.nccl_env or {}, env, ranks)
             env.update(additions)
             logger.info(note)
         return _run(cmd, env, pass_fds)
 
 
+
+
+def _start_child() -> None:
+    """preexec_fn of torchrun (or srun): SIGTERM when this launcher dies, SIGINT ignored (the ranks inherit that until
+    they install their own handler)."""
+    die_with_parent(signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _run(cmd: list[str], env: dict, pass_fds: tuple[int, ...] = ()) -> int:
-    """Run cmd to the end, passing SIGTERM on. `pass_fds` (the state lock) stay open in the child, so the lock
-    outlives this launcher while torchrun's ranks still write."""
+    """Run cmd to the end. A SIGTERM or SIGINT (Ctrl-C, or Snakemake interrupted: see interrupts_stop_training) is
+    passed on once, as SIGTERM, and the launcher waits on: the ranks save the step in flight and exit. `pass_fds`
+    (the state lock) stay open in the child, so the lock outlives this launcher while torchrun's ranks still write."""
     logger.info("launch: " + " ".join(cmd))
     # torchrun gets SIGTERM if this launcher dies, so it stops its ranks (which checkpoint)
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=partial(die_with_parent, signal.SIGTERM), pass_fds=pass_fds)
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+    proc = subprocess.Popen(cmd, env={**env, "TORCHELASTIC_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS},
+                            preexec_fn=_start_child, pass_fds=pass_fds)
+    stopping: list[str] = []
+
+    def stop(signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if stopping:
+            logger.info(f"{name} received: already stopping, waiting for the ranks to save their checkpoint")
+            return
+        stopping.append(name)
+        logger.info(f"{name} received: asking the ranks to save the step in flight and stop")
+        proc.send_signal(signal.SIGTERM)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         return proc.wait()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def interrupts_stop_training(launch_script: Path) -> None:
+    """In Snakemake's own process: make SIGINT (Ctrl-C, `kill -INT`) stop the training jobs it runs, then let
+    Snakemake handle it as before.
+
+    Snakemake 9 runs a local shell job in a thread of its own process and, on SIGINT, logs "Terminating processes on
+    user request" and waits for the running jobs to end without signalling them (executors/local.py: cancel() only
+    shuts the thread pool down), so training would run on to train.max_steps. This passes the SIGINT to every
+    launcher (`launch_script`) below this process first; each stops its ranks with a checkpoint and exits, and
+    Snakemake, which waits for them, then exits too. Hand-written because Snakemake has no hook for it."""
+    import threading
+
+    import psutil
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if getattr(previous, "stops_training", False):  # the Snakefile is read more than once in one process
+        return
+    script = Path(launch_script).resolve()
+
+    def is_launcher(process: psutil.Process) -> bool:
+        return any(arg.endswith(script.name) and Path(process.cwd(), arg).resolve() == script
+                   for arg in process.cmdline()[1:3])
+
+    def handler(signum, frame):
+        for process in psutil.Process().children(recursive=True):
+            try:
+                if is_launcher(process):
+                    process.send_signal(signal.SIGINT)
+            except psutil.Error:
+                pass  # ended meanwhile
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    handler.stops_training = True
+    signal.signal(signal.SIGINT, handler)

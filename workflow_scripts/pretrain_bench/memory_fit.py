@@ -95,8 +95,13 @@ def checkpoint_disk(config: dict, settings: TrainSettings, parameters: int, stat
     else:
         have, source = free_disk_bytes(state_dir), f"free at {state_dir}"
     return {"need_bytes": need, "have_bytes": have, "checkpoints": kept, "fits": need <= have,
-            "text": f"{kept} checkpoint(s) × {gib(need / kept)} GiB = {gib(need)} GiB on disk, {gib(have)} GiB "
+            "text": f"{kept} checkpoint(s) × {disk_size(need / kept)} = {disk_size(need)} on disk, {disk_size(have)} "
                     f"{source}"}
+
+
+def disk_size(value: float) -> str:
+    """'90.1 GiB', or '12.3 MiB' below one GiB (a tiny run's checkpoints are not '0.0 GiB')."""
+    return f"{gib(value)} GiB" if value >= GIB else f"{value / 2**20:,.1f} MiB"
 
 
 def fit_run(config: dict, settings: TrainSettings, vocab_size: int | None = None, *, what: str = "the training run",

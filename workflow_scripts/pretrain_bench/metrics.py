@@ -25,6 +25,19 @@ def peak_memory_bytes(device: str) -> tuple[int, str]:
     return int(rss if sys.platform == "darwin" else rss * 1024), "peak RSS of the rank process (getrusage)"
 
 
+def one_record_per_step(records: list[dict]) -> list[dict]:
+    """The records in step order, each step once: where a step was recorded twice (a run restarted before a
+    checkpoint covered it, in a file written before that was prevented), the later record."""
+    return sorted({r["step"]: r for r in records}.values(), key=lambda r: r["step"])
+
+
+def peak_memory_per_rank(records: list[dict], world_size: int) -> list[int]:
+    """Each rank's largest peak_mem_bytes over the records that have that rank (a run resumed at another world size
+    holds records of both sizes)."""
+    return [max(r["peak_mem_bytes"][rank] for r in records if len(r["peak_mem_bytes"]) > rank)
+            for rank in range(world_size)]
+
+
 def steady_steps(records: list[dict], warmup_steps: int) -> list[dict]:
     """Records after the warm-up (and after any resume's first step, which pays for loading)."""
     steady = [r for r in records if r["step"] > warmup_steps and not r.get("after_resume")]
@@ -32,7 +45,8 @@ def steady_steps(records: list[dict], warmup_steps: int) -> list[dict]:
 
 
 def summarise_steps(records: list[dict], warmup_steps: int, tokens_per_step: int) -> dict:
-    """Steady-state throughput and step-time figures from metrics.jsonl records."""
+    """Steady-state throughput and step-time figures from metrics.jsonl records (each step counted once)."""
+    records = one_record_per_step(records)
     steady = steady_steps(records, warmup_steps)
     times = [r["step_time_s"] for r in steady]
     total_time = sum(times)
@@ -71,6 +85,9 @@ class MetricsSink:
         if self.enabled:
             from tensorboardX import SummaryWriter
 
+            # Records past the step this run starts from belong to an attempt that died before a checkpoint covered
+            # them (or are a record cut short): this run writes those steps again, each once.
+            truncate_jsonl(self.metrics_path, self.start_step)
             self.file = open(self.metrics_path, "a")
             # purge_step drops events past a resumed checkpoint, like truncate_jsonl does for metrics.jsonl
             self.board = SummaryWriter(str(self.board_dir), purge_step=self.start_step + 1)

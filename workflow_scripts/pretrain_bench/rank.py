@@ -1,4 +1,4 @@
-"""What one training rank needs besides the loop: the abort error, SIGTERM as a flag, rank-0 logging, collectives
+"""What one training rank needs besides the loop: the abort error, SIGTERM and SIGINT as a flag, rank-0 logging, collectives
 outside DeepSpeed's comms logger, RNG state, the resume checks (fingerprint, resume point) and the held-out summary."""
 from __future__ import annotations
 
@@ -23,14 +23,22 @@ class TrainingAborted(RuntimeError):
 
 
 class Preemption:
-    """Turns SIGTERM into a flag checked at step boundaries, so the step in flight finishes and is saved."""
+    """Turns SIGTERM and SIGINT into a flag checked at step boundaries, so the step in flight finishes and is saved.
+
+    SIGTERM comes from a scheduler's time limit or from torchrun passing on the launcher's stop; SIGINT from a
+    Ctrl-C that reaches the rank itself. Either way the ranks agree at the next step, save it and exit non-zero."""
 
     def __init__(self):
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._handle)
+        self.received: str | None = None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._handle)
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
 
     def _handle(self, signum, frame):
-        self.requested = True
+        self.received = self.received or signal.Signals(signum).name
 
 
 def log(rank: int, message: str) -> None:
@@ -76,15 +84,49 @@ def gather_floats(values: list[float], device: str) -> list[list[float]]:
 @contextmanager
 def mmap_loads():
     """torch.load maps checkpoint files instead of reading them into memory (DeepSpeed's loader calls torch.load
-    without mmap); the setting is restored afterwards."""
+    without mmap); the setting is restored afterwards.
+
+    A loaded tensor that outlives the load (DeepSpeed keeps a few, such as the optimizer's step count) would keep its
+    whole file mapped: once the checkpoint is pruned, its blocks would stay allocated on disk for the rest of the run.
+    So on the way out every loaded tensor still alive gets memory of its own and the mappings close."""
+    import gc
+    import weakref
+
     from torch.utils.serialization import config
+
+    loaded: list[weakref.ref] = []
+    original_load = torch.load
+
+    def load(*args, **kwargs):
+        result = original_load(*args, **kwargs)
+        loaded.extend(weakref.ref(t) for t in _tensors_in(result))
+        return result
 
     previous = config.load.mmap
     config.load.mmap = True
+    torch.load = load
     try:
         yield
     finally:
+        torch.load = original_load
         config.load.mmap = previous
+        gc.collect()  # the loaded state dicts, dropped by the loader but caught in reference cycles
+        with torch.no_grad():
+            for ref in loaded:
+                tensor = ref()
+                if tensor is not None:
+                    tensor.set_(tensor.clone())
+
+
+def _tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in a loaded checkpoint object (dicts, lists and tuples of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
 
 
 def number(value) -> float | None:

@@ -10,11 +10,15 @@ weights). When the pretrain job starts, rank 0 decides before anything loads:
 - another fingerprint (learning rate, model shape, data … changed): the old run moves, whole, to
   state/runs/<its fingerprint id>/ and training starts fresh; a later edit back to those settings moves it back
   and resumes it;
-- same fingerprint and already finished at exactly the steps now asked:
-  - with the very same plan (`--forcerun pretrain`, or deleted outputs), that is a request to train again: the
-    finished run moves to state/runs/<id>-<UTC time>/ and training starts fresh;
-  - with a plan that differs only where the weights do not (say `train.warmup_timing_steps`), the run resumes at
-    its last step and rewrites its outputs, when every checkpoint the plan keeps exists; else it trains again.
+- same fingerprint, another world size (train.gpus × train.nodes) than its newest checkpoint: with
+  `train.allow_reshape` an unfinished run resumes at the new size; otherwise, or when it had finished, the old run
+  moves to state/runs/<id>-world<its size>/ and training starts fresh (an edit back to that size resumes it);
+- same fingerprint and already finished at exactly the steps now asked (outputs deleted or marked incomplete,
+  `--forcerun pretrain`, or an edit where the weights do not change, say `train.warmup_timing_steps`): it is never
+  trained again; the run resumes at its final checkpoint and rewrites its outputs. Only when the plan changed and
+  keeps checkpoints the run does not have (`train.checkpoint_every` edited) does it move to
+  state/runs/<id>-<UTC time>/ and train again. To train the same settings again from step 0, move the state
+  folder away first.
 
 Nothing is deleted; every move is logged with both paths.
 """
@@ -49,6 +53,12 @@ def _held_fingerprint(state_dir: Path) -> dict | None:
     return read_marker(state_dir / "checkpoints", steps[-1])["fingerprint"] if steps else None
 
 
+def held_world_size(state_dir: Path) -> int | None:
+    """The world size the newest committed checkpoint in `state_dir` was saved with (None: no checkpoint)."""
+    steps = committed_steps(Path(state_dir) / "checkpoints")
+    return read_marker(Path(state_dir) / "checkpoints", steps[-1]).get("world_size") if steps else None
+
+
 def _holds_anything(state_dir: Path) -> bool:
     return any((state_dir / item).exists() for item in RUN_ITEMS)
 
@@ -58,6 +68,16 @@ def _move_run(src: Path, dst: Path) -> None:
     for item in RUN_ITEMS:
         if (src / item).exists():
             os.replace(src / item, dst / item)
+
+
+def _free_name(path: Path) -> Path:
+    """`path`, or `path`-<UTC time> when that is taken."""
+    return path.with_name(f"{path.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}") if path.exists() else path
+
+
+def _finished_steps(state_dir: Path) -> int | None:
+    finished = state_dir / FINISHED
+    return json.loads(finished.read_text())["steps"] if finished.is_file() else None
 
 
 def changed_parts(old: dict, new: dict) -> list[str]:
@@ -71,8 +91,8 @@ def changed_parts(old: dict, new: dict) -> list[str]:
     return parts
 
 
-def prepare_state(state_dir: Path, fingerprint: dict, total_steps: int, digest: str,
-                  needed_steps: list[int]) -> list[str]:
+def prepare_state(state_dir: Path, fingerprint: dict, total_steps: int, digest: str, needed_steps: list[int],
+                  world_size: int, allow_reshape: bool = False) -> list[str]:
     """Make `state_dir` hold the run this fingerprint resumes (or nothing, to start fresh); returns log lines.
 
     Rank 0 only, with the state lock held, before any rank reads a checkpoint.
@@ -82,39 +102,66 @@ def prepare_state(state_dir: Path, fingerprint: dict, total_steps: int, digest: 
     new_id = fingerprint_id(fingerprint)
     messages = []
     held = _held_fingerprint(state_dir) if _holds_anything(state_dir) else None
+    held_size = held_world_size(state_dir)
+    finished_steps = _finished_steps(state_dir)
     if _holds_anything(state_dir) and held != fingerprint:
         old_id = fingerprint_id(held) if held else "unknown"
-        target = runs / old_id
-        if target.exists():
-            target = runs / f"{old_id}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        target = _free_name(runs / old_id)
         _move_run(state_dir, target)
         what = ", ".join(changed_parts(held, fingerprint)) if held else "no fingerprint recorded"
         messages.append(f"the settings changed since the run in {state_dir} ({what}): that run is kept in "
                         f"{target}; this run ({new_id}) starts fresh")
-    elif (state_dir / FINISHED).is_file() and json.loads((state_dir / FINISHED).read_text())["steps"] == total_steps:
+    elif held_size is not None and held_size != world_size:
+        if allow_reshape and finished_steps != total_steps:
+            messages.append(f"the run in {state_dir} was saved at world size {held_size}, this run has {world_size} "
+                            "(train.gpus × train.nodes): resuming it reshaped (train.allow_reshape)")
+        else:
+            target = _free_name(runs / f"{new_id}-world{held_size}")
+            _move_run(state_dir, target)
+            why = (f"it had finished step {total_steps}, so there is nothing to continue" if allow_reshape else
+                   "set train.allow_reshape: true to continue it at the new size instead")
+            messages.append(f"the world size changed since the run in {state_dir} (train.gpus × train.nodes: "
+                            f"{held_size} → {world_size}): that run is kept in {target} and resumes when the world "
+                            f"size is {held_size} again; this run ({new_id}) starts fresh ({why})")
+    elif finished_steps == total_steps:
         finished = json.loads((state_dir / FINISHED).read_text())
         kept = set(committed_steps(state_dir / "checkpoints"))
-        if finished.get("plan_digest") != digest and set(needed_steps) <= kept:
-            messages.append(f"the run in {state_dir} already finished step {total_steps}, and the plan changed only "
-                            "where the weights do not: resuming at its last step to rewrite the outputs")
+        if finished.get("plan_digest") == digest or set(needed_steps) <= kept:
+            how = ("resuming at its final checkpoint to rewrite the outputs, no step is trained again"
+                   if total_steps in kept else
+                   f"its final checkpoint is gone, so the steps after {max(kept, default=0)} (its newest) are "
+                   "trained again")
+            messages.append(f"the run in {state_dir} already finished step {total_steps}: {how} (to train from "
+                            f"step 0 instead, move {state_dir} away first)")
         else:
-            why = ("with the same plan: training again from scratch" if finished.get("plan_digest") == digest else
-                   f"but the plan keeps checkpoints {sorted(set(needed_steps) - kept)} that it does not have: "
-                   "training again from scratch")
             target = runs / f"{new_id}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
             _move_run(state_dir, target)
-            messages.append(f"the run in {state_dir} already finished step {total_steps} {why}; the finished run "
-                            f"is kept in {target}")
-    if not _holds_anything(state_dir) and (runs / new_id).is_dir():
-        _move_run(runs / new_id, state_dir)
-        (runs / new_id).rmdir()
-        messages.append(f"these settings were trained before: resuming the run kept in {runs / new_id}")
+            messages.append(f"the run in {state_dir} already finished step {total_steps}, but the plan keeps "
+                            f"checkpoints {sorted(set(needed_steps) - kept)} that it does not have: training again "
+                            f"from scratch; the finished run is kept in {target}")
+    if not _holds_anything(state_dir):
+        messages += _bring_back(runs, new_id, world_size, allow_reshape, state_dir)
     # Nothing else is written: a run refused after this (say, a checkpoint beyond train.max_steps) leaves the folder
     # as it was. FINISHED.json stays until this job finishes and rewrites it; it only counts for its exact step count.
     active = {"fingerprint": fingerprint, "id": new_id}
     if not (state_dir / ACTIVE).is_file() or json.loads((state_dir / ACTIVE).read_text()) != active:
         atomic_write_json(state_dir / ACTIVE, active, sort_keys=True)
     return messages
+
+
+def _bring_back(runs: Path, new_id: str, world_size: int, allow_reshape: bool, state_dir: Path) -> list[str]:
+    """Move a kept run of these settings back into the empty `state_dir`: the one set aside at this world size,
+    else the one set aside for other settings, when its world size is this one (or train.allow_reshape)."""
+    for kept in (runs / f"{new_id}-world{world_size}", runs / new_id):
+        if not kept.is_dir():
+            continue
+        size = held_world_size(kept)
+        if size is not None and size != world_size and not allow_reshape:
+            continue
+        _move_run(kept, state_dir)
+        kept.rmdir()
+        return [f"these settings were trained before: resuming the run kept in {kept}"]
+    return []
 
 
 def mark_finished(state_dir: Path, steps: int, digest: str) -> None:
@@ -129,4 +176,4 @@ def plan_digest(plan) -> str:
     return hashlib.sha256(json.dumps(written, sort_keys=True, default=str).encode()).hexdigest()
 
 
-__all__ = ["changed_parts", "fingerprint_id", "mark_finished", "plan_digest", "prepare_state"]
+__all__ = ["changed_parts", "fingerprint_id", "held_world_size", "mark_finished", "plan_digest", "prepare_state"]

@@ -25,7 +25,8 @@ from .engines import build_engine
 from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .heldout import HeldOutSlice
 from .io import atomic_write_json, read_jsonl
-from .metrics import MetricsSink, peak_memory_bytes, summarise_steps, truncate_jsonl
+from .metrics import (MetricsSink, one_record_per_step, peak_memory_bytes, peak_memory_per_rank, summarise_steps,
+                      truncate_jsonl)
 from .model import build_model, count_parameters, load_pretrained
 from .plan import Plan, RunContext, plan_shape
 from .provenance import provenance
@@ -88,11 +89,12 @@ class Trainer:
                 self.log_progress(step, record, step_time)
                 if save_every and (step % save_every == 0 or step == self.total_steps):
                     self.save(step)
-                if any(g[2] for g in gathered):  # SIGTERM on some rank: save the step just trained, then stop
+                if any(g[2] for g in gathered):  # SIGTERM/SIGINT on some rank: save the step just trained, stop
                     if save_every and self.last_saved != step:
                         self.save(step)
-                    raise TrainingAborted(f"SIGTERM received: checkpoint step {self.last_saved} saved in "
-                                          f"{self.ckpt_root}; exiting non-zero so the job is retried")
+                    raise TrainingAborted(f"{self.preemption.received or 'a stop signal'} received: checkpoint step "
+                                          f"{self.last_saved} saved in {self.ckpt_root}; exiting non-zero so the job "
+                                          "is retried (rerun the same command to resume)")
         summary = self.summarise()
         self.finish(summary)
         return summary
@@ -140,7 +142,8 @@ class Trainer:
                 self.metrics_path.unlink(missing_ok=True)
             else:  # which run this job continues, starts fresh, or trains again (see run_state)
                 for message in prepare_state(self.state_dir, self.fingerprint, self.total_steps, self.digest,
-                                             settings.checkpoint_steps(self.seq_len)):
+                                             settings.checkpoint_steps(self.seq_len), self.world,
+                                             settings.allow_reshape):
                     self.log(message)
         dist.barrier()
 
@@ -400,14 +403,14 @@ class Trainer:
         if self.rank != 0:
             return None
         plan, settings, world, shape, params = self.plan, self.settings, self.world, self.shape, self.params
-        records = read_jsonl(self.metrics_path)
+        records = one_record_per_step(read_jsonl(self.metrics_path))
         steady = summarise_steps(records, settings.warmup_timing_steps, self.tokens_per_step)
         tokens_per_s = steady["tokens_per_s"]
         comm_fraction, comm_note = self.comm_fraction()
+        ran = self.engine.ran()  # precision, ZeRO stage and batch as the engine parsed them, train.deepspeed included
         peak_flops, peak_source = self.peak["flops_per_rank"], self.peak["source"]
         return {
             "name": plan.name, "role": plan.role, "engine": settings.engine,
-        ran = self.engine.ran()  # precision, ZeRO stage and batch as the engine parsed them, train.deepspeed included
             "world_size": world, "nodes": settings.nodes, "device": self.device, "zero_stage": ran["zero_stage"],
             "offload_optimizer": settings.offload_optimizer, "offload_param": settings.offload_param,
             "precision": ran["precision"], "comm_backend": settings.comm_backend,
@@ -419,7 +422,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s, "step_time_s": steady["step_time_s"],
             "phase_time_s": steady["phase_time_s"], "steady_steps": steady["steady_steps"],
             "warmup_timing_steps": settings.warmup_timing_steps,
-            "peak_mem_bytes": [max(r["peak_mem_bytes"][i] for r in records) for i in range(world)],
+            "peak_mem_bytes": peak_memory_per_rank(records, world),
             "peak_mem_kind": peak_memory_bytes(self.device)[1],
             "model": {"preset": plan.model["preset"], "parameters": params["total"],
                       "non_embedding_parameters": params["non_embedding"],
