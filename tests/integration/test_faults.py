@@ -283,3 +283,114 @@ def test_pruned_checkpoints_free_their_disk_while_a_resumed_run_continues(data, 
             os.killpg(proc.pid, signal.SIGKILL)
     assert "resumed from" in log.read_text()
 
+
+def overwrite_in_place(path: Path, start: int, data: bytes) -> None:
+    """Bytes overwritten on disk, in place: same size, same inode, as a bad block or a stray writer leaves them."""
+    size = path.stat().st_size
+    with open(path, "r+b") as handle:
+        handle.seek(start)
+        handle.write(data)
+    assert path.stat().st_size == size
+
+
+def fp32_weights_span(shard: Path) -> tuple[int, int]:
+    """The byte range, in the file, of the fp32 master weights a ZeRO-1/2 optimizer shard holds (DeepSpeed loads the
+    model's weights from them): the zip entry whose stored bytes are that tensor's."""
+    import struct
+    import zipfile
+
+    import torch
+
+    state = torch.load(shard, map_location="cpu", weights_only=False)
+    weights = state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0].detach().numpy().tobytes()
+    with zipfile.ZipFile(shard) as archive, open(shard, "rb") as raw:
+        for info in archive.infolist():
+            if info.file_size == len(weights) and archive.read(info) == weights:
+                raw.seek(info.header_offset)
+                header = struct.unpack(zipfile.structFileHeader, raw.read(zipfile.sizeFileHeader))
+                start = (info.header_offset + zipfile.sizeFileHeader + header[zipfile._FH_FILENAME_LENGTH]
+                         + header[zipfile._FH_EXTRA_FIELD_LENGTH])
+                return start, start + len(weights)
+    raise AssertionError(f"no entry of {shard} holds its fp32 weights")
+
+
+def test_same_size_overwrite_of_a_checkpoint_is_found_by_default_and_never_loaded(data, tmp_path):
+    run_dir = tmp_path / "run"
+    root = run_dir / "state" / "checkpoints"
+    assert run(plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=4, checkpoint_every=2), 2,
+               tmp_path / "a.log") == 0, (tmp_path / "a.log").read_text()[-3000:]
+    shard = root / "step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    start, stop = fp32_weights_span(shard)
+    damaged_at = max(start, ckpt.SAMPLE_BYTES)  # beyond the sampled window: only a full check sees it
+    assert damaged_at + 4096 <= min(stop, ckpt.SAMPLE_STRIDE)
+    garbage = os.urandom(4096)
+    overwrite_in_place(shard, damaged_at, garbage)
+    assert ckpt.verify(root, 4, "sampled"), "the fault is one the sampled opt-out misses"
+    good = tree_digest(root / "step2")
+    # No train.verify_checkpoints in the plan: the default finds it before anything is loaded.
+    assert run(plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=6, checkpoint_every=2), 2,
+               tmp_path / "b.log") == 0, (tmp_path / "b.log").read_text()[-3000:]
+    log = (tmp_path / "b.log").read_text()
+    assert (f"warning: checkpoint {root / 'step4'} is damaged: {shard} does not match the sha256 recorded when it "
+            "was saved" in log), log[-3000:]
+    assert f"Moved it aside to {root / 'step4.damaged'}; falling back to checkpoint step 2" in log
+    assert f"resumed from {root / 'step2'} (step 2)" in log and f"resumed from {root / 'step4'}" not in log
+    assert (root / "step4.damaged" / shard.name).read_bytes()[damaged_at:damaged_at + 4096] == garbage, "kept aside"
+    assert ckpt.committed_steps(root) == [2, 4, 6] and tree_digest(root / "step2") == good
+    summary = json.loads((run_dir / "out" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 6
+
+
+def test_non_finite_loss_right_after_a_resume_names_the_checkpoint_and_falls_back_once(data, tmp_path):
+    import math
+    import re
+
+    run_dir = tmp_path / "run"
+    root = run_dir / "state" / "checkpoints"
+
+    def plan(max_steps):  # the sampled opt-out: the weights below pass it, as damage before saving would pass any
+        return plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=max_steps, checkpoint_every=2,
+                        verify_checkpoints="sampled")
+
+    assert run(plan(6), 2, tmp_path / "a.log") == 0, (tmp_path / "a.log").read_text()[-3000:]
+    # Garbage that still loads as a tensor: float32 +inf over the weights past the sampled first MiB.
+    shard = root / "step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    start, stop = fp32_weights_span(shard)
+    damaged_at = max(start, ckpt.SAMPLE_BYTES)
+    damaged_at += (damaged_at - start) % 4 and 4 - (damaged_at - start) % 4  # on a float boundary
+    assert stop - damaged_at > 1 << 20 and stop <= ckpt.SAMPLE_STRIDE
+    overwrite_in_place(shard, damaged_at, b"\x00\x00\x80\x7f" * ((stop - damaged_at) // 4))
+    assert ckpt.verify(root, 6, "sampled")
+    suspect = tree_digest(root / "step6")
+    before = {step: tree_digest(root / ckpt.tag_for(step)) for step in (2, 4)}
+
+    # 1) resumed from step 6, the loss turns non-finite: the error names step 6, which is set aside
+    assert run(plan(8), 2, tmp_path / "b.log") != 0
+    log = (tmp_path / "b.log").read_text()
+    assert f"resumed from {root / 'step6'} (step 6)" in log, log[-3000:]
+    # step 7 runs on the module's weights (loaded from mp_rank_00_model_states.pt), its optimizer step copies the
+    # damaged fp32 master weights into them: step 8 at the latest, still before the next save
+    assert re.search(r"non-finite loss at step [78] on rank\(s\) \[", log), log[-3000:]
+    assert (f"], right after resuming from checkpoint {root / 'step6'}: its weights are the likely cause. Moved it "
+            f"aside to {root / 'step6.nonfinite'}" in log), log[-3000:]
+    assert "rerun to resume from checkpoint step 4, the one before it" in log
+    assert ckpt.committed_steps(root) == [2, 4]
+    assert tree_digest(root / "step6.nonfinite") == suspect, "kept as it was, for inspection"
+
+    # 2) once only: a non-finite loss right after that fallback (injected at step 5) moves nothing more
+    assert run(plan(8), 2, tmp_path / "c.log", env={"PRETRAIN_BENCH_INJECT_NAN_AT_STEP": "5"}) != 0
+    log = (tmp_path / "c.log").read_text()
+    assert f"resumed from {root / 'step4'} (step 4)" in log, log[-3000:]
+    assert (f"non-finite loss at step 5 on rank(s) [1], right after resuming from checkpoint {root / 'step4'}, "
+            "which this run fell back to after a non-finite loss right after resuming from step 6" in log), log[-3000:]
+    assert "the checkpoints are not the likely cause and nothing was moved" in log
+    assert ckpt.committed_steps(root) == [2, 4] and ckpt.set_aside_steps(root, "nonfinite") == [6]
+    assert {step: tree_digest(root / ckpt.tag_for(step)) for step in (2, 4)} == before
+
+    # 3) the rerun trains on from step 4 to the end, with finite losses
+    assert run(plan(8), 2, tmp_path / "d.log") == 0, (tmp_path / "d.log").read_text()[-3000:]
+    assert f"resumed from {root / 'step4'} (step 4)" in (tmp_path / "d.log").read_text()
+    summary = json.loads((run_dir / "out" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 4 and summary["steps"] == 8
+    assert all(math.isfinite(loss) for loss in summary["loss"].values())
+    assert ckpt.committed_steps(root) == [2, 4, 6, 8] and tree_digest(root / "step6.nonfinite") == suspect

@@ -215,3 +215,18 @@ def test_real_full_disk_during_a_save(small_tmpfs):
     assert writer.error.endswith(f"; writing {folder / 'mp_rank_00_model_states.pt'})")
     assert list(folder.iterdir()) == [], "the partial file is removed"
     assert ckpt.verify(root, 2, "full") and tree_digest(root / "step2") == committed
+
+
+def test_checkpoints_set_aside_for_a_reason_are_kept_numbered_and_found_by_that_reason(tmp_path, small_samples):
+    for step in (2, 4):
+        save_checkpoint(tmp_path, step)
+    digest = tree_digest(tmp_path / "step4")
+    assert ckpt.aside_path(tmp_path, 4, "nonfinite") == tmp_path / "step4.nonfinite"
+    assert ckpt.set_aside(tmp_path, 4, "nonfinite") == tmp_path / "step4.nonfinite"
+    assert tree_digest(tmp_path / "step4.nonfinite") == digest, "renamed whole, nothing deleted"
+    save_checkpoint(tmp_path, 4)
+    assert ckpt.set_aside(tmp_path, 4, "nonfinite") == tmp_path / "step4.nonfinite2"
+    ckpt.set_aside(tmp_path, 2)  # damaged: another reason
+    assert ckpt.set_aside_steps(tmp_path, "nonfinite") == [4, 4]
+    assert ckpt.set_aside_steps(tmp_path, "damaged") == [2]
+    assert ckpt.committed_steps(tmp_path) == [] and ckpt.set_aside_steps(tmp_path / "none", "damaged") == []

@@ -281,16 +281,30 @@ def verify(root: Path, step: int, mode: str | None = None) -> dict:
     return marker
 
 
-def set_aside(root: Path, step: int) -> Path:
-    """Rename a damaged checkpoint out of the way (`step<N>.damaged`, `.damaged2`, …): kept for inspection, never
-    loaded, pruned or exported again."""
+def aside_path(root: Path, step: int, reason: str = "damaged") -> Path:
+    """Where `set_aside` moves checkpoint `step`: `step<N>.<reason>`, or `.<reason>2`, … when that exists."""
     folder = Path(root) / tag_for(step)
-    target, n = folder.with_name(f"{folder.name}.damaged"), 1
+    target, n = folder.with_name(f"{folder.name}.{reason}"), 1
     while target.exists():
         n += 1
-        target = folder.with_name(f"{folder.name}.damaged{n}")
-    os.replace(folder, target)
+        target = folder.with_name(f"{folder.name}.{reason}{n}")
     return target
+
+
+def set_aside(root: Path, step: int, reason: str = "damaged") -> Path:
+    """Rename a checkpoint out of the way (`step<N>.damaged`, `.damaged2`, …; `.nonfinite` for one whose resume
+    gave a non-finite loss): kept for inspection, never loaded, pruned or exported again."""
+    target = aside_path(root, step, reason)
+    os.replace(Path(root) / tag_for(step), target)
+    return target
+
+
+def set_aside_steps(root: Path, reason: str) -> list[int]:
+    """Steps of the checkpoints set aside for `reason` under root, ascending."""
+    pattern = re.compile(rf"^step(\d+)\.{re.escape(reason)}\d*$")
+    root = Path(root)
+    found = (pattern.match(child.name) for child in root.iterdir()) if root.is_dir() else ()
+    return sorted(int(match.group(1)) for match in found if match)
 
 
 def newest_verified(root: Path, mode: str | None = None, warn=print) -> int | None:

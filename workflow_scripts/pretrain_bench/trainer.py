@@ -283,17 +283,51 @@ class Trainer:
 
     # --- each step ---------------------------------------------------------------------------------------------------
     def gather_step(self, step: int, local_loss: float) -> list[list[float]]:
-        """Every rank's (loss, peak memory, SIGTERM flag); aborts on a non-finite loss on any rank."""
+        """Every rank's (loss, peak memory, SIGTERM flag); aborts on a non-finite loss on any rank (distrusting the
+        checkpoint resumed from when no checkpoint was saved since)."""
         peak, _ = peak_memory_bytes(self.device)
         gathered = gather_floats([local_loss, float(peak), float(self.preemption.requested)], self.run_device)
         rank_losses = [g[0] for g in gathered]
         if not all(math.isfinite(v) for v in rank_losses):
             bad = [r for r, v in enumerate(rank_losses) if not math.isfinite(v)]
+            what = f"non-finite loss at step {step} on rank(s) {bad}"
+            if self.resumed_from is not None and self.last_saved == self.resumed_from:
+                raise TrainingAborted(self.distrust_resume(what))
             raise TrainingAborted(
-                f"non-finite loss at step {step} on rank(s) {bad}; no checkpoint written after it, the last "
+                f"{what}; no checkpoint written after it, the last "
                 f"complete one is step {self.last_saved if self.last_saved else 'none'} in {self.ckpt_root}"
             )
         return gathered
+
+    def distrust_resume(self, what: str) -> str:
+        """A non-finite loss after a resume and before the next save: the checkpoint resumed from is the suspect
+        (damaged in a way its sha256 cannot show, say in memory before it was saved, or not fully checked under
+        train.verify_checkpoints: sampled). Rank 0 sets it aside as step<N>.nonfinite, so the next attempt resumes
+        from the committed checkpoint before it; once only: when this resume is itself such a fallback, the cause
+        is not the checkpoints and nothing is moved. Every rank returns the same message."""
+        step, root = self.resumed_from, self.ckpt_root
+        folder = root / ckpt.tag_for(step)
+        earlier = [s for s in ckpt.committed_steps(root) if s < step]
+        fell_back_from = [s for s in ckpt.set_aside_steps(root, "nonfinite") if s > step]
+        aside = ckpt.aside_path(root, step, "nonfinite")
+        dist.barrier()  # every rank has read the folder before rank 0 changes it
+        head = f"{what}, right after resuming from checkpoint {folder}"
+        if fell_back_from:
+            message = (f"{head}, which this run fell back to after a non-finite loss right after resuming from step "
+                       f"{fell_back_from[-1]} (set aside in {root}): the loss diverges from an older checkpoint "
+                       "too, so the checkpoints are not the likely cause and nothing was moved. Look at the training "
+                       f"(train.lr, train.warmup_steps, train.grad_clip), or move {root} away to start over")
+        elif not earlier:
+            message = (f"{head}: its weights are the likely cause, and there is no committed checkpoint before it "
+                       f"to fall back to, so nothing was moved. Move {folder} away to start over from step 0")
+        else:
+            if self.rank == 0:
+                ckpt.set_aside(root, step, "nonfinite")
+            message = (f"{head}: its weights are the likely cause. Moved it aside to {aside} (kept for "
+                       f"inspection); rerun to resume from checkpoint step {earlier[-1]}, the one before it. This "
+                       "fallback happens once: a non-finite loss right after that resume stops the run")
+        dist.barrier()  # the folder is aside before any rank exits
+        return message
 
     def record(self, step: int, gathered: list[list[float]], step_time: float, phases: dict, comm: float | None,
                skipped_before: int) -> dict:
