@@ -127,3 +127,121 @@ def test_the_comms_logger_holds_one_steps_records_however_many_steps_ran():
     totals = result["totals"]
     assert all(after > before for before, after in totals), "each step's collectives add their time"
     assert all(later[0] == earlier[1] for earlier, later in zip(totals, totals[1:])), "nothing is lost between steps"
+
+
+class TimelineEvent:
+    """torch.cuda.Event stand-in on a simulated GPU timeline: record() stamps the stream's current time."""
+    now_ms = 0.0
+    synchronized: list = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.at = None
+
+    def record(self):
+        self.at = TimelineEvent.now_ms
+
+    def synchronize(self):
+        TimelineEvent.synchronized.append(self)
+
+    def elapsed_time(self, other):
+        return other.at - self.at
+
+
+def test_ddp_comm_on_cuda_is_timed_by_events_that_pass_when_the_all_reduce_has_finished(monkeypatch):
+    from pretrain_bench.engines import CommIntervals, CudaEventClock
+
+    monkeypatch.setattr(torch.cuda, "Event", TimelineEvent)
+    TimelineEvent.synchronized = []
+    comm = CommIntervals(CudaEventClock())
+    # two buckets launched at 0 and 1 ms of GPU time; NCCL "completes" their futures at once on the host, but the
+    # callbacks' events pass only after the all-reduces, at 4 and 6 ms; a third bucket is still in flight
+    TimelineEvent.now_ms = 0.0
+    first = comm.launched()
+    TimelineEvent.now_ms = 1.0
+    second = comm.launched()
+    TimelineEvent.now_ms = 4.0
+    comm.completed(first)
+    TimelineEvent.now_ms = 6.0
+    comm.completed(second)
+    third = comm.launched()
+    assert comm.total_ms() == 6.0, "overlapping buckets count once, from the first launch to the last completion"
+    assert TimelineEvent.synchronized == [first[1], second[1]], "only finished intervals are waited for"
+    TimelineEvent.now_ms = 9.0
+    comm.completed(third)
+    assert comm.total_ms() == 9.0 and comm.pending == []
+
+
+def test_ddp_comm_on_cpu_is_the_union_of_host_clock_intervals(monkeypatch):
+    import time
+
+    from pretrain_bench.engines import CommIntervals, HostClock
+
+    clock = iter([0.0, 0.001, 0.004, 0.006, 0.010, 0.011])  # seconds
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    comm = CommIntervals(HostClock())
+    first, second = comm.launched(), comm.launched()
+    comm.completed(first)
+    comm.completed(second)
+    third = comm.launched()
+    comm.completed(third)
+    assert comm.total_ms() == pytest.approx(7.0)  # [0, 4] ∪ [1, 6] ∪ [10, 11]
+
+
+def test_the_pinning_probe_names_the_real_failure():
+    import os
+
+    from pretrain_bench.launcher import exact_pinning
+
+    # the real probe, in a child, on this machine's torch: it has no CUDA, and the line says so instead of blaming
+    # pinned-block rounding
+    additions, note = exact_pinning(dict(os.environ))
+    assert additions == {"PRETRAIN_BENCH_PIN_MEMORY": "0"}
+    assert note == ("pinned host memory off: AssertionError: Torch not compiled with CUDA enabled (offload copies "
+                    "are slower, RAM exact)")
+
+
+OPS_PROBE = """
+import json, os
+import torch, torch.utils.cpp_extension
+torch.cuda.is_available = lambda: True  # torch sees a GPU ...
+torch.version.cuda = "12.8"
+torch.utils.cpp_extension.CUDA_HOME = None  # ... and no CUDA toolkit is installed
+os.environ["DS_ACCELERATOR"] = "cuda"
+from deepspeed.ops.op_builder.all_ops import ALL_OPS  # the builders DeepSpeed's setup.py asks, one by one
+answers = {}
+for name, builder in ALL_OPS.items():
+    try:
+        answers[name] = bool(builder.is_compatible())
+    except Exception as error:
+        answers[name] = type(error).__name__
+print(json.dumps(answers))
+"""
+
+
+def test_make_install_asks_deepspeeds_op_builders_nothing_that_needs_a_cuda_toolkit():
+    import json
+    import os
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    recipe = subprocess.run(["make", "-n", "--always-make", ".venv/.installed"], cwd=root, capture_output=True,
+                            text=True, check=True).stdout
+    line = next(line for line in recipe.splitlines() if "-r requirements.txt" in line)
+    words = shlex.split(line)
+    install_env = dict(word.split("=", 1) for word in words[:words.index(".venv/bin/python")])
+    assert install_env == {"DS_BUILD_OPS": "0", "DS_IGNORE_CUDA_DETECTION": "1"}
+    bare = {k: v for k, v in os.environ.items() if k not in install_env}
+
+    def answers(env):
+        proc = subprocess.run([sys.executable, "-c", OPS_PROBE], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    # without the install's environment the probe that setup.py runs raises on a GPU machine without a toolkit
+    assert answers(bare)["fp_quantizer"] == "MissingCUDAException"
+    raised = {name: answer for name, answer in answers({**bare, **install_env}).items() if isinstance(answer, str)}
+    assert raised == {}

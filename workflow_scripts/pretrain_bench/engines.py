@@ -293,14 +293,75 @@ class TorchEngine:
             self.scaler.load_state_dict(state["scaler"])
 
 
+class HostClock:
+    """Marks in host wall-clock milliseconds: on CPU a collective's future completes when its work has."""
+
+    def mark(self) -> float:
+        import time
+
+        return time.perf_counter() * 1000.0
+
+    def spans_ms(self, intervals: list[list]) -> list[tuple[float, float]]:
+        return [(start, stop) for start, stop in intervals]
+
+
+class CudaEventClock:
+    """Marks as CUDA events on the current stream. An NCCL all-reduce's future "completes", and runs its callbacks,
+    when the work is queued, not done; the callback runs with streams that wait for the work, so an event recorded
+    there passes when the all-reduce has finished. Read (waiting for the last mark) only when asked."""
+
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def spans_ms(self, intervals: list[list]) -> list[tuple[float, float]]:
+        if not intervals:
+            return []
+        for _, stop in intervals:
+            stop.synchronize()
+        origin = intervals[0][0]
+        return [(origin.elapsed_time(start), origin.elapsed_time(stop)) for start, stop in intervals]
+
+
+class CommIntervals:
+    """Time with at least one collective in flight: the union of launch-to-completion intervals, which overlap each
+    other and the backward pass, marked by a HostClock (CPU) or a CudaEventClock (CUDA)."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.pending: list[list] = []  # [start, stop or None]
+        self.total = 0.0
+
+    def launched(self) -> list:
+        interval = [self.clock.mark(), None]
+        self.pending.append(interval)
+        return interval
+
+    def completed(self, interval: list) -> None:
+        interval[1] = self.clock.mark()
+
+    def total_ms(self) -> float:
+        """Milliseconds in flight over every interval completed so far (the rest wait for the next call)."""
+        done = [interval for interval in self.pending if interval[1] is not None]
+        self.pending = [interval for interval in self.pending if interval[1] is None]
+        end = float("-inf")
+        for start, stop in sorted(self.clock.spans_ms(done)):  # overlapping buckets count once
+            start = max(start, end)
+            if stop > start:
+                self.total += stop - start
+                end = stop
+        return self.total
+
+
 class DDPEngine(TorchEngine):
     """torch.nn.parallel.DistributedDataParallel: replicated fp32 parameters, gradients and AdamW states; bf16/fp16
     through autocast (fp16 with torch.amp.GradScaler); accumulation micro-steps under no_sync."""
 
     name = "ddp"
     comm_method = ("DDP communication hook on rank 0: wall-clock while any gradient-bucket all-reduce was in "
-                   "flight (union of launch-to-completion intervals; they overlap the backward pass), summed over "
-                   "steady-state steps ÷ their step time")
+                   "flight (union of launch-to-completion intervals, CUDA events on a GPU; they overlap the backward "
+                   "pass), summed over steady-state steps ÷ their step time")
 
     def wrap(self, model):
         from torch.nn.parallel import DistributedDataParallel
@@ -317,37 +378,25 @@ class DDPEngine(TorchEngine):
         # every run reduce in the same buckets; the price is buckets in definition rather than backward order.
         ddp.reducer._push_all_rebuilt_params()
         ddp.reducer._rebuild_buckets()
-        self._intervals: list[list[float]] = []
-        self._comm_ms = 0.0
+        self._comm = CommIntervals(CudaEventClock() if self.device == "cuda" else HostClock())
         ddp.register_comm_hook(None, self._timed_allreduce)
         return ddp
 
     def _timed_allreduce(self, state, bucket):
-        """DDP's own all-reduce hook, timed from launch to completion (the future's callback)."""
-        import time
-
+        """DDP's own all-reduce hook, timed from launch to completion (marked in the future's callback)."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        interval = [time.perf_counter(), None]
-        self._intervals.append(interval)
+        interval = self._comm.launched()
 
         def done(future):
-            interval[1] = time.perf_counter()
+            self._comm.completed(interval)
             return future.value()
 
         return allreduce_hook(state, bucket).then(done)
 
     def comm_ms(self) -> float:
         """Milliseconds with at least one all-reduce in flight, over the run so far."""
-        spans = sorted(i for i in self._intervals if i[1] is not None)
-        self._intervals = [i for i in self._intervals if i[1] is None]
-        end = float("-inf")
-        for start, stop in spans:  # the union of the intervals: overlapping buckets count once
-            start = max(start, end)
-            if stop > start:
-                self._comm_ms += (stop - start) * 1000.0
-                end = stop
-        return self._comm_ms
+        return self._comm.total_ms()
 
     def sync_gradients(self, boundary: bool):
         return contextlib.nullcontext() if boundary else self.model.no_sync()
