@@ -39,31 +39,34 @@ except ConfigError as error:
 NAME = config["name"]
 
 
-def check_init_from_sibling(init_from, name):
-    """model.init_from under results/<other name>/ is another run's output, read as it is: this config never builds
-    it (see wildcard_constraints). Missing, the error says how that run builds it, before any job runs."""
-    if not init_from or init_from.startswith("hf://"):
+def check_other_run_input(key, path, name, marker):
+    """`key` (model.init_from, tokenizer.path) naming a path under results/<other name>/ names another run's output,
+    read as it is: this config never builds it (see wildcard_constraints). Missing (`marker` inside it missing, or
+    the path itself when marker is None), the error says how that run builds it, before any job runs."""
+    if not path or path.startswith("hf://"):
         return
-    folder = Path(init_from.removeprefix("file://"))
+    folder = Path(path.removeprefix("file://"))
     try:
         parts = folder.resolve().relative_to(Path("results").resolve()).parts
     except ValueError:
-        return  # a folder outside results/: nothing of a run's
+        return  # a path outside results/: nothing of a run's
     if not parts:
         return
     if parts[0] == name:
-        raise WorkflowError(f"model.init_from {init_from} is inside this run's own results/{name}/: a run cannot "
-                            "continue from itself; give the continued run a new name (name: ...)")
-    if not (folder / "config.json").is_file():
+        raise WorkflowError(f"{key} {path} is inside this run's own results/{name}/, which this run writes: a run "
+                            "cannot start from itself; give the continued run a new name (name: ...)")
+    needed = folder / marker if marker else folder
+    if not needed.exists():
         target = Path("results", *parts).as_posix()
         raise WorkflowError(
-            f"model.init_from {init_from}: run {parts[0]!r} has not written it yet (no {folder / 'config.json'}), "
-            f"and this run ({name!r}) never builds another run's results. Build it first with the config files "
-            f"of run {parts[0]!r}:\n  snakemake --cores all --resources gpu=<N> --configfile <its config files> "
-            f"--config name={parts[0]} -- {target}\nthen run this again.")
+            f"{key} {path}: run {parts[0]!r} has not written it yet (no {needed}), and this run ({name!r}) never "
+            f"builds another run's results. Build it first with the config files of run {parts[0]!r}:\n  snakemake "
+            f"--cores all --resources gpu=<N> --configfile <its config files> --config name={parts[0]} -- {target}\n"
+            "then run this again.")
 
 
-check_init_from_sibling(config["model"]["init_from"], NAME)
+check_other_run_input("model.init_from", config["model"]["init_from"], NAME, "config.json")
+check_other_run_input("tokenizer.path", config["tokenizer"]["path"], NAME, None)
 # The local files of corpus.sources (file://, globs expanded here, at DAG time): inputs of the corpus.
 from pretrain_bench.corpus_sources import CorpusError, local_source_files  # noqa: E402
 

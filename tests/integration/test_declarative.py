@@ -3,8 +3,8 @@
 One tiny pipeline is run to the end; then one key per config section is edited (each its own overlay) and
 `snakemake -n` must schedule the rules that read that key and no others. Then edits are run for real: more steps
 continue training (run with no virtualenv on PATH, as `.venv/bin/snakemake` may be started), a new learning rate and
-model shape start a fresh run beside the old one, `--forcerun pretrain` trains again, and evaluation, benchmark and
-report edits show up in their outputs.
+model shape start a fresh run beside the old one, `--forcerun pretrain` rewrites the outputs from the final
+checkpoint without training again, and evaluation, benchmark and report edits show up in their outputs.
 """
 import hashlib
 import json
@@ -140,15 +140,17 @@ def test_new_learning_rate_and_shape_start_fresh_and_keep_the_old_run(finished, 
     assert plan["train"]["lr"] == 1.0e-3 and plan["model"]["overrides"] == {"num_hidden_layers": 3}
 
 
-def test_forcerun_pretrain_trains_again(finished, overlays):
+def test_forcerun_pretrain_rewrites_the_outputs_without_training_again(finished, overlays):
     more = overlays("more-steps", {"train": {"max_steps": 30}})
     changed = overlays("changed", {"train": {"lr": 1.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
     before = set((RESULTS / "state" / "runs").iterdir())
+    metrics = (RESULTS / "train" / "metrics.jsonl").read_text()
     snakemake(finished, more, changed, args=("--forcerun", "pretrain"))
-    assert "training again from scratch" in pretrain_log()
-    archived = set((RESULTS / "state" / "runs").iterdir()) - before
-    assert len(archived) == 1 and committed_steps(archived.pop() / "checkpoints") == [30]
-    assert summary()["resumed_from_step"] is None and summary()["steps"] == 30
+    assert "already finished step 30: resuming at its final checkpoint to rewrite the outputs" in pretrain_log()
+    assert "move results/itest-edits/state away first" in pretrain_log()
+    assert set((RESULTS / "state" / "runs").iterdir()) == before, "nothing archived: the run is not trained again"
+    assert summary()["resumed_from_step"] == 30 and summary()["steps"] == 30
+    assert (RESULTS / "train" / "metrics.jsonl").read_text() == metrics
 
 
 def test_evaluation_benchmark_and_report_edits_show_in_their_outputs(finished, overlays):
@@ -232,12 +234,18 @@ def test_a_missing_sibling_export_names_the_command_that_builds_it(overlays):
     assert (f"run {missing!r} has not written it yet" in out
             and f"--config name={missing} -- results/{missing}/train/hf" in out), out[-3000:]
     assert not (ROOT / "results" / missing).exists() and not (ROOT / "logs" / continued).exists()
+    # the same for a tokenizer taken from another run
+    overlay = overlays("c-tokenizer", {"name": continued, "tokenizer": {"path": f"results/{missing}/tokenizer"}})
+    proc = run_snakemake(continued, "-n", configfiles=(TINY_CONFIG, overlay), check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and f"tokenizer.path results/{missing}/tokenizer: run {missing!r} has not" in out
+    assert f"--config name={missing} -- results/{missing}/tokenizer" in out
 
 
 def test_init_from_inside_this_runs_own_results_is_refused(overlays):
     overlay = overlays("self", {"name": "itest-sibling-self", "model": {"init_from": "results/itest-sibling-self/train/hf"}})
     proc = run_snakemake("itest-sibling-self", "-n", configfiles=(TINY_CONFIG, overlay), check=False)
-    assert proc.returncode != 0 and "a run cannot continue from itself" in proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "a run cannot start from itself" in proc.stdout + proc.stderr
 
 
 # --- local source files are inputs of the corpus ---
