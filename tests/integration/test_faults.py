@@ -284,6 +284,68 @@ def test_pruned_checkpoints_free_their_disk_while_a_resumed_run_continues(data, 
     assert "resumed from" in log.read_text()
 
 
+
+def test_a_world_size_edit_starts_fresh_keeping_the_old_run_or_resumes_reshaped_where_allowed(data, tmp_path):
+    run_dir = tmp_path / "run"
+    state = run_dir / "state"
+    one = plan_for(data, run_dir, gpus=1, global_batch_size=None, max_steps=4, checkpoint_every=2)
+    assert run(one, 1, tmp_path / "a.log") == 0, (tmp_path / "a.log").read_text()[-3000:]
+    # train.gpus 1 -> 2 on the finished run
+    two = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=4, checkpoint_every=2)
+    assert run(two, 2, tmp_path / "b.log") == 0, (tmp_path / "b.log").read_text()[-3000:]
+    log = (tmp_path / "b.log").read_text()
+    kept = next((state / "runs").iterdir())
+    assert (f"the world size changed since the run in {state} (train.gpus × train.nodes: 1 → 2): that run is kept "
+            f"in {kept} and resumes when the world size is 1 again") in log, log[-3000:]
+    assert "resuming at its" not in log and "resumed from" not in log
+    assert ckpt.committed_steps(kept / "checkpoints") == [2, 4] and ckpt.read_marker(kept / "checkpoints", 4)[
+        "world_size"] == 1
+    summary = json.loads((run_dir / "out" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["resumed_from_step"] is None
+    # back to 1 rank and 2 more steps, with train.allow_reshape: the 2-rank run continues at 1 rank
+    reshaped = plan_for(data, run_dir, gpus=1, global_batch_size=None, max_steps=6, checkpoint_every=2,
+                        allow_reshape=True)
+    assert run(reshaped, 1, tmp_path / "c.log") == 0, (tmp_path / "c.log").read_text()[-3000:]
+    log = (tmp_path / "c.log").read_text()
+    assert (f"the run in {state} was saved at world size 2, this run has 1 (train.gpus × train.nodes): resuming it "
+            "reshaped (train.allow_reshape)") in log, log[-3000:]
+    assert f"resumed from {state / 'checkpoints'}" in log and "saved at world size 2, now 1" in log
+    summary = json.loads((run_dir / "out" / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["resumed_from_step"] == 4 and summary["steps"] == 6
+    assert ckpt.committed_steps(kept / "checkpoints") == [2, 4], "the 1-rank run set aside stays as it was"
+
+
+def test_a_crash_before_the_first_checkpoint_and_a_cut_last_line_leave_each_step_once(data, tmp_path):
+    import psutil
+
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "state" / "metrics.jsonl"
+    plan = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=8, checkpoint_every=1000)
+    log = tmp_path / "a.log"
+    proc = start_logged(plan, 2, log, tmp_path / "a.terminal")
+    try:
+        wait_for(lambda: len(recorded_losses(run_dir)) >= 3, proc, log)
+        job = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        for process in job:  # a hard crash of the whole job, before any checkpoint
+            process.kill()
+        psutil.wait_procs(job, timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert ckpt.committed_steps(run_dir / "state" / "checkpoints") == []
+    crashed = recorded_losses(run_dir)
+    with open(metrics, "a") as handle:  # and a record cut short as the crash hit its append
+        handle.write(json.dumps({"step": len(crashed) + 1, "loss": 9.0})[:17])
+    assert run(plan, 2, tmp_path / "b.log") == 0, (tmp_path / "b.log").read_text()[-3000:]
+    log = (tmp_path / "b.log").read_text()
+    assert f"{metrics}: dropped its last line (17 bytes), a record cut short while it was written" in log
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 9)), steps
+    summary = json.loads((run_dir / "out" / "summary.json").read_text())
+    assert summary["resumed_from_step"] is None and summary["steady_steps"] == 7  # steps 2-8 (1 is warm-up)
+    assert summary["loss"]["first"] == crashed[0], "the same seed: step 1 trained again the same"
+
+
 def overwrite_in_place(path: Path, start: int, data: bytes) -> None:
     """Bytes overwritten on disk, in place: same size, same inode, as a bad block or a stray writer leaves them."""
     size = path.stat().st_size
