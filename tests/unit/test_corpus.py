@@ -464,12 +464,11 @@ def test_script_is_refused_while_another_process_runs_the_same_job(tmp_path):
     assert len(list(log.with_name("download_corpus.attempts").glob("*.log"))) == 2  # each job's log kept
 
 
-@pytest.mark.skipif(shutil.which("snakemake", path=str(Path(sys.executable).parent)) is None,
-                    reason="snakemake not installed in this environment")
-def test_rule_runs_under_snakemake(tmp_path):
-    (tmp_path / "config.yaml").write_text(
-        "name: t\ncorpus:\n  sources:\n    - uri: builtin://python-stdlib\n  max_bytes: 300000\n")
-    (tmp_path / "Snakefile").write_text(textwrap.dedent(f"""
+def corpus_workflow(folder: Path, sources_yaml: str):
+    """A Snakefile in `folder` with rule download_corpus alone (and the config it reads); returns a runner of
+    `snakemake ARGS` there."""
+    (folder / "config.yaml").write_text(f"name: t\ncorpus:\n  sources:\n{sources_yaml}  max_bytes: 300000\n")
+    (folder / "Snakefile").write_text(textwrap.dedent(f"""
         import sys
         sys.path.insert(0, "{ROOT / 'workflow_scripts'}")
         from pretrain_bench.config_types import fill_defaults_and_validate, load_schema
@@ -484,10 +483,40 @@ def test_rule_runs_under_snakemake(tmp_path):
             input: "results/t/corpus/manifest.json"
     """))
     snakemake = str(Path(sys.executable).parent / "snakemake")
-    result = subprocess.run([snakemake, "--cores", "1", "--quiet"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
+
+    def run(*args):
+        result = subprocess.run([snakemake, "--cores", "1", *args], cwd=folder, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout + result.stderr
+    return run
+
+
+needs_snakemake = pytest.mark.skipif(shutil.which("snakemake", path=str(Path(sys.executable).parent)) is None,
+                                     reason="snakemake not installed in this environment")
+
+
+@needs_snakemake
+def test_rule_runs_under_snakemake(tmp_path):
+    corpus_workflow(tmp_path, "    - uri: builtin://python-stdlib\n")("--quiet")
     manifest = json.loads((tmp_path / "results/t/corpus/manifest.json").read_text())
     assert 0 < manifest["bytes"] <= 300000 and manifest["settings"]["val_fraction"] == 0.01
     assert "corpus:" in (tmp_path / "logs/t/download_corpus.log").read_text()
     assert (tmp_path / "benchmarks/t/download_corpus.tsv").exists()
+
+
+@needs_snakemake
+def test_a_new_file_matching_a_source_glob_rebuilds_the_corpus(tmp_path):
+    (tmp_path / "texts").mkdir()
+    for number in range(2):
+        (tmp_path / "texts" / f"{number}.txt").write_text(f"the text of file {number}, long enough to keep")
+    run = corpus_workflow(tmp_path, "    - uri: file://texts/*.txt\n")  # relative to the working directory
+    run("--quiet")
+    assert "Nothing to be done" in run("-n")
+    (tmp_path / "texts" / "2.txt").write_text("a third file, added after the corpus was built")
+    assert "rule download_corpus:" in run("-n")
+    run("--quiet")
+    manifest = json.loads((tmp_path / "results/t/corpus/manifest.json").read_text())
+    assert manifest["documents"] == 3 and sorted(manifest["sources"][0]["details"]["file_sha256"]) == [
+        "texts/0.txt", "texts/1.txt", "texts/2.txt"]
+    assert "Nothing to be done" in run("-n")
