@@ -242,7 +242,8 @@ def torchrun_command(script: Path, script_args: list[str], *, ranks: int, nodes:
                      rdzv_endpoint: str | None = None, node_rank: int | None = None,
                      rdzv_id: str = "pretrain-bench") -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-           f"--max-restarts={max_restarts}", f"--shutdown-timeout={GRACEFUL_STOP_S}"]
+           f"--max-restarts={max_restarts}", f"--shutdown-timeout={GRACEFUL_STOP_S}",
+           f"--signals-to-handle={TORCHRUN_SIGNALS}"]
     if nodes == 1:
         cmd.append("--standalone")
     else:
@@ -451,8 +452,7 @@ def _run(cmd: list[str], env: dict, pass_fds: tuple[int, ...] = ()) -> int:
     (the state lock) stay open in the child, so the lock outlives this launcher while torchrun's ranks still write."""
     logger.info("launch: " + " ".join(cmd))
     # torchrun gets SIGTERM if this launcher dies, so it stops its ranks (which checkpoint)
-    proc = subprocess.Popen(cmd, env={**env, "TORCHELASTIC_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS},
-                            preexec_fn=_start_child, pass_fds=pass_fds)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_start_child, pass_fds=pass_fds)
     stopping: list[str] = []
 
     def stop(signum, frame) -> None:
