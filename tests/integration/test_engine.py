@@ -61,14 +61,9 @@ def test_kill_9_then_rerun_resumes_with_identical_losses(data, tmp_path):
     assert "resumed from" in (tmp_path / "resume.log").read_text()
 
 
-def test_resume_refuses_other_world_size_or_config(data, tmp_path):
+def test_other_config_or_world_size_start_fresh_beside_the_old_run_or_resume_reshaped(data, tmp_path):
     run_dir = tmp_path / "run"
     assert run(plan_for(data, run_dir, max_steps=4), 3, tmp_path / "a.log") == 0
-    # a longer run at another world size: refused, checkpoint untouched
-    plan = plan_for(data, run_dir, max_steps=8, gpus=2, global_batch_size=None)
-    assert run(plan, 2, tmp_path / "b.log") != 0
-    log = (tmp_path / "b.log").read_text()
-    assert "was saved with world size 3, this run has 2" in log
     # a changed learning rate: a fresh run, the old one kept whole beside it and named in the log
     plan = plan_for(data, run_dir, max_steps=8, lr=1e-3)
     assert run(plan, 3, tmp_path / "c.log") == 0, (tmp_path / "c.log").read_text()[-3000:]
@@ -87,6 +82,14 @@ def test_resume_refuses_other_world_size_or_config(data, tmp_path):
     assert (run_dir / "state" / "checkpoints" / "step4-universal" / "zero").is_dir()
     resumed = losses(run_dir)
     assert len(resumed) == 8 and resumed[4] < resumed[0], "training continued from the trained weights"
+    # back to 3 ranks without train.allow_reshape: a fresh run; the 2-rank run is kept beside it, untouched
+    plan = plan_for(data, run_dir, max_steps=8)
+    assert run(plan, 3, tmp_path / "e.log") == 0, (tmp_path / "e.log").read_text()[-3000:]
+    log = (tmp_path / "e.log").read_text()
+    assert "the world size changed since the run in" in log and "(train.gpus × train.nodes: 2 → 3)" in log
+    assert "resumed from" not in log
+    assert json.loads((run_dir / "out" / "summary.json").read_text())["resumed_from_step"] is None
+    assert [committed_steps(p / "checkpoints") for p in (run_dir / "state" / "runs").glob("*-world2")] == [[4, 8]]
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_nonzero(data, tmp_path):
