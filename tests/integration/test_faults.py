@@ -260,15 +260,17 @@ def mapped_deleted_files(pid: int, folder: Path) -> list[str]:
             if str(folder.resolve()) in line and line.endswith("(deleted)")]
 
 
-def test_pruned_checkpoints_free_their_disk_while_a_resumed_run_continues(data, tmp_path):
+@pytest.mark.parametrize("engine", [{}, {"engine": "ddp", "zero_stage": 0}], ids=["deepspeed", "ddp"])
+def test_pruned_checkpoints_free_their_disk_while_a_resumed_run_continues(data, tmp_path, engine):
     run_dir = tmp_path / "run"
     root = run_dir / "state" / "checkpoints"
-    first = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=4, checkpoint_every=2, keep_checkpoints=1)
+    first = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=4, checkpoint_every=2, keep_checkpoints=1,
+                     **engine)
     assert run(first, 2, tmp_path / "a.log") == 0, (tmp_path / "a.log").read_text()[-3000:]
     assert ckpt.committed_steps(root) == [4]
     # resumed from step 4, which the save of step 6 prunes while the run goes on
     plan = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=400, checkpoint_every=2,
-                    keep_checkpoints=1)
+                    keep_checkpoints=1, **engine)
     log = tmp_path / "b.log"
     proc = start_logged(plan, 2, log, tmp_path / "b.terminal")
     try:

@@ -244,8 +244,9 @@ class Trainer:
             tag = ckpt.universal_tag(ckpt_root, step, rank)  # rank 0 converts once, the others wait
         try:
             # DeepSpeed's optimizer shards are mapped, not copied, beside the states already allocated (DDP maps
-            # its own files; torch.distributed.checkpoint reads through buffers, which cannot be mapped)
-            with mmap_loads() if self.settings.engine == "deepspeed" else contextlib.nullcontext():
+            # its own files, and mmap_loads gives what outlives the load memory of its own, so a pruned checkpoint's
+            # disk is freed; torch.distributed.checkpoint reads through buffers, which cannot be mapped)
+            with mmap_loads() if self.settings.engine != "fsdp" else contextlib.nullcontext():
                 self.engine.load(ckpt_root / tag, rank, self.reshape)
             if not self.reshape:
                 set_rng_state(torch.load(ckpt_root / tag / f"rng_rank{rank}.pt", weights_only=False))
