@@ -78,7 +78,8 @@ def device_settings(train: dict, device: str) -> dict:
     """A run's train settings on `device`: on CPU gloo, and bf16 where CUDA runs fp16 (no CPU loss scaling)."""
     if device == "cuda":
         return {**train, "comm_backend": "nccl"}
-    return {**train, "comm_backend": "gloo", "precision": "bf16" if train["precision"] == "fp16" else train["precision"]}
+    precision = "bf16" if train["precision"] == "fp16" else train["precision"]
+    return {**train, "comm_backend": "gloo", "precision": precision}
 
 
 def build_data(work: Path, size: Size) -> tuple[Path, Path]:
@@ -181,18 +182,37 @@ def result_line(run: dict) -> str:
                    f"(×{run['measured_over_predicted']:.2f})")
 
 
+# The device's peak and description, taken in a child process: a CUDA context and the peak matmul's cached blocks
+# in this process would hold GPU memory through every run.
+_MACHINE_FACTS = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from pretrain_bench.devices import hardware_description
+from pretrain_bench.peak import measure_hardware_peak
+# fp16 and bf16 share a GPU's datasheet figure; a CPU runs the smoke in bf16, and that is what is measured
+peak = measure_hardware_peak(sys.argv[2], "bf16", lock_dir=Path(sys.argv[3]))
+print(json.dumps({"peak": peak, "hardware": hardware_description(peak["device"])}))
+"""
+
+
+def machine_facts(device: str, work: Path) -> dict:
+    """{"peak": rule measure_peak's record for this device, "hardware": its description}."""
+    proc = subprocess.run([sys.executable, "-c", _MACHINE_FACTS, str(ROOT / "workflow_scripts"), device,
+                           str(work / "slots")], capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"gpu-smoke: measuring the {device}'s peak failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def smoke(out: Path, device: str, size: Size, work: Path) -> int:
     """Every run on `device`, the JSON rewritten after each; 0 when all ran."""
-    from pretrain_bench.devices import hardware_description
-    from pretrain_bench.peak import measure_hardware_peak
-
     work.mkdir(parents=True, exist_ok=True)
     index, tokenizer = build_data(work, size)
-    # fp16 and bf16 share a GPU's datasheet figure; a CPU runs bf16, measured here
-    peak = measure_hardware_peak(device, "bf16", lock_dir=work / "slots")
+    facts = machine_facts(device, work)
+    peak = facts["peak"]
     print(f"gpu-smoke on {device}: peak {peak['peak_flops'] / 1e12:,.3g} TFLOP/s ({peak['peak_source']})")
-    report = {"device": device, "hardware": hardware_description(device), "peak": peak, "size": vars(size),
-              "runs": []}
+    report = {"device": device, "hardware": facts["hardware"], "peak": peak, "size": vars(size), "runs": []}
     for name, model, train in RUNS:
         preset = size.large if model == "large" else size.small
         run = run_one(name, preset, device_settings(train, device), size, device, peak, index, tokenizer, work)

@@ -78,3 +78,11 @@ def test_gpu_peak_table_names_the_datasheet_figure_of_each_gpu_torch_reports(nam
         assert peak == tflops * 1e12 and source.startswith("datasheet table: ") and f"{tflops} TFLOP/s" in source
     assert gpu_table_peak(name, "fp32") is None
     assert gpu_table_peak("NVIDIA Tesla T4", "fp16") is None, "an unknown GPU is measured, never guessed"
+
+
+def test_a_failed_peak_measurement_stops_the_smoke_with_the_childs_error(tmp_path):
+    smoke = _smoke_module()
+    with pytest.raises(SystemExit, match=r"(?s)measuring the cuda's peak failed:.*no CUDA device is visible"):
+        smoke.machine_facts("cuda", tmp_path)
+    facts = smoke.machine_facts("cpu", tmp_path)
+    assert facts["hardware"]["device"] == "cpu" and facts["peak"]["peak_source"].startswith("measured: ")
