@@ -174,6 +174,8 @@ def run_one(name: str, preset: str, train: dict, size: Size, device: str, peak: 
 def result_line(run: dict) -> str:
     """One line per run for the terminal; every figure may be missing (a failed run, an MFU not reported)."""
     text = f"{run['name']} ({run['precision']}, ZeRO-{run['zero_stage']}, {run['engine']}, {run['comm_backend']}): "
+    if run.get("error"):
+        return text + f"not run: {run['error']}"
     if run["exit_code"]:
         return text + f"exit {run['exit_code']}, see {run['name']}/train.log"
     mfu = f"{run['mfu']:.1%}" if run["mfu"] is not None else f"n/a ({run['mfu_note']})"
@@ -215,11 +217,21 @@ def smoke(out: Path, device: str, size: Size, work: Path) -> int:
     report = {"device": device, "hardware": facts["hardware"], "peak": peak, "size": vars(size), "runs": []}
     for name, model, train in RUNS:
         preset = size.large if model == "large" else size.small
-        run = run_one(name, preset, device_settings(train, device), size, device, peak, index, tokenizer, work)
+        run = run_or_record(name, preset, device_settings(train, device), size, device, peak, index, tokenizer, work)
         report["runs"].append(run)
         out.write_text(json.dumps(report, indent=2))
         print(result_line(run), flush=True)
-    return 0 if all(not run["exit_code"] for run in report["runs"]) else 1
+    return 0 if all(run["exit_code"] == 0 for run in report["runs"]) else 1
+
+
+def run_or_record(name: str, preset: str, train: dict, size: Size, device: str, *args) -> dict:
+    """run_one, or, where planning or reading the results raised, a record of the error: one run's refusal or fault
+    must not cost a GPU session the runs after it."""
+    try:
+        return run_one(name, preset, train, size, device, *args)
+    except Exception as error:
+        return {"name": name, "preset": preset, "device": device, "offload_optimizer": "none", **train,
+                "exit_code": None, "error": f"{type(error).__name__}: {error}"}
 
 
 def main(argv=None) -> int:

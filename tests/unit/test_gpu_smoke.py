@@ -86,3 +86,21 @@ def test_a_failed_peak_measurement_stops_the_smoke_with_the_childs_error(tmp_pat
         smoke.machine_facts("cuda", tmp_path)
     facts = smoke.machine_facts("cpu", tmp_path)
     assert facts["hardware"]["device"] == "cpu" and facts["peak"]["peak_source"].startswith("measured: ")
+
+
+def test_a_run_that_cannot_be_planned_is_recorded_and_the_smoke_goes_on(monkeypatch, tmp_path):
+    from pretrain_bench.settings import ConfigError
+
+    smoke = _smoke_module()
+
+    def refused(name, *args):
+        raise ConfigError("train.zero_stage 2 means nothing under train.engine ddp")
+
+    monkeypatch.setattr(smoke, "run_one", refused)
+    train = {"engine": "ddp", "zero_stage": 2, "precision": "fp16", "comm_backend": "nccl"}
+    run = smoke.run_or_record("ddp", "llama-125m", train, smoke.SIZES["tiny"], "cuda", {}, tmp_path, tmp_path,
+                              tmp_path)
+    assert run["exit_code"] is None
+    assert run["error"] == "ConfigError: train.zero_stage 2 means nothing under train.engine ddp"
+    assert smoke.result_line(run) == ("ddp (fp16, ZeRO-2, ddp, nccl): not run: ConfigError: train.zero_stage 2 means "
+                                      "nothing under train.engine ddp")
