@@ -185,6 +185,60 @@ def cell_plan_config(cell):
     return plan_config(config, train=cell_train(config, Cell(**bench_overrides(cell)).train_overrides(BENCH)))
 
 
+# --- what an evaluation reruns for ---
+# An evaluation's result is decided by its checkpoint's bytes (the digest of its commit marker) and the evaluate
+# settings: both are params of rule evaluate, and eval/step<N>.json records them (pretrain_bench/eval_inputs.py).
+# When this config only trains the existing run further (train.max_steps or max_tokens raised), the run resumes and
+# keeps its checkpoints as they are: for an evaluation that still matches its checkpoint and settings, the run's
+# plan and summary are then `ancient` inputs, so training on evaluates only the new checkpoints. After any other
+# edit of the plan config they are plain inputs: a run that may start afresh writes every checkpoint anew, and every
+# one is evaluated again.
+from pretrain_bench.eval_inputs import evaluation_is_current, marker_digest  # noqa: E402
+from pretrain_bench.plan import only_trains_further  # noqa: E402
+
+TRAINS_FURTHER = only_trains_further(Path(f"results/{NAME}/train/plan.json"), main_plan_config())
+EVALUATE_SETTINGS = {
+    "dtype": config["evaluate"]["export_dtype"],
+    "max_tokens": config["evaluate"]["max_tokens"],
+    "batch_size": config["evaluate"]["batch_size"],
+    "device": EVAL_DEVICE,
+    "precision": config["evaluate"]["precision"],
+    "prompts": config["evaluate"]["prompts"],
+    "generation": config["evaluate"]["generation"],
+    "lm_eval": config["evaluate"]["lm_eval"] if LM_EVAL_TASKS else None,
+}
+
+
+def training_input(path):
+    """`path` (the run's plan or summary) as an input of the evaluate rule, ancient when this config only trains further
+    and the checkpoint's evaluation outputs all exist, made from that checkpoint as it is and with these settings.
+    Not merely when they exist: Snakemake 9 skips the checks of every job downstream of one it will rerun (here,
+    training) and schedules none linked to it by ancient inputs alone, so their own missing outputs or changed
+    params would go unnoticed."""
+
+    def evaluate_input(wildcards):
+        name, step = wildcards.name, int(wildcards.step)
+        current = (all(Path(output).exists() for output in step_evaluation_outputs(name, step))
+                   and evaluation_is_current(f"results/{name}/eval/step{step}.json", f"results/{name}/state", step,
+                                             EVALUATE_SETTINGS))
+        concrete = path.format(name=name)
+        return ancient(concrete) if TRAINS_FURTHER and current else concrete
+
+    return evaluate_input
+
+
+def step_evaluation_outputs(name, step):
+    """Rule evaluate's outputs for checkpoint `step`."""
+    return [f"results/{name}/export/step{step}", f"results/{name}/eval/step{step}.json",
+            *([f"results/{name}/lm_eval/step{step}.json"] if LM_EVAL_TASKS else [])]
+
+
+def checkpoint_digest(wildcards):
+    """The digest of checkpoint step<N>'s commit marker, None before training wrote it. Snakemake computes params
+    again just before a job runs: an evaluation records the marker it read, and one written anew reruns it."""
+    return marker_digest(f"results/{wildcards.name}/state", wildcards.step)
+
+
 # The main run's pre-flight, at once, even in a dry run: what train.memory_fit chooses, or why plan_pretrain will
 # stop; then what the run and the benchmark matrix are predicted to cost.
 try:

@@ -5,14 +5,17 @@
 # Python, torch, transformers and the exported model are loaded once rather than three times, and checkpoints are
 # still evaluated in parallel (one device slot each on GPU). Each output stays its own file, so an edit to any
 # evaluate key reruns this job for every checkpoint (export included), and never training. Checkpoints are only
-# read; they live in results/{name}/state/, outside the declared outputs, so train/summary.json stands in for them
-# as input.
+# read; they live in results/{name}/state/, outside the declared outputs: train/summary.json orders this job after
+# training, and params.checkpoint (the digest of the checkpoint's commit marker) reruns it when that checkpoint is
+# written anew. When this config only trains the run further (a raised train.max_steps), plan and summary are
+# ancient for evaluations that still match their checkpoint and settings (rules/common.smk, training_input): the
+# kept checkpoints are not evaluated or exported again.
 
 
 rule evaluate:
     input:
-        plan="results/{name}/train/plan.json",
-        summary="results/{name}/train/summary.json",
+        plan=training_input("results/{name}/train/plan.json"),
+        summary=training_input("results/{name}/train/summary.json"),
         index="results/{name}/shards/index.json",
         **({"lm_eval_data": "results/{name}/lm_eval/data"} if LM_EVAL_TASKS else {}),
     output:
@@ -34,14 +37,9 @@ rule evaluate:
         gpu=EVAL_GPUS,
     params:
         step=lambda wildcards: int(wildcards.step),
-        dtype=config["evaluate"]["export_dtype"],
-        max_tokens=config["evaluate"]["max_tokens"],
-        batch_size=config["evaluate"]["batch_size"],
-        device=EVAL_DEVICE,
-        precision=config["evaluate"]["precision"],
-        prompts=config["evaluate"]["prompts"],
-        generation=config["evaluate"]["generation"],
-        lm_eval=config["evaluate"]["lm_eval"] if LM_EVAL_TASKS else None,
+        # what decides the result (pretrain_bench/eval_inputs.py): the checkpoint's bytes and the evaluate settings
+        checkpoint=checkpoint_digest,
+        settings=EVALUATE_SETTINGS,
         lock_dir=GPU_LOCK_DIR,
     script:
         "../workflow_scripts/evaluate_checkpoint.py"

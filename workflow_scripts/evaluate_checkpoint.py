@@ -11,22 +11,31 @@ log = logging.getLogger("pretrain_bench.evaluate_checkpoint")
 os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
 
-def main(plan_path, index_path, step, export_dir, eval_path, *, dtype, settings, lock_dir, threads,
-         lm_eval=None, lm_eval_data=None, lm_eval_path=None):
-    """settings: the EvalSettings fields; lm_eval: evaluate.lm_eval (tasks, limit, batch_size) or None."""
+def main(plan_path, index_path, step, export_dir, eval_path, *, settings, lock_dir, threads,
+         lm_eval_data=None, lm_eval_path=None):
+    """settings: rule evaluate's (export dtype, the EvalSettings fields, and evaluate.lm_eval or None)."""
     import torch
 
+    from pretrain_bench.eval_inputs import STAMP, evaluation_stamp
     from pretrain_bench.evaluation import EvalSettings, GenerationSettings, evaluate_export, loaded_export
     from pretrain_bench.export import export_checkpoint
+    from pretrain_bench.io import atomic_write_json
     from pretrain_bench.plan import Plan
 
     torch.set_num_threads(max(1, threads))
-    settings = EvalSettings(**{**settings, "prompts": tuple(settings["prompts"]),
-                               "generation": GenerationSettings(**settings["generation"])})
-    info = export_checkpoint(Plan.from_json(Path(plan_path)), int(step), Path(export_dir), dtype=dtype)
+    plan = Plan.from_json(Path(plan_path))
+    # taken before the checkpoint is read: a checkpoint written anew meanwhile never passes for this one
+    stamp = evaluation_stamp(Path(plan.paths.state_dir), int(step), settings)
+    lm_eval = settings["lm_eval"]
+    eval_settings = EvalSettings(**{key: settings[key] for key in ("max_tokens", "batch_size", "device", "precision")},
+                                 prompts=tuple(settings["prompts"]),
+                                 generation=GenerationSettings(**settings["generation"]))
+    info = export_checkpoint(plan, int(step), Path(export_dir), dtype=settings["dtype"])
     log.info("exported %s: %s", export_dir, json.dumps(info))
-    with loaded_export(Path(export_dir), settings.device, settings.precision, Path(lock_dir)) as loaded:
-        result = evaluate_export(Path(export_dir), Path(index_path), Path(eval_path), settings, loaded=loaded)
+    with loaded_export(Path(export_dir), eval_settings.device, eval_settings.precision, Path(lock_dir)) as loaded:
+        result = evaluate_export(Path(export_dir), Path(index_path), Path(eval_path), eval_settings, loaded=loaded)
+        # what decided this result, for the next run to compare (pretrain_bench/eval_inputs.py)
+        atomic_write_json(Path(eval_path), {**result, STAMP: stamp})
         log.info("held-out: loss %.4f, perplexity %.2f, bits per byte %s", result["loss"], result["perplexity"],
                  result["bits_per_byte"])
         if lm_eval:
@@ -42,9 +51,7 @@ if "snakemake" in globals():
 
     with job_log(snakemake.log[0], "evaluate_checkpoint"):  # noqa: F821
         params, inputs, outputs = snakemake.params, snakemake.input, snakemake.output  # noqa: F821
-        main(inputs.plan, inputs.index, params.step, outputs.export, outputs.eval, dtype=params.dtype,
-             settings={key: params[key] for key in ("max_tokens", "batch_size", "device", "precision", "prompts",
-                                                     "generation")},
+        main(inputs.plan, inputs.index, params.step, outputs.export, outputs.eval, settings=params.settings,
              lock_dir=params.lock_dir, threads=snakemake.threads,  # noqa: F821
-             lm_eval=params.lm_eval, lm_eval_data=inputs.get("lm_eval_data"), lm_eval_path=outputs.get("lm_eval"))
+             lm_eval_data=inputs.get("lm_eval_data"), lm_eval_path=outputs.get("lm_eval"))
     exit_without_teardown(0)  # every output is written (atomically): skip the seconds of teardown

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -244,3 +245,135 @@ def test_an_incomplete_zero_checkpoint_fails_naming_its_path(run, tmp_path):
 def test_rerun_has_nothing_to_do(run):
     proc = snakemake(run["pipeline"], *TARGETS, options=["-n"])
     assert "Nothing to be done" in proc.stdout + proc.stderr
+
+
+# --- reruns follow the checkpoints: a raised train.max_steps evaluates only the new ones ---
+# A run of its own (the shared one above must stay as it is): 10 steps with checkpoints 5 and 10, then 15 steps.
+RERUN_NAME = "itest-eval-rerun"
+RERUN = ROOT / "results" / RERUN_NAME
+RERUN_OVERLAY = {
+    "name": RERUN_NAME,
+    "corpus": {"max_bytes": 1_500_000},
+    "tokenizer": {"train_bytes": 500_000},
+    "train": {"max_steps": 10, "checkpoint_every": 5, "warmup_steps": 2, "warmup_timing_steps": 1,
+              "eval_every": None},
+    "evaluate": {"max_tokens": 1024, "prompts": ["def main("], "generation": {"max_new_tokens": 4},
+                 "lm_eval": {"tasks": []}},
+}
+
+
+def rerun_targets(steps):
+    return [f"results/{RERUN_NAME}/{kind}/step{step}{suffix}" for step in steps
+            for kind, suffix in (("export", ""), ("eval", ".json"))]
+
+
+def rerun_snakemake(configfiles, *args, targets=(), check=True):
+    return run_snakemake(RERUN_NAME, *args, "--", *targets, configfiles=configfiles, check=check, timeout=1800)
+
+
+def scheduled_jobs(proc) -> list[tuple[str, str]]:
+    """(rule, wildcards) of every job a dry run lists."""
+    jobs, rule = [], None
+    for line in (proc.stdout + proc.stderr).splitlines():
+        if match := re.match(r"^(?:local)?rule (\w+):", line):
+            rule = match.group(1)
+            jobs.append((rule, ""))
+        elif rule and (match := re.match(r"^\s+wildcards: (.*)$", line)):
+            jobs[-1] = (rule, match.group(1))
+    return jobs
+
+
+def evaluated_steps(proc) -> list[int]:
+    return sorted(int(re.search(r"step=(\d+)", wildcards).group(1))
+                  for rule, wildcards in scheduled_jobs(proc) if rule == "evaluate")
+
+
+def evaluation_files(steps) -> dict:
+    """Every file of the evaluations and exports of `steps`, with its modification time and bytes."""
+    files = {}
+    for step in steps:
+        for path in [RERUN / "eval" / f"step{step}.json", *sorted((RERUN / "export" / f"step{step}").rglob("*"))]:
+            if path.is_file():
+                files[str(path.relative_to(RERUN))] = (path.stat().st_mtime_ns, path.read_bytes())
+    return files
+
+
+def overlay_file(folder: Path, name: str, **train) -> Path:
+    overlay = {**RERUN_OVERLAY, "train": {**RERUN_OVERLAY["train"], **train}}
+    path = folder / name
+    path.write_text(yaml.safe_dump(overlay))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained_further(tmp_path_factory):
+    """The run trained and evaluated at 10 steps, then asked for 15: the dry run of that, and the files before and
+    after it ran."""
+    for folder in (RERUN, ROOT / "logs" / RERUN_NAME, ROOT / "benchmarks" / RERUN_NAME):
+        shutil.rmtree(folder, ignore_errors=True)
+    folder = tmp_path_factory.mktemp("rerun")
+    first = ("config/tiny-cpu.yaml", overlay_file(folder, "steps10.yaml"))
+    further = ("config/tiny-cpu.yaml", overlay_file(folder, "steps15.yaml", max_steps=15))
+    rerun_snakemake(first, targets=rerun_targets((5, 10)))
+    before = evaluation_files((5, 10))
+    markers = {step: (RERUN / "state" / "checkpoints" / f"step{step}" / "COMMITTED.json").read_bytes()
+               for step in (5, 10)}
+    dry_run = rerun_snakemake(further, "-n", targets=rerun_targets((5, 10, 15)))
+    rerun_snakemake(further, targets=rerun_targets((5, 10, 15)))
+    return SimpleNamespace(first=first, further=further, before=before, markers=markers, dry_run=dry_run,
+                           after=evaluation_files((5, 10)), folder=folder)
+
+
+def test_raising_max_steps_schedules_training_and_only_the_new_checkpoints_evaluation(trained_further):
+    jobs = [rule for rule, _ in scheduled_jobs(trained_further.dry_run)]
+    assert "plan_pretrain" in jobs and "pretrain" in jobs, "the run trains on"
+    assert evaluated_steps(trained_further.dry_run) == [15]
+
+
+def test_raising_max_steps_leaves_earlier_evaluations_and_exports_untouched(trained_further):
+    assert len(trained_further.before) > 6 and trained_further.after == trained_further.before, \
+        "same bytes and modification times"
+    assert json.loads((RERUN / "eval" / "step15.json").read_text())["step"] == 15
+    assert json.loads((RERUN / "train" / "summary.json").read_text())["steps"] == 15
+    for step, marker in trained_further.markers.items():
+        assert (RERUN / "state" / "checkpoints" / f"step{step}" / "COMMITTED.json").read_bytes() == marker
+    proc = rerun_snakemake(trained_further.further, "-n", targets=rerun_targets((5, 10, 15)))
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+
+
+def test_an_edit_that_may_train_afresh_evaluates_every_checkpoint_again(trained_further):
+    edited = ("config/tiny-cpu.yaml", overlay_file(trained_further.folder, "lr.yaml", max_steps=15, lr=2.0e-3))
+    proc = rerun_snakemake(edited, "-n", targets=rerun_targets((5, 10, 15)))
+    assert evaluated_steps(proc) == [5, 10, 15]
+
+
+def test_a_checkpoint_written_anew_is_evaluated_anew(trained_further):
+    marker = RERUN / "state" / "checkpoints" / "step5" / "COMMITTED.json"
+    original = marker.read_bytes()
+    try:
+        # what a new save of step 5 leaves: another marker (here the same facts, written again in another layout)
+        marker.write_text(json.dumps(json.loads(original), indent=1))
+        proc = rerun_snakemake(trained_further.further, "-n", targets=rerun_targets((5, 10, 15)))
+        assert evaluated_steps(proc) == [5]
+    finally:
+        marker.write_bytes(original)
+    proc = rerun_snakemake(trained_further.further, "-n", targets=rerun_targets((5, 10, 15)))
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+
+
+def test_the_learning_rate_after_a_raised_max_steps_follows_the_new_total(trained_further):
+    """What the README states: steps after the resume take the schedule computed for the new train.max_steps (the
+    cosine stretched to 15 steps), so the rate rises at the resume point from where the 10-step schedule ended."""
+    from pretrain_bench.settings import TrainSettings, learning_rate
+
+    records = [json.loads(line) for line in (RERUN / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 16))
+    train = {**TINY["train"], **RERUN_OVERLAY["train"]}
+    settings = TrainSettings.from_config({k: v for k, v in train.items() if k in TrainSettings.__dataclass_fields__})
+    lr = {r["step"]: r["lr"] for r in records}
+    print("lr by step:", {step: f"{value:.3e}" for step, value in lr.items()})
+    # the rate recorded with step k is the one step k + 1 uses (the scheduler has stepped): learning_rate(k)
+    assert [lr[k] for k in range(1, 11)] == pytest.approx([learning_rate(k, settings, 10) for k in range(1, 11)])
+    assert [lr[k] for k in range(11, 16)] == pytest.approx([learning_rate(k, settings, 15) for k in range(11, 16)])
+    assert lr[10] == pytest.approx(settings.min_lr), "the 10-step schedule had reached min_lr"
+    assert lr[11] > 2 * lr[10], "not a continuation of the old curve: it rises to the 15-step cosine"

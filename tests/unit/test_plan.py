@@ -149,3 +149,27 @@ def test_a_val_split_too_small_for_eval_every_is_refused_at_plan_time(tmp_path, 
     assert HeldOutSlice(index, 128, rank=0, world_size=3, eval_tokens=1152).samples == 9
     with pytest.raises(ConfigError, match="lower train.eval_tokens to at most 1,152"):
         HeldOutSlice(index, 128, rank=0, world_size=3, eval_tokens=6144)
+
+
+def test_only_a_raised_step_count_counts_as_training_further(tmp_path):
+    from support import tiny_config
+
+    from pretrain_bench.plan import only_trains_further
+
+    config = plan_config(tiny_config("further"))
+    path = tmp_path / "plan.json"
+    assert not only_trains_further(path, config), "no plan yet"
+    path.write_text(json.dumps({"config": config}))  # as rule plan_pretrain wrote it
+
+    def edited(**train):
+        return {**config, "train": {**config["train"], **train}}
+
+    assert only_trains_further(path, config)
+    assert only_trains_further(path, edited(max_steps=90))
+    assert only_trains_further(path, edited(max_tokens=10**9))
+    assert not only_trains_further(path, edited(max_steps=30)), "fewer steps"
+    assert not only_trains_further(path, edited(max_steps=90, lr=1e-3)), "a fresh run"
+    assert not only_trains_further(path, edited(max_steps=90, checkpoint_every=10)), "any other edit"
+    assert not only_trains_further(path, {**config, "model": {**config["model"], "seq_len": 64}})
+    path.write_text("{")
+    assert not only_trains_further(path, config)

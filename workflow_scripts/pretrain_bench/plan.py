@@ -24,6 +24,8 @@ PLANNING_KEYS = ("force", "device_memory_gib", "host_memory_gib", "disk_gib")
 # train.* keys that mean nothing to a benchmark cell (it keeps no checkpoints, is never restarted, and spends its few
 # steps on timing, not on held-out evaluation).
 CELL_IRRELEVANT = ("checkpoint_every", "keep_checkpoints", "max_restarts", "allow_reshape", "eval_every", "eval_tokens")
+# train.* keys that, raised, train a run further without touching the checkpoints it has kept.
+TRAINS_FURTHER = ("max_steps", "max_tokens")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,27 @@ def plan_config(config: dict, train: dict | None = None) -> dict:
         "benchmark": {key: bench.get(key) for key in PLANNING_KEYS},
         "report": {"peak_tflops": (config.get("report") or {}).get("peak_tflops")},
     }
+
+
+def only_trains_further(plan_path: Path, config: dict) -> bool:
+    """Whether a plan made from `config` (a plan config) only trains on the run whose plan is `plan_path`: the same
+    plan config but for a raised train.max_steps or train.max_tokens (TRAINS_FURTHER). That run resumes, and every
+    checkpoint it has kept stays as it is. False when there is no such plan (or it cannot be read), and after any
+    other edit of what a plan reads, even one a resume allows: only then may the checkpoints be written anew."""
+    try:
+        written = json.loads(Path(plan_path).read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    asked = json.loads(json.dumps(config, default=str))  # as plan.json holds it (lists, not tuples)
+    old_train, new_train = written.get("train") or {}, asked.get("train") or {}
+    if any((new_train.get(key) or 0) < (old_train.get(key) or 0) for key in TRAINS_FURTHER):
+        return False  # fewer steps: not a continuation
+
+    def without_steps(plan_config: dict) -> dict:
+        return {**plan_config, "train": {k: v for k, v in (plan_config.get("train") or {}).items()
+                                         if k not in TRAINS_FURTHER}}
+
+    return without_steps(written) == without_steps(asked)
 
 
 def cell_train(config: dict, overrides: dict) -> dict:
@@ -206,5 +229,5 @@ def plan_shape(plan: Plan, tokenizer_vocab: int | None):
     return model_shape(plan.model, tokenizer_vocab, init_folder=folder)
 
 
-__all__ = ["ConfigError", "Plan", "RunContext", "RunPaths", "cell_train", "check_val_split", "init_from_record", "make_plan",
-           "plan_config", "plan_shape"]
+__all__ = ["ConfigError", "Plan", "RunContext", "RunPaths", "cell_train", "check_val_split", "init_from_record",
+           "make_plan", "only_trains_further", "plan_config", "plan_shape"]
