@@ -31,20 +31,88 @@ def settings_of(config, **train):
     return TrainSettings.from_config({**config["train"], **train})
 
 
-def test_default_experiment_runs_zero3_with_cpu_optimizer_offload_on_the_articles_box(no_gpu):
+def test_default_experiment_runs_zero3_with_nvme_offload_on_the_articles_box(no_gpu):
     config = default_config()  # no GPU here: plans for 3 × 24 GiB, 128 GiB RAM, 1800 GiB disk (config.yaml)
     chosen, record = fit_run(config, settings_of(config))
-    assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (3, "cpu", "none")
+    assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (3, "nvme", "nvme")
     assert chosen.precision == "fp16" and chosen.derived_global_batch == 24 and chosen.micro_batch_size == 8
     assert record["asked"]["offload_optimizer"] == "none" and not record["asked_fits"]
-    assert record["changed"] == {"zero_stage": [2, 3], "offload_optimizer": ["none", "cpu"]}
-    assert record["summary"].startswith("asked ZeRO-2, micro-batch 8 × 1 accumulation; ran ZeRO-3 + CPU optimizer "
-                                        "offload")
+    assert record["changed"] == {"zero_stage": [2, 3], "offload_optimizer": ["none", "nvme"],
+                                 "offload_param": ["none", "nvme"]}
+    assert record["summary"].startswith("asked ZeRO-2, micro-batch 8 × 1 accumulation; ran ZeRO-3 + NVMe parameter "
+                                        "offload + NVMe optimizer offload")
     assert "needs 55.2 GiB per GPU, has 24.0 GiB" in record["summary"]  # why: plain ZeRO-2 does not fit
+    # no GPU here: NVMe's libaio and CUDA toolkit are left to the GPU machine's own pre-flight, and it says so
+    assert "not checked here (no GPU)" in record["summary"]
     # the first rung, ZeRO-2 + CPU offload, keeps 2Ψ and the LM head's fp64/fp32 norm copies on the GPU
     assert record["tried"][0]["label"].startswith("ZeRO-2 + CPU optimizer offload")
     assert "needs 27.5 GiB per GPU" in record["tried"][0]["text"] and not record["tried"][0]["fits"]
+    # ZeRO-3 + CPU offload: 18Ψ/N host states + fp16's overflow check (3Ψ/N) + 2 GiB per rank process, × 3 ranks
+    assert record["tried"][1]["label"].startswith("ZeRO-3 + CPU optimizer offload")
+    assert "host RAM 141.2 GiB for 3 ranks, has 128.0 GiB" in record["tried"][1]["text"]
+    assert [t["fits"] for t in record["tried"]] == [False, False, False, True]
     assert record["fits"] and record["budget"]["host_bytes"] == 128 * GIB
+
+
+def test_bf16_fits_zero3_with_cpu_optimizer_offload_on_the_articles_box(no_gpu):
+    # no overflow check in bf16: the largest host transient is one gradient partition cast to fp32
+    config = default_config()
+    chosen, record = fit_run(config, settings_of(config, precision="bf16"))
+    assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (3, "cpu", "none")
+    assert "host RAM 123.4 GiB for 3 ranks, has 128.0 GiB" in record["text"]
+
+
+def gpu_box(monkeypatch, host_gib=128):
+    """This machine is the GPU machine: 3 × 24 GiB detected, its RAM and disk measured."""
+    monkeypatch.setattr(devices, "nvidia_smi_memory", lambda: [24 * GIB] * 3)
+    monkeypatch.setattr(memory_model, "host_memory_bytes", lambda: host_gib * GIB)
+    monkeypatch.setattr(memory_model, "free_disk_bytes", lambda path: 1800 * GIB)
+
+
+def nvme_ready(monkeypatch, libaio: bool, cuda_home: str | None):
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: libaio)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", cuda_home)
+
+
+def test_nvme_rung_is_taken_when_its_prerequisites_are_here(monkeypatch):
+    gpu_box(monkeypatch)
+    nvme_ready(monkeypatch, libaio=True, cuda_home="/usr/local/cuda")
+    config = default_config()
+    chosen, record = fit_run(config, settings_of(config), nvme_path="/fast/nvme")
+    assert (chosen.offload_optimizer, chosen.offload_param) == ("nvme", "nvme")
+    assert "not checked" not in record["summary"] and "skipped" not in json.dumps(record["tried"])
+
+
+@pytest.mark.parametrize("libaio,cuda_home,reason", [
+    (False, "/usr/local/cuda", "libaio, which DeepSpeed's async_io op needs"),
+    (True, None, "a CUDA toolkit to build that op (set CUDA_HOME"),
+])
+def test_nvme_rung_is_skipped_without_libaio_or_toolkit(monkeypatch, libaio, cuda_home, reason):
+    gpu_box(monkeypatch)
+    nvme_ready(monkeypatch, libaio=libaio, cuda_home=cuda_home)
+    config = default_config()
+    chosen, record = fit_run(config, settings_of(config), nvme_path="/fast/nvme")
+    # the NVMe rung is listed among those tried, with the reason, and the ladder goes on to the next rung
+    nvme = next(t for t in record["tried"] if "NVMe" in t["label"])
+    assert nvme["text"].startswith("skipped: NVMe offload needs ") and reason in nvme["text"]
+    assert not nvme["fits"] and "nvme" not in (chosen.offload_optimizer, chosen.offload_param)
+    assert chosen.activation_checkpointing or chosen.micro_batch_size < 8
+
+
+def test_refusal_names_the_missing_nvme_prerequisite(monkeypatch):
+    gpu_box(monkeypatch, host_gib=32)  # too little RAM for any rung that keeps states on the host
+    nvme_ready(monkeypatch, libaio=False, cuda_home=None)
+    config = default_config()
+    with pytest.raises(ConfigError) as error:
+        fit_run(config, settings_of(config), nvme_path="/fast/nvme")
+    tried = str(error.value).split("auto tried, in order:")[1]
+    line = next(line for line in tried.splitlines() if "NVMe parameter offload + NVMe optimizer offload, micro-batch 8"
+                in line)
+    assert "skipped: NVMe offload needs libaio" in line and "and a CUDA toolkit" in line
+    assert not line.endswith("[does not fit]")
 
 
 def test_strict_stops_with_the_figures(no_gpu):
@@ -54,12 +122,12 @@ def test_strict_stops_with_the_figures(no_gpu):
 
 
 def test_less_host_ram_moves_down_the_ladder_to_nvme(no_gpu):
-    # 100 GiB of RAM: the CPU offloads (109 and 122 GiB for 3 ranks) do not fit, ZeRO-Infinity to NVMe does
+    # 100 GiB of RAM: the CPU offloads (141 GiB and more for 3 ranks) do not fit, ZeRO-Infinity to NVMe does
     config = default_config(host_memory_gib=100)
     chosen, record = fit_run(config, settings_of(config), nvme_path="/fast/nvme")
     assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (3, "nvme", "nvme")
     assert [t["fits"] for t in record["tried"]] == [False, False, False, True]
-    assert "host RAM 109.0 GiB for 3 ranks, has 100.0 GiB" in record["tried"][1]["text"]
+    assert "host RAM 141.2 GiB for 3 ranks, has 100.0 GiB" in record["tried"][1]["text"]
     assert "NVMe" in record["text"] and record["disk_need_bytes"] > 0
     ds = deepspeed_config(chosen, "cuda", 10)["zero_optimization"]
     assert ds["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/fast/nvme"}
@@ -126,7 +194,7 @@ def test_plan_records_asked_and_chosen(tmp_path, no_gpu):
     index.write_text(json.dumps({"vocab_size": 102400, "splits": {"val": {"shards": [{"tokens": 10**7}]}}}))
     plan = make_plan(plan_config(config), index=index, tokenizer=tmp_path, out_dir=tmp_path / "o",
                      state_dir=tmp_path / "state")
-    assert plan.train["offload_optimizer"] == "cpu" and plan.memory_fit["asked"]["offload_optimizer"] == "none"
+    assert plan.train["offload_optimizer"] == "nvme" and plan.memory_fit["asked"]["offload_optimizer"] == "none"
     assert plan.train["zero_stage"] == 3 and plan.memory_fit["asked"]["zero_stage"] == 2
     # a production CUDA run never pays for the comms logger's per-collective synchronisation
     assert plan.measure_comm is False

@@ -71,6 +71,43 @@ def test_offload_host_terms_follow_deepspeed_line_by_line():
     assert 3 * (est.host_states + memory_model.CUDA_RANK_HOST_BYTES) / GIB == pytest.approx(124.2, abs=0.1)
 
 
+def test_stage3_offload_host_terms_follow_deepspeed_line_by_line():
+    largest = 102_400 * 4_096  # DeepSeek-7B's LM head
+    terms = memory_model.stage3_offload_host_terms(PSI, 3, "fp16", largest)
+    part = PSI / 3
+    expected = {"master": 4 * part, "adam": 8 * part, "grads": 4 * part, "grad_partition_buffer": 2 * part,
+                "transient": 3 * part}  # fp16: the overflow check's isinf (16-bit abs + bool) outweighs the cast
+    assert {k: v for k, (v, _) in terms.items()} == pytest.approx(expected, abs=1)
+    assert all("stage3.py" in source or "CPUAdam" in source for _, source in terms.values())
+    assert "isinf" in terms["transient"][1]
+    # bf16 has no overflow check: the largest transient is one gradient partition cast to fp32
+    bf16 = memory_model.stage3_offload_host_terms(PSI, 3, "bf16", largest)
+    assert bf16["transient"][0] == pytest.approx(4 * largest / 3, abs=1) and "stage3.py:1456" in bf16["transient"][1]
+    # fp32 keeps its gradient buffer in fp32; parameter offload adds the pinned 16-bit partition
+    assert memory_model.stage3_offload_host_terms(PSI, 3, "fp32", largest)["grad_partition_buffer"][0] == int(4 * part)
+    with_params = memory_model.stage3_offload_host_terms(PSI, 3, "fp16", largest, offload_param="cpu")
+    assert with_params["param_buffer"][0] == int(2 * part) and "stage3.py:906" in with_params["param_buffer"][1]
+    # pinned rounding: each 1e9-element sub-group's fp32 .grad and the flat 16-bit buffer round up to a power of two
+    rounded = memory_model.stage3_offload_host_terms(PSI, 3, "fp16", largest, pinned_rounding=True)
+    pow2 = memory_model.pow2ceil
+    full, rest = divmod(int(part), memory_model.SUB_GROUP_ELEMENTS)
+    excess = 4 * (full * (pow2(10**9) - 10**9) + pow2(rest) - rest) + pow2(int(2 * part)) - int(2 * part)
+    assert rounded["pinned_rounding"][0] == pytest.approx(excess, abs=8)
+    # the model's host figure is their sum, and the state formula says 18Ψ/N
+    states = model_state_bytes(PSI, 3, 3, "fp16", offload_optimizer="cpu", largest=largest)
+    assert states["host"] == sum(v for v, _ in terms.values()) and "18Ψ/N in host RAM" in states["formula"]
+
+
+def test_zero3_buffers_count_the_reduce_scatter_copy():
+    shape = dict(parameters=6_910_365_696, layers=30, hidden_size=4096, kv_size=4096, ffn_size=11008,
+                 vocab_size=102_400, seq_len=128, micro_batch_size=8, ranks=3, zero_stage=3, precision="fp16")
+    terms = memory_model.buffer_terms(memory_model.RunShape(**shape))
+    assert terms["reduce_scatter_copy"][0] == 2 * memory_model.REDUCE_BUCKET_ELEMENTS
+    small = memory_model.buffer_terms(memory_model.RunShape(**{**shape, "parameters": 10**6}, device="cpu"))
+    assert small["reduce_scatter_copy"][0] == 2 * 10**6 and "coalesced_collectives.py:122" in small[
+        "reduce_scatter_copy"][1]
+
+
 def test_gpu_buffers_count_the_norm_copies_of_the_largest_gradient():
     shape = dict(parameters=6_910_365_696, layers=30, hidden_size=4096, kv_size=4096, ffn_size=11008,
                  vocab_size=102_400, seq_len=128, micro_batch_size=8, ranks=3, zero_stage=2, precision="fp16")
@@ -136,8 +173,11 @@ def test_default_config_is_stopped_in_seconds_with_what_would_fit(no_gpu):
     # ZeRO-2 with the optimizer offloaded still holds 2Ψ, the LM head's norm copies and activations on the GPU
     offload = next(line for line in message.splitlines() if "- optimizer offload:" in line)
     assert "needs 27.5 GiB per GPU" in offload and offload.endswith("[does not fit]")
+    # ZeRO-3 + CPU offload holds 18Ψ/N on the host per rank, and fp16's overflow check 3Ψ/N more while it runs:
+    # (21Ψ/3 + 2 GiB per rank process) × 3 ranks is more than the box's 128 GiB
     zero3_offload = next(line for line in message.splitlines() if "- ZeRO-3 with optimizer offload:" in line)
-    assert zero3_offload.endswith("[fits]")
+    assert "host RAM 141.2 GiB for 3 ranks, has 128.0 GiB" in zero3_offload
+    assert zero3_offload.endswith("[does not fit]")
     zero3 = next(line for line in message.splitlines() if "- ZeRO-3: " in line)
     assert zero3.endswith("[does not fit]")
 
@@ -164,7 +204,8 @@ def test_make_plan_runs_the_guard_before_anything_else(tmp_path, no_gpu):
     index.write_text(json.dumps({"vocab_size": 102400, "splits": {"val": {"shards": [{"tokens": 10**7}]}}}))
     with pytest.raises(ConfigError, match="pre-flight: the pretrain run is predicted not to fit"):
         make_plan(config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "out", state_dir=tmp_path / "state")
-    config["train"].update(zero_stage=3, offload_optimizer="cpu")
+    # in bf16 (no overflow check over the host's gradient buffer) ZeRO-3 + CPU offload fits the 128 GiB box
+    config["train"].update(zero_stage=3, offload_optimizer="cpu", precision="bf16")
     fits = make_plan(config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "o", state_dir=tmp_path / "s")
     assert fits.preflight["fits"] and fits.preflight["estimate"]["optimizer"] == 0
 

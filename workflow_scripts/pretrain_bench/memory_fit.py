@@ -7,7 +7,9 @@ checks, keeping the model, the precision and the global batch:
     1. optimizer offload to host RAM (ZeRO-Offload; ZeRO-2 at least), then the same under ZeRO-3 (parameters
        partitioned across the GPUs, still on them)
     2. ZeRO-3 with parameter and optimizer offload to host RAM
-    3. ZeRO-3 with parameter and optimizer offload to NVMe (ZeRO-Infinity) at train.nvme_path (CUDA only)
+    3. ZeRO-3 with parameter and optimizer offload to NVMe (ZeRO-Infinity) at train.nvme_path (CUDA only; on
+       the GPU machine itself it is skipped, with the reason listed among the rungs tried, where DeepSpeed's
+       async_io op lacks libaio or no CUDA toolkit can build it)
     4. activation checkpointing
     5. a smaller micro-batch with more gradient accumulation (same global batch)
     then the offloads combined with 4 and with 4 + the smallest micro-batch.
@@ -78,6 +80,30 @@ def ladder(s: TrainSettings, device: str) -> list[Rung]:
     return unique
 
 
+# Planning for GPUs this machine does not have: its libaio and toolkit say nothing about the GPU machine's.
+NVME_UNCHECKED = ("; libaio and the CUDA toolkit NVMe offload needs are not checked here (no GPU): the pre-flight "
+                  "checks them on the GPU machine")
+
+
+def nvme_prerequisites() -> str | None:
+    """Why ZeRO-Infinity cannot run on this machine, or None when it can: DeepSpeed's async_io op needs libaio
+    (AsyncIOBuilder().is_compatible()) and, to compile it for CUDA, a CUDA toolkit (torch's CUDA_HOME, which
+    DeepSpeed's op builders use)."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    missing = []
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        missing.append("libaio, which DeepSpeed's async_io op needs (apt install libaio-dev)")
+    if CUDA_HOME is None:
+        missing.append("a CUDA toolkit to build that op (set CUDA_HOME, or put nvcc on PATH)")
+    return "skipped: NVMe offload needs " + " and ".join(missing) if missing else None
+
+
+def _uses_nvme(s: TrainSettings) -> bool:
+    return "nvme" in (s.offload_optimizer, s.offload_param)
+
+
 def _key(s: TrainSettings) -> tuple:
     return tuple(getattr(s, k) for k in FIT_KEYS)
 
@@ -128,9 +154,16 @@ def fit_run(config: dict, settings: TrainSettings, vocab_size: int | None = None
     chosen = settings
     if not verdict.fits and settings.memory_fit == "auto":
         for rung in ladder(settings, device):
+            if _uses_nvme(rung.settings) and budget.gpu_count is not None:  # the GPU machine itself: check it
+                missing = nvme_prerequisites()
+                if missing:
+                    record["tried"].append({"label": rung.label, "fits": False, "text": missing,
+                                            "per_rank_bytes": None})
+                    continue
             _, rung_est, rung_verdict = judged(rung.settings)
-            record["tried"].append({"label": rung.label, "fits": rung_verdict.fits, "text": rung_verdict.text,
-                                    "per_rank_bytes": rung_est.per_rank})
+            unchecked = NVME_UNCHECKED if _uses_nvme(rung.settings) and budget.gpu_count is None else ""
+            record["tried"].append({"label": rung.label, "fits": rung_verdict.fits,
+                                    "text": rung_verdict.text + unchecked, "per_rank_bytes": rung_est.per_rank})
             if rung_verdict.fits:
                 chosen, est, verdict = rung.settings, rung_est, rung_verdict
                 break
@@ -140,12 +173,14 @@ def fit_run(config: dict, settings: TrainSettings, vocab_size: int | None = None
                              if getattr(settings, k) != getattr(chosen, k)}
         record["summary"] = (f"asked {describe(settings)}; ran {describe(chosen)} (train.memory_fit: auto), "
                              f"because the settings asked for are predicted not to fit: {record['asked_verdict']}; "
-                             f"the choice {verdict.text}")
+                             f"the choice {verdict.text}"
+                             + (NVME_UNCHECKED if _uses_nvme(chosen) and budget.gpu_count is None else ""))
     elif not verdict.fits:
         if not bench["force"]:
             message = explain(run, est, verdict, budget, what)
             if record["tried"]:
-                tried = "\n".join(f"  - {t['label']}: {t['text']} [does not fit]" for t in record["tried"])
+                tried = "\n".join(f"  - {t['label']}: {t['text']}" + ("" if t["text"].startswith("skipped")
+                                                                       else " [does not fit]") for t in record["tried"])
                 message += f"\ntrain.memory_fit: auto tried, in order:\n{tried}"
             raise ConfigError(message)
         record["summary"] = f"ran {describe(settings)} predicted not to fit ({verdict.text}): benchmark.force"

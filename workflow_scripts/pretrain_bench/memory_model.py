@@ -182,6 +182,57 @@ def offload_host_terms(psi: int, ranks: int, precision: str, largest: int, pinne
     return {name: (int(value), source) for name, (value, source) in terms.items()}
 
 
+# torch.isinf(x) is `x.abs() == inf` (ATen TensorCompare.cpp): a 16-bit abs() copy and a bool result, 3 bytes per
+# element of a half tensor at once (measured: peak RSS rises 3.06 bytes per element on CPU, torch 2.13).
+ISINF_BYTES_PER_ELEMENT = {"fp16": 3}
+
+
+def stage3_offload_host_terms(psi: int, ranks: int, precision: str, largest: int, pinned_rounding: bool = False,
+                              offload_param: str = "none") -> dict:
+    """Host bytes per rank of ZeRO-3 with the optimizer offloaded to CPU, term by term (DeepSpeed 0.19.8
+    runtime/zero/stage3.py; with offload, the optimizer's device `self.device` is the CPU, :333), as
+    {term: (bytes, source)}. The last term is the largest transient, held only while it runs."""
+    n = ranks
+    b = 4 if precision == "fp32" else 2  # gradient_accumulation_dtype is the training dtype
+    part = psi / n
+    terms = {
+        # :1158 the fp32 master partition of each sub-group, `.to(cpu, fp32).clone()` (not pinned)
+        "master": (4 * part, "fp32 master partition 4Ψ/N (stage3.py:1158, not pinned)"),
+        # DeepSpeedCPUAdam's exp_avg and exp_avg_sq on the master partition, created at the first step
+        "adam": (8 * part, "Adam moments 8Ψ/N (DeepSpeedCPUAdam state)"),
+        # :1338 one fp32 gradient buffer per sub-group, pinned (:1340), kept as the master's `.grad` (:1342)
+        "grads": (4 * part, "fp32 gradient partition per sub-group 4Ψ/N, the master's .grad (stage3.py:1338, "
+                            "pinned :1340)"),
+        # :791 the flat gradient-partition buffer every reduce-scatter lands in, on self.device (pinned :795)
+        "grad_partition_buffer": (b * part, f"{b}-byte flat gradient-partition buffer {b}Ψ/N (stage3.py:791, "
+                                            "pinned :795)"),
+    }
+    if offload_param == "cpu":
+        # :906 the 16-bit parameter partition, flat and pinned on the host
+        terms["param_buffer"] = (b * part, f"{b}-byte parameter partition {b}Ψ/N (stage3.py:906, pinned)")
+    if pinned_rounding:
+        excess = (_subgroup_rounding(part) * 4 + pow2ceil(int(b * part)) - b * part
+                  + (pow2ceil(int(b * part)) - b * part if offload_param == "cpu" else 0))
+        terms["pinned_rounding"] = (excess, PINNED_ROUNDING_NOTE)
+    # Transients, one at a time: at the accumulation boundary each parameter's gradient is cast to fp32 before the
+    # copy into the master's .grad (:1456); in fp16 the overflow check runs isinf and isnan over the flat
+    # gradient-partition buffer (:3013-3014) while every state above is held.
+    transients = [(4 * largest / n, "fp32 cast of the largest gradient partition (stage3.py:1456)")]
+    if precision in ISINF_BYTES_PER_ELEMENT:
+        k = ISINF_BYTES_PER_ELEMENT[precision]
+        transients.append((k * part, f"overflow check's isinf over the flat gradient buffer, {k}Ψ/N "
+                                     "(stage3.py:3013: abs() copy + bool result)"))
+    terms["transient"] = max(transients)
+    return {name: (int(value), source) for name, (value, source) in terms.items()}
+
+
+def _subgroup_rounding(elements: float) -> float:
+    """Elements added by rounding each sub-group's pinned buffer (sub_group_size elements each, the rest last) up to
+    a power of two."""
+    full, rest = divmod(int(elements), SUB_GROUP_ELEMENTS)
+    return full * (pow2ceil(SUB_GROUP_ELEMENTS) - SUB_GROUP_ELEMENTS) + (pow2ceil(rest) - rest if rest else 0)
+
+
 def model_state_bytes(psi: int, ranks: int, stage: int, precision: str, offload_optimizer: str = "none",
                       offload_param: str = "none", largest: int = 0, pinned_rounding: bool = False) -> dict:
     """Bytes per rank of parameters, gradients and optimizer states, and the parts offloaded to host or NVMe.
@@ -215,10 +266,18 @@ def model_state_bytes(psi: int, ranks: int, stage: int, precision: str, offload_
     host_terms = None
     if offload_optimizer == "cpu" and stage in (1, 2):
         host_terms = offload_host_terms(psi, n, precision, largest, pinned_rounding)
+    elif offload_optimizer == "cpu" and offload_param in ("none", "cpu"):
+        host_terms = stage3_offload_host_terms(psi, n, precision, largest, pinned_rounding, offload_param)
+    if host_terms is not None:
         offloaded["cpu"] = sum(value for value, _ in host_terms.values())
     formula = STATE_FORMULAS["fp32" if precision == "fp32" else "mixed"][stage]
     where = {"cpu": "host RAM", "nvme": "NVMe (train.nvme_path)"}
-    if offload_optimizer != "none" and stage >= 1:
+    if stage == 3 and offload_optimizer == "cpu" and host_terms is not None:
+        persistent = sum(v for name, (v, _) in host_terms.items() if name not in ("transient", "pinned_rounding"))
+        formula = (f"{'0' if offload_param == 'cpu' else f'{param_b}Ψ/N'} on the device, "
+                   f"{persistent * n / psi:.0f}Ψ/N in host RAM (stage3.py: fp32 master, fp32 .grad, "
+                   f"gradient-partition buffer, Adam moments) + the largest transient")
+    elif offload_optimizer != "none" and stage >= 1:
         formula += f" with the optimizer part in {where[offload_optimizer]}"
     if offload_param != "none" and stage == 3:
         formula += f" and the parameters in {where[offload_param]}"
@@ -260,7 +319,12 @@ def buffer_terms(run: RunShape) -> dict:
         elements = REDUCE_BUCKET_ELEMENTS + PREFETCH_BUCKET_ELEMENTS
         if run.device == "cpu":
             elements = min(elements, psi)
-        return {"buckets": (elements * grad_b, "ZeRO-3 reduce + prefetch buckets (5e8 + 5e7 elements)")}
+        # coalesced_collectives.py:122 reduce_scatter_coalesced torch.cat's the bucket's gradients into one flat
+        # copy for the reduce-scatter (stage3.py:1931), held while it runs
+        flat = min(REDUCE_BUCKET_ELEMENTS, psi)
+        return {"buckets": (elements * grad_b, "ZeRO-3 reduce + prefetch buckets (5e8 + 5e7 elements)"),
+                "reduce_scatter_copy": (flat * grad_b, "flat copy of the reduce bucket for the reduce-scatter "
+                                                       "(coalesced_collectives.py:122)")}
     copies = 2 if (run.device == "cuda" and run.zero_stage >= 1) else 1
     elements = REDUCE_BUCKET_ELEMENTS if run.device == "cuda" else min(REDUCE_BUCKET_ELEMENTS, psi)
     if run.zero_stage == 0:
