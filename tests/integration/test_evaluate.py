@@ -377,3 +377,42 @@ def test_the_learning_rate_after_a_raised_max_steps_follows_the_new_total(traine
     assert [lr[k] for k in range(11, 16)] == pytest.approx([learning_rate(k, settings, 15) for k in range(11, 16)])
     assert lr[10] == pytest.approx(settings.min_lr), "the 10-step schedule had reached min_lr"
     assert lr[11] > 2 * lr[10], "not a continuation of the old curve: it rises to the 15-step cosine"
+
+
+# --- refused before launch, through Snakemake: rule plan_pretrain stops, no rank starts ---
+PREFLIGHT_NAME = "itest-preflight"
+
+
+def test_init_from_weights_and_a_small_val_split_are_refused_by_the_plan_rule(trained_further, tmp_path):
+    """model.init_from: a copy of the run above's step-5 export whose config.json names another FFN width; then the
+    right config.json and a train.eval_tokens larger than the val split. Both stop in plan_pretrain, naming why."""
+    for folder in (ROOT / "results" / PREFLIGHT_NAME, ROOT / "logs" / PREFLIGHT_NAME,
+                   ROOT / "benchmarks" / PREFLIGHT_NAME):
+        shutil.rmtree(folder, ignore_errors=True)
+    model = tmp_path / "model"
+    shutil.copytree(RERUN / "export" / "step5", model)
+    config_json = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config_json, "intermediate_size": 640}))
+    overlay = {**RERUN_OVERLAY, "name": PREFLIGHT_NAME, "model": {"init_from": str(model)}}
+    (tmp_path / "init_from.yaml").write_text(yaml.safe_dump(overlay))
+    target = f"results/{PREFLIGHT_NAME}/train/summary.json"
+    proc = run_snakemake(PREFLIGHT_NAME, "--", target, check=False, timeout=1800,
+                         configfiles=("config/tiny-cpu.yaml", tmp_path / "init_from.yaml"))
+    log = (ROOT / "logs" / PREFLIGHT_NAME / "plan_pretrain.log").read_text()
+    assert proc.returncode != 0
+    assert f"model.init_from {model}: its weights do not fit the model its config.json describes" in log
+    assert "model.layers.0.mlp.gate_proj.weight has shape [512, 192], the model [640, 192]" in log
+    assert not (ROOT / "logs" / PREFLIGHT_NAME / "pretrain.attempts").exists(), "no rank was started"
+
+    (model / "config.json").write_text(json.dumps(config_json))
+    small = {**overlay, "train": {**overlay["train"], "eval_every": 5, "eval_tokens": 10**8}}
+    (tmp_path / "small_val.yaml").write_text(yaml.safe_dump(small))
+    proc = run_snakemake(PREFLIGHT_NAME, "--", target, check=False, timeout=1800,
+                         configfiles=("config/tiny-cpu.yaml", tmp_path / "small_val.yaml"))
+    log = (ROOT / "logs" / PREFLIGHT_NAME / "plan_pretrain.log").read_text()
+    assert proc.returncode != 0
+    index = f"results/{PREFLIGHT_NAME}/shards/index.json"
+    assert re.search(rf"train.eval_every: the val split of {re.escape(index)} holds [\d,]+ tokens, [\d,]+ sample\(s\) "
+                     r"of 128\+1 tokens .* an evaluation needs 781,248 sample\(s\) .* lower train.eval_tokens to at "
+                     r"most [\d,]+, or set train.eval_every: null", log), log[-2000:]
+    assert not (ROOT / "logs" / PREFLIGHT_NAME / "pretrain.attempts").exists(), "no rank was started"

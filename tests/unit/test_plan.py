@@ -135,9 +135,9 @@ def test_a_val_split_too_small_for_eval_every_is_refused_at_plan_time(tmp_path, 
         tiny_plan(tmp_path, index)  # the tiny config: eval_every 20, eval_tokens 6144 (48 samples), 3 ranks
     assert str(error.value) == (
         f"train.eval_every: the val split of {index} holds 257 tokens, 2 sample(s) of 128+1 tokens (model.seq_len "
-        "128); an evaluation needs 48 (6,145 tokens: train.eval_tokens 6,144 over 3 rank(s), at least one sample "
-        "per rank). Raise corpus.val_fraction (or the corpus size), lower train.gpus (one val sample per rank is "
-        "the least an evaluation takes), or set train.eval_every: null")
+        "128); an evaluation needs 48 sample(s) (6,145 tokens: train.eval_tokens 6,144 over 3 rank(s), at least "
+        "one sample per rank). Raise corpus.val_fraction (or the corpus size), lower train.gpus (one val sample per "
+        "rank is the least an evaluation takes), or set train.eval_every: null")
     assert tiny_plan(tmp_path, index, eval_every=None).train["eval_every"] is None
 
     index = val_index(tmp_path, 10 * 128 + 1)  # 10 samples: 9 for 3 ranks, not the 48 asked for

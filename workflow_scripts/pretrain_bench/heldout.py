@@ -32,9 +32,10 @@ def heldout_samples(val_tokens: int, seq_len: int, world_size: int, eval_tokens:
     lower = (f"lower train.eval_tokens to at most {fits:,}, " if fits else
              "lower train.gpus (one val sample per rank is the least an evaluation takes), ")
     raise ConfigError(
-        f"train.eval_every: the val split of {index_path} holds {val_tokens:,} tokens, {available} sample(s) of "
-        f"{seq_len}+1 tokens (model.seq_len {seq_len}); an evaluation needs {wanted} ({wanted * seq_len + 1:,} "
-        f"tokens: train.eval_tokens {eval_tokens:,} over {world_size} rank(s), at least one sample per rank). "
+        f"train.eval_every: the val split of {index_path} holds {val_tokens:,} tokens, {available:,} sample(s) of "
+        f"{seq_len}+1 tokens (model.seq_len {seq_len}); an evaluation needs {wanted:,} sample(s) "
+        f"({wanted * seq_len + 1:,} tokens: train.eval_tokens {eval_tokens:,} over {world_size} rank(s), at least one "
+        "sample per rank). "
         f"Raise corpus.val_fraction (or the corpus size), {lower}or set train.eval_every: null")
 
 
