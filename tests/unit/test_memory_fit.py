@@ -44,13 +44,15 @@ def test_default_experiment_runs_zero3_with_nvme_offload_on_the_articles_box(no_
     assert "needs 55.2 GiB per GPU, has 24.0 GiB" in record["summary"]  # why: plain ZeRO-2 does not fit
     # no GPU here: NVMe's libaio and CUDA toolkit are left to the GPU machine's own pre-flight, and it says so
     assert "not checked here (no GPU)" in record["summary"]
-    # the first rung, ZeRO-2 + CPU offload, keeps 2Ψ and the LM head's fp64/fp32 norm copies on the GPU
-    assert record["tried"][0]["label"].startswith("ZeRO-2 + CPU optimizer offload")
-    assert "needs 27.5 GiB per GPU" in record["tried"][0]["text"] and not record["tried"][0]["fits"]
+    # plain ZeRO-3 partitions 16Ψ over three GPUs: 16Ψ/3 = 34 GiB each, more than 24
+    assert record["tried"][0]["label"].startswith("ZeRO-3, micro-batch 8") and not record["tried"][0]["fits"]
+    # ZeRO-2 + CPU offload keeps 2Ψ and the LM head's fp64/fp32 norm copies on the GPU
+    assert record["tried"][1]["label"].startswith("ZeRO-2 + CPU optimizer offload")
+    assert "needs 27.5 GiB per GPU" in record["tried"][1]["text"] and not record["tried"][1]["fits"]
     # ZeRO-3 + CPU offload: 18Ψ/N host states + fp16's overflow check (3Ψ/N) + 2 GiB per rank process, × 3 ranks
-    assert record["tried"][1]["label"].startswith("ZeRO-3 + CPU optimizer offload")
-    assert "host RAM 141.2 GiB for 3 ranks, has 128.0 GiB" in record["tried"][1]["text"]
-    assert [t["fits"] for t in record["tried"]] == [False, False, False, True]
+    assert record["tried"][2]["label"].startswith("ZeRO-3 + CPU optimizer offload")
+    assert "host RAM 141.2 GiB for 3 ranks, has 128.0 GiB" in record["tried"][2]["text"]
+    assert [t["fits"] for t in record["tried"]] == [False, False, False, False, True]
     assert record["fits"] and record["budget"]["host_bytes"] == 128 * GIB
 
 
@@ -126,8 +128,8 @@ def test_less_host_ram_moves_down_the_ladder_to_nvme(no_gpu):
     config = default_config(host_memory_gib=100)
     chosen, record = fit_run(config, settings_of(config), nvme_path="/fast/nvme")
     assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (3, "nvme", "nvme")
-    assert [t["fits"] for t in record["tried"]] == [False, False, False, True]
-    assert "host RAM 141.2 GiB for 3 ranks, has 100.0 GiB" in record["tried"][1]["text"]
+    assert [t["fits"] for t in record["tried"]] == [False, False, False, False, True]
+    assert "host RAM 141.2 GiB for 3 ranks, has 100.0 GiB" in record["tried"][2]["text"]
     assert "NVMe" in record["text"] and record["disk_need_bytes"] > 0
     ds = deepspeed_config(chosen, "cuda", 10)["zero_optimization"]
     assert ds["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/fast/nvme"}
@@ -150,7 +152,8 @@ def test_the_ladder_keeps_precision_and_global_batch():
     asked = TrainSettings(gpus=3, device="cuda", zero_stage=2, precision="fp16", micro_batch_size=8)
     rungs = ladder(asked, "cuda")
     labels = [r.label for r in rungs]
-    assert labels[:6] == [
+    assert labels[:7] == [
+        "ZeRO-3, micro-batch 8 × 1 accumulation",
         "ZeRO-2 + CPU optimizer offload, micro-batch 8 × 1 accumulation",
         "ZeRO-3 + CPU optimizer offload, micro-batch 8 × 1 accumulation",
         "ZeRO-3 + CPU parameter offload + CPU optimizer offload, micro-batch 8 × 1 accumulation",
@@ -307,3 +310,12 @@ def test_small_checkpoints_are_shown_in_mib(tmp_path, no_gpu):
     # 3M parameters, fp32 ZeRO-2: 4 + 12 bytes each = 45.8 MiB; the kept one and the one being written
     assert disk["checkpoints"] == 2 and disk["text"].startswith("2 checkpoint(s) × 45.8 MiB = 91.6 MiB on disk, ")
     assert "0.0 GiB" not in disk["text"]
+
+
+def test_eight_gpus_partition_everything_rather_than_offload(no_gpu):
+    # 16Ψ/8 fits 24 GiB per GPU: plain ZeRO-3 comes before every offload (no host Adam, no PCIe copies), where
+    # ZeRO-3 + CPU offload would need 151 GiB of host RAM for 8 ranks
+    config = default_config()
+    chosen, record = fit_run(config, settings_of(config, gpus=8))
+    assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (3, "none", "none")
+    assert record["changed"] == {"zero_stage": [2, 3]} and "host RAM" not in record["text"]

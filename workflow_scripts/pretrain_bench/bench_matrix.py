@@ -188,26 +188,40 @@ def cost_preview(matrix: dict, main: TrainSettings, model: dict, vocab_size: int
     """Predicted wall time of the main run and of the benchmark matrix, before anything runs.
 
     step time = tokens per step × FLOPs per token ÷ (peak × ranks on CUDA, the machine's peak on CPU) ÷ MFU, at
-    100 % MFU (a hard lower bound) and at PREVIEW_MFU (a typical figure), plus PREVIEW_STARTUP_S per launch.
+    100 % MFU and at PREVIEW_MFU (a typical figure), + the offloaded states' host Adam, PCIe and NVMe time per step
+    (offload_time.offload_seconds, from stated figures), plus PREVIEW_STARTUP_S per launch. Without offload the
+    100 % MFU figure is a hard lower bound.
     """
+    from .model import count_parameters, model_shape
+    from .offload_time import OffloadStep, offload_seconds
+
     device = matrix["device"]
-    launches = [(entry["gpus"], entry["micro_batch_size"] * main.grad_accum_steps * entry["gpus"], matrix["steps"])
+    psi = count_parameters(model_shape(model, vocab_size))["total"]
+
+    def offload(ranks, precision, optimizer, param):
+        return offload_seconds(OffloadStep(psi, ranks, precision, optimizer, param, main.grad_accum_steps, device))
+
+    launches = [(entry["gpus"], entry["micro_batch_size"] * main.grad_accum_steps * entry["gpus"], matrix["steps"],
+                 offload(entry["gpus"], entry["precision"], entry["offload_optimizer"], main.offload_param))
                 for entry in matrix["cells"] if entry["status"] == "run" for _ in range(matrix["repeats"])]
-    main_run = [(main.world_size, main.derived_global_batch, main.total_steps(model["seq_len"]))]
+    main_offload = offload(main.world_size, main.precision, main.offload_optimizer, main.offload_param)
+    main_run = [(main.world_size, main.derived_global_batch, main.total_steps(model["seq_len"]), main_offload)]
     per_token = model_flops_per_token(model, vocab_size)
 
     def seconds(runs, mfu):
         if not peak_flops:
             return None
         total = 0.0
-        for ranks, batch, steps in runs:
+        for ranks, batch, steps, offloaded in runs:
             aggregate = peak_flops * (ranks if device == "cuda" else 1) * mfu
-            total += steps * batch * model["seq_len"] * per_token / aggregate + PREVIEW_STARTUP_S[device]
+            compute_s = batch * model["seq_len"] * per_token / aggregate
+            total += steps * (compute_s + offloaded["total_s"]) + PREVIEW_STARTUP_S[device]
         return total
 
     mfu = PREVIEW_MFU[device]
     return {"launches": len(launches), "peak_flops": peak_flops, "peak_source": peak_source, "mfu": mfu,
-            "startup_s": PREVIEW_STARTUP_S[device],
+            "startup_s": PREVIEW_STARTUP_S[device], "main_offload": main_offload,
+            "offloaded": main_offload["total_s"] > 0 or any(run[3]["total_s"] > 0 for run in launches),
             "main": {"min_s": seconds(main_run, 1.0), "typical_s": seconds(main_run, mfu)},
             "matrix": {"min_s": seconds(launches, 1.0), "typical_s": seconds(launches, mfu)}}
 
@@ -238,19 +252,32 @@ def planning_peak(config: dict, device: str, name: str) -> tuple[float | None, s
 
 
 def preview_text(preview: dict) -> str:
-    """The lines `snakemake -n` prints: predicted, with the formula's assumptions named."""
+    """The lines `snakemake -n` prints: predicted, with the formula and its figures named."""
+    from .offload_time import FORMULA, figures_text
+
+    bound = "~" if preview["offloaded"] else "≥"  # with offload terms from stated figures it is an estimate
+
     def span(part):
         if part["min_s"] is None:
             return "unknown until the peak is known (rule measure_peak, or report.peak_tflops)"
-        return f"≥ {_duration(part['min_s'])} at 100 % MFU, ~{_duration(part['typical_s'])} at {preview['mfu']:.0%} MFU"
+        return (f"{bound} {_duration(part['min_s'])} at 100 % MFU, ~{_duration(part['typical_s'])} at "
+                f"{preview['mfu']:.0%} MFU")
 
     peak = (f"{preview['peak_flops'] / 1e12:,.3g} TFLOP/s per rank ({preview['peak_source']})"
             if preview["peak_flops"] else preview["peak_source"])
-    return (f"predicted wall time (steps × tokens × FLOPs per token ÷ peak ÷ MFU + {preview['startup_s']:.0f} s "
-            f"start-up per launch; peak {peak}):\n"
-            f"  main run (rule pretrain): {span(preview['main'])}\n"
-            f"  benchmark matrix ({preview['launches']} launches): "
-            + (span(preview["matrix"]) if preview["launches"] else "off (no cells to run)"))
+    main = span(preview["main"])
+    step = preview["main_offload"]
+    if step["total_s"]:
+        main += (f"; offload {step['total_s']:,.1f} s per step (host Adam {step['adam_s']:,.1f} s + PCIe "
+                 f"{step['pcie_s']:,.1f} s + NVMe {step['nvme_s']:,.1f} s)")
+    lines = [f"predicted wall time (steps × (tokens × FLOPs per token ÷ peak ÷ MFU + offload) + "
+             f"{preview['startup_s']:.0f} s start-up per launch; peak {peak}):"]
+    if preview["offloaded"]:
+        lines.append(f"  {FORMULA}; {figures_text()}")
+    lines.append(f"  main run (rule pretrain): {main}")
+    lines.append(f"  benchmark matrix ({preview['launches']} launches): "
+                 + (span(preview["matrix"]) if preview["launches"] else "off (no cells to run)"))
+    return "\n".join(lines)
 
 
 def _duration(seconds: float) -> str:

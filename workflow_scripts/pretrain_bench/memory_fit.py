@@ -4,6 +4,7 @@
 `auto` takes the first change from an ordered ladder that fits the GPU memory, the host RAM and the NVMe disk it
 checks, keeping the model, the precision and the global batch:
 
+    0. ZeRO-3 (every state partitioned across the GPUs, nothing on the host: no host Adam, no PCIe traffic)
     1. optimizer offload to host RAM (ZeRO-Offload; ZeRO-2 at least), then the same under ZeRO-3 (parameters
        partitioned across the GPUs, still on them)
     2. ZeRO-3 with parameter and optimizer offload to host RAM
@@ -55,6 +56,8 @@ def ladder(s: TrainSettings, device: str) -> list[Rung]:
     """The ordered changes `auto` tries (see the module docstring); none repeats the settings asked for."""
     offloads = []
     if device == "cuda" and s.engine == "deepspeed":  # DDP and FSDP keep their layout; offloading is DeepSpeed's
+        if s.zero_stage < 3 and s.offload_optimizer == "none" and s.offload_param == "none":
+            offloads.append(replace(s, zero_stage=3))  # every state partitioned across the GPUs, none on the host
         if s.offload_optimizer == "none":
             offloads.append(replace(s, zero_stage=max(s.zero_stage, 2), offload_optimizer="cpu"))
         if (s.zero_stage, s.offload_optimizer) != (3, "cpu") and s.offload_param == "none":
