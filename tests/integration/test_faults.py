@@ -153,7 +153,7 @@ def test_damaged_checkpoints_fall_back_and_steps_never_go_backwards(data, tmp_pa
 
 # --- Interrupts through Snakemake, and the reruns after them -------------------------------------------------------
 INTERRUPT_NAME = "itest-interrupt"
-INTERRUPT_STEPS = 120
+INTERRUPT_STEPS = 40
 INTERRUPT_OVERLAY = {"name": INTERRUPT_NAME, "train": {"gpus": 2, "max_steps": INTERRUPT_STEPS,
                                                        "checkpoint_every": 1000, "eval_every": None}}
 
