@@ -72,5 +72,5 @@ def figures_text(cores: int | None = None) -> str:
     """The stated figures, for the printed formula."""
     cores = cores or host_cores()
     return (f"R = {CPU_ADAM_PARAMS_PER_S_PER_CORE:.2g} params/s per core ({CPU_ADAM_SOURCE}) × {cores} cores "
-            f"(this machine's), B = {PCIE_BYTES_PER_S / 1e9:.0f} GB/s ({PCIE_SOURCE}), D = {NVME_BYTES_PER_S / 1e9:.0f} "
-            f"GB/s ({NVME_SOURCE})")
+            f"(this machine's), B = {PCIE_BYTES_PER_S / 1e9:.0f} GB/s ({PCIE_SOURCE}), "
+            f"D = {NVME_BYTES_PER_S / 1e9:.0f} GB/s ({NVME_SOURCE})")
