@@ -228,7 +228,8 @@ def test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_f
     assert [r["step"] for r in records] == list(range(1, INTERRUPT_STEPS + 1))
     if interrupt == "terminal":
         return
-    # A finished run is never trained again: its outputs deleted, or --forcerun, rewrite them from the final checkpoint
+    # A finished run is never trained again: its outputs deleted, --forcerun, or marked incomplete, rewrite them from
+    # the final checkpoint
     checkpoints = tree_digest(run_dir / "state" / "checkpoints")
     state_metrics = (run_dir / "state" / "metrics.jsonl").read_text()
     for args in ((), ("--forcerun", "pretrain")):
@@ -245,6 +246,37 @@ def test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_f
         assert not (run_dir / "state" / "runs").exists()
         assert tree_digest(run_dir / "state" / "checkpoints") == checkpoints
         assert (run_dir / "state" / "metrics.jsonl").read_text() == state_metrics
+    # Snakemake killed hard while that job ran: the job's outputs stay marked incomplete; the rerun rewrites them too
+    attempts = ROOT / "logs" / INTERRUPT_NAME / "pretrain.attempts"
+    before = set(attempts.iterdir())
+    (run_dir / "train" / "summary.json").unlink()
+    proc = start_snakemake(overlay, tmp_path / "killed.log")
+    try:
+        wait_for(lambda: set(attempts.iterdir()) - before, proc, tmp_path / "killed.log")
+        os.kill(proc.pid, signal.SIGKILL)  # Snakemake alone: its job runs on, orphaned, to its end
+        proc.wait()
+        orphaned = (set(attempts.iterdir()) - before).pop()
+        deadline = time.monotonic() + 600
+        while "=== attempt ended" not in orphaned.read_text():
+            assert time.monotonic() < deadline, orphaned.read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # what `snakemake --unlock` does after a hard kill, for this run's lock files only (other tests' Snakemakes may
+    # hold locks in the same directory)
+    for lock in (ROOT / ".snakemake" / "locks").glob("*.lock"):
+        if all(line.startswith(f"results/{INTERRUPT_NAME}/") for line in lock.read_text().splitlines()):
+            lock.unlink()
+    dry = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "2", "--configfile", TINY_CONFIG,
+                          str(overlay), "--", f"results/{INTERRUPT_NAME}/train/summary.json"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert "incomplete" in (dry.stdout + dry.stderr).lower(), dry.stdout + dry.stderr
+    log = finish_snakemake(overlay, tmp_path / "incomplete.log", "--rerun-incomplete")
+    assert (f"already finished step {INTERRUPT_STEPS}: resuming at its final checkpoint to rewrite the outputs, "
+            "no step is trained again") in log, log[-3000:]
+    assert json.loads((run_dir / "train" / "summary.json").read_text())["resumed_from_step"] == INTERRUPT_STEPS
+    assert tree_digest(run_dir / "state" / "checkpoints") == checkpoints
 
 
 def rank_processes(proc: subprocess.Popen) -> list:
