@@ -190,12 +190,13 @@ def test_dry_run_prints_the_memory_choice_and_the_cost_of_the_matrix():
     proc = dry_run_default("--resources", "gpu=3")
     out = proc.stdout + proc.stderr
     assert "memory fit: asked ZeRO-2" in out and "because the settings asked for are predicted not to fit" in out
-    # ZeRO-3 + CPU offload's host states do not fit 128 GiB in fp16: the NVMe rung runs, and its offload terms
-    # (host Adam, PCIe, NVMe) are in the predicted time, with their formula and figures
-    assert "ran ZeRO-3 + NVMe parameter offload + NVMe optimizer offload" in out
+    # ZeRO-3's offloads need more than 128 GiB of host RAM in fp16: ZeRO-2 + CPU offload with activation
+    # checkpointing runs, and its offload terms (host Adam, PCIe) are in the predicted time, with formula and figures
+    assert "ran ZeRO-2 + CPU optimizer offload + activation checkpointing" in out
     main = re.search(r"main run \(rule pretrain\): ~ (.+?) at 100 % MFU, .+; offload ([\d.,]+) s per step "
                      r"\(host Adam ([\d.,]+) s \+ PCIe ([\d.,]+) s \+ NVMe ([\d.,]+) s\)", out)
-    assert main and float(main.group(5)) > 0 and "offload per step = host Adam Ψ ÷ (R × cores)" in out
+    assert main and float(main.group(3)) > 0 and float(main.group(4)) > 0 and float(main.group(5)) == 0
+    assert "offload per step = host Adam Ψ ÷ (R × cores)" in out
     # every 7B cell is predicted not to fit the box (the offloaded ZeRO-3 ones for host RAM): none launches
     assert "benchmark matrix (0 launches): off (no cells to run)" in out
     assert out.count("rule bench_cell:") == 0

@@ -31,28 +31,31 @@ def settings_of(config, **train):
     return TrainSettings.from_config({**config["train"], **train})
 
 
-def test_default_experiment_runs_zero3_with_nvme_offload_on_the_articles_box(no_gpu):
+def test_default_experiment_runs_zero2_offload_with_activation_checkpointing_on_the_articles_box(no_gpu):
     config = default_config()  # no GPU here: plans for 3 × 24 GiB, 128 GiB RAM, 1800 GiB disk (config.yaml)
     chosen, record = fit_run(config, settings_of(config))
-    assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (3, "nvme", "nvme")
-    assert chosen.precision == "fp16" and chosen.derived_global_batch == 24 and chosen.micro_batch_size == 8
+    assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (2, "cpu", "none")
+    assert chosen.activation_checkpointing and chosen.precision == "fp16"
+    assert chosen.derived_global_batch == 24 and chosen.micro_batch_size == 8
     assert record["asked"]["offload_optimizer"] == "none" and not record["asked_fits"]
-    assert record["changed"] == {"zero_stage": [2, 3], "offload_optimizer": ["none", "nvme"],
-                                 "offload_param": ["none", "nvme"]}
-    assert record["summary"].startswith("asked ZeRO-2, micro-batch 8 × 1 accumulation; ran ZeRO-3 + NVMe parameter "
-                                        "offload + NVMe optimizer offload")
+    assert record["changed"] == {"offload_optimizer": ["none", "cpu"], "activation_checkpointing": [False, True]}
+    assert record["summary"].startswith("asked ZeRO-2, micro-batch 8 × 1 accumulation; ran ZeRO-2 + CPU optimizer "
+                                        "offload + activation checkpointing")
     assert "needs 55.2 GiB per GPU, has 24.0 GiB" in record["summary"]  # why: plain ZeRO-2 does not fit
-    # no GPU here: NVMe's libaio and CUDA toolkit are left to the GPU machine's own pre-flight, and it says so
-    assert "not checked here (no GPU)" in record["summary"]
-    # plain ZeRO-3 partitions 16Ψ over three GPUs: 16Ψ/3 = 34 GiB each, more than 24
-    assert record["tried"][0]["label"].startswith("ZeRO-3, micro-batch 8") and not record["tried"][0]["fits"]
-    # ZeRO-2 + CPU offload keeps 2Ψ and the LM head's fp64/fp32 norm copies on the GPU
-    assert record["tried"][1]["label"].startswith("ZeRO-2 + CPU optimizer offload")
-    assert "needs 27.5 GiB per GPU" in record["tried"][1]["text"] and not record["tried"][1]["fits"]
+    assert "the choice needs 22.6 GiB per GPU, has 24.0 GiB; host RAM 124.2 GiB for 3 ranks" in record["summary"]
+    tried = {t["label"].split(", micro-batch")[0] + (" mb1" if "micro-batch 1 " in t["label"] else ""): t
+             for t in record["tried"]}
+    # plain ZeRO-3 partitions 16Ψ over three GPUs: more than 24 GiB each
+    assert not tried["ZeRO-3"]["fits"] and "needs 43.6 GiB per GPU" in tried["ZeRO-3"]["text"]
+    # ZeRO-2 + CPU offload alone keeps 2Ψ, the activations and the LM head's fp64/fp32 norm copies on the GPU
+    assert "needs 27.5 GiB per GPU" in tried["ZeRO-2 + CPU optimizer offload"]["text"]
     # ZeRO-3 + CPU offload: 18Ψ/N host states + fp16's overflow check (3Ψ/N) + 2 GiB per rank process, × 3 ranks
-    assert record["tried"][2]["label"].startswith("ZeRO-3 + CPU optimizer offload")
-    assert "host RAM 141.2 GiB for 3 ranks, has 128.0 GiB" in record["tried"][2]["text"]
-    assert [t["fits"] for t in record["tried"]] == [False, False, False, False, True]
+    assert "host RAM 141.2 GiB for 3 ranks, has 128.0 GiB" in tried["ZeRO-3 + CPU optimizer offload"]["text"]
+    # ZeRO-Infinity still holds the largest sub-group's fp32 gradients (× N), 4 swap buffers, the flat gradient
+    # buffer and the overflow check on the host
+    nvme = tried["ZeRO-3 + NVMe parameter offload + NVMe optimizer offload"]
+    assert "host RAM 135.7 GiB for 3 ranks, has 128.0 GiB" in nvme["text"] and not nvme["fits"]
+    assert [t["fits"] for t in record["tried"]][-1] and not any(t["fits"] for t in record["tried"][:-1])
     assert record["fits"] and record["budget"]["host_bytes"] == 128 * GIB
 
 
@@ -80,7 +83,7 @@ def nvme_ready(monkeypatch, libaio: bool, cuda_home: str | None):
 
 
 def test_nvme_rung_is_taken_when_its_prerequisites_are_here(monkeypatch):
-    gpu_box(monkeypatch)
+    gpu_box(monkeypatch, host_gib=138)  # room for ZeRO-Infinity's host side, not for ZeRO-3's CPU offload
     nvme_ready(monkeypatch, libaio=True, cuda_home="/usr/local/cuda")
     config = default_config()
     chosen, record = fit_run(config, settings_of(config), nvme_path="/fast/nvme")
@@ -93,7 +96,7 @@ def test_nvme_rung_is_taken_when_its_prerequisites_are_here(monkeypatch):
     (True, None, "a CUDA toolkit to build that op (set CUDA_HOME"),
 ])
 def test_nvme_rung_is_skipped_without_libaio_or_toolkit(monkeypatch, libaio, cuda_home, reason):
-    gpu_box(monkeypatch)
+    gpu_box(monkeypatch, host_gib=138)
     nvme_ready(monkeypatch, libaio=libaio, cuda_home=cuda_home)
     config = default_config()
     chosen, record = fit_run(config, settings_of(config), nvme_path="/fast/nvme")
@@ -123,13 +126,13 @@ def test_strict_stops_with_the_figures(no_gpu):
         fit_run(config, settings_of(config, memory_fit="strict"), what="the main run")
 
 
-def test_less_host_ram_moves_down_the_ladder_to_nvme(no_gpu):
-    # 100 GiB of RAM: the CPU offloads (141 GiB and more for 3 ranks) do not fit, ZeRO-Infinity to NVMe does
-    config = default_config(host_memory_gib=100)
+def test_host_ram_between_nvme_and_cpu_offload_takes_nvme(no_gpu):
+    # 138 GiB of RAM: ZeRO-3's CPU offloads (141 GiB and more for 3 ranks) do not fit, ZeRO-Infinity (136) does
+    config = default_config(host_memory_gib=138)
     chosen, record = fit_run(config, settings_of(config), nvme_path="/fast/nvme")
     assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (3, "nvme", "nvme")
     assert [t["fits"] for t in record["tried"]] == [False, False, False, False, True]
-    assert "host RAM 141.2 GiB for 3 ranks, has 100.0 GiB" in record["tried"][2]["text"]
+    assert "host RAM 141.2 GiB for 3 ranks, has 138.0 GiB" in record["tried"][2]["text"]
     assert "NVMe" in record["text"] and record["disk_need_bytes"] > 0
     ds = deepspeed_config(chosen, "cuda", 10)["zero_optimization"]
     assert ds["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/fast/nvme"}
@@ -197,8 +200,8 @@ def test_plan_records_asked_and_chosen(tmp_path, no_gpu):
     index.write_text(json.dumps({"vocab_size": 102400, "splits": {"val": {"shards": [{"tokens": 10**7}]}}}))
     plan = make_plan(plan_config(config), index=index, tokenizer=tmp_path, out_dir=tmp_path / "o",
                      state_dir=tmp_path / "state")
-    assert plan.train["offload_optimizer"] == "nvme" and plan.memory_fit["asked"]["offload_optimizer"] == "none"
-    assert plan.train["zero_stage"] == 3 and plan.memory_fit["asked"]["zero_stage"] == 2
+    assert plan.train["offload_optimizer"] == "cpu" and plan.memory_fit["asked"]["offload_optimizer"] == "none"
+    assert plan.train["activation_checkpointing"] and not plan.memory_fit["asked"]["activation_checkpointing"]
     # a production CUDA run never pays for the comms logger's per-collective synchronisation
     assert plan.measure_comm is False
     assert plan.train["nvme_path"] == str(tmp_path / "state" / "nvme")  # the default: under the run's state

@@ -93,6 +93,16 @@ def test_stage3_offload_host_terms_follow_deepspeed_line_by_line():
     full, rest = divmod(int(part), memory_model.SUB_GROUP_ELEMENTS)
     excess = 4 * (full * (pow2(10**9) - 10**9) + pow2(rest) - rest) + pow2(int(2 * part)) - int(2 * part)
     assert rounded["pinned_rounding"][0] == pytest.approx(excess, abs=8)
+    # ZeRO-Infinity: master and moments on NVMe; the host keeps one fp32 buffer of the largest sub-group's whole
+    # parameters (N × its partition) as every sub-group's .grad, 4 fp32 swap buffers of a sub-group, the flat
+    # gradient buffer, up to 1e9 parameters plus the parameter swap buffers, and the same transients
+    nvme = memory_model.stage3_offload_host_terms(PSI, 3, "fp16", largest, offload_param="nvme",
+                                                  offload_optimizer="nvme")
+    group = 10**9 + largest / 3  # a sub-group closes past 1e9 elements: at most one parameter's partition more
+    assert {k: v for k, (v, _) in nvme.items()} == pytest.approx({
+        "grads": 4 * 3 * group, "swap_buffers": 4 * group * 4, "grad_partition_buffer": 2 * part,
+        "param_buffer": 2 * 10**9 + 2 * 5 * 10**8, "transient": 3 * part}, abs=4)
+    assert "stage3.py:1306" in nvme["grads"][1] and "optimizer_utils.py:187" in nvme["swap_buffers"][1]
     # the model's host figure is their sum, and the state formula says 18Ψ/N
     states = model_state_bytes(PSI, 3, 3, "fp16", offload_optimizer="cpu", largest=largest)
     assert states["host"] == sum(v for v, _ in terms.values()) and "18Ψ/N in host RAM" in states["formula"]

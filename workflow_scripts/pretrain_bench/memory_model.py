@@ -40,6 +40,7 @@ FALLBACK_DEVICE_MEMORY_GIB = 24.0  # the articles' RTX 4090, used when no GPU ca
 NVME_PARAM_BUFFER_ELEMENTS = 5 * 100_000_000
 NVME_OPTIMIZER_BUFFERS = 4
 SUB_GROUP_ELEMENTS = 1_000_000_000
+PARAMS_IN_CPU_ELEMENTS = 1_000_000_000  # offload_param.max_in_cpu default: parameters ZeRO-Infinity keeps in RAM
 
 STATE_FORMULAS = {
     # ZeRO paper (Rajbhandari et al. 2020, §3.1 and Fig. 1): mixed-precision Adam holds 2Ψ (16-bit params) +
@@ -188,29 +189,51 @@ ISINF_BYTES_PER_ELEMENT = {"fp16": 3}
 
 
 def stage3_offload_host_terms(psi: int, ranks: int, precision: str, largest: int, pinned_rounding: bool = False,
-                              offload_param: str = "none") -> dict:
-    """Host bytes per rank of ZeRO-3 with the optimizer offloaded to CPU, term by term (DeepSpeed 0.19.8
-    runtime/zero/stage3.py; with offload, the optimizer's device `self.device` is the CPU, :333), as
-    {term: (bytes, source)}. The last term is the largest transient, held only while it runs."""
+                              offload_param: str = "none", offload_optimizer: str = "cpu") -> dict:
+    """Host bytes per rank of ZeRO-3 with the optimizer offloaded to CPU or NVMe, term by term (DeepSpeed 0.19.8
+    runtime/zero/stage3.py; with either offload the optimizer's device `self.device` is the CPU, :333), as
+    {term: (bytes, source)}. The last term is the largest transient, held only while it runs. pinned_rounding
+    covers the CPU offload's own pinned buffers (ZeRO-Infinity's swap buffers are counted exact)."""
     n = ranks
     b = 4 if precision == "fp32" else 2  # gradient_accumulation_dtype is the training dtype
     part = psi / n
-    terms = {
-        # :1158 the fp32 master partition of each sub-group, `.to(cpu, fp32).clone()` (not pinned)
-        "master": (4 * part, "fp32 master partition 4Ψ/N (stage3.py:1158, not pinned)"),
-        # DeepSpeedCPUAdam's exp_avg and exp_avg_sq on the master partition, created at the first step
-        "adam": (8 * part, "Adam moments 8Ψ/N (DeepSpeedCPUAdam state)"),
-        # :1338 one fp32 gradient buffer per sub-group, pinned (:1340), kept as the master's `.grad` (:1342)
-        "grads": (4 * part, "fp32 gradient partition per sub-group 4Ψ/N, the master's .grad (stage3.py:1338, "
-                            "pinned :1340)"),
-        # :791 the flat gradient-partition buffer every reduce-scatter lands in, on self.device (pinned :795)
-        "grad_partition_buffer": (b * part, f"{b}-byte flat gradient-partition buffer {b}Ψ/N (stage3.py:791, "
-                                            "pinned :795)"),
-    }
+    if offload_optimizer == "nvme":
+        # :1210-1230 a sub-group closes once its partitions reach sub_group_size, so the largest holds at most
+        # sub_group_size + one parameter's partition
+        group = min(SUB_GROUP_ELEMENTS + largest / n, part)
+        terms = {
+            # :1306 one fp32 buffer sized by the largest sub-group's whole parameters (ds_numel, N × its
+            # partition), narrowed as every swapped sub-group's .grad (:1344) and kept for the run
+            "grads": (4 * n * group, "fp32 gradient buffer of the largest sub-group's whole parameters, every "
+                                     "sub-group's .grad (stage3.py:1306, :1344)"),
+            # swap_tensor/optimizer_utils.py:187 buffer_count (4) pinned buffers of the largest sub-group, fp32,
+            # that the master and Adam moments are swapped through
+            "swap_buffers": (NVME_OPTIMIZER_BUFFERS * group * 4, "optimizer swap buffers 4 × largest sub-group, "
+                                                                 "fp32 (optimizer_utils.py:187, pinned)"),
+        }
+    else:
+        terms = {
+            # :1158 the fp32 master partition of each sub-group, `.to(cpu, fp32).clone()` (not pinned)
+            "master": (4 * part, "fp32 master partition 4Ψ/N (stage3.py:1158, not pinned)"),
+            # DeepSpeedCPUAdam's exp_avg and exp_avg_sq on the master partition, created at the first step
+            "adam": (8 * part, "Adam moments 8Ψ/N (DeepSpeedCPUAdam state)"),
+            # :1338 one fp32 gradient buffer per sub-group, pinned (:1340), kept as the master's `.grad` (:1342)
+            "grads": (4 * part, "fp32 gradient partition per sub-group 4Ψ/N, the master's .grad (stage3.py:1338, "
+                                "pinned :1340)"),
+        }
+    # :791 the flat gradient-partition buffer every reduce-scatter lands in, on self.device (pinned :795)
+    terms["grad_partition_buffer"] = (b * part, f"{b}-byte flat gradient-partition buffer {b}Ψ/N (stage3.py:791, "
+                                                "pinned :795)")
     if offload_param == "cpu":
         # :906 the 16-bit parameter partition, flat and pinned on the host
         terms["param_buffer"] = (b * part, f"{b}-byte parameter partition {b}Ψ/N (stage3.py:906, pinned)")
-    if pinned_rounding:
+    elif offload_param == "nvme":
+        # :900-907 up to offload_param.max_in_cpu (1e9) elements of the partition stay on the host, pinned, beside
+        # the parameter swapper's buffers (offload_config.py: buffer_count 5 × buffer_size 1e8)
+        terms["param_buffer"] = (b * min(PARAMS_IN_CPU_ELEMENTS, part) + NVME_PARAM_BUFFER_ELEMENTS * b,
+                                 f"{b}-byte parameters kept on the host, at most max_in_cpu 1e9 (stage3.py:906), "
+                                 "+ parameter swap buffers 5 × 1e8")
+    if pinned_rounding and offload_optimizer == "cpu":
         excess = (_subgroup_rounding(part) * 4 + pow2ceil(int(b * part)) - b * part
                   + (pow2ceil(int(b * part)) - b * part if offload_param == "cpu" else 0))
         terms["pinned_rounding"] = (excess, PINNED_ROUNDING_NOTE)
@@ -266,8 +289,9 @@ def model_state_bytes(psi: int, ranks: int, stage: int, precision: str, offload_
     host_terms = None
     if offload_optimizer == "cpu" and stage in (1, 2):
         host_terms = offload_host_terms(psi, n, precision, largest, pinned_rounding)
-    elif offload_optimizer == "cpu" and offload_param in ("none", "cpu"):
-        host_terms = stage3_offload_host_terms(psi, n, precision, largest, pinned_rounding, offload_param)
+    elif offload_optimizer in ("cpu", "nvme") and stage == 3:
+        host_terms = stage3_offload_host_terms(psi, n, precision, largest, pinned_rounding, offload_param,
+                                               offload_optimizer)
     if host_terms is not None:
         offloaded["cpu"] = sum(value for value, _ in host_terms.values())
     formula = STATE_FORMULAS["fp32" if precision == "fp32" else "mixed"][stage]
@@ -624,3 +648,21 @@ def explain(run: RunShape, est: Estimate, verdict: Verdict, budget: Budget, what
         lines.append("  (none of the single changes above is enough on this machine)")
     lines.append("Set benchmark.force: true to launch anyway.")
     return "\n".join(lines)
+
+
+# ---- checkpoint export and evaluation ------------------------------------------------------------------------
+
+def export_and_evaluation_host_bytes(run: RunShape, export_dtype: str, eval_precision: str | None = None) -> int:
+    """Host bytes one export job (rule export_final) or evaluation job (rule evaluate: export, then the export
+    loaded) holds at its peak, for Snakemake's mem_mb.
+
+    Export (export.cast_state_dict): every weight cast to `export_dtype` + the largest parameter in fp32 while it is
+    gathered and cast; the checkpoint's files are mapped, and their pages are page cache the kernel can reclaim.
+    Evaluation afterwards: AutoModelForCausalLM.from_pretrained loads the export in `eval_precision` on the host
+    before moving it to its device, after the export's tensors are freed, so the larger of the two counts. Plus the
+    process itself (RUNTIME_BYTES["cpu"]). Evaluation activations on a CPU device are not counted.
+    """
+    bytes_of = {"fp32": 4, "bf16": 2, "fp16": 2}
+    export = run.parameters * bytes_of[export_dtype] + 4 * run.largest_parameter
+    loaded = run.parameters * bytes_of[eval_precision] if eval_precision else 0
+    return max(export, loaded) + RUNTIME_BYTES["cpu"]
