@@ -98,47 +98,18 @@ def prepare_state(state_dir: Path, fingerprint: dict, total_steps: int, digest: 
     Rank 0 only, with the state lock held, before any rank reads a checkpoint.
     """
     state_dir = Path(state_dir)
-    runs = state_dir / "runs"
-    new_id = fingerprint_id(fingerprint)
-    messages = []
+    runs, new_id = state_dir / "runs", fingerprint_id(fingerprint)
     held = _held_fingerprint(state_dir) if _holds_anything(state_dir) else None
     held_size = held_world_size(state_dir)
-    finished_steps = _finished_steps(state_dir)
     if _holds_anything(state_dir) and held != fingerprint:
-        old_id = fingerprint_id(held) if held else "unknown"
-        target = _free_name(runs / old_id)
-        _move_run(state_dir, target)
-        what = ", ".join(changed_parts(held, fingerprint)) if held else "no fingerprint recorded"
-        messages.append(f"the settings changed since the run in {state_dir} ({what}): that run is kept in "
-                        f"{target}; this run ({new_id}) starts fresh")
+        messages = [_set_aside_other_settings(state_dir, held, fingerprint)]
     elif held_size is not None and held_size != world_size:
-        if allow_reshape and finished_steps != total_steps:
-            messages.append(f"the run in {state_dir} was saved at world size {held_size}, this run has {world_size} "
-                            "(train.gpus × train.nodes): resuming it reshaped (train.allow_reshape)")
-        else:
-            target = _free_name(runs / f"{new_id}-world{held_size}")
-            _move_run(state_dir, target)
-            why = (f"it had finished step {total_steps}, so there is nothing to continue" if allow_reshape else
-                   "set train.allow_reshape: true to continue it at the new size instead")
-            messages.append(f"the world size changed since the run in {state_dir} (train.gpus × train.nodes: "
-                            f"{held_size} → {world_size}): that run is kept in {target} and resumes when the world "
-                            f"size is {held_size} again; this run ({new_id}) starts fresh ({why})")
-    elif finished_steps == total_steps:
-        finished = json.loads((state_dir / FINISHED).read_text())
-        kept = set(committed_steps(state_dir / "checkpoints"))
-        if finished.get("plan_digest") == digest or set(needed_steps) <= kept:
-            how = ("resuming at its final checkpoint to rewrite the outputs, no step is trained again"
-                   if total_steps in kept else
-                   f"its final checkpoint is gone, so the steps after {max(kept, default=0)} (its newest) are "
-                   "trained again")
-            messages.append(f"the run in {state_dir} already finished step {total_steps}: {how} (to train from "
-                            f"step 0 instead, move {state_dir} away first)")
-        else:
-            target = runs / f"{new_id}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-            _move_run(state_dir, target)
-            messages.append(f"the run in {state_dir} already finished step {total_steps}, but the plan keeps "
-                            f"checkpoints {sorted(set(needed_steps) - kept)} that it does not have: training again "
-                            f"from scratch; the finished run is kept in {target}")
+        messages = [_world_size_changed(state_dir, new_id, held_size, world_size, allow_reshape,
+                                        _finished_steps(state_dir) == total_steps)]
+    elif _finished_steps(state_dir) == total_steps:
+        messages = [_finished_run(state_dir, new_id, total_steps, digest, needed_steps)]
+    else:
+        messages = []
     if not _holds_anything(state_dir):
         messages += _bring_back(runs, new_id, world_size, allow_reshape, state_dir)
     # Nothing else is written: a run refused after this (say, a checkpoint beyond train.max_steps) leaves the folder
@@ -147,6 +118,50 @@ def prepare_state(state_dir: Path, fingerprint: dict, total_steps: int, digest: 
     if not (state_dir / ACTIVE).is_file() or json.loads((state_dir / ACTIVE).read_text()) != active:
         atomic_write_json(state_dir / ACTIVE, active, sort_keys=True)
     return messages
+
+
+def _set_aside_other_settings(state_dir: Path, held: dict | None, fingerprint: dict) -> str:
+    """Another fingerprint: the held run moves to runs/<its id>/."""
+    old_id = fingerprint_id(held) if held else "unknown"
+    target = _free_name(state_dir / "runs" / old_id)
+    _move_run(state_dir, target)
+    what = ", ".join(changed_parts(held, fingerprint)) if held else "no fingerprint recorded"
+    return (f"the settings changed since the run in {state_dir} ({what}): that run is kept in {target}; this run "
+            f"({fingerprint_id(fingerprint)}) starts fresh")
+
+
+def _world_size_changed(state_dir: Path, new_id: str, held_size: int, world_size: int, allow_reshape: bool,
+                        finished: bool) -> str:
+    """Same settings at another world size: resume reshaped (train.allow_reshape, unfinished), else set it aside."""
+    if allow_reshape and not finished:
+        return (f"the run in {state_dir} was saved at world size {held_size}, this run has {world_size} "
+                "(train.gpus × train.nodes): resuming it reshaped (train.allow_reshape)")
+    target = _free_name(state_dir / "runs" / f"{new_id}-world{held_size}")
+    _move_run(state_dir, target)
+    why = ("it had finished, so there is nothing to continue" if allow_reshape else
+           "set train.allow_reshape: true to continue it at the new size instead")
+    return (f"the world size changed since the run in {state_dir} (train.gpus × train.nodes: {held_size} → "
+            f"{world_size}): that run is kept in {target} and resumes when the world size is {held_size} again; "
+            f"this run ({new_id}) starts fresh ({why})")
+
+
+def _finished_run(state_dir: Path, new_id: str, total_steps: int, digest: str, needed_steps: list[int]) -> str:
+    """Same settings, finished at exactly these steps: rewrite the outputs from the final checkpoint, unless the plan
+    keeps checkpoints the run never saved (train.checkpoint_every edited); then it trains again beside the old run."""
+    finished = json.loads((state_dir / FINISHED).read_text())
+    kept = set(committed_steps(state_dir / "checkpoints"))
+    if finished.get("plan_digest") == digest or set(needed_steps) <= kept:
+        how = ("resuming at its final checkpoint to rewrite the outputs, no step is trained again"
+               if total_steps in kept else
+               f"its final checkpoint is gone, so the steps after {max(kept, default=0)} (its newest) are trained "
+               "again")
+        return (f"the run in {state_dir} already finished step {total_steps}: {how} (to train from step 0 instead, "
+                f"move {state_dir} away first)")
+    target = state_dir / "runs" / f"{new_id}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    _move_run(state_dir, target)
+    return (f"the run in {state_dir} already finished step {total_steps}, but the plan keeps checkpoints "
+            f"{sorted(set(needed_steps) - kept)} that it does not have: training again from scratch; the finished "
+            f"run is kept in {target}")
 
 
 def _bring_back(runs: Path, new_id: str, world_size: int, allow_reshape: bool, state_dir: Path) -> list[str]:
