@@ -1,7 +1,8 @@
 """The wall-time prediction's offload terms: host Adam, PCIe copies and NVMe swaps per optimizer step."""
 import pytest
 
-from pretrain_bench.bench_matrix import PREVIEW_STARTUP_S, cost_preview, model_flops_per_token, preview_text
+from pretrain_bench.bench_matrix import (PREVIEW_STARTUP_S, RECOMPUTE_FACTOR, cost_preview, model_flops_per_token,
+                                         preview_text)
 from pretrain_bench.model import count_parameters, model_shape
 from pretrain_bench.offload_time import FORMULA, OffloadStep, offload_seconds
 from pretrain_bench.settings import TrainSettings
@@ -58,3 +59,17 @@ def test_the_preview_adds_the_offload_terms_and_prints_the_formula():
                                                             micro_batch_size=8, max_steps=10),
                                       model, 102_400, 165e12, "test"))
     assert "main run (rule pretrain): ≥ " in plain and FORMULA not in plain
+
+
+def test_activation_checkpointing_adds_a_forward_to_the_compute_time():
+    model = {"preset": "deepseek-7b", "seq_len": 128, "overrides": {}}
+    matrix = {"device": "cuda", "cells": [], "steps": 5, "repeats": 1}
+    settings = dict(gpus=3, device="cuda", zero_stage=2, precision="fp16", micro_batch_size=8, max_steps=10)
+    plain = cost_preview(matrix, TrainSettings(**settings), model, 102_400, 165e12, "test")
+    checkpointed = cost_preview(matrix, TrainSettings(**settings, activation_checkpointing=True), model, 102_400,
+                                165e12, "test")
+    startup = PREVIEW_STARTUP_S["cuda"]
+    assert checkpointed["main"]["min_s"] - startup == pytest.approx((plain["main"]["min_s"] - startup) * 4 / 3)
+    assert RECOMPUTE_FACTOR == pytest.approx(8 / 6)
+    assert "× 1.33 (activation checkpointing's second forward)" in preview_text(checkpointed)
+    assert "second forward" not in preview_text(plain)

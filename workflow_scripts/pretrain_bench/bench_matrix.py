@@ -181,6 +181,7 @@ def model_flops_per_token(model: dict, vocab_size: int) -> float:
 # that a well-tuned run reaches, and the seconds one launch spends starting ranks before its first step.
 PREVIEW_MFU = {"cuda": 0.30, "cpu": 0.30}
 PREVIEW_STARTUP_S = {"cuda": 60.0, "cpu": 20.0}
+RECOMPUTE_FACTOR = 4 / 3  # (6 + 2) / 6: one more forward per step under activation checkpointing
 
 
 def cost_preview(matrix: dict, main: TrainSettings, model: dict, vocab_size: int, peak_flops: float | None,
@@ -207,6 +208,9 @@ def cost_preview(matrix: dict, main: TrainSettings, model: dict, vocab_size: int
     main_offload = offload(main.world_size, main.precision, main.offload_optimizer, main.offload_param)
     main_run = [(main.world_size, main.derived_global_batch, main.total_steps(model["seq_len"]), main_offload)]
     per_token = model_flops_per_token(model, vocab_size)
+    # activation checkpointing runs each layer's forward again in the backward: 8 FLOPs per parameter and token
+    # where the model's count is 6 (cells inherit the main run's setting)
+    per_token *= RECOMPUTE_FACTOR if main.activation_checkpointing else 1.0
 
     def seconds(runs, mfu):
         if not peak_flops:
@@ -221,6 +225,7 @@ def cost_preview(matrix: dict, main: TrainSettings, model: dict, vocab_size: int
     mfu = PREVIEW_MFU[device]
     return {"launches": len(launches), "peak_flops": peak_flops, "peak_source": peak_source, "mfu": mfu,
             "startup_s": PREVIEW_STARTUP_S[device], "main_offload": main_offload,
+            "recompute": main.activation_checkpointing,
             "offloaded": main_offload["total_s"] > 0 or any(run[3]["total_s"] > 0 for run in launches),
             "main": {"min_s": seconds(main_run, 1.0), "typical_s": seconds(main_run, mfu)},
             "matrix": {"min_s": seconds(launches, 1.0), "typical_s": seconds(launches, mfu)}}
@@ -270,7 +275,9 @@ def preview_text(preview: dict) -> str:
     if step["total_s"]:
         main += (f"; offload {step['total_s']:,.1f} s per step (host Adam {step['adam_s']:,.1f} s + PCIe "
                  f"{step['pcie_s']:,.1f} s + NVMe {step['nvme_s']:,.1f} s)")
-    lines = [f"predicted wall time (steps × (tokens × FLOPs per token ÷ peak ÷ MFU + offload) + "
+    recompute = (f" × {RECOMPUTE_FACTOR:.3g} (activation checkpointing's second forward)"
+                 if preview["recompute"] else "")
+    lines = [f"predicted wall time (steps × (tokens × FLOPs per token{recompute} ÷ peak ÷ MFU + offload) + "
              f"{preview['startup_s']:.0f} s start-up per launch; peak {peak}):"]
     if preview["offloaded"]:
         lines.append(f"  {FORMULA}; {figures_text()}")
