@@ -88,22 +88,92 @@ def test_a_cell_predicted_not_to_fit_is_left_out_unless_forced():
                if e["micro_batch_size"] == 100000 and e["comm_backend"] == "gloo")
 
 
-def test_default_matrix_shows_every_7b_cell_as_predicted_oom_on_the_articles_box(monkeypatch):
+def articles_box_matrix(monkeypatch, **bench):
+    """The default config's matrix planned on a machine without GPUs: for the source articles' box."""
     monkeypatch.setattr(devices, "nvidia_smi_memory", lambda: [])
-    config = merged({"benchmark": {"host_memory_gib": 128}})
-    matrix = plan_matrix(config, available_ranks=3)
-    assert matrix["budget"]["device_bytes"] == 24 * GIB
-    assert len(matrix["cells"]) == 16  # 1/3 GPUs × ZeRO-2/3 × nccl/gloo × offload or not
+    return plan_matrix(merged({"benchmark": bench}), available_ranks=3)
+
+
+def test_default_matrix_runs_zero2_offload_with_checkpointing_on_the_articles_box(monkeypatch):
+    matrix = articles_box_matrix(monkeypatch)
+    assert matrix["budget"]["device_bytes"] == 24 * GIB and matrix["budget"]["host_bytes"] == 128 * GIB
+    assert len(matrix["cells"]) == 16  # 1/3 GPUs × ZeRO-2/3 × nccl/gloo × offload or not, all checkpointed
+    # what the main run's memory_fit: auto chooses (ZeRO-2 + CPU optimizer offload + activation checkpointing),
+    # compared on 1 vs 3 cards and over NCCL vs Gloo
+    assert sorted(runnable(matrix)) == sorted(f"ranks{g}-zero2-fp16-{b}-offload-ckpt" for g in (1, 3)
+                                              for b in ("nccl", "gloo"))
     for entry in matrix["cells"]:
+        assert entry["activation_checkpointing"] is True
+        if entry["status"] == "run":
+            assert entry["need_bytes"] <= entry["have_bytes"] and entry["short_of"] == []
+            continue
         assert entry["status"] == "predicted_oom"
-        if entry["offload_optimizer"] == "none" or entry["zero_stage"] == 2:
-            # 7B without offload, and ZeRO-2 even with it (2Ψ + the LM head's norm copies on the GPU)
-            assert "GiB per GPU, has 24.0 GiB" in entry["reason"]
+        if entry["offload_optimizer"] == "none":  # 7B's states on the GPUs: 38.7 GiB and up per GPU
+            assert entry["short_of"] == ["GPU memory"] and "GiB per GPU, has 24.0 GiB" in entry["reason"]
         else:
             # ZeRO-3 + CPU offload fits the GPUs but its host states (18Ψ/N + fp16's overflow check, 3Ψ/N) do not
             # fit 128 GiB on 1 or 3 ranks
             host = {1: "host RAM 137.2 GiB for 1 rank", 3: "host RAM 141.2 GiB for 3 ranks"}[entry["gpus"]]
-            assert "GiB per GPU, has 24.0 GiB; " + host + ", has 128.0 GiB" in entry["reason"]
+            assert entry["zero_stage"] == 3 and entry["short_of"] == ["host RAM"]
+            assert host + ", has 128.0 GiB" in entry["reason"]
+    assert matrix["host_cores"] == 16 and matrix["host_cores_source"] == "benchmark.host_cores, no GPU detected here"
+
+
+def test_without_checkpointing_no_7b_cell_fits_the_articles_box(monkeypatch):
+    matrix = articles_box_matrix(monkeypatch, matrix={"activation_checkpointing": [False]})
+    assert not runnable(matrix) and all(e["status"] == "predicted_oom" for e in matrix["cells"])
+    # ZeRO-2 + offload keeps 16-bit parameters and gradients and the activations of micro-batch 8 on each GPU
+    offload2 = [e for e in matrix["cells"] if e["zero_stage"] == 2 and e["offload_optimizer"] == "cpu"]
+    assert offload2 and all(e["short_of"] == ["GPU memory"] for e in offload2)
+
+
+def dry_run_matrix_line(matrix, config):
+    from pretrain_bench.bench_matrix import cost_preview, preview_text
+
+    main = TrainSettings.from_config(config["train"])
+    text = preview_text(cost_preview(matrix, main, config["model"], 102_400, 165e12, "test"))
+    return next(line for line in text.splitlines() if "benchmark matrix" in line)
+
+
+def test_the_dry_run_says_how_many_cells_fit_and_why_the_others_do_not(monkeypatch):
+    config = merged()
+    line = dry_run_matrix_line(articles_box_matrix(monkeypatch), config)
+    assert "benchmark matrix (12 launches): ~ " in line  # 4 cells × 3 repeats
+    assert line.endswith("; 4 of 16 cells run, left out: 12 predicted not to fit 24.0 GiB per GPU / 128.0 GiB host "
+                         "RAM (8 short of GPU memory, 4 short of host RAM) (each with its reason in bench/matrix.json)")
+    # nothing fits: never "off", but how many were declared, why none runs and how to launch them anyway
+    nothing = articles_box_matrix(monkeypatch, matrix={"activation_checkpointing": [False]})
+    line = dry_run_matrix_line(nothing, config)
+    assert "off" not in line
+    assert line.endswith("benchmark matrix (0 launches): 0 of 16 cells run: 16 predicted not to fit 24.0 GiB per "
+                         "GPU / 128.0 GiB host RAM (12 short of GPU memory, 4 short of host RAM), set "
+                         "benchmark.force: true to launch them anyway (each with its reason in bench/matrix.json)")
+    off = articles_box_matrix(monkeypatch, enabled=False)
+    assert dry_run_matrix_line(off, config).endswith(
+        "(0 launches): off (benchmark.enabled: false, or an empty benchmark.matrix axis)")
+
+
+def test_a_cell_names_its_checkpointing_where_it_differs_from_the_main_run():
+    train = {"micro_batch_size": 8, "activation_checkpointing": False}
+    assert Cell(3, 2, "fp16", "nccl", 8, "cpu", activation_checkpointing=True).name(train) == (
+        "ranks3-zero2-fp16-nccl-offload-ckpt")
+    assert Cell(3, 2, "fp16", "nccl", 8, "cpu").name(train) == "ranks3-zero2-fp16-nccl-offload"
+    checkpointed = {**train, "activation_checkpointing": True}
+    assert Cell(3, 2, "fp16", "nccl", 8, "none").name(checkpointed) == "ranks3-zero2-fp16-nccl-no-ckpt"
+    # the cell's plan runs it as named: memory_fit never changes a cell's settings
+    config = tiny()
+    bench = BenchSettings.from_config(config)
+    overrides = Cell(1, 2, "fp32", "gloo", 8, "none", activation_checkpointing=True).train_overrides(bench)
+    assert cell_train(config, overrides)["activation_checkpointing"] is True
+
+
+def test_a_gpu_machine_plans_with_its_own_cores(monkeypatch):
+    from pretrain_bench import offload_time
+
+    monkeypatch.setattr(devices, "nvidia_smi_memory", lambda: [24 * GIB] * 3)
+    monkeypatch.setattr(offload_time, "usable_cores", lambda: 7)
+    matrix = plan_matrix(merged(), available_ranks=3)
+    assert (matrix["host_cores"], matrix["host_cores_source"]) == (7, "this machine's usable cores")
 
 
 def test_warmup_must_leave_timed_steps():

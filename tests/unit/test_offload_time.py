@@ -4,11 +4,20 @@ import pytest
 from pretrain_bench.bench_matrix import (PREVIEW_STARTUP_S, RECOMPUTE_FACTOR, cost_preview, model_flops_per_token,
                                          preview_text)
 from pretrain_bench.model import count_parameters, model_shape
-from pretrain_bench.offload_time import FORMULA, OffloadStep, offload_seconds
+from pretrain_bench import offload_time
+from pretrain_bench.memory_model import GIB
+from pretrain_bench.offload_time import FORMULA, OffloadStep, offload_seconds, planned_cores, usable_cores
 from pretrain_bench.settings import TrainSettings
 
 PSI = 6_910_365_696  # DeepSeek-7B
 RATE, CORES, PCIE, NVME = 2e8, 16, 25e9, 3e9
+BUDGET = {"device": "cuda", "device_bytes": 24 * GIB, "host_bytes": 128 * GIB}
+
+
+def empty_matrix(cores=CORES):
+    """A planned matrix without cells (bench_matrix.plan_matrix's keys the preview reads)."""
+    return {"device": "cuda", "cells": [], "steps": 5, "repeats": 1, "budget": BUDGET, "force": False,
+            "host_cores": cores, "host_cores_source": "benchmark.host_cores, no GPU detected here"}
 
 
 def seconds(**step):
@@ -44,15 +53,16 @@ def test_the_preview_adds_the_offload_terms_and_prints_the_formula():
     model = {"preset": "deepseek-7b", "seq_len": 128, "overrides": {}}
     main = TrainSettings(gpus=3, device="cuda", zero_stage=3, precision="fp16", micro_batch_size=8,
                          offload_optimizer="cpu", max_steps=10)
-    matrix = {"device": "cuda", "cells": [], "steps": 5, "repeats": 1}
+    matrix = empty_matrix()
     preview = cost_preview(matrix, main, model, 102_400, 165e12, "test")
     psi = count_parameters(model_shape(model, 102_400))["total"]
-    offload = offload_seconds(OffloadStep(psi, 3, "fp16", "cpu"))
+    offload = offload_seconds(OffloadStep(psi, 3, "fp16", "cpu"), cores=CORES)
     compute = 24 * 128 * model_flops_per_token(model, 102_400) / (165e12 * 3)
     assert preview["main"]["min_s"] == pytest.approx(10 * (compute + offload["total_s"]) + PREVIEW_STARTUP_S["cuda"])
     assert offload["adam_s"] > compute  # host Adam over Ψ/N per rank dominates an offloaded step
     text = preview_text(preview)
     assert FORMULA in text and "DeepSpeedCPUAdam measured" in text and "GB/s" in text
+    assert "× 16 cores (benchmark.host_cores, no GPU detected here)" in text
     assert "main run (rule pretrain): ~ " in text and f"offload {offload['total_s']:,.1f} s per step" in text
     # without offload the 100 % MFU figure stays a hard lower bound and no offload formula is printed
     plain = preview_text(cost_preview(matrix, TrainSettings(gpus=3, device="cuda", zero_stage=3, precision="fp16",
@@ -63,7 +73,7 @@ def test_the_preview_adds_the_offload_terms_and_prints_the_formula():
 
 def test_activation_checkpointing_adds_a_forward_to_the_compute_time():
     model = {"preset": "deepseek-7b", "seq_len": 128, "overrides": {}}
-    matrix = {"device": "cuda", "cells": [], "steps": 5, "repeats": 1}
+    matrix = empty_matrix()
     settings = dict(gpus=3, device="cuda", zero_stage=2, precision="fp16", micro_batch_size=8, max_steps=10)
     plain = cost_preview(matrix, TrainSettings(**settings), model, 102_400, 165e12, "test")
     checkpointed = cost_preview(matrix, TrainSettings(**settings, activation_checkpointing=True), model, 102_400,
@@ -73,3 +83,27 @@ def test_activation_checkpointing_adds_a_forward_to_the_compute_time():
     assert RECOMPUTE_FACTOR == pytest.approx(8 / 6)
     assert "× 1.33 (activation checkpointing's second forward)" in preview_text(checkpointed)
     assert "second forward" not in preview_text(plain)
+
+
+def test_host_adam_divides_by_the_planned_machines_cores_not_this_ones(monkeypatch):
+    monkeypatch.setattr(offload_time, "usable_cores", lambda: 2)  # a small planning machine
+    # planning the articles' box (no GPU here): benchmark.host_cores
+    assert planned_cores("cuda", gpu_detected=False, host_cores=16) == (16, "benchmark.host_cores, no GPU detected "
+                                                                             "here")
+    cores, source = planned_cores("cuda", gpu_detected=False, host_cores=None)
+    assert cores == 2 and "set benchmark.host_cores" in source
+    # GPUs here, or a CPU run: this machine's own usable cores, whatever benchmark.host_cores says
+    assert planned_cores("cuda", gpu_detected=True, host_cores=16) == (2, "this machine's usable cores")
+    assert planned_cores("cpu", gpu_detected=False, host_cores=16) == (2, "this machine's usable cores")
+    model = {"preset": "deepseek-7b", "seq_len": 128, "overrides": {}}
+    main = TrainSettings(gpus=3, device="cuda", zero_stage=2, precision="fp16", micro_batch_size=8,
+                         offload_optimizer="cpu", max_steps=10)
+    on_16 = cost_preview(empty_matrix(16), main, model, 102_400, 165e12, "test")["main_offload"]
+    on_2 = cost_preview(empty_matrix(2), main, model, 102_400, 165e12, "test")["main_offload"]
+    assert on_16["adam_s"] == pytest.approx(PSI / (RATE * 16)) and on_2["adam_s"] == pytest.approx(8 * on_16["adam_s"])
+
+
+def test_usable_cores_are_the_affinity_mask():
+    import os
+
+    assert usable_cores() == len(os.sched_getaffinity(0))

@@ -11,12 +11,14 @@ import itertools
 from dataclasses import asdict, dataclass
 
 from .devices import resolve_device_cheaply
-from .memory_model import Budget, config_vocab_size, detect_budget, estimate, judge, run_shape
+from .memory_model import Budget, config_vocab_size, detect_budget, estimate, gib, judge, run_shape
+from .offload_time import planned_cores
 from .plan import cell_train
 from .config_types import schema_defaults
 from .settings import ENGINE_STAGE, ConfigError, TrainSettings, check_settings
 
-AXES = ("gpus", "zero_stage", "precision", "comm_backend", "micro_batch_size", "offload_optimizer", "engine")
+AXES = ("gpus", "zero_stage", "precision", "comm_backend", "micro_batch_size", "offload_optimizer", "engine",
+        "activation_checkpointing")
 # benchmark.* defaults: the schema's (a config validated against it has them already; code-built configs may not)
 DEFAULTS = {key: value for key, value in schema_defaults("benchmark").items() if key != "matrix"}
 
@@ -36,6 +38,7 @@ class BenchSettings:
     host_memory_gib: float | None  # host RAM of the GPU machine planned for when none is detected
     disk_gib: float | None  # free disk at train.nvme_path on that machine
     assumed_gpu: str  # the GPU planned for when none is detected (its datasheet peak predicts run times)
+    host_cores: int | None  # cores of that machine: they run an offloaded run's host Adam
     lr_warmup_steps: int = 0  # train.warmup_steps of a cell: the main run's, shortened to fit the cell's steps
 
     @classmethod
@@ -67,10 +70,11 @@ class Cell:
     micro_batch_size: int
     offload_optimizer: str
     engine: str = "deepspeed"
+    activation_checkpointing: bool = False
 
     def name(self, train: dict) -> str:
-        """`ranks3-zero2-fp32-gloo` (DeepSpeed) or `ddp-ranks3-fp32-gloo`, plus `-mb<n>` / `-offload` where the cell
-        differs from the main run there."""
+        """`ranks3-zero2-fp32-gloo` (DeepSpeed) or `ddp-ranks3-fp32-gloo`, plus `-mb<n>` / `-offload` / `-ckpt` (or
+        `-no-ckpt`) where the cell differs from the main run there."""
         if self.engine == "deepspeed":
             name = f"ranks{self.gpus}-zero{self.zero_stage}-{self.precision}-{self.comm_backend}"
         else:  # the engine fixes the layout: no ZeRO stage in the name
@@ -79,6 +83,8 @@ class Cell:
             name += f"-mb{self.micro_batch_size}"
         if self.offload_optimizer != "none":
             name += "-offload"
+        if self.activation_checkpointing != train["activation_checkpointing"]:
+            name += "-ckpt" if self.activation_checkpointing else "-no-ckpt"
         return name
 
     def train_overrides(self, bench: BenchSettings) -> dict:
@@ -139,16 +145,29 @@ def plan_matrix(config: dict, available_ranks: int | None = None, budget: Budget
         est = estimate(run)
         verdict = judge(est, run, budget)
         entry.update(estimate=est.as_dict(), need_bytes=verdict.need_bytes, have_bytes=verdict.have_bytes,
-                     parameters=run.parameters, memory_text=verdict.text)
+                     parameters=run.parameters, memory_text=verdict.text, short_of=short_of(verdict, device))
         if not verdict.fits:
             if bench.force:
                 entry.update(forced=True, reason=f"predicted OOM ({verdict.text}), launched: benchmark.force")
             else:
                 entry.update(status="predicted_oom", reason=f"predicted OOM: {verdict.text}")
+    cores, cores_source = planned_cores(device, budget.gpu_count is not None, bench.host_cores)
     return {"device": device, "budget": budget.as_dict(), "enabled": bool(entries), "steps": bench.steps,
-            "warmup_steps": bench.warmup_steps,
+            "warmup_steps": bench.warmup_steps, "host_cores": cores, "host_cores_source": cores_source,
             "repeats": bench.repeats, "allow_concurrent": bench.allow_concurrent, "force": bench.force,
             "cells": entries}
+
+
+def short_of(verdict, device: str) -> list[str]:
+    """What a cell's memory verdict runs out of: GPU memory, host RAM, NVMe disk (a CPU run's device is the host)."""
+    lacking = []
+    if verdict.need_bytes > verdict.have_bytes:
+        lacking.append("host RAM" if device == "cpu" else "GPU memory")
+    if device == "cuda" and not verdict.host_fits:
+        lacking.append("host RAM")
+    if not verdict.disk_fits:
+        lacking.append("NVMe disk")
+    return lacking
 
 
 def runnable(matrix: dict) -> list[str]:
@@ -190,8 +209,9 @@ def cost_preview(matrix: dict, main: TrainSettings, model: dict, vocab_size: int
 
     step time = tokens per step × FLOPs per token ÷ (peak × ranks on CUDA, the machine's peak on CPU) ÷ MFU, at
     100 % MFU and at PREVIEW_MFU (a typical figure), + the offloaded states' host Adam, PCIe and NVMe time per step
-    (offload_time.offload_seconds, from stated figures), plus PREVIEW_STARTUP_S per launch. Without offload the
-    100 % MFU figure is a hard lower bound.
+    (offload_time.offload_seconds, from stated figures, its host Adam on the matrix's `host_cores`), plus
+    PREVIEW_STARTUP_S per launch. Without offload the 100 % MFU figure is a hard lower bound. Activation
+    checkpointing (the main run's as chosen, each cell's own) adds a forward: × RECOMPUTE_FACTOR.
     """
     from .model import count_parameters, model_shape
     from .offload_time import OffloadStep, offload_seconds
@@ -200,35 +220,60 @@ def cost_preview(matrix: dict, main: TrainSettings, model: dict, vocab_size: int
     psi = count_parameters(model_shape(model, vocab_size))["total"]
 
     def offload(ranks, precision, optimizer, param):
-        return offload_seconds(OffloadStep(psi, ranks, precision, optimizer, param, main.grad_accum_steps, device))
+        return offload_seconds(OffloadStep(psi, ranks, precision, optimizer, param, main.grad_accum_steps, device),
+                               cores=matrix["host_cores"])
+
+    # activation checkpointing runs each layer's forward again in the backward: 8 FLOPs per parameter and token
+    # where the model's count is 6
+    per_token = model_flops_per_token(model, vocab_size)
+
+    def flops(checkpointed: bool) -> float:
+        return per_token * (RECOMPUTE_FACTOR if checkpointed else 1.0)
 
     launches = [(entry["gpus"], entry["micro_batch_size"] * main.grad_accum_steps * entry["gpus"], matrix["steps"],
-                 offload(entry["gpus"], entry["precision"], entry["offload_optimizer"], main.offload_param))
+                 offload(entry["gpus"], entry["precision"], entry["offload_optimizer"], main.offload_param),
+                 flops(entry["activation_checkpointing"]))
                 for entry in matrix["cells"] if entry["status"] == "run" for _ in range(matrix["repeats"])]
     main_offload = offload(main.world_size, main.precision, main.offload_optimizer, main.offload_param)
-    main_run = [(main.world_size, main.derived_global_batch, main.total_steps(model["seq_len"]), main_offload)]
-    per_token = model_flops_per_token(model, vocab_size)
-    # activation checkpointing runs each layer's forward again in the backward: 8 FLOPs per parameter and token
-    # where the model's count is 6 (cells inherit the main run's setting)
-    per_token *= RECOMPUTE_FACTOR if main.activation_checkpointing else 1.0
+    main_run = [(main.world_size, main.derived_global_batch, main.total_steps(model["seq_len"]), main_offload,
+                 flops(main.activation_checkpointing))]
 
     def seconds(runs, mfu):
         if not peak_flops:
             return None
         total = 0.0
-        for ranks, batch, steps, offloaded in runs:
+        for ranks, batch, steps, offloaded, flops_per_token in runs:
             aggregate = peak_flops * (ranks if device == "cuda" else 1) * mfu
-            compute_s = batch * model["seq_len"] * per_token / aggregate
+            compute_s = batch * model["seq_len"] * flops_per_token / aggregate
             total += steps * (compute_s + offloaded["total_s"]) + PREVIEW_STARTUP_S[device]
         return total
 
     mfu = PREVIEW_MFU[device]
     return {"launches": len(launches), "peak_flops": peak_flops, "peak_source": peak_source, "mfu": mfu,
             "startup_s": PREVIEW_STARTUP_S[device], "main_offload": main_offload,
-            "recompute": main.activation_checkpointing,
+            "recompute": main.activation_checkpointing or any(run[4] > per_token for run in launches),
+            "host_cores": matrix["host_cores"], "host_cores_source": matrix["host_cores_source"],
+            "cells": cell_counts(matrix),
             "offloaded": main_offload["total_s"] > 0 or any(run[3]["total_s"] > 0 for run in launches),
             "main": {"min_s": seconds(main_run, 1.0), "typical_s": seconds(main_run, mfu)},
             "matrix": {"min_s": seconds(launches, 1.0), "typical_s": seconds(launches, mfu)}}
+
+
+def cell_counts(matrix: dict) -> dict:
+    """How many declared cells run, how many are predicted not to fit (and short of what), how many this machine
+    cannot run at all; with the budget they were judged against."""
+    entries = matrix["cells"]
+    shortfalls: dict[str, int] = {}
+    for entry in entries:
+        if entry["status"] == "predicted_oom":
+            for lacking in entry["short_of"]:
+                shortfalls[lacking] = shortfalls.get(lacking, 0) + 1
+    return {"declared": len(entries), "run": sum(e["status"] == "run" for e in entries),
+            "forced": sum(e["forced"] for e in entries),
+            "predicted_oom": sum(e["status"] == "predicted_oom" for e in entries), "short_of": shortfalls,
+            "unsupported": sum(e["status"] == "unsupported" for e in entries),
+            "unsupported_example": next((e["reason"] for e in entries if e["status"] == "unsupported"), None),
+            "budget": matrix["budget"], "force": matrix["force"]}
 
 
 def planning_peak(config: dict, device: str, name: str) -> tuple[float | None, str]:
@@ -280,11 +325,40 @@ def preview_text(preview: dict) -> str:
     lines = [f"predicted wall time (steps × (tokens × FLOPs per token{recompute} ÷ peak ÷ MFU + offload) + "
              f"{preview['startup_s']:.0f} s start-up per launch; peak {peak}):"]
     if preview["offloaded"]:
-        lines.append(f"  {FORMULA}; {figures_text()}")
+        lines.append(f"  {FORMULA}; {figures_text(preview['host_cores'], preview['host_cores_source'])}")
     lines.append(f"  main run (rule pretrain): {main}")
-    lines.append(f"  benchmark matrix ({preview['launches']} launches): "
-                 + (span(preview["matrix"]) if preview["launches"] else "off (no cells to run)"))
+    lines.append(f"  benchmark matrix ({preview['launches']} launches): {matrix_text(preview, span)}")
     return "\n".join(lines)
+
+
+def matrix_text(preview: dict, span) -> str:
+    """The matrix's predicted time, with the declared cells left out and why; never 'off' when cells are declared."""
+    counts = preview["cells"]
+    declared = counts["declared"]
+    if not declared:
+        return "off (benchmark.enabled: false, or an empty benchmark.matrix axis)"
+    left_out = []
+    if counts["predicted_oom"]:
+        lacking = ", ".join(f"{n} short of {what}" for what, n in counts["short_of"].items())
+        left_out.append(f"{counts['predicted_oom']} predicted not to fit {budget_text(counts['budget'])} ({lacking})")
+    if counts["unsupported"]:
+        left_out.append(f"{counts['unsupported']} not runnable here (e.g. {counts['unsupported_example']})")
+    forced = f", {counts['forced']} of them predicted not to fit (benchmark.force)" if counts["forced"] else ""
+    details = " (each with its reason in bench/matrix.json)" if left_out else ""
+    if counts["run"]:
+        return (f"{span(preview['matrix'])}; {counts['run']} of {declared} cells run{forced}"
+                + (f", left out: {'; '.join(left_out)}{details}" if left_out else ""))
+    force = ", set benchmark.force: true to launch them anyway" if counts["predicted_oom"] else ""
+    return f"0 of {declared} cells run: {'; '.join(left_out)}{force}{details}"
+
+
+def budget_text(budget: dict) -> str:
+    """'24.0 GiB per GPU / 128.0 GiB host RAM' (a CPU run: the host RAM its ranks share)."""
+    host = (f"{gib(budget['host_bytes'])} GiB host RAM" if budget["host_bytes"] is not None
+            else "host RAM not checked")
+    if budget["device"] == "cpu":
+        return host
+    return f"{gib(budget['device_bytes'])} GiB per GPU / {host}"
 
 
 def _duration(seconds: float) -> str:

@@ -40,8 +40,22 @@ class OffloadStep:
     device: str = "cuda"
 
 
-def host_cores() -> int:
-    return os.cpu_count() or 1
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container or taskset may allow fewer than exist)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def planned_cores(device: str, gpu_detected: bool, host_cores: int | None) -> tuple[int, str]:
+    """(cores, source) that run the host Adam of an offloaded run: benchmark.host_cores when a CUDA run is planned on
+    a machine without GPUs (its own cores say nothing about the GPU machine's), else this machine's usable cores."""
+    if device == "cuda" and not gpu_detected:
+        if host_cores:
+            return host_cores, "benchmark.host_cores, no GPU detected here"
+        return usable_cores(), "this machine's usable cores; no GPU here: set benchmark.host_cores for the GPU machine's"
+    return usable_cores(), "this machine's usable cores"
 
 
 def offload_seconds(step: OffloadStep, cores: int | None = None, adam_rate: float = CPU_ADAM_PARAMS_PER_S_PER_CORE,
@@ -53,7 +67,7 @@ def offload_seconds(step: OffloadStep, cores: int | None = None, adam_rate: floa
     psi, n, accum = step.parameters, step.ranks, step.grad_accum_steps
     b = 4 if step.precision == "fp32" else 2
     # every rank's partition is updated at once on the host's cores
-    terms["adam_s"] = psi / (adam_rate * (cores or host_cores()))
+    terms["adam_s"] = psi / (adam_rate * (cores or usable_cores()))
     if step.device == "cuda":  # a CPU run's "device" is the host: nothing crosses PCIe
         per_rank = b * psi / n * (accum + 1)  # gradients down each micro-step, updated parameters up once
         if step.offload_param != "none":
@@ -68,9 +82,8 @@ def offload_seconds(step: OffloadStep, cores: int | None = None, adam_rate: floa
     return {**terms, "total_s": sum(terms.values())}
 
 
-def figures_text(cores: int | None = None) -> str:
+def figures_text(cores: int, cores_source: str) -> str:
     """The stated figures, for the printed formula."""
-    cores = cores or host_cores()
     return (f"R = {CPU_ADAM_PARAMS_PER_S_PER_CORE:.2g} params/s per core ({CPU_ADAM_SOURCE}) × {cores} cores "
-            f"(this machine's), B = {PCIE_BYTES_PER_S / 1e9:.0f} GB/s ({PCIE_SOURCE}), "
+            f"({cores_source}), B = {PCIE_BYTES_PER_S / 1e9:.0f} GB/s ({PCIE_SOURCE}), "
             f"D = {NVME_BYTES_PER_S / 1e9:.0f} GB/s ({NVME_SOURCE})")
