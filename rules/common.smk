@@ -251,6 +251,16 @@ except ConfigError as error:
 logger.info(preview_text(cost_preview(BENCH_MATRIX, MAIN_FIT[0], config["model"], VOCAB_SIZE,
                                       *planning_peak(config, BENCH_MATRIX["device"], NAME))))
 
+# Host RAM of one export or evaluation job (memory_model.export_and_evaluation_host_bytes), as mem_mb (10^6 bytes, as
+# Snakemake counts it): with `--resources mem_mb=N` Snakemake runs only as many at once as fit; SLURM gets it as --mem.
+from pretrain_bench.memory_model import export_and_evaluation_host_bytes, run_shape  # noqa: E402
+
+FINAL_EXPORT_DTYPE = "fp32"  # train/hf holds the master weights exactly
+_MAIN_SHAPE = run_shape(main_plan_config(), MAIN_FIT[0], "cpu", VOCAB_SIZE)  # the parameters, whatever the device
+EXPORT_FINAL_MEM_MB = -(-export_and_evaluation_host_bytes(_MAIN_SHAPE, FINAL_EXPORT_DTYPE) // 10**6)
+EVALUATE_MEM_MB = -(-export_and_evaluation_host_bytes(_MAIN_SHAPE, EVALUATE_SETTINGS["dtype"],
+                                                      EVALUATE_SETTINGS["precision"]) // 10**6)
+
 
 def bench_cell(cell):
     """The matrix entry of a runnable cell; asking for a left-out cell says why it is left out."""

@@ -35,6 +35,7 @@ rule evaluate:
     threads: 1
     resources:
         gpu=EVAL_GPUS,
+        mem_mb=EVALUATE_MEM_MB,
     params:
         step=lambda wildcards: int(wildcards.step),
         # what decides the result (pretrain_bench/eval_inputs.py): the checkpoint's bytes and the evaluate settings
@@ -60,9 +61,11 @@ rule export_final:
     conda:
         "../envs/pretrain.yaml"
     threads: 1
+    resources:
+        mem_mb=EXPORT_FINAL_MEM_MB,
     params:
         step=TRAIN.total_steps(config["model"]["seq_len"]),
-        dtype="fp32",
+        dtype=FINAL_EXPORT_DTYPE,
     script:
         "../workflow_scripts/export_checkpoint.py"
 

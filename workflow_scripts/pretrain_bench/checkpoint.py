@@ -363,8 +363,12 @@ def prune(root: Path, keep: int | None, protect: set[int] = frozenset()) -> list
     return doomed
 
 
-def load_fp32_state_dict(root: Path, step: int) -> dict:
-    """The full fp32 model state dict of a committed checkpoint, on CPU, for any ZeRO stage and any engine."""
+def load_fp32_state_dict(root: Path, step: int, *, lazy: bool = False) -> dict:
+    """The full fp32 model state dict of a committed checkpoint, on CPU, for any ZeRO stage and any engine.
+
+    lazy: the tensors as stored, nothing converted: files mapped rather than read, a ZeRO-3 parameter a DeepSpeed
+    GatheredTensor that `.contiguous()` gathers from the ranks' partitions. For a reader that converts one tensor at a
+    time (export.cast_state_dict) instead of holding the whole fp32 dict."""
     import torch
 
     read_marker(root, step)  # raises with the path if incomplete
@@ -378,13 +382,13 @@ def load_fp32_state_dict(root: Path, step: int) -> dict:
     elif list(folder.glob("*optim_states.pt")) and (list(folder.glob("zero_pp_rank_*")) or list(folder.glob("bf16_zero_pp_rank_*"))):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag_for(step))
+        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag_for(step), lazy_mode=lazy)
     else:
         model_file = folder / "mp_rank_00_model_states.pt"
         if not model_file.is_file():
             raise CheckpointError(f"checkpoint {folder} has no mp_rank_00_model_states.pt")
-        state = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
-    return {k: v.float() for k, v in state.items()}
+        state = torch.load(model_file, map_location="cpu", weights_only=False, mmap=lazy)["module"]
+    return state if lazy else {k: v.float() for k, v in state.items()}
 
 
 def universal_tag(root: Path, step: int, rank: int) -> str:

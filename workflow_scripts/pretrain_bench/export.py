@@ -29,18 +29,39 @@ def torch_dtype(name: str):
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def read_checkpoint_weights(ckpt_root: Path, step: int) -> dict:
-    """The fp32 state dict of committed checkpoint `step`; any failure names the checkpoint folder."""
+def read_checkpoint_weights(ckpt_root: Path, step: int, dtype: str = "fp32") -> dict:
+    """The weights of committed checkpoint `step` cast to `dtype`; any failure names the checkpoint folder."""
     folder = Path(ckpt_root) / ckpt.tag_for(step)
     ckpt.read_marker(ckpt_root, step)  # missing or uncommitted: CheckpointError naming the folder
     try:
-        return ckpt.load_fp32_state_dict(ckpt_root, step)
+        return cast_state_dict(ckpt.load_fp32_state_dict(ckpt_root, step, lazy=True), torch_dtype(dtype))
     except ckpt.CheckpointError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError, AssertionError) as error:
         # e.g. a rank's optimizer shard missing from a copied checkpoint: DeepSpeed's own message is kept.
         raise ckpt.CheckpointError(f"checkpoint {folder} is incomplete or unreadable: "
                                    f"{type(error).__name__}: {error}") from error
+
+
+def cast_state_dict(state: dict, dtype) -> dict:
+    """The floating-point tensors of `state` in `dtype` (others as they are), converted one at a time and removed
+    from `state` as they go: the peak is the cast copy plus one source tensor (one ZeRO-3 parameter gathered from its
+    partitions, or one tensor of a mapped file), not the whole fp32 dict beside its 16-bit copy. Names that share
+    one tensor (tied weights, DeepSpeed's shared parameters) share the cast one."""
+    names_by_tensor: dict[int, list[str]] = {}
+    for name, tensor in state.items():  # every tensor is alive here, so id() is unique
+        names_by_tensor.setdefault(id(tensor), []).append(name)
+    cast = {}
+    for names in names_by_tensor.values():
+        source = state.pop(names[0])
+        for other in names[1:]:
+            state.pop(other)
+        tensor = source.contiguous()  # a GatheredTensor concatenates its partitions here
+        del source
+        converted = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        del tensor  # the fp32 original is freed before the next one is read
+        cast.update(dict.fromkeys(names, converted))
+    return cast
 
 
 def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Path, target: Path, *,
@@ -53,19 +74,22 @@ def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Pa
 
     from .model import llama_config
 
+    import torch
+
     target = Path(target)
-    state = read_checkpoint_weights(ckpt_root, step)
+    state = read_checkpoint_weights(ckpt_root, step, dtype)
     if shape.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    with no_init_weights():  # the weights are replaced below: skip the (slow, for 7B) random initialisation
+    # No weights of its own: the meta device allocates nothing, and assign=True takes the cast tensors as they are.
+    with no_init_weights(), torch.device("meta"):
         model = LlamaForCausalLM(llama_config(shape, seq_len))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    del state
     missing = [k for k in missing if not (shape.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
         raise ckpt.CheckpointError(f"checkpoint {Path(ckpt_root) / ckpt.tag_for(step)} does not match the model: "
                                    f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     model.tie_weights()  # assign=True replaced the embedding Parameter: point the tied head at it again
-    model.to(torch_dtype(dtype))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     # LlamaConfig's default ids (bos 1, eos 2) are not this tokenizer's: generate() would stop on a random token.
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
