@@ -84,11 +84,12 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/bench_trainer.py bench-results/trainer.json
 	$(BIN)/python bench/bench_pipeline.py bench-results/pipeline.json
 
-# The CUDA path on one GPU in a few minutes, nccl at world size 1: the default's ZeRO-3 + CPU optimizer offload in fp16,
-# ZeRO-2 bf16 on llama-1b, ZeRO-2 fp16 loss scaling, DDP fp16, FSDP bf16: tokens/s, MFU against the GPU's datasheet
-# peak, peak memory against the memory model, in bench-results/gpu-smoke.json. Needs no CUDA toolkit; g++ only for
-# the offloaded run's CPU Adam, which it compiles on first use (so it skips make install's CPU-op build). Without
-# CUDA it says why and exits 0.
+# The CUDA path on one GPU in a few minutes, nccl at world size 1: what config.yaml's pre-flight chooses for the
+# source articles' box (today ZeRO-2 + CPU optimizer offload + activation checkpointing, fp16), ZeRO-3 + CPU optimizer
+# offload in fp16 and ZeRO-2 bf16 on llama-1b, ZeRO-2 fp16 loss scaling, DDP fp16, FSDP bf16: tokens/s, MFU against
+# the GPU's datasheet peak, peak memory against the memory model, in bench-results/gpu-smoke.json. Needs no CUDA
+# toolkit; g++ only for the offloaded runs' CPU Adam, which it compiles on first use (so it skips make install's
+# CPU-op build). Without CUDA it says why and exits 0.
 gpu-smoke: $(STAMP)
 	$(BIN)/python bench/gpu_smoke.py bench-results/gpu-smoke.json
 

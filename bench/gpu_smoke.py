@@ -2,12 +2,17 @@
 device, in a few minutes, without Snakemake.
 
 Runs, each at world size 1 over the device's collective backend (nccl on CUDA, gloo on CPU):
-1. default-setup: the default config's chosen setup, DeepSpeed ZeRO-3 with the optimizer offloaded to the CPU
-   (DeepSpeed's CPU Adam, pinned host buffers, the host-side overflow check) in fp16 with dynamic loss scaling.
-2. zero2-large: DeepSpeed ZeRO-2 in bf16 on the larger model: tokens/s and MFU at a size that loads the device.
-3. zero2-loss-scaling: DeepSpeed ZeRO-2 in fp16 with dynamic loss scaling (loss scale and skipped steps).
-4. ddp: PyTorch DDP with fp16 autocast and GradScaler.
-5. fsdp: PyTorch FSDP2 with a bf16 mixed-precision policy.
+1. default-setup: what the default config runs on the source articles' box, derived, not written down: the
+   pre-flight (memory_fit.fit_run) on config.yaml's settings for the machine its benchmark.device_memory_gib,
+   host_memory_gib and disk_gib describe, whatever GPU this machine has. Its layout (engine, ZeRO stage, offloads,
+   activation checkpointing, precision) runs on the smoke's smaller model and micro-batch; today ZeRO-2 with the
+   optimizer offloaded to the CPU (DeepSpeed's CPU Adam, pinned host buffers) and activation checkpointing, fp16.
+2. zero3-offload: DeepSpeed ZeRO-3 with the optimizer offloaded to the CPU in fp16 with dynamic loss scaling
+   (stage3.py's host-side gradient buffers and overflow check).
+3. zero2-large: DeepSpeed ZeRO-2 in bf16 on the larger model: tokens/s and MFU at a size that loads the device.
+4. zero2-loss-scaling: DeepSpeed ZeRO-2 in fp16 with dynamic loss scaling (loss scale and skipped steps).
+5. ddp: PyTorch DDP with fp16 autocast and GradScaler.
+6. fsdp: PyTorch FSDP2 with a bf16 mixed-precision policy.
 On CPU fp16 has no loss scaling (DeepSpeed's CPU accelerator lacks it), so those runs use bf16; everything else is
 the same steps. Every run goes through the launcher with a plan file, exactly as rule pretrain starts it, on a small
 corpus built from the Python standard library (no network).
@@ -18,8 +23,8 @@ machine's cores; the JSON names which), the peak memory measured (CUDA: torch's 
 RSS) and the memory model's prediction of it.
 
 Needs no CUDA toolkit: DeepSpeed's CUDA kernels are not used (torch's AdamW stands in for FusedAdam). g++ is needed
-only for the run that offloads (default-setup), whose CPU Adam is a C++ op DeepSpeed compiles on first use
-(`make install` builds it ahead).
+only for the runs that offload (default-setup, zero3-offload), whose CPU Adam is a C++ op DeepSpeed compiles on
+first use (`make install` builds it ahead).
 
 With --device cuda on a machine without CUDA it writes the reason it skipped and exits 0.
 
@@ -43,7 +48,7 @@ sys.path.insert(0, str(ROOT / "workflow_scripts"))
 class Size:
     """How big the smoke's data and models are."""
 
-    large: str  # model preset of the zero2-large and default-setup runs
+    large: str  # model preset of the default-setup, zero3-offload and zero2-large runs
     small: str  # model preset of the other runs
     seq_len: int
     micro_batch_size: int
@@ -63,15 +68,53 @@ SIZES = {
     "tiny": Size("tiny", "tiny", 64, 2, 4, 1, 1024, 1_000_000, 300_000),
 }
 
-# (name, which model, train settings as run on CUDA). Every run is at world size 1.
+# (name, which model, train settings as run on CUDA). Every run is at world size 1; default-setup's settings are
+# the default config's pre-flight choice (default_setup).
 RUNS = [
-    ("default-setup", "large", {"engine": "deepspeed", "zero_stage": 3, "offload_optimizer": "cpu",
+    ("zero3-offload", "large", {"engine": "deepspeed", "zero_stage": 3, "offload_optimizer": "cpu",
                                 "precision": "fp16"}),
     ("zero2-large", "large", {"engine": "deepspeed", "zero_stage": 2, "precision": "bf16"}),
     ("zero2-loss-scaling", "small", {"engine": "deepspeed", "zero_stage": 2, "precision": "fp16"}),
     ("ddp", "small", {"engine": "ddp", "zero_stage": 0, "precision": "fp16"}),
     ("fsdp", "small", {"engine": "fsdp", "zero_stage": 3, "precision": "bf16"}),
 ]
+
+
+# What default-setup takes from the default config's choice; the micro-batch and accumulation are the smoke's own.
+LAYOUT_KEYS = ("engine", "zero_stage", "offload_optimizer", "offload_param", "activation_checkpointing", "precision")
+
+
+def articles_box_budget(bench: dict):
+    """The machine the default config plans for when no GPU is here (benchmark.device_memory_gib, host_memory_gib,
+    disk_gib: the source articles' box), as memory_model.detect_budget describes it then; used here on any machine,
+    so that a GPU machine's smoke runs what the default would run on the articles' box, not on itself."""
+    from pretrain_bench.memory_model import GIB, Budget
+
+    def gib(key):
+        return int(bench[key] * GIB) if bench.get(key) else None
+
+    return Budget("cuda", gib("device_memory_gib"), "benchmark.device_memory_gib", gib("host_memory_gib"),
+                  "benchmark.host_memory_gib", None, gib("disk_gib"), "benchmark.disk_gib")
+
+
+def default_setup(config: dict) -> tuple[dict, str]:
+    """(layout, why): the train layout (LAYOUT_KEYS) the pre-flight chooses for `config`'s main run on the
+    articles' box, and the pre-flight's one-line summary of that choice."""
+    from pretrain_bench.memory_fit import fit_run
+    from pretrain_bench.plan import plan_config
+    from pretrain_bench.settings import TrainSettings
+
+    train = {**config["train"], "device": "cuda"}  # the articles' box has GPUs, whatever train.device says
+    chosen, record = fit_run(plan_config({**config, "train": train}), TrainSettings.from_config(train),
+                             what="the default config's main run", budget=articles_box_budget(config["benchmark"]))
+    return {key: getattr(chosen, key) for key in LAYOUT_KEYS}, record["summary"]
+
+
+def default_config() -> dict:
+    """config.yaml as written: the default experiment."""
+    import yaml
+
+    return yaml.safe_load((ROOT / "config.yaml").read_text())
 
 
 def device_settings(train: dict, device: str) -> dict:
@@ -106,9 +149,7 @@ def build_data(work: Path, size: Size) -> tuple[Path, Path]:
 
 def smoke_config(name: str, preset: str, train: dict, size: Size, device: str) -> dict:
     """config.yaml with one run's settings: one rank on `device`, the memory model's verdict kept as asked."""
-    import yaml
-
-    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    config = default_config()
     config["name"] = f"gpu-smoke-{name}"
     config["model"].update(preset=preset, seq_len=size.seq_len, overrides={}, init_from=None)
     config["train"].update(train, gpus=1, nodes=1, device=device, global_batch_size=None, grad_accum_steps=1,
@@ -142,7 +183,8 @@ def run_one(name: str, preset: str, train: dict, size: Size, device: str, peak: 
     plan.to_json(plan_path)
     settings = plan.train
     result = {"name": name, "preset": preset, "engine": settings["engine"], "zero_stage": settings["zero_stage"],
-              "offload_optimizer": settings["offload_optimizer"], "precision": settings["precision"],
+              "offload_optimizer": settings["offload_optimizer"], "offload_param": settings["offload_param"],
+              "activation_checkpointing": settings["activation_checkpointing"], "precision": settings["precision"],
               "comm_backend": settings["comm_backend"], "device": device}
     started = time.perf_counter()
     log = run_dir / "train.log"
@@ -209,19 +251,31 @@ def machine_facts(device: str, work: Path) -> dict:
 
 def smoke(out: Path, device: str, size: Size, work: Path) -> int:
     """Every run on `device`, the JSON rewritten after each; 0 when all ran."""
+    from pretrain_bench.settings import ConfigError
+
     work.mkdir(parents=True, exist_ok=True)
     index, tokenizer = build_data(work, size)
     facts = machine_facts(device, work)
     peak = facts["peak"]
     print(f"gpu-smoke on {device}: peak {peak['peak_flops'] / 1e12:,.3g} TFLOP/s ({peak['peak_source']})")
     report = {"device": device, "hardware": facts["hardware"], "peak": peak, "size": vars(size), "runs": []}
-    for name, model, train in RUNS:
+    try:
+        layout, why = default_setup(default_config())
+        report["default_setup"] = {"layout": layout, "pre_flight": why}
+        print(f"gpu-smoke default-setup: config.yaml's pre-flight for the source articles' box: {why}")
+        runs = [("default-setup", "large", layout), *RUNS]
+    except ConfigError as error:  # nothing the default could run: the other runs still go
+        report["default_setup"] = {"layout": None, "pre_flight": str(error)}
+        print(f"gpu-smoke default-setup: not run, config.yaml's pre-flight refused it: {error}")
+        runs = RUNS
+    for name, model, train in runs:
         preset = size.large if model == "large" else size.small
         run = run_or_record(name, preset, device_settings(train, device), size, device, peak, index, tokenizer, work)
         report["runs"].append(run)
         out.write_text(json.dumps(report, indent=2))
         print(result_line(run), flush=True)
-    return 0 if all(run["exit_code"] == 0 for run in report["runs"]) else 1
+    ran = report["default_setup"]["layout"] is not None and all(run["exit_code"] == 0 for run in report["runs"])
+    return 0 if ran else 1
 
 
 def run_or_record(name: str, preset: str, train: dict, size: Size, device: str, *args) -> dict:

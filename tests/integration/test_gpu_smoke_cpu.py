@@ -23,11 +23,17 @@ def test_gpu_smoke_cpu_twin_runs_every_section_and_reports_each(tmp_path):
     assert report["device"] == "cpu"
     assert report["peak"]["peak_source"].startswith("measured: best bf16 square matmul")
     runs = {run["name"]: run for run in report["runs"]}
-    assert list(runs) == ["default-setup", "zero2-large", "zero2-loss-scaling", "ddp", "fsdp"]
-    layouts = {name: (run["engine"], run["zero_stage"], run["offload_optimizer"]) for name, run in runs.items()}
-    assert layouts == {"default-setup": ("deepspeed", 3, "cpu"), "zero2-large": ("deepspeed", 2, "none"),
-                       "zero2-loss-scaling": ("deepspeed", 2, "none"), "ddp": ("ddp", 0, "none"),
-                       "fsdp": ("fsdp", 3, "none")}
+    assert list(runs) == ["default-setup", "zero3-offload", "zero2-large", "zero2-loss-scaling", "ddp", "fsdp"]
+    layouts = {name: (run["engine"], run["zero_stage"], run["offload_optimizer"], run["activation_checkpointing"])
+               for name, run in runs.items()}
+    # default-setup: config.yaml's pre-flight choice for the source articles' box (ZeRO-2 + CPU optimizer offload
+    # + activation checkpointing), as the JSON records it
+    assert report["default_setup"]["layout"]["zero_stage"] == 2 and "ran ZeRO-2 + CPU optimizer offload + " \
+        "activation checkpointing" in report["default_setup"]["pre_flight"]
+    assert layouts == {"default-setup": ("deepspeed", 2, "cpu", True), "zero3-offload": ("deepspeed", 3, "cpu", False),
+                       "zero2-large": ("deepspeed", 2, "none", False),
+                       "zero2-loss-scaling": ("deepspeed", 2, "none", False), "ddp": ("ddp", 0, "none", False),
+                       "fsdp": ("fsdp", 3, "none", False)}
     for name, run in runs.items():
         # fp16 is CUDA's: on CPU every run is bf16 over gloo at world size 1
         assert (run["device"], run["precision"], run["comm_backend"]) == ("cpu", "bf16", "gloo"), name
@@ -37,6 +43,7 @@ def test_gpu_smoke_cpu_twin_runs_every_section_and_reports_each(tmp_path):
         assert run["peak_memory_kind"] == "peak RSS of the rank process (getrusage)", name
         # the memory model's prediction of the rank's RSS (offloaded states included) against the measured peak
         assert 0.5 < run["peak_memory_bytes"] / run["predicted_memory_bytes"] < 1.5, (name, run["memory_terms"])
-    assert runs["default-setup"]["memory_terms"]["host_states"] > 0, "the optimizer states were offloaded"
+    for name in ("default-setup", "zero3-offload"):
+        assert runs[name]["memory_terms"]["host_states"] > 0, (name, "the optimizer states were offloaded")
     printed = [line for line in proc.stdout.splitlines() if line.startswith(tuple(runs))]
     assert len(printed) == len(runs) and all("tokens/s, MFU " in line for line in printed), proc.stdout

@@ -104,3 +104,55 @@ def test_a_run_that_cannot_be_planned_is_recorded_and_the_smoke_goes_on(monkeypa
     assert run["error"] == "ConfigError: train.zero_stage 2 means nothing under train.engine ddp"
     assert smoke.result_line(run) == ("ddp (fp16, ZeRO-2, ddp, nccl): not run: ConfigError: train.zero_stage 2 means "
                                       "nothing under train.engine ddp")
+
+
+def test_default_setup_is_what_the_default_config_chooses_for_the_articles_box(monkeypatch):
+    from pretrain_bench import devices
+
+    smoke = _smoke_module()
+    layout, why = smoke.default_setup(smoke.default_config())
+    # config.yaml on 3 × 24 GiB with 128 GiB of host RAM: ZeRO-2 alone needs 55.2 GiB per GPU, ZeRO-3's offloads
+    # more than 128 GiB of host RAM in fp16
+    assert layout == {"engine": "deepspeed", "zero_stage": 2, "offload_optimizer": "cpu", "offload_param": "none",
+                      "activation_checkpointing": True, "precision": "fp16"}
+    assert why.startswith("asked ZeRO-2, micro-batch 8 × 1 accumulation; ran ZeRO-2 + CPU optimizer offload + "
+                          "activation checkpointing")
+    # derived from the config: cards that hold ZeRO-2 run it as asked
+    roomy = smoke.default_config()
+    roomy["benchmark"]["device_memory_gib"] = 80
+    assert smoke.default_setup(roomy)[0] == {**layout, "offload_optimizer": "none", "activation_checkpointing": False}
+    # a GPU machine's smoke runs the articles' box's choice, not its own (an H200 would hold plain ZeRO-2)
+    monkeypatch.setattr(devices, "nvidia_smi_memory", lambda: [141 * 2**30])
+    assert smoke.default_setup(smoke.default_config())[0] == layout
+
+
+def test_zero3_offload_in_fp16_stays_in_the_smoke_beside_the_default_setup():
+    smoke = _smoke_module()
+    runs = {name: (model, train) for name, model, train in smoke.RUNS}
+    assert "default-setup" not in runs, "derived when the smoke runs, never written down"
+    assert runs["zero3-offload"] == ("large", {"engine": "deepspeed", "zero_stage": 3, "offload_optimizer": "cpu",
+                                               "precision": "fp16"})
+
+
+def test_a_default_setup_the_pre_flight_refuses_is_reported_and_the_other_runs_go_on(monkeypatch, tmp_path):
+    from pretrain_bench.settings import ConfigError
+
+    smoke = _smoke_module()
+
+    def refused(config):
+        raise ConfigError("pre-flight: the default config's main run is predicted not to fit")
+
+    ran = []
+    monkeypatch.setattr(smoke, "default_setup", refused)
+    monkeypatch.setattr(smoke, "build_data", lambda work, size: (tmp_path / "index.json", tmp_path))
+    monkeypatch.setattr(smoke, "machine_facts", lambda device, work: {
+        "peak": {"peak_flops": 1e12, "peak_source": "test"}, "hardware": {"device": device}})
+    monkeypatch.setattr(smoke, "run_or_record", lambda name, preset, train, *args: ran.append(name) or {
+        "name": name, "precision": train["precision"], "zero_stage": train["zero_stage"], "engine": train["engine"],
+        "comm_backend": train["comm_backend"], "exit_code": 0, "error": "not launched in this test"})
+    out = tmp_path / "smoke.json"
+    assert smoke.smoke(out, "cpu", smoke.SIZES["tiny"], tmp_path / "work") == 1, "the default's setup did not run"
+    assert ran == [name for name, _, _ in smoke.RUNS]
+    report = json.loads(out.read_text())
+    assert report["default_setup"] == {"layout": None, "pre_flight": "pre-flight: the default config's main run is "
+                                                                     "predicted not to fit"}

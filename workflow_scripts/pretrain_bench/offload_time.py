@@ -54,7 +54,8 @@ def planned_cores(device: str, gpu_detected: bool, host_cores: int | None) -> tu
     if device == "cuda" and not gpu_detected:
         if host_cores:
             return host_cores, "benchmark.host_cores, no GPU detected here"
-        return usable_cores(), "this machine's usable cores; no GPU here: set benchmark.host_cores for the GPU machine's"
+        return usable_cores(), ("this machine's usable cores; no GPU here: set benchmark.host_cores for the GPU "
+                                "machine's")
     return usable_cores(), "this machine's usable cores"
 
 
