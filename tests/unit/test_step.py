@@ -88,3 +88,25 @@ def test_cpu_phases_are_wall_clock_and_sum_within_the_step():
     _, seconds, phases = train_step(FakeEngine(Log()), Batches(), micro_steps=2, vocab=V, run_device="cpu",
                                     timer=PhaseTimer("cpu"))
     assert all(v > 0 for v in phases.values()) and sum(phases.values()) <= seconds
+
+
+def test_on_cuda_batches_are_pinned_and_copied_without_waiting(cuda_forbidden, monkeypatch):
+    """The CUDA path of to_device, on CPU: pin_memory and to(non_blocking) are recorded instead of run."""
+    from pretrain_bench.step import to_device
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: calls.append((args, kwargs)) or self)
+    batch = torch.randint(0, V, (B, T + 1))
+    assert to_device(batch, "cuda:0") is batch
+    assert calls == ["pin", (("cuda:0",), {"non_blocking": True})]
+    calls.clear()
+    assert to_device(batch, "cpu") is batch and calls == [], "a CPU run copies nothing"
+
+
+def test_the_step_reads_its_loss_once_through_read(cuda_forbidden):
+    read = []
+    figures, _, _ = train_step(FakeEngine(Log()), Batches(), micro_steps=3, vocab=V, run_device="cpu",
+                               timer=PhaseTimer("cpu"), read=lambda loss: read.append(loss) or "figures")
+    assert figures == "figures" and len(read) == 1
+    assert read[0].shape == () and read[0].requires_grad is False, "the mean loss, still a tensor, detached"

@@ -6,6 +6,8 @@ The Trainer's loop knows only this interface; each engine wraps the same model, 
     engine.backward(loss) backward of one micro-step (the engine scales for gradient accumulation)
     engine.step()         end of one micro-step; the optimizer steps at the accumulation boundary
     engine.lr(), engine.grad_norm(), engine.skipped_steps, engine.loss_scale()
+                          (grad_norm: as computed, a device tensor or a number, or None; the trainer reads it to
+                          the host with the step's other figures, so no engine call here waits for the device)
     engine.ran()          precision, ZeRO stage and batch as the engine runs them (for the summary)
     engine.save(folder, writer, client_state) / engine.load(folder, rank, reshape)
     engine.eval() / engine.train()
@@ -146,8 +148,8 @@ class DeepSpeedEngine:
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
 
-    def grad_norm(self) -> float | None:
-        return number(self.engine.get_global_grad_norm())
+    def grad_norm(self):
+        return self.engine.get_global_grad_norm()
 
     @property
     def skipped_steps(self) -> int:
@@ -205,6 +207,8 @@ class TorchEngine:
                                            **TORCH_ADAMW_KWARGS)
         self.scheduler = lr_schedule(settings, total_steps)(self.optimizer)
         self.scaler = self.make_scaler() if settings.precision == "fp16" else None
+        # the scale as last read (before the first step: the initial scale, which reading does not wait for)
+        self._scale = self.scaler.get_scale() if self.scaler is not None else None
 
     # engine-specific
     def wrap(self, model):
@@ -248,10 +252,12 @@ class TorchEngine:
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards
         self._grad_norm = norm  # read (one synchronisation) only when the record asks for it
         if self.scaler is not None:
-            scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            stepped = self.scaler.get_scale() >= scale  # the scale drops exactly when the step was skipped
+            # The step's one read of the scale (a synchronisation; the scheduler must know whether to step). The
+            # scale drops exactly when the step was skipped; the scale before it was read at the previous step.
+            scale, self._scale = self._scale, self.scaler.get_scale()
+            stepped = self._scale >= scale
         else:
             self.optimizer.step()
             stepped = True
@@ -270,11 +276,11 @@ class TorchEngine:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def grad_norm(self) -> float | None:
-        return None if self._grad_norm is None else float(self._grad_norm)
+    def grad_norm(self):
+        return self._grad_norm
 
     def loss_scale(self) -> float | None:
-        return float(self.scaler.get_scale()) if self.scaler is not None else None
+        return self._scale
 
     def ran(self) -> dict:
         """Precision, ZeRO-equivalent stage and batch: this engine takes them from the settings and nothing else."""
@@ -291,6 +297,7 @@ class TorchEngine:
         self.skipped_steps = state["skipped_steps"]
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+            self._scale = self.scaler.get_scale()
 
 
 class HostClock:

@@ -73,12 +73,26 @@ def comm_ms() -> float:
     return _comm_total_ms
 
 
-def gather_floats(values: list[float], device: str) -> list[list[float]]:
-    """All ranks' values (rank order) through torch.distributed, outside DeepSpeed's comms logger."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor)
-    return [p.tolist() for p in parts]
+def host_values(tensor: torch.Tensor) -> list:
+    """The tensor's values as Python numbers. Every read of device values in the training loop goes through here:
+    on CUDA it is a synchronisation (the host waits for the stream), so the loop's count of them is this function's
+    count of calls (tests/unit/test_sync_points.py)."""
+    return tensor.tolist()
+
+
+def gather_floats(values: list, device: str) -> list[list[float]]:
+    """All ranks' values (rank order) through torch.distributed, outside DeepSpeed's comms logger, read to the host
+    once. A value is a number, or a one-element tensor on `device`, which is gathered without being read first."""
+    numbers = torch.tensor([0.0 if isinstance(v, torch.Tensor) else float(v) for v in values], dtype=torch.float64)
+    if device != "cpu":  # torch.tensor(..., device="cuda") would wait for the stream; a pinned copy is queued
+        numbers = numbers.pin_memory().to(device, non_blocking=True)
+    for i, value in enumerate(values):
+        if isinstance(value, torch.Tensor):
+            numbers[i] = value.detach().reshape(())  # a copy on the device, queued
+    world = dist.get_world_size()
+    gathered = torch.empty(world * len(values), dtype=torch.float64, device=device)
+    dist.all_gather_single(gathered, numbers)
+    return host_values(gathered.view(world, len(values)))
 
 
 @contextmanager

@@ -324,6 +324,9 @@ def deepspeed_config(s: TrainSettings, device: str, total_steps: int, fused_adam
         "gradient_clipping": s.grad_clip,
         "steps_per_print": 10**9,  # our own progress line replaces DeepSpeed's
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer synchronises the device at the start and end of every micro-step
+        # (utils/timer.py ThroughputTimer, with timers.throughput.synchronized); the trainer times steps itself.
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
         "zero_optimization": zero,
         "optimizer": {
             "type": "AdamW",

@@ -3,9 +3,15 @@
 CUDA kernels run asynchronously: reading a clock around `engine.backward` would time the launch, not the work, and
 calling `torch.cuda.synchronize()` around every phase (what a naive timer does) serialises what DeepSpeed overlaps —
 the gradient reduction with the backward pass, the host copies with the next forward. So phase boundaries on CUDA
-are CUDA events recorded into the stream, read once the step is over; the step's single synchronisation is the
-read of its loss, which the NaN check and the metrics need anyway. On CPU the work is synchronous and the wall
-clock is exact. With timing off nothing is recorded at all.
+are CUDA events recorded into the stream, read once the step is over. The step's single synchronisation is `read`,
+the caller's one read of the step's figures to the host (the trainer's: every rank's loss, peak memory and stop
+flag, gathered on the device first): the non-finite-loss check must see every step before a checkpoint is saved, a
+stop signal must end every rank at the same step, and the step's wall time must include its GPU work, so the read
+ends the timed step (its gather of a few numbers included). On CPU the work is synchronous and the wall clock is
+exact. With timing off nothing is recorded at all.
+
+Batches come from pinned host memory on CUDA, so their copy to the device is queued (non_blocking) rather than
+waited for.
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from .rank import host_values
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -53,13 +61,23 @@ class PhaseTimer:
         return totals
 
 
-def train_step(engine, batches, *, micro_steps: int, vocab: int, run_device: str,
-               timer: PhaseTimer) -> tuple[float, float, dict]:
-    """Run one optimizer step of `micro_steps` micro-batches; returns (mean loss, wall seconds, phase seconds)."""
+def to_device(batch: torch.Tensor, run_device: str) -> torch.Tensor:
+    """The batch on the run's device: from pinned memory on CUDA, so the copy is queued and the host goes on."""
+    if run_device == "cpu":
+        return batch
+    return batch.pin_memory().to(run_device, non_blocking=True)
+
+
+def train_step(engine, batches, *, micro_steps: int, vocab: int, run_device: str, timer: PhaseTimer,
+               read=None) -> tuple:
+    """Run one optimizer step of `micro_steps` micro-batches; returns (read(mean loss), wall seconds, phase seconds).
+
+    `read` takes the mean loss, a 0-d tensor on the device, and reads it to the host with whatever else the step
+    reports (the step's one synchronisation); by default the loss alone, as a float."""
     started = time.perf_counter()
     loss_sum = torch.zeros((), device=run_device)
     for _ in range(micro_steps):
-        batch = batches.next_batch().to(run_device, non_blocking=True)  # (B, T+1)
+        batch = to_device(batches.next_batch(), run_device)  # (B, T+1)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         timer.mark()
         logits = engine(input_ids=inputs).logits  # (B, T, vocab)
@@ -70,5 +88,9 @@ def train_step(engine, batches, *, micro_steps: int, vocab: int, run_device: str
         engine.step()
         timer.mark()
         loss_sum += loss.detach().float()  # stays on the device: no wait per micro-step
-    mean_loss = (loss_sum / micro_steps).item()  # the step's one synchronisation
-    return mean_loss, time.perf_counter() - started, timer.result()
+    figures = (read or read_loss)(loss_sum / micro_steps)  # the step's one synchronisation
+    return figures, time.perf_counter() - started, timer.result()
+
+
+def read_loss(loss: torch.Tensor) -> float:
+    return host_values(loss)

@@ -8,6 +8,7 @@ barrier, and the two closing barriers. See `pretrain_bench.train` for the fault-
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -69,21 +70,19 @@ class Trainer:
         self.restore()
         self.prepare_measures()
         save_every = self.settings.checkpoint_every if self.plan.save_checkpoints else None
-        inject_nan_step = int(os.environ.get("PRETRAIN_BENCH_INJECT_NAN_AT_STEP", "0"))
+        self.inject_nan_step = int(os.environ.get("PRETRAIN_BENCH_INJECT_NAN_AT_STEP", "0"))
         self.run_start = time.perf_counter()
         with MetricsSink(self.metrics_path, self.state_dir / "tensorboard", self.start_step,
                          enabled=self.rank == 0) as sink:
             for step in range(self.start_step + 1, self.total_steps + 1):
                 skipped_before = self.engine.skipped_steps
                 comm_before = self.engine.comm_ms() if self.measure_comm else None
-                local_loss, step_time, phases = train_step(
+                gathered, step_time, phases = train_step(  # ends with the step's one read: gather_step
                     self.engine, self.batches, micro_steps=self.settings.grad_accum_steps,
-                    vocab=self.shape.vocab_size, run_device=self.run_device, timer=self.timer)
+                    vocab=self.shape.vocab_size, run_device=self.run_device, timer=self.timer,
+                    read=functools.partial(self.gather_step, step))
                 comm = max(0.0, self.engine.comm_ms() - comm_before) if comm_before is not None else None
                 # Everything below is bookkeeping outside the timed step.
-                if step == inject_nan_step and self.rank == self.world - 1:
-                    local_loss = float("nan")  # fault injection, see pretrain_bench.train
-                gathered = self.gather_step(step, local_loss)
                 record = self.record(step, gathered, step_time, phases, comm, skipped_before)
                 sink.write(record)
                 self.log_progress(step, record, step_time)
@@ -283,11 +282,17 @@ class Trainer:
                              and self.engine.comm_method is not None)
 
     # --- each step ---------------------------------------------------------------------------------------------------
-    def gather_step(self, step: int, local_loss: float) -> list[list[float]]:
-        """Every rank's (loss, peak memory, SIGTERM flag); aborts on a non-finite loss on any rank (distrusting the
-        checkpoint resumed from when no checkpoint was saved since)."""
+    def gather_step(self, step: int, local_loss) -> list[list[float]]:
+        """Every rank's (loss, peak memory, SIGTERM flag[, gradient norm]), gathered on the device and read to the
+        host at once: the step's one synchronisation, every step, since a non-finite loss must stop the run before
+        the next checkpoint is saved and a stop signal must stop every rank at the same step. Aborts on a non-finite
+        loss on any rank (distrusting the checkpoint resumed from when no checkpoint was saved since)."""
+        if step == self.inject_nan_step and self.rank == self.world - 1:
+            local_loss = float("nan")  # fault injection, see pretrain_bench.train
         peak, _ = peak_memory_bytes(self.device)
-        gathered = gather_floats([local_loss, float(peak), float(self.preemption.requested)], self.run_device)
+        norm = self.engine.grad_norm()  # a device tensor, a number or None: read with the rest
+        values = [local_loss, float(peak), float(self.preemption.requested)] + ([norm] if norm is not None else [])
+        gathered = gather_floats(values, self.run_device)
         rank_losses = [g[0] for g in gathered]
         if not all(math.isfinite(v) for v in rank_losses):
             bad = [r for r, v in enumerate(rank_losses) if not math.isfinite(v)]
@@ -339,7 +344,7 @@ class Trainer:
             self.steady_time_s += step_time
         record = {
             "step": step, "loss": sum(g[0] for g in gathered) / self.world, "lr": engine.lr(),
-            "grad_norm": engine.grad_norm(), "step_time_s": step_time,
+            "grad_norm": gathered[0][3] if len(gathered[0]) > 3 else None, "step_time_s": step_time,
             "forward_s": phases["forward"], "backward_s": phases["backward"], "optimizer_s": phases["optimizer"],
             "tokens_per_s": tokens_per_step / step_time, "tokens": step * tokens_per_step,
             "comm_s": comm / 1000.0 if comm is not None else None, "peak_mem_bytes": [int(g[1]) for g in gathered],
