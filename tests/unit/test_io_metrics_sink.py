@@ -88,3 +88,5 @@ def test_the_summary_counts_each_step_once_and_peak_memory_over_both_world_sizes
     assert [r["step"] for r in one_record_per_step(steps + again)] == [1, 2, 3]
     resized = [{**record(4), "peak_mem_bytes": [5, 6, 7]}]  # resumed at 3 ranks
     assert peak_memory_per_rank(steps + resized, 3) == [2**30, 2**31, 7]
+    # resumed at 4 ranks at its last step: no record has rank 3, which is reported as unmeasured, not as 0 bytes
+    assert peak_memory_per_rank(steps + resized, 4) == [2**30, 2**31, 7, None]

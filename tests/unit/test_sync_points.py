@@ -149,3 +149,27 @@ def test_deepspeed_throughput_timer_never_synchronises():
     config = deepspeed_config(TrainSettings(device="cuda", precision="fp16"), "cuda", total_steps=10)
     assert config["timers"]["throughput"] == {"enabled": False, "synchronized": False}
     assert config["wall_clock_breakdown"] is False
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_host_copies_pin_only_where_the_launcher_allows_it(monkeypatch, allowed):
+    """Batches and the step's gather reach the device through one function, which pins only where the launcher's
+    probe could (PRETRAIN_BENCH_PIN_MEMORY=0 otherwise: every pin would fail, e.g. under a locked-memory limit).
+    The "meta" device stands in for CUDA: a copy to it runs on a machine without a GPU."""
+    from pretrain_bench.step import to_device
+
+    pinned = []
+
+    def pin_memory(tensor):
+        if not allowed:
+            raise AssertionError("pinned although the launcher turned pinning off")
+        pinned.append(tensor.shape)
+        return tensor
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setenv("PRETRAIN_BENCH_PIN_MEMORY", "1" if allowed else "0")
+    batch = torch.zeros(2, 8, dtype=torch.long)
+    assert to_device(batch, "meta").device.type == "meta"
+    assert rank_module.host_to_device(torch.zeros(3), "meta").device.type == "meta"
+    assert to_device(batch, "cpu") is batch, "a CPU run copies nothing"
+    assert pinned == ([torch.Size([2, 8]), torch.Size([3])] if allowed else [])

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import time
 from contextlib import nullcontext
-from functools import partial
 from pathlib import Path
 
 from . import state_lock
@@ -435,8 +434,6 @@ def _launch_locked(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_d
             env.update(additions)
             logger.info(note)
         return _run(cmd, env, pass_fds)
-
-
 
 
 def _start_child() -> None:

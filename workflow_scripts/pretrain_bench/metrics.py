@@ -33,8 +33,8 @@ def one_record_per_step(records: list[dict]) -> list[dict]:
 
 def peak_memory_per_rank(records: list[dict], world_size: int) -> list[int]:
     """Each rank's largest peak_mem_bytes over the records that have that rank (a run resumed at another world size
-    holds records of both sizes)."""
-    return [max(r["peak_mem_bytes"][rank] for r in records if len(r["peak_mem_bytes"]) > rank)
+    holds records of both sizes); None for a rank no record has (a run resumed larger at its last step)."""
+    return [max((r["peak_mem_bytes"][rank] for r in records if len(r["peak_mem_bytes"]) > rank), default=None)
             for rank in range(world_size)]
 
 

@@ -3,6 +3,7 @@ outside DeepSpeed's comms logger, RNG state, the resume checks (fingerprint, res
 from __future__ import annotations
 
 import logging
+import os
 import random
 import signal
 from contextlib import contextmanager
@@ -25,8 +26,9 @@ class TrainingAborted(RuntimeError):
 class Preemption:
     """Turns SIGTERM and SIGINT into a flag checked at step boundaries, so the step in flight finishes and is saved.
 
-    SIGTERM comes from a scheduler's time limit or from torchrun passing on the launcher's stop; SIGINT from a
-    Ctrl-C that reaches the rank itself. Either way the ranks agree at the next step, save it and exit non-zero."""
+    SIGTERM comes from a scheduler's time limit or from torchrun passing on the launcher's stop (torchrun starts the
+    ranks in a session of their own, so a terminal's Ctrl-C reaches them that way); SIGINT from a `kill -INT` of a
+    rank itself. Either way the ranks agree at the next step, save it and exit non-zero."""
 
     def __init__(self):
         self.received: str | None = None
@@ -80,12 +82,27 @@ def host_values(tensor: torch.Tensor) -> list:
     return tensor.tolist()
 
 
+def pinning_allowed() -> bool:
+    """Whether this rank may pin host memory: the launcher says no (PRETRAIN_BENCH_PIN_MEMORY=0) where its probe in
+    the job's GPU slot could not pin, e.g. under a locked-memory limit, and every pin would fail the same way."""
+    return os.environ.get("PRETRAIN_BENCH_PIN_MEMORY", "1") == "1"
+
+
+def host_to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    """A host tensor on `device`: on CUDA copied from pinned memory, so the copy is queued and the host goes on
+    (a plain copy where pinning is off); on CPU the tensor itself."""
+    if device == "cpu":
+        return tensor
+    if pinning_allowed():
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def gather_floats(values: list, device: str) -> list[list[float]]:
     """All ranks' values (rank order) through torch.distributed, outside DeepSpeed's comms logger, read to the host
     once. A value is a number, or a one-element tensor on `device`, which is gathered without being read first."""
     numbers = torch.tensor([0.0 if isinstance(v, torch.Tensor) else float(v) for v in values], dtype=torch.float64)
-    if device != "cpu":  # torch.tensor(..., device="cuda") would wait for the stream; a pinned copy is queued
-        numbers = numbers.pin_memory().to(device, non_blocking=True)
+    numbers = host_to_device(numbers, device)  # torch.tensor(..., device="cuda") would wait for the stream
     for i, value in enumerate(values):
         if isinstance(value, torch.Tensor):
             numbers[i] = value.detach().reshape(())  # a copy on the device, queued

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .rank import host_values
+from .rank import host_to_device, host_values
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -62,10 +62,8 @@ class PhaseTimer:
 
 
 def to_device(batch: torch.Tensor, run_device: str) -> torch.Tensor:
-    """The batch on the run's device: from pinned memory on CUDA, so the copy is queued and the host goes on."""
-    if run_device == "cpu":
-        return batch
-    return batch.pin_memory().to(run_device, non_blocking=True)
+    """The batch on the run's device (rank.host_to_device: pinned and queued on CUDA where pinning is allowed)."""
+    return host_to_device(batch, run_device)
 
 
 def train_step(engine, batches, *, micro_steps: int, vocab: int, run_device: str, timer: PhaseTimer,

@@ -68,7 +68,7 @@ def main_run_tables(summary: dict, evals: list[dict], target_corpus_tokens: floa
         "global_batch": fmt(summary["global_batch_size"]),
         "tokens_per_s": fmt(summary["tokens_per_s"]),
         "step_time": f"{fmt(step['median'], 3)} ({fmt(step['min'], 3)}–{fmt(step['max'], 3)})",
-        "peak_mem_gib": " / ".join(fmt(b / GIB, 2) for b in summary["peak_mem_bytes"]),
+        "peak_mem_gib": " / ".join(fmt(b / GIB if b is not None else None, 2) for b in summary["peak_mem_bytes"]),
         "mfu_pct": mfu_text([summary]),
         "comm_pct": fmt(summary["comm_fraction"] * 100 if summary["comm_fraction"] is not None else None, 1),
     }]

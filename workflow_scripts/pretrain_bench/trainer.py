@@ -32,7 +32,7 @@ from .model import build_model, count_parameters, load_pretrained
 from .plan import Plan, RunContext, plan_shape
 from .provenance import provenance
 from .rank import (Preemption, TrainingAborted, check_resume_point, fused_adam_prebuilt, gather_floats,
-                   heldout_summary, mmap_loads, resume_fingerprint, rng_state, set_rng_state)
+                   heldout_summary, mmap_loads, pinning_allowed, resume_fingerprint, rng_state, set_rng_state)
 from .rank import log as rank_log
 from .run_state import mark_finished, plan_digest, prepare_state
 from .settings import TrainSettings, check_settings, deepspeed_config
@@ -88,15 +88,24 @@ class Trainer:
                 self.log_progress(step, record, step_time)
                 if save_every and (step % save_every == 0 or step == self.total_steps):
                     self.save(step)
-                if any(g[2] for g in gathered):  # SIGTERM/SIGINT on some rank: save the step just trained, stop
-                    if save_every and self.last_saved != step:
-                        self.save(step)
-                    raise TrainingAborted(f"{self.preemption.received or 'a stop signal'} received: checkpoint step "
-                                          f"{self.last_saved} saved in {self.ckpt_root}; exiting non-zero so the job "
-                                          "is retried (rerun the same command to resume)")
+                # SIGTERM/SIGINT on some rank: save the step just trained and stop. At the last step the run simply
+                # finishes (its checkpoint is saved above): stopping there would leave a finished run without outputs.
+                if step < self.total_steps and any(g[2] for g in gathered):
+                    self.stop(step, save_every)
         summary = self.summarise()
         self.finish(summary)
         return summary
+
+    def stop(self, step: int, save_every: int | None) -> None:
+        """A stop signal: save step `step` (when this run saves checkpoints) and raise TrainingAborted."""
+        signal_name = self.preemption.received or "a stop signal"
+        if not save_every:
+            raise TrainingAborted(f"{signal_name} received at step {step}: this run saves no checkpoints (a benchmark "
+                                  "cell), so a rerun starts it again")
+        if self.last_saved != step:
+            self.save(step)
+        raise TrainingAborted(f"{signal_name} received: checkpoint step {self.last_saved} saved in {self.ckpt_root}; "
+                              "exiting non-zero so the job is retried (rerun the same command to resume)")
 
     # --- before the loop -------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -183,7 +192,7 @@ class Trainer:
         if settings.engine == "deepspeed":
             self.ds_config = deepspeed_config(settings, self.device, self.total_steps,
                                               fused_adam=fused_adam_prebuilt(),
-                                              pin_memory=os.environ.get("PRETRAIN_BENCH_PIN_MEMORY", "1") == "1",
+                                              pin_memory=pinning_allowed(),
                                               comms_logger=plan.measure_comm)
             self.write_ds_config()
 
