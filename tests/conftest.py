@@ -24,8 +24,8 @@ os.environ.update(extension_build_environment())
 # one module's waits (process start-up, collectives, the SLURM test's scheduler) with another's compute. Groups start
 # longest first (their time under `make test`, measured), so that no long one is left for the end.
 SHARED_GROUPS = {"test_benchmark_report": "pipeline", "test_evaluate": "pipeline", "test_tiny_pipeline": "pipeline"}
-LONGEST_FIRST = ("test_engine", "pipeline", "test_declarative", "test_slurm", "test_engines", "test_faults",
-                 "test_memory_measured", "test_multinode")
+LONGEST_FIRST = ("test_engine", "pipeline", "test_declarative", "test_faults", "test_slurm", "test_engines",
+                 "test_gpu_smoke_cpu", "test_memory_measured", "test_export_zero", "test_multinode")
 
 
 def module_group(nodeid: str) -> str:
