@@ -313,19 +313,11 @@ def _attempt_log(log: Path, header: str) -> int:
     """A new file for this attempt in `<log stem>.attempts/`, starting with `header`, and `log` made a second name for
     it (a hard link; a symbolic link where the file system has none). Returns its open descriptor."""
     log = Path(log)
-    attempts = log.with_name(log.stem + ".attempts")
-    attempts.mkdir(parents=True, exist_ok=True)
-    path = attempts / f"{time.strftime('%Y%m%dT%H%M%S')}-pid{os.getpid()}.log"
+    path = state_lock.attempt_path(log)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.write(fd, header.encode())
-    tmp = log.with_name(f"{log.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(path, tmp)
-    except OSError:
-        tmp.symlink_to(path.resolve())
     # Replacing the name never writes into a file another attempt still has open.
-    os.replace(tmp, log)
+    state_lock.point_log_at(log, path)
     return fd
 
 

@@ -78,23 +78,30 @@ def stage_job_log(log_path: str, what: str):
     from .logs import job_log
 
     log = Path(log_path)
-    attempts = log.with_name(log.stem + ".attempts")
-    attempts.mkdir(parents=True, exist_ok=True)
-    lock = _acquire_file(attempts / "job.lock", lambda: (
-        f"another pipeline ({holder(attempts / 'job.lock')}) is running {what} for these outputs right now (its log: "
+    attempt = attempt_path(log)
+    lock_path = attempt.parent / "job.lock"
+    lock = _acquire_file(lock_path, lambda: (
+        f"another pipeline ({holder(lock_path)}) is running {what} for these outputs right now (its log: "
         f"{log}): two jobs must never write the same files; wait for it to finish, or stop it, then run again"))
     with lock:
-        attempt = attempts / f"{time.strftime('%Y%m%dT%H%M%S')}-pid{os.getpid()}.log"
         attempt.touch()
-        _name(log, attempt)
+        point_log_at(log, attempt)
         try:
             with job_log(str(attempt), what) as logger:
                 yield logger
         finally:
-            _name(log, attempt)
+            point_log_at(log, attempt)
 
 
-def _name(log: Path, attempt: Path) -> None:
+def attempt_path(log: Path) -> Path:
+    """A new attempt's own log file for the declared `log`: `<log stem>.attempts/<start time>-pid<N>.log` (the folder
+    is made; the file is not)."""
+    attempts = Path(log).with_name(Path(log).stem + ".attempts")
+    attempts.mkdir(parents=True, exist_ok=True)
+    return attempts / f"{time.strftime('%Y%m%dT%H%M%S')}-pid{os.getpid()}.log"
+
+
+def point_log_at(log: Path, attempt: Path) -> None:
     """Make `log` a hard link to `attempt`, replacing whatever it named (never writing into that file)."""
     tmp = log.with_name(f"{log.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
