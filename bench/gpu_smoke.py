@@ -84,29 +84,18 @@ RUNS = [
 LAYOUT_KEYS = ("engine", "zero_stage", "offload_optimizer", "offload_param", "activation_checkpointing", "precision")
 
 
-def articles_box_budget(bench: dict):
-    """The machine the default config plans for when no GPU is here (benchmark.device_memory_gib, host_memory_gib,
-    disk_gib: the source articles' box), as memory_model.detect_budget describes it then; used here on any machine,
-    so that a GPU machine's smoke runs what the default would run on the articles' box, not on itself."""
-    from pretrain_bench.memory_model import GIB, Budget
-
-    def gib(key):
-        return int(bench[key] * GIB) if bench.get(key) else None
-
-    return Budget("cuda", gib("device_memory_gib"), "benchmark.device_memory_gib", gib("host_memory_gib"),
-                  "benchmark.host_memory_gib", None, gib("disk_gib"), "benchmark.disk_gib")
-
-
 def default_setup(config: dict) -> tuple[dict, str]:
     """(layout, why): the train layout (LAYOUT_KEYS) the pre-flight chooses for `config`'s main run on the
     articles' box, and the pre-flight's one-line summary of that choice."""
     from pretrain_bench.memory_fit import fit_run
+    from pretrain_bench.memory_model import planned_budget
     from pretrain_bench.plan import plan_config
     from pretrain_bench.settings import TrainSettings
 
     train = {**config["train"], "device": "cuda"}  # the articles' box has GPUs, whatever train.device says
     chosen, record = fit_run(plan_config({**config, "train": train}), TrainSettings.from_config(train),
-                             what="the default config's main run", budget=articles_box_budget(config["benchmark"]))
+                             what="the default config's main run", budget=planned_budget(
+                                 config["benchmark"], why="the source articles' box, whatever GPU runs the smoke"))
     return {key: getattr(chosen, key) for key in LAYOUT_KEYS}, record["summary"]
 
 

@@ -545,17 +545,24 @@ def detect_budget(device: str, bench: dict | None = None, nvme_path: str | Path 
         return Budget("cuda", min(sizes), f"nvidia-smi: smallest of {len(sizes)} GPU(s)", host, host_source,
                       len(sizes), disk, disk_source)
     # No GPU here: this machine's RAM and disk say nothing about the GPU machine's.
+    return planned_budget(bench, nvme_path)
+
+
+def planned_budget(bench: dict, nvme_path: str | Path | None = None, why: str = "no GPU detected here") -> Budget:
+    """The GPU machine a run is planned for, as the benchmark keys describe it (device_memory_gib, host_memory_gib,
+    disk_gib: the articles' box in config.yaml): what detect_budget uses where no GPU is detected. `why` says, in
+    each figure's source, why the keys stand for the machine."""
+    host, host_source = None, "no GPU here, set benchmark.host_memory_gib to check the GPU machine's RAM"
+    disk, disk_source = None, "not checked"
     fallback = bench.get("device_memory_gib") or FALLBACK_DEVICE_MEMORY_GIB
     if bench.get("host_memory_gib"):
-        host, host_source = int(bench["host_memory_gib"] * GIB), "benchmark.host_memory_gib, no GPU detected here"
-    else:
-        host, host_source = None, "no GPU here, set benchmark.host_memory_gib to check the GPU machine's RAM"
+        host, host_source = int(bench["host_memory_gib"] * GIB), f"benchmark.host_memory_gib, {why}"
     if bench.get("disk_gib"):
-        disk, disk_source = int(bench["disk_gib"] * GIB), "benchmark.disk_gib, no GPU detected here"
+        disk, disk_source = int(bench["disk_gib"] * GIB), f"benchmark.disk_gib, {why}"
     elif nvme_path is not None:
         disk, disk_source = None, "not checked: no GPU here, set benchmark.disk_gib"
-    return Budget("cuda", int(fallback * GIB), "benchmark.device_memory_gib, no GPU detected on this machine",
-                  host, host_source, None, disk, disk_source)
+    return Budget("cuda", int(fallback * GIB), f"benchmark.device_memory_gib, {why}", host, host_source, None, disk,
+                  disk_source)
 
 
 # ---- what would fit ----------------------------------------------------------------------------------------------
