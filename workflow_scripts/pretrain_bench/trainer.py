@@ -26,8 +26,7 @@ from .engines import build_engine
 from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .heldout import HeldOutSlice
 from .io import atomic_write_json, read_jsonl
-from .metrics import (MetricsSink, one_record_per_step, peak_memory_bytes, peak_memory_per_rank, summarise_steps,
-                      truncate_jsonl)
+from .metrics import MetricsSink, one_record_per_step, peak_memory_bytes, peak_memory_per_rank, summarise_steps
 from .model import build_model, count_parameters, load_pretrained
 from .plan import Plan, RunContext, plan_shape
 from .provenance import provenance
@@ -267,9 +266,7 @@ class Trainer:
                 + ", or move the folder aside to resume from the checkpoint before it") from error
         # The loader position is global (samples consumed), so it carries over to another world size.
         self.batches.load_state_dict(self.marker["loader"], **({"allow_reshape": True} if self.reshape else {}))
-        self.start_step = self.resumed_from = self.last_saved = step
-        if rank == 0:
-            truncate_jsonl(self.metrics_path, step)
+        self.start_step = self.resumed_from = self.last_saved = step  # MetricsSink drops the records past it
         self.log(f"resumed from {ckpt_root / tag} (step {step}"
                  + (f", saved at world size {self.marker['world_size']}, now {self.world})" if self.reshape else ")"))
 
