@@ -13,7 +13,7 @@ TINY_NAME := tiny-cpu
 
 install: $(INSTALLED)
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
 	# torch first: deepspeed's build imports it (hence --no-build-isolation, which keeps pip from pulling
@@ -24,13 +24,14 @@ $(STAMP): requirements.txt
 	# unset), fp_quantizer and the inference ops raise MissingCUDAException instead of answering no, which fails the
 	# install; DS_IGNORE_CUDA_DETECTION=1 skips that toolkit check. No op here needs the toolkit.
 	DS_BUILD_OPS=0 DS_IGNORE_CUDA_DETECTION=1 $(BIN)/python -m pip install --quiet --no-build-isolation -r requirements.txt
+	# the pretrain_bench library itself (workflow_scripts/pretrain_bench), editable: the rules, bench/ and tests import it
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
 $(OPS_STAMP): $(STAMP)
 	# DeepSpeed's CPU ops (shared-memory collectives, CPU Adam) compile on first use: build them once here, into
 	# this environment's own extension cache (.venv/torch_extensions), instead of inside the first (timed) training job.
-	$(BIN)/python -c "import sys; sys.path.insert(0, 'workflow_scripts'); \
-	from pretrain_bench.launcher import build_cpu_ops, extension_build_root; \
+	$(BIN)/python -c "from pretrain_bench.launcher import build_cpu_ops, extension_build_root; \
 	print('built', *build_cpu_ops(), 'in', extension_build_root())"
 	touch $@
 
@@ -70,6 +71,7 @@ test-slurm: $(INSTALLED)
 	$(BIN)/python -m pytest tests/integration/test_slurm.py tests/integration/test_multinode.py -q
 
 lint: $(INSTALLED)
+	$(BIN)/ruff check .
 	$(BIN)/snakemake --lint --cores 1 $(TINY)
 	$(BIN)/snakemake --lint --cores 1
 

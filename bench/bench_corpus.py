@@ -24,10 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow_scripts"))
-
-from pretrain_bench.corpus import build_corpus, jsonl_line  # noqa: E402
-from pretrain_bench.corpus_sources import stdlib_files  # noqa: E402
+from pretrain_bench.corpus import build_corpus, jsonl_line
+from pretrain_bench.corpus_sources import stdlib_files
 
 REPEATS = 5
 TARGET_RATIO = 2.0

@@ -70,7 +70,6 @@ def snakemake_alone(runs: int) -> dict:
 
 
 def main(out: Path, runs: int = 5) -> dict:
-    sys.path.insert(0, str(ROOT / "workflow_scripts"))
     from pretrain_bench.bench_matrix import plan_matrix
 
     config = yaml.safe_load((ROOT / "config.yaml").read_text())

@@ -24,7 +24,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 2.0
 NAME = "tiny-cpu"

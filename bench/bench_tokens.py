@@ -30,19 +30,16 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow_scripts"))
-
-from pretrain_bench.corpus import build_corpus  # noqa: E402
-from pretrain_bench.loader import PackedTokens, RankBatches  # noqa: E402
-from pretrain_bench.shards import build_index, dtype_for_vocab, encode_shard  # noqa: E402
-from pretrain_bench.tokenizer import iter_texts, load_tokenizer, train_tokenizer  # noqa: E402
+from pretrain_bench.corpus import build_corpus
+from pretrain_bench.loader import PackedTokens, RankBatches
+from pretrain_bench.shards import build_index, dtype_for_vocab, encode_shard
+from pretrain_bench.tokenizer import iter_texts, load_tokenizer, train_tokenizer
 
 
 def write_builtin_corpus(out_dir: Path, max_bytes: int) -> Path:

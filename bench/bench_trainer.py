@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 NAME = "bench-trainer"
 MODEL_OVERRIDES = {"hidden_size": 384, "num_attention_heads": 6, "num_key_value_heads": 6,

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "workflow_scripts"))
 
 
 @dataclass(frozen=True)
@@ -220,7 +219,6 @@ def result_line(run: dict) -> str:
 _MACHINE_FACTS = """
 import json, sys
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
 from pretrain_bench.devices import hardware_description
 from pretrain_bench.peak import measure_hardware_peak
 # fp16 and bf16 share a GPU's datasheet figure; a CPU runs the smoke in bf16, and that is what is measured

@@ -11,8 +11,6 @@ gc.freeze()
 
 from snakemake.exceptions import WorkflowError
 
-sys.path.insert(0, str(Path(workflow.basedir) / "workflow_scripts"))
-
 from pretrain_bench.config_types import coerce_command_line_types, fill_defaults_and_validate, load_schema  # noqa: E402
 from pretrain_bench.devices import GPU_LOCK_DIR as DEVICE_LOCK_DIR  # noqa: E402
 from pretrain_bench.settings import ConfigError, TrainSettings, check_settings  # noqa: E402

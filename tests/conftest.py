@@ -10,8 +10,17 @@ import pytest
 import yaml
 
 from pretrain_bench.launcher import extension_build_environment
-from support import PIPELINE_NAME, PIPELINE_OVERLAY, PIPELINE_STEPS, ROOT, TINY_CONFIG, engine_data_lock, \
-    run_snakemake, tiny_config, tree_digest
+from support import (
+    PIPELINE_NAME,
+    PIPELINE_OVERLAY,
+    PIPELINE_STEPS,
+    ROOT,
+    TINY_CONFIG,
+    engine_data_lock,
+    run_snakemake,
+    tiny_config,
+    tree_digest,
+)
 
 ENGINE_NAME = "itest-engine"
 

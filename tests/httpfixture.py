@@ -43,7 +43,7 @@ class Route:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: "_Server"
+    server: _Server
 
     def log_message(self, format, *args):  # keep pytest output clean
         pass
@@ -130,7 +130,7 @@ class FixtureServer:
         host, port = self.httpd.server_address[:2]
         return f"http://{host}:{port}{path}"
 
-    def __enter__(self) -> "FixtureServer":
+    def __enter__(self) -> FixtureServer:
         self.thread.start()
         return self
 

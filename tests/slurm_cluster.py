@@ -45,7 +45,8 @@ def ensure_slurm() -> str | None:
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         return f"SLURM binaries {missing_binaries()} are missing and cannot be installed (needs root and apt-get)"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]):
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]
+    for cmd in (["apt-get", "update", "-qq"], install):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             return f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-500:]}"
@@ -213,7 +214,7 @@ class SlurmCluster:
                              capture_output=True, text=True).stdout
         return dict(token.split("=", 1) for token in out.split() if "=" in token)
 
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         self.start()
         return self
 

@@ -1,6 +1,6 @@
 """Snakemake adapter for rule download_corpus: corpus.* config -> pretrain_bench.corpus.build_corpus.
 
-Snakemake puts this file's folder on sys.path, which makes the pretrain_bench library importable.
+The pretrain_bench library is installed into the environment (make install).
 """
 from pathlib import Path
 

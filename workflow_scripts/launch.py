@@ -13,14 +13,12 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from pretrain_bench.launcher import launch  # noqa: E402
-from pretrain_bench.logs import console_log  # noqa: E402
-from pretrain_bench.plan import Plan  # noqa: E402
-from pretrain_bench.settings import ConfigError  # noqa: E402
-from pretrain_bench.devices import GPU_LOCK_DIR, SlotError  # noqa: E402
-from pretrain_bench.state_lock import StateInUse  # noqa: E402
+from pretrain_bench.devices import GPU_LOCK_DIR, SlotError
+from pretrain_bench.launcher import launch
+from pretrain_bench.logs import console_log
+from pretrain_bench.plan import Plan
+from pretrain_bench.settings import ConfigError
+from pretrain_bench.state_lock import StateInUse
 
 
 def main(argv=None) -> int:
@@ -33,7 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rdzv-endpoint", default=None,
                         help="host:port of the rendezvous on node rank 0 (default: train.rdzv_endpoint)")
     parser.add_argument("--log", type=Path, default=None,
-                        help="the job's log: each attempt gets its own file in <log stem>.attempts/, this names the newest")
+                        help="the job's log: each attempt gets its own file in <log stem>.attempts/, "
+                             "this names the newest")
     args = parser.parse_args(argv)
     console_log()
     # How srun starts this launcher again on every node of a SLURM allocation.

@@ -4,10 +4,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from pretrain_bench.devices import die_with_parent, hardware_description  # noqa: E402
-from pretrain_bench.logs import console_log, exit_without_teardown  # noqa: E402
+from pretrain_bench.devices import die_with_parent, hardware_description
+from pretrain_bench.logs import console_log, exit_without_teardown
 
 
 def main(argv=None) -> int:

@@ -87,7 +87,7 @@ def test_timed_cells_never_overlapped(run):
         intervals.append((end - seconds, end, f"{cell}/{rep}"))
     assert len(intervals) == len(RANKS) * SERIES * 2
     intervals.sort()
-    for (start_a, end_a, a), (start_b, _, b) in zip(intervals, intervals[1:]):
+    for (_, end_a, a), (start_b, _, b) in zip(intervals, intervals[1:]):
         assert start_b >= end_a - 1.0, f"{a} and {b} ran at the same time"
 
 
@@ -133,7 +133,7 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
 
     mfu = _md_table(md, "## 5. MFU per cell")
     assert len(mfu) == len(RANKS) * SERIES
-    for cell, ranks, mfu_pct, peak, source, flops in mfu:
+    for cell, _ranks, mfu_pct, peak, source, flops in mfu:
         reps = runs[cell]
         assert mfu_pct == span([s["mfu"] * 100 for s in reps], 2)
         assert peak == span([s["peak_flops_per_rank"] / 1e12 for s in reps], 3)
@@ -141,7 +141,7 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
 
     comm = _md_table(md, "## 4. Communication")
     assert len(comm) == (len(RANKS) - 1) * SERIES  # the multi-rank cells, DDP's timed by its communication hook
-    for cell, ranks, backend, share in comm:
+    for cell, _ranks, _backend, share in comm:
         assert share == span([s["comm_fraction"] * 100 for s in runs[cell]], 1)
     assert "DDP communication hook" in md and "DeepSpeed comms_logger" in md
 

@@ -20,8 +20,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from support import TINY_CONFIG, run_snakemake, tree_digest  # noqa: E402
 from pretrain_bench.checkpoint import committed_steps  # noqa: E402
+from support import TINY_CONFIG, run_snakemake, tree_digest  # noqa: E402
 
 pytestmark = pytest.mark.pipeline
 
@@ -235,7 +235,8 @@ def test_continuing_from_a_sibling_export_builds_nothing_of_the_sibling(overlays
     run_snakemake(SIBLING_A, "--", export, configfiles=(TINY_CONFIG, base, overlays("a", {"name": SIBLING_A})))
     sibling = {top: tree_digest(ROOT / top / SIBLING_A) for top in ("results", "logs", "benchmarks")}
     continued = overlays("b", {"name": SIBLING_B, "model": {"init_from": export}})
-    run_snakemake(SIBLING_B, "--", f"results/{SIBLING_B}/train/summary.json", configfiles=(TINY_CONFIG, base, continued))
+    run_snakemake(SIBLING_B, "--", f"results/{SIBLING_B}/train/summary.json",
+                  configfiles=(TINY_CONFIG, base, continued))
     assert {top: tree_digest(ROOT / top / SIBLING_A) for top in sibling} == sibling, "run A was written to"
     summary_b = json.loads((ROOT / "results" / SIBLING_B / "train" / "summary.json").read_text())
     assert summary_b["init_from"]["uri"] == export and summary_b["init_from"]["path"] == export
@@ -267,7 +268,8 @@ def test_a_missing_sibling_export_names_the_command_that_builds_it(overlays):
 
 
 def test_init_from_inside_this_runs_own_results_is_refused(overlays):
-    overlay = overlays("self", {"name": "itest-sibling-self", "model": {"init_from": "results/itest-sibling-self/train/hf"}})
+    overlay = overlays("self", {"name": "itest-sibling-self",
+                                "model": {"init_from": "results/itest-sibling-self/train/hf"}})
     proc = run_snakemake("itest-sibling-self", "-n", configfiles=(TINY_CONFIG, overlay), check=False)
     assert proc.returncode != 0 and "a run cannot start from itself" in proc.stdout + proc.stderr
 
@@ -309,7 +311,8 @@ def test_editing_a_local_source_file_rebuilds_the_corpus_and_what_follows(overla
     after = json.loads((corpus / "manifest.json").read_text())
     text = (corpus / "train.jsonl").read_text() + (corpus / "val.jsonl").read_text()
     assert "omega_function" in text and "alpha_function" not in text
-    assert after["sources"][0]["sha256"] == hashlib.sha256(source.read_bytes()).hexdigest() != before["sources"][0]["sha256"]
+    edited = hashlib.sha256(source.read_bytes()).hexdigest()
+    assert after["sources"][0]["sha256"] == edited != before["sources"][0]["sha256"]
     assert after["sources"][0]["details"]["file_sha256"] == {str(source): after["sources"][0]["sha256"]}
     assert (ROOT / index).read_bytes() != shards_before
     assert rules_scheduled(configfiles, index) == set()
@@ -323,6 +326,7 @@ def test_a_second_pipeline_on_the_same_data_job_is_refused_naming_the_holder(ove
     import threading
 
     import psutil
+
     from httpfixture import FixtureServer, Route
 
     clean(CONCURRENT)
@@ -331,7 +335,8 @@ def test_a_second_pipeline_on_the_same_data_job_is_refused_naming_the_holder(ove
     route = Route(payload, hold=release)  # the first pipeline's download stays in progress until released
     target = f"results/{CONCURRENT}/corpus/manifest.json"
     with FixtureServer({"/held.jsonl": route}) as server:
-        overlay = overlays("concurrent", {"name": CONCURRENT, "corpus": {"sources": [{"uri": server.url("/held.jsonl")}]}})
+        overlay = overlays("concurrent",
+                           {"name": CONCURRENT, "corpus": {"sources": [{"uri": server.url("/held.jsonl")}]}})
         configfiles = ("--configfile", TINY_CONFIG, str(overlay))
         first = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "2", "--resources", "gpu=3",
                                   *configfiles, "--", target], cwd=ROOT, stdout=subprocess.PIPE,

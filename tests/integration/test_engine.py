@@ -12,11 +12,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from support import (crash_after_first_checkpoint, losses, plan_for, recorded_losses, run,  # noqa: E402
-                     start)  # the data fixture: tests/conftest.py
-
 from pretrain_bench.checkpoint import committed_steps  # noqa: E402
 from pretrain_bench.plan import Plan, make_plan  # noqa: E402
+from support import (  # noqa: E402
+    crash_after_first_checkpoint,
+    losses,
+    plan_for,
+    recorded_losses,
+    run,
+    start,  # the data fixture: tests/conftest.py
+)
 
 pytestmark = pytest.mark.engine
 
@@ -203,7 +208,8 @@ def test_continue_from_export_eval_every_and_csv_monitor(data, tmp_path):
     rank_losses = []
     with torch.no_grad():
         for rank in range(3):
-            batch = RankBatches(data_view, rank=rank, world_size=3, micro_batch_size=config["train"]["micro_batch_size"],
+            batch = RankBatches(data_view, rank=rank, world_size=3,
+                                micro_batch_size=config["train"]["micro_batch_size"],
                                 seed=config["train"]["seed"]).next_batch()
             logits = model(input_ids=batch[:, :-1]).logits
             rank_losses.append(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),

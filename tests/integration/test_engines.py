@@ -4,10 +4,9 @@ import json
 
 import pytest
 
-from support import crash_after_first_checkpoint, losses, plan_for, run  # noqa: E402  (data: tests/conftest.py)
-
-from pretrain_bench.checkpoint import committed_steps, load_fp32_state_dict  # noqa: E402
-from pretrain_bench.plan import Plan  # noqa: E402
+from pretrain_bench.checkpoint import committed_steps, load_fp32_state_dict
+from pretrain_bench.plan import Plan
+from support import crash_after_first_checkpoint, losses, plan_for, run
 
 pytestmark = pytest.mark.engine
 

@@ -114,7 +114,6 @@ DEEPSPEED_LOGITS = r"""
 import json, os, sys
 from pathlib import Path
 import deepspeed, torch
-sys.path.insert(0, "workflow_scripts")
 from pretrain_bench.model import build_model, resolve_shape
 from pretrain_bench.settings import TrainSettings, deepspeed_config
 

@@ -3,10 +3,10 @@ same weights as the whole fp32 state dict cast at once."""
 import pytest
 import torch
 
-from pretrain_bench.checkpoint import load_fp32_state_dict  # noqa: E402
-from pretrain_bench.export import export_checkpoint  # noqa: E402
-from pretrain_bench.plan import Plan  # noqa: E402
-from support import plan_for, run  # noqa: E402
+from pretrain_bench.checkpoint import load_fp32_state_dict
+from pretrain_bench.export import export_checkpoint
+from pretrain_bench.plan import Plan
+from support import plan_for, run
 
 pytestmark = pytest.mark.engine
 

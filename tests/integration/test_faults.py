@@ -13,9 +13,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from support import LAUNCHER, ROOT, TINY_CONFIG, mounted_tmpfs, plan_for, recorded_losses, run, tree_digest  # data: the engine tests' shards (tests/conftest.py)
-
-from pretrain_bench import checkpoint as ckpt  # noqa: E402
+from pretrain_bench import checkpoint as ckpt
+from support import (  # data: the engine tests' shards (tests/conftest.py)
+    LAUNCHER,
+    ROOT,
+    TINY_CONFIG,
+    mounted_tmpfs,
+    plan_for,
+    recorded_losses,
+    run,
+    tree_digest,
+)
 
 pytestmark = pytest.mark.engine
 RANK_SCRIPT = ROOT / "workflow_scripts" / "pretrain.py"

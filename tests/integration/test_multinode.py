@@ -13,10 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from support import tiny_config  # noqa: E402
-
 from pretrain_bench.launcher import torchrun_command  # noqa: E402
 from pretrain_bench.plan import make_plan  # noqa: E402
+from support import tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.engine
 

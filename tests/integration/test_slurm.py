@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-
-from slurm_cluster import SlurmCluster, ensure_slurm  # noqa: E402
+from slurm_cluster import SlurmCluster, ensure_slurm
 
 pytestmark = pytest.mark.slurm
 

@@ -78,7 +78,8 @@ def test_slots_come_from_the_users_visible_devices(tmp_path, monkeypatch):
         p.join(20)
     held = sorted(queue.get(timeout=5) for _ in range(3))
     assert held == [("4",), ("5",), ("6",)], "three distinct devices, all inside the visible set"
-    with pytest.raises(SlotError, match=r"needs 4 devices but this machine has 3 visible \(CUDA_VISIBLE_DEVICES=4,5,6\)"):
+    visible = r"needs 4 devices but this machine has 3 visible \(CUDA_VISIBLE_DEVICES=4,5,6\)"
+    with pytest.raises(SlotError, match=visible):
         with gpu_slots(4, tmp_path):
             pass
     # inside a SLURM allocation the scheduler's choice stands: no slot is taken
@@ -129,7 +130,7 @@ def test_summary_excludes_warmup_and_resume_step(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     truncate_jsonl(path, 3)
-    assert [json.loads(l)["step"] for l in path.read_text().splitlines()] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
 
 
 def test_pinned_memory_is_turned_off_where_torch_cannot_pin_exactly():
@@ -157,7 +158,7 @@ def test_stale_torch_extension_locks_are_removed_fresh_ones_kept(tmp_path):
 
 def test_the_launcher_finds_the_extension_cache_and_the_cpu_device_without_importing_torch(tmp_path):
     # in a fresh interpreter: the launcher runs before every rank, and importing torch there costs seconds
-    code = ("import sys; sys.path.insert(0, 'workflow_scripts')\n"
+    code = ("import sys\n"
             "from pretrain_bench.launcher import extension_build_root\n"
             "from pretrain_bench.devices import resolve_device\n"
             "print(extension_build_root(), resolve_device('cpu'), 'torch' in sys.modules)")
@@ -180,8 +181,7 @@ def test_ranks_load_deepspeeds_ops_from_the_environments_cache_where_make_instal
     env = rank_environment("cpu", ranks=3, cores=2, base=base)
     assert env["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
     # what `make install` runs: DeepSpeed's CPU ops are (already, after make install) in that directory
-    code = ("import sys; sys.path.insert(0, 'workflow_scripts')\n"
-            "from pretrain_bench.launcher import build_cpu_ops; print(*build_cpu_ops())")
+    code = ("from pretrain_bench.launcher import build_cpu_ops; print(*build_cpu_ops())")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=base, capture_output=True, text=True, check=True)
     assert out.stdout.split()[-2:] == ["ShareMemCommBuilder", "CPUAdamBuilder"]
     root = Path(env["TORCH_EXTENSIONS_DIR"])

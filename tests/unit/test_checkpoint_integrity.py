@@ -9,11 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-
-from support import mounted_tmpfs, tree_digest  # noqa: E402
-
-from pretrain_bench import checkpoint as ckpt  # noqa: E402
-from pretrain_bench.config_types import schema_default  # noqa: E402
+from pretrain_bench import checkpoint as ckpt
+from pretrain_bench.config_types import schema_default
+from support import mounted_tmpfs, tree_digest
 
 
 @pytest.fixture

@@ -114,7 +114,7 @@ def test_parquet_text_field(tmp_path):
 @pytest.mark.parametrize("suffix, compress", [(".gz", gzip.compress),
                                               (".zst", lambda data: zstandard.ZstdCompressor().compress(data))])
 def test_compressed_txt_jsonl_parquet(tmp_path, suffix, compress):
-    (tmp_path / f"a.txt{suffix}").write_bytes(compress("a whole text file\n\nwith two paragraphs".encode()))
+    (tmp_path / f"a.txt{suffix}").write_bytes(compress(b"a whole text file\n\nwith two paragraphs"))
     write_jsonl(tmp_path / f"b.jsonl{suffix}", [{"text": doc} for doc in DOCS[:20]], compress)
     table_bytes = pa.BufferOutputStream()
     pq.write_table(pa.table({"text": DOCS[20:40]}), table_bytes)
@@ -375,7 +375,6 @@ def test_builtin_stdlib_capped_like_the_tiny_run(tmp_path):
 
 def test_hf_offline_without_cache_fails_fast_with_the_download_command(tmp_path):
     script = textwrap.dedent(f"""
-        import sys; sys.path.insert(0, {str(ROOT / "workflow_scripts")!r})
         from pathlib import Path
         from pretrain_bench.corpus import CorpusError, build_corpus
         try:
@@ -439,7 +438,6 @@ def test_script_is_refused_while_another_process_runs_the_same_job(tmp_path):
     log.parent.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import logging, sys
-        sys.path.insert(0, {str(ROOT / 'workflow_scripts')!r})
         from pretrain_bench.state_lock import stage_job_log
         with stage_job_log({str(log)!r}, "download_corpus"):
             logging.getLogger("pretrain_bench").info("the first job is running")
@@ -469,8 +467,6 @@ def corpus_workflow(folder: Path, sources_yaml: str):
     `snakemake ARGS` there."""
     (folder / "config.yaml").write_text(f"name: t\ncorpus:\n  sources:\n{sources_yaml}  max_bytes: 300000\n")
     (folder / "Snakefile").write_text(textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, "{ROOT / 'workflow_scripts'}")
         from pretrain_bench.config_types import fill_defaults_and_validate, load_schema
         from pretrain_bench.corpus_sources import local_source_files
         configfile: "config.yaml"

@@ -8,7 +8,6 @@ import pytest
 ROOT = Path(__file__).parents[2]
 
 from httpfixture import FixtureServer, Route  # noqa: E402
-
 from pretrain_bench import progress  # noqa: E402
 from pretrain_bench.corpus import CorpusError, build_corpus  # noqa: E402
 from pretrain_bench.download import download  # noqa: E402

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-
-from httpfixture import FixtureServer, Route  # noqa: E402
-from pretrain_bench.corpus import CorpusError, build_corpus  # noqa: E402
-from pretrain_bench.download import DownloadError, download, http_validators  # noqa: E402
+from httpfixture import FixtureServer, Route
+from pretrain_bench.corpus import CorpusError, build_corpus
+from pretrain_bench.download import DownloadError, download, http_validators
 
 # ~1 MiB of non-repeating bytes: several 64 KiB stream chunks arrive before an injected drop at the halfway mark.
 BODY = b"".join(hashlib.sha256(str(i).encode()).digest() for i in range(32768))

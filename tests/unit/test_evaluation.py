@@ -13,21 +13,29 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-
-from support import tree_digest  # noqa: E402
-
-from pretrain_bench import checkpoint as ckpt  # noqa: E402
-from pretrain_bench.evaluation import (  # noqa: E402
-    EvalSettings, GenerationSettings, eval_sample_indices, evaluate_export, evaluate_model, evaluation_device,
-    generate_continuations, load_export, token_byte_lengths,
+from pretrain_bench import checkpoint as ckpt
+from pretrain_bench.evaluation import (
+    EvalSettings,
+    GenerationSettings,
+    eval_sample_indices,
+    evaluate_export,
+    evaluate_model,
+    evaluation_device,
+    generate_continuations,
+    load_export,
+    token_byte_lengths,
 )
-from pretrain_bench.export import export_hf, read_export_info  # noqa: E402
-from pretrain_bench.harness import build_task_data, last_word_example  # noqa: E402
-from pretrain_bench.loader import PackedTokens  # noqa: E402
-from pretrain_bench.model import ModelShape, build_model  # noqa: E402
-from pretrain_bench.shards import build_index, encode_shard  # noqa: E402
-from pretrain_bench.tokenizer import train_tokenizer  # noqa: E402
-from support import stdlib_texts, write_jsonl  # noqa: E402
+from pretrain_bench.export import export_hf, read_export_info
+from pretrain_bench.harness import build_task_data, last_word_example
+from pretrain_bench.loader import PackedTokens
+from pretrain_bench.model import ModelShape, build_model
+from pretrain_bench.shards import build_index, encode_shard
+from pretrain_bench.tokenizer import train_tokenizer
+from support import (
+    stdlib_texts,
+    tree_digest,
+    write_jsonl,
+)
 
 SEQ_LEN = 32
 STEP = 7

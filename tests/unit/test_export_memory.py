@@ -9,12 +9,12 @@ import pytest
 import torch
 import yaml
 
-from pretrain_bench import checkpoint as ckpt  # noqa: E402
-from pretrain_bench.export import cast_state_dict, export_hf  # noqa: E402
-from pretrain_bench.memory_model import RUNTIME_BYTES, export_and_evaluation_host_bytes, run_shape  # noqa: E402
-from pretrain_bench.model import ModelShape, build_model  # noqa: E402
-from pretrain_bench.settings import TrainSettings  # noqa: E402
-from support import ROOT, stdlib_texts, write_jsonl  # noqa: E402
+from pretrain_bench import checkpoint as ckpt
+from pretrain_bench.export import cast_state_dict, export_hf
+from pretrain_bench.memory_model import RUNTIME_BYTES, export_and_evaluation_host_bytes, run_shape
+from pretrain_bench.model import ModelShape, build_model
+from pretrain_bench.settings import TrainSettings
+from support import ROOT, stdlib_texts, write_jsonl
 
 
 class Partitioned:

@@ -12,8 +12,7 @@ import torch
 ROOT = Path(__file__).parents[2]
 
 from pretrain_bench.memory_model import config_vocab_size  # noqa: E402
-from pretrain_bench.model import (InitFromError, build_model, llama_config, load_pretrained, model_shape,  # noqa: E402
-                                  resolve_shape)
+from pretrain_bench.model import InitFromError, build_model, llama_config, load_pretrained, model_shape, resolve_shape  # noqa: E402
 from pretrain_bench.tokenizer import EOS_TOKEN, adopted_tokenizer_path, save_hf_folder, train_bpe  # noqa: E402
 
 
@@ -46,7 +45,8 @@ def test_shape_comes_from_config_json_and_overrides_are_refused(hf_folder):
 def test_its_tokenizer_is_adopted_unless_tokenizer_path_says_otherwise(hf_folder, tmp_path):
     config = {"model": {"preset": "tiny", "init_from": str(hf_folder)}, "tokenizer": {"path": None, "vocab_size": 4096}}
     assert adopted_tokenizer_path(config) == str(hf_folder)
-    assert config_vocab_size(config) == 300, "planning uses the adopted tokenizer's vocabulary, not tokenizer.vocab_size"
+    assert config_vocab_size(config) == 300, \
+        "planning uses the adopted tokenizer's vocabulary, not tokenizer.vocab_size"
     other = {**config, "tokenizer": {"path": str(tmp_path / "tok.json"), "vocab_size": 4096}}
     assert adopted_tokenizer_path(other) == str(tmp_path / "tok.json")
     (tmp_path / "bare").mkdir()
@@ -72,8 +72,7 @@ def test_weights_load_exactly_and_a_grown_vocabulary_gets_mean_rows(hf_folder):
 
 
 def test_hf_uri_offline_fails_fast_naming_the_uri_and_the_download_command(tmp_path):
-    script = textwrap.dedent(f"""
-        import sys; sys.path.insert(0, {str(ROOT / "workflow_scripts")!r})
+    script = textwrap.dedent("""
         from pretrain_bench.model import InitFromError, init_from_folder
         try:
             init_from_folder("hf://some-org/some-model@v1.0", weights=False)

@@ -7,9 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-
-from pretrain_bench.loader import EpochPermutation, PackedTokens, RankBatches  # noqa: E402
-from pretrain_bench.shards import build_index  # noqa: E402
+from pretrain_bench.loader import EpochPermutation, PackedTokens, RankBatches
+from pretrain_bench.shards import build_index
 
 SEQ_LEN = 8
 

@@ -243,7 +243,6 @@ def test_an_adopted_tokenizer_sets_the_vocabulary_the_plan_uses(tmp_path, no_gpu
 
 BUILD_RSS = """
 import json, sys, threading
-sys.path.insert(0, sys.argv[1])
 from pretrain_bench.model import build_model, llama_config, resolve_shape
 
 def anon():  # anonymous resident memory only: library code paged in on first use is file-backed and not counted

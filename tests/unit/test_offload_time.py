@@ -1,11 +1,16 @@
 """The wall-time prediction's offload terms: host Adam, PCIe copies and NVMe swaps per optimizer step."""
 import pytest
 
-from pretrain_bench.bench_matrix import (PREVIEW_STARTUP_S, RECOMPUTE_FACTOR, cost_preview, model_flops_per_token,
-                                         preview_text)
-from pretrain_bench.model import count_parameters, model_shape
 from pretrain_bench import offload_time
+from pretrain_bench.bench_matrix import (
+    PREVIEW_STARTUP_S,
+    RECOMPUTE_FACTOR,
+    cost_preview,
+    model_flops_per_token,
+    preview_text,
+)
 from pretrain_bench.memory_model import GIB
+from pretrain_bench.model import count_parameters, model_shape
 from pretrain_bench.offload_time import FORMULA, OffloadStep, offload_seconds, planned_cores, usable_cores
 from pretrain_bench.settings import TrainSettings
 

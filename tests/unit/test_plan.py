@@ -152,9 +152,8 @@ def test_a_val_split_too_small_for_eval_every_is_refused_at_plan_time(tmp_path, 
 
 
 def test_only_a_raised_step_count_counts_as_training_further(tmp_path):
-    from support import tiny_config
-
     from pretrain_bench.plan import only_trains_further
+    from support import tiny_config
 
     config = plan_config(tiny_config("further"))
     path = tmp_path / "plan.json"

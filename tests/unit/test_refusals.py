@@ -15,8 +15,6 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 from httpfixture import FixtureServer, Route  # noqa: E402
-from support import tiny_config  # noqa: E402
-
 from pretrain_bench import state_lock  # noqa: E402
 from pretrain_bench.bench_matrix import BenchSettings, cell_settings, cells  # noqa: E402
 from pretrain_bench.checkpoint import CheckpointError  # noqa: E402
@@ -24,10 +22,10 @@ from pretrain_bench.download import DownloadError, download  # noqa: E402
 from pretrain_bench.plan import Plan, RunPaths  # noqa: E402
 from pretrain_bench.settings import ConfigError, TrainSettings, check_settings  # noqa: E402
 from pretrain_bench.tokenizer import adopt_tokenizer, load_tokenizer  # noqa: E402
+from support import tiny_config  # noqa: E402
 
 HOLD = """
 import sys, time
-sys.path.insert(0, {scripts!r})
 from pretrain_bench import state_lock
 lock = state_lock.acquire({state!r})
 print("locked", flush=True)

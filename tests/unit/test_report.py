@@ -174,7 +174,8 @@ def test_report_files_render_from_json(tmp_path):
                           matrix_path=tmp_path / "matrix.json", bench_paths=bench, lm_eval_paths=lm_eval)
     md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
     # lm-eval's scores: every checkpoint × metric, with stderr where lm-eval gave one
-    assert "| 4 | last_word | acc | 0.2500 | 0.1250 | 8 |" in md and "| 8 | last_word | acc | 0.5000 | 0.1250 | 8 |" in md
+    assert "| 4 | last_word | acc | 0.2500 | 0.1250 | 8 |" in md
+    assert "| 8 | last_word | acc | 0.5000 | 0.1250 | 8 |" in md
     assert "| 8 | last_word | perplexity | 11.2500 | n/a | 8 |" in md
     assert "<td>8</td><td class=\"text\">last_word</td><td class=\"text\">acc</td><td>0.5000</td>" in html
     assert len(tables["lm_eval"]) == 4
@@ -221,7 +222,8 @@ def test_an_mfu_above_100_percent_is_refused_with_the_reason():
 
 
 def test_report_says_where_the_weights_came_from_and_what_validation_took(tmp_path):
-    main = {**summary(1), "memory_fit": None, "init_from": {"uri": "hf://org/base@v2", "revision": "abc123", "path": "/cache/abc123"},
+    main = {**summary(1), "memory_fit": None,
+            "init_from": {"uri": "hf://org/base@v2", "revision": "abc123", "path": "/cache/abc123"},
             "eval_during_training": {"every": 4, "samples": 12, "tokens": 1536, "evaluations": 2, "time_s": 95.0,
                                      "last": {"step": 8, "loss": 2.5, "perplexity": 12.18}}}
     (tmp_path / "summary.json").write_text(json.dumps(main))

@@ -2,10 +2,9 @@ import math
 
 import pytest
 
-
-from pretrain_bench.flops import flops_per_token, gpu_table_peak  # noqa: E402
-from pretrain_bench.model import build_model, count_parameters, resolve_shape  # noqa: E402
-from pretrain_bench.settings import ConfigError, TrainSettings, check_settings, deepspeed_config  # noqa: E402
+from pretrain_bench.flops import flops_per_token, gpu_table_peak
+from pretrain_bench.model import build_model, count_parameters, resolve_shape
+from pretrain_bench.settings import ConfigError, TrainSettings, check_settings, deepspeed_config
 
 
 def settings(**kw):

@@ -7,12 +7,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-
-from pretrain_bench.shards import build_index, dtype_for_vocab, encode_shard, shard_byte_range  # noqa: E402
-from pretrain_bench.tokenizer import (  # noqa: E402
-    EOS_TOKEN, load_tokenizer, save_hf_folder, train_bpe, train_tokenizer,
+from pretrain_bench.shards import build_index, dtype_for_vocab, encode_shard, shard_byte_range
+from pretrain_bench.tokenizer import (
+    EOS_TOKEN,
+    load_tokenizer,
+    save_hf_folder,
+    train_bpe,
+    train_tokenizer,
 )
-from support import TRICKY_TEXTS, stdlib_texts, write_jsonl  # noqa: E402
+from support import TRICKY_TEXTS, stdlib_texts, write_jsonl
 
 TEXTS = stdlib_texts(200_000) + TRICKY_TEXTS
 

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-
-from pretrain_bench.step import PhaseTimer, train_step  # noqa: E402
+from pretrain_bench.step import PhaseTimer, train_step
 
 B, T, V = 2, 5, 11
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pretrain_bench import rank as rank_module  # noqa: E402
-from pretrain_bench.engines import DDPEngine  # noqa: E402
-from pretrain_bench.model import ModelShape, build_model  # noqa: E402
-from pretrain_bench.rank import TrainingAborted  # noqa: E402
-from pretrain_bench.settings import TrainSettings  # noqa: E402
-from pretrain_bench.step import PhaseTimer, train_step  # noqa: E402
-from pretrain_bench.trainer import Trainer  # noqa: E402
+from pretrain_bench import rank as rank_module
+from pretrain_bench.engines import DDPEngine
+from pretrain_bench.model import ModelShape, build_model
+from pretrain_bench.rank import TrainingAborted
+from pretrain_bench.settings import TrainSettings
+from pretrain_bench.step import PhaseTimer, train_step
+from pretrain_bench.trainer import Trainer
 
 PACKAGE = str(Path(rank_module.__file__).parent)
 SHAPE = ModelShape(1, 32, 2, 2, 64, 97)

@@ -6,12 +6,16 @@ from pathlib import Path
 
 import pytest
 
-
-from pretrain_bench.tokenizer import (  # noqa: E402
-    EOS_TOKEN, PAD_TOKEN, iter_texts, load_tokenizer, sample_windows, train_bpe, train_tokenizer,
+from pretrain_bench.tokenizer import (
+    EOS_TOKEN,
+    PAD_TOKEN,
+    iter_texts,
+    load_tokenizer,
+    sample_windows,
+    train_bpe,
+    train_tokenizer,
 )
-
-from support import TRICKY_TEXTS, stdlib_texts, write_jsonl  # noqa: E402
+from support import TRICKY_TEXTS, stdlib_texts, write_jsonl
 
 
 def random_text(rng: random.Random, length: int) -> str:

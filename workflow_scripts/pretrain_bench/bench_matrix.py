@@ -10,11 +10,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass
 
+from .config_types import schema_defaults
 from .devices import resolve_device_cheaply
 from .memory_model import Budget, config_vocab_size, detect_budget, estimate, gib, judge, run_shape
 from .offload_time import planned_cores
 from .plan import cell_train
-from .config_types import schema_defaults
 from .settings import ENGINE_STAGE, ConfigError, TrainSettings, check_settings
 
 AXES = ("gpus", "zero_stage", "precision", "comm_backend", "micro_batch_size", "offload_optimizer", "engine",
@@ -42,7 +42,7 @@ class BenchSettings:
     lr_warmup_steps: int = 0  # train.warmup_steps of a cell: the main run's, shortened to fit the cell's steps
 
     @classmethod
-    def from_config(cls, config: dict) -> "BenchSettings":
+    def from_config(cls, config: dict) -> BenchSettings:
         bench = {**DEFAULTS, **(config.get("benchmark") or {})}
         train = config["train"]
         matrix = dict(bench.get("matrix") or {})
@@ -283,8 +283,8 @@ def planning_peak(config: dict, device: str, name: str) -> tuple[float | None, s
     import json
     from pathlib import Path
 
-    from .flops import gpu_table_peak
     from .devices import gpu_names
+    from .flops import gpu_table_peak
 
     if (config.get("report") or {}).get("peak_tflops"):
         return config["report"]["peak_tflops"] * 1e12, "report.peak_tflops"

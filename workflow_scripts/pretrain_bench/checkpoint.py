@@ -379,7 +379,8 @@ def load_fp32_state_dict(root: Path, step: int, *, lazy: bool = False) -> dict:
         state = torch.load(folder / DDP_MODEL_FILE, map_location="cpu", weights_only=False, mmap=True)["module"]
     elif (folder / DCP_FOLDER / ".metadata").is_file():  # train.engine fsdp: a torch.distributed.checkpoint folder
         state = read_dcp_model(folder / DCP_FOLDER)
-    elif list(folder.glob("*optim_states.pt")) and (list(folder.glob("zero_pp_rank_*")) or list(folder.glob("bf16_zero_pp_rank_*"))):
+    elif list(folder.glob("*optim_states.pt")) and (list(folder.glob("zero_pp_rank_*"))
+                                                   or list(folder.glob("bf16_zero_pp_rank_*"))):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag_for(step), lazy_mode=lazy)

@@ -118,7 +118,7 @@ def _mixture_weights(sources: list[dict]) -> list[float] | None:
     return [float(source["weight"]) for source in sources]
 
 
-def _mixture_record(weights: list[float] | None, seed: int, all_stats: list["SourceStats"]) -> dict | None:
+def _mixture_record(weights: list[float] | None, seed: int, all_stats: list[SourceStats]) -> dict | None:
     """manifest["mixture"]: the weights asked for and the share of kept bytes each source got."""
     if weights is None:
         return None
@@ -149,7 +149,7 @@ def _documents(readers: list, weights: list[float] | None, seed: int, closed: se
         counts[i] += 1
 
 
-def _clean_all(sources, settings: CleaningSettings, files: "_SplitFiles", cache_dir: Path,
+def _clean_all(sources, settings: CleaningSettings, files: _SplitFiles, cache_dir: Path,
                weights: list[float] | None = None, seed: int = 1234):
     """Steps 2-6 of the module docstring over every source; returns per-source stats and where the cap cut."""
     seen: set[bytes] = set()

@@ -18,9 +18,10 @@ import os
 import platform
 import re
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 from urllib.parse import urlsplit
 
 from pretrain_bench.download import DownloadError, download, http_validators, sha256_file

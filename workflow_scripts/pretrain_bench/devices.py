@@ -175,7 +175,7 @@ def allocate_slots(count: int, devices: int | list[str], lock_dir: Path, *, time
                 break
         if len(held) == count:
             try:
-                for device_id, fd in held:
+                for _, fd in held:
                     os.ftruncate(fd, 0)
                     os.write(fd, f"{os.getpid()}\n".encode())
                 yield [device_id for device_id, _ in held]

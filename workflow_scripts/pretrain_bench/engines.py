@@ -167,7 +167,8 @@ class DeepSpeedEngine:
             precision += f"+autocast({str(engine.torch_autocast_dtype()).removeprefix('torch.')})"
         return {"precision": precision, "zero_stage": int(engine.zero_optimization_stage()),
                 "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
-                "grad_accum_steps": engine.gradient_accumulation_steps(), "global_batch_size": engine.train_batch_size()}
+                "grad_accum_steps": engine.gradient_accumulation_steps(),
+                "global_batch_size": engine.train_batch_size()}
 
     def save(self, folder: Path, writer, client_state: dict) -> None:
         """Every file DeepSpeed writes goes through `writer` (hashed while written)."""

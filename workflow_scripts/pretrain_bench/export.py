@@ -5,7 +5,8 @@ Its weights are the checkpoint's fp32 master weights (for ZeRO 1-3 gathered from
 DeepSpeed's zero_to_fp32), cast to `dtype`; its config names the tokenizer's end-of-text and padding ids so that
 `generate` stops where the training stream separated documents; generation_config.json carries the same ids.
 `pretrain_bench_export.json` beside the weights says which checkpoint it came from, and README.md (the model card)
-what the model is, its data with their sha256, its held-out loss when known and the pipeline's commit. Exporting only reads the checkpoint.
+what the model is, its data with their sha256, its held-out loss when known and the pipeline's commit. Exporting only
+reads the checkpoint.
 """
 from __future__ import annotations
 
@@ -69,12 +70,11 @@ def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Pa
     """Save checkpoint `step` as an HF model folder at `target` (replaced atomically); returns target.
 
     With the run's `plan` the folder also gets its model card (README.md, see model_card.py)."""
+    import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
     from transformers.initialization import no_init_weights
 
     from .model import llama_config
-
-    import torch
 
     target = Path(target)
     state = read_checkpoint_weights(ckpt_root, step, dtype)

@@ -24,8 +24,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .devices import resolve_device_cheaply
-from .memory_model import (GIB, Budget, checkpoint_bytes, detect_budget, estimate, explain, free_disk_bytes, gib,
-                           judge, run_shape)
+from .memory_model import (
+    GIB,
+    Budget,
+    checkpoint_bytes,
+    detect_budget,
+    estimate,
+    explain,
+    free_disk_bytes,
+    gib,
+    judge,
+    run_shape,
+)
 from .settings import ConfigError, TrainSettings
 
 # The settings a rung may change; everything else (model, precision, global batch, data) stays as asked.

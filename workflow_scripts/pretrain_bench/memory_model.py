@@ -479,8 +479,8 @@ def gib(value: float) -> str:
 
 def config_vocab_size(config: dict) -> int:
     """The vocabulary the model will have, known before the shards exist: an adopted tokenizer's (tokenizer.path, or
-    model.init_from's own tokenizer; the same rows the tokenizer stage will report: largest id + 1, a pad token added when it has none), else the
-    BPE's tokenizer.vocab_size."""
+    model.init_from's own tokenizer; the same rows the tokenizer stage will report: largest id + 1, a pad token added
+    when it has none), else the BPE's tokenizer.vocab_size."""
     tokenizer = config.get("tokenizer") or {}
     from .tokenizer import adopted_tokenizer_path
 

@@ -56,7 +56,8 @@ def summarise_steps(records: list[dict], warmup_steps: int, tokens_per_step: int
         "step_time_s": {"median": statistics.median(times), "min": min(times), "max": max(times),
                         "mean": total_time / len(times)},
         "phase_time_s": {
-            phase: (statistics.median(r[f"{phase}_s"] for r in steady) if all(r[f"{phase}_s"] is not None for r in steady)
+            phase: (statistics.median(r[f"{phase}_s"] for r in steady)
+                    if all(r[f"{phase}_s"] is not None for r in steady)
                     else None)  # train.phase_timing off
             for phase in ("forward", "backward", "optimizer")
         },
@@ -81,7 +82,7 @@ class MetricsSink:
         self.metrics_path, self.board_dir, self.start_step, self.enabled = metrics_path, board_dir, start_step, enabled
         self.file = self.board = None
 
-    def __enter__(self) -> "MetricsSink":
+    def __enter__(self) -> MetricsSink:
         if self.enabled:
             from tensorboardX import SummaryWriter
 

@@ -159,7 +159,7 @@ def init_from_folder(uri: str, *, weights: bool = True) -> Path:
     return _hf_snapshot(uri, weights)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_snapshot(uri: str, weights: bool) -> Path:
     """The HF cache folder of an hf:// model.init_from, fetched once per process: planning reads the model's shape
     once per benchmark cell, and each snapshot_download asks the hub again (a network round trip) unless offline.

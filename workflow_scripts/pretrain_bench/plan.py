@@ -71,7 +71,7 @@ class Plan:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict, source: str = "plan") -> "Plan":
+    def from_dict(cls, data: dict, source: str = "plan") -> Plan:
         fields = {field.name: field for field in dataclasses.fields(cls)}
         required = {name for name, field in fields.items() if field.default is dataclasses.MISSING}
         missing, unknown = sorted(required - set(data)), sorted(set(data) - set(fields))
@@ -89,7 +89,7 @@ class Plan:
         atomic_write_json(path, self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_json(cls, path: Path) -> "Plan":
+    def from_json(cls, path: Path) -> Plan:
         return cls.from_dict(json.loads(Path(path).read_text()), source=str(path))
 
 

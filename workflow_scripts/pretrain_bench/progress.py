@@ -49,7 +49,8 @@ class Progress:
         if self.total:
             share = min(self.done / self.total, 1.0)
             eta = (self.total - self.done) / rate if rate > 0 and self.done < self.total else 0.0
-            text += f" of {_size(self.total, self.unit)} ({share:.0%}), {_size(rate, self.unit)}/s, ETA {_duration(eta)}"
+            text += (f" of {_size(self.total, self.unit)} ({share:.0%}), {_size(rate, self.unit)}/s, "
+                         f"ETA {_duration(eta)}")
         else:
             text += f", {_size(rate, self.unit)}/s, {_duration(elapsed)} so far (total not known in advance)"
         return text + (f"; {note}" if note else "")

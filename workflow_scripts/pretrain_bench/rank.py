@@ -1,5 +1,6 @@
-"""What one training rank needs besides the loop: the abort error, SIGTERM and SIGINT as a flag, rank-0 logging, collectives
-outside DeepSpeed's comms logger, RNG state, the resume checks (fingerprint, resume point) and the held-out summary."""
+"""What one training rank needs besides the loop: the abort error, SIGTERM and SIGINT as a flag, rank-0 logging,
+collectives outside DeepSpeed's comms logger, RNG state, the resume checks (fingerprint, resume point) and the held-out
+summary."""
 from __future__ import annotations
 
 import logging

@@ -17,8 +17,23 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from . import plots as plotting
 from .claims import CLAIMS, SETUP, check_claims
 from .io import atomic_write_text, read_jsonl
-from .tables import (GIB, backend_rows, communication_rows, engine_label, engine_rows, fmt, fmt_duration, headline,
-                     lm_eval_rows, main_run_tables, matrix_rows, memory_rows, mfu_rows, provenance, scaling_rows)
+from .tables import (
+    GIB,
+    backend_rows,
+    communication_rows,
+    engine_label,
+    engine_rows,
+    fmt,
+    fmt_duration,
+    headline,
+    lm_eval_rows,
+    main_run_tables,
+    matrix_rows,
+    memory_rows,
+    mfu_rows,
+    provenance,
+    scaling_rows,
+)
 
 __all__ = ["GIB", "fmt", "fmt_duration", "build_tables", "load_bench", "build_report"]
 
@@ -46,7 +61,8 @@ def build_tables(summary: dict, evals: list[dict], target_corpus_tokens: float, 
     bench_summaries = [s for runs in runs_by_cell.values() for s in runs]
     tables.update(
         matrix=matrix_rows(matrix, runs_by_cell), scaling=scaling, memory=memory, communication=comms,
-        backends=backends, engines=engines, lm_eval=lm_eval_rows(list(lm_evals)), mfu=mfu_rows(matrix, runs_by_cell), headline=headline(matrix, scaling, backends),
+        backends=backends, engines=engines, lm_eval=lm_eval_rows(list(lm_evals)), mfu=mfu_rows(matrix, runs_by_cell),
+        headline=headline(matrix, scaling, backends),
         claims=check_claims(scaling, memory, backends, comms, target_corpus_tokens, matrix["device"]),
         provenance={"main": provenance([summary]), "bench": provenance(bench_summaries) if bench_summaries else None},
     )

@@ -67,7 +67,7 @@ class TrainSettings:
     deepspeed: dict = default_field("train", "deepspeed")
 
     @classmethod
-    def from_config(cls, train: dict) -> "TrainSettings":
+    def from_config(cls, train: dict) -> TrainSettings:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(train) - known)
         if unknown:
@@ -163,7 +163,8 @@ def owned_deepspeed_keys(extra: dict) -> list[str]:
             found.append(_instead(key))
         elif key == "zero_optimization" and not isinstance(value, dict):
             # DeepSpeed reads `true` as ZeRO stage 1 (and a number as nothing it can parse)
-            found.append(f"train.deepspeed.zero_optimization: {json.dumps(value)} is not a mapping (DeepSpeed reads true as "
+            found.append(f"train.deepspeed.zero_optimization: {json.dumps(value)} is not a mapping "
+                         f"(DeepSpeed reads true as "
                          f"ZeRO stage 1): set train.zero_stage instead, and tune ZeRO in a mapping "
                          f"(zero_optimization: {{reduce_bucket_size: ...}})")
         elif isinstance(value, dict):

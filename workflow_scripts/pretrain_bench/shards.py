@@ -100,7 +100,8 @@ def encode_shard(corpus_jsonl: Path, tokenizer_dir: Path, out_bin: Path, out_jso
                 documents += len(batch)
                 batch_text_bytes = sum(len(text.encode("utf-8", "surrogatepass")) for text in batch)
                 text_bytes += batch_text_bytes
-                progress.advance(batch_text_bytes, lambda: f"{documents:,} documents, {tokens:,} tokens")
+                # the lambda reads the running counts when the progress line is written, which is what it should show
+                progress.advance(batch_text_bytes, lambda: f"{documents:,} documents, {tokens:,} tokens")  # noqa: B023
         os.replace(tmp_bin, out_bin)
     except BaseException:
         tmp_bin.unlink(missing_ok=True)  # Snakemake removes a failed job's outputs, not our temporary file

@@ -92,7 +92,7 @@ def main_run_tables(summary: dict, evals: list[dict], target_corpus_tokens: floa
     }
 
 
-def evaluation_frame(evals: list[dict]) -> "pd.DataFrame":
+def evaluation_frame(evals: list[dict]) -> pd.DataFrame:
     """One row per evaluated checkpoint (eval/step<N>.json), in step order; integers stay integers."""
     import pandas as pd
 
@@ -154,7 +154,7 @@ REPEAT_COLUMNS = ("cell", "repeat", *FIGURES, "oversubscribed", "global_batch_si
                   "mfu_note", "comm_method", "peak_flops_source", "flops_per_token")
 
 
-def repeats_frame(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> "pd.DataFrame":
+def repeats_frame(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> pd.DataFrame:
     """One row per benchmark cell × repeat, read from that repeat's summary.json (peak memory: its worst rank)."""
     import pandas as pd
 
@@ -173,7 +173,7 @@ def repeats_frame(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> "pd.Data
     return frame
 
 
-def cell_table(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> "pd.DataFrame":
+def cell_table(matrix: dict, runs_by_cell: dict[str, list[dict]]) -> pd.DataFrame:
     """Per cell that ran (the index): its repeats, and for each measured figure the median, min and max over them
     (`<figure>`, `<figure>_min`, `<figure>_max`; NaN where no repeat measured it) and the values themselves
     (`<figure>_values`, what `spread` prints and the plots draw); the first repeat's descriptive fields."""

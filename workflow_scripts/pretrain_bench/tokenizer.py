@@ -16,8 +16,8 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import orjson
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -30,8 +30,19 @@ from .metrics import MetricsSink, one_record_per_step, peak_memory_bytes, peak_m
 from .model import build_model, count_parameters, load_pretrained
 from .plan import Plan, RunContext, plan_shape
 from .provenance import provenance
-from .rank import (Preemption, TrainingAborted, check_resume_point, fused_adam_prebuilt, gather_floats,
-                   heldout_summary, mmap_loads, pinning_allowed, resume_fingerprint, rng_state, set_rng_state)
+from .rank import (
+    Preemption,
+    TrainingAborted,
+    check_resume_point,
+    fused_adam_prebuilt,
+    gather_floats,
+    heldout_summary,
+    mmap_loads,
+    pinning_allowed,
+    resume_fingerprint,
+    rng_state,
+    set_rng_state,
+)
 from .rank import log as rank_log
 from .run_state import mark_finished, plan_digest, prepare_state
 from .settings import TrainSettings, check_settings, deepspeed_config
