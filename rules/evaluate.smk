@@ -67,7 +67,7 @@ rule export_final:
         step=TRAIN.total_steps(config["model"]["seq_len"]),
         dtype=FINAL_EXPORT_DTYPE,
     script:
-        "../workflow_scripts/export_checkpoint.py"
+        "../workflow_scripts/export_final.py"
 
 
 rule lm_eval_data:
@@ -82,4 +82,4 @@ rule lm_eval_data:
     conda:
         "../envs/pretrain.yaml"
     script:
-        "../workflow_scripts/build_lm_eval_data.py"
+        "../workflow_scripts/lm_eval_data.py"

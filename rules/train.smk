@@ -29,7 +29,7 @@ rule plan_pretrain:
         out_dir=subpath(output.plan, parent=True),
         state_dir="results/{name}/state",
     script:
-        "../workflow_scripts/plan_run.py"
+        "../workflow_scripts/plan_pretrain.py"
 
 
 rule pretrain:

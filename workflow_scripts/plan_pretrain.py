@@ -3,7 +3,7 @@ import json
 import logging
 from pathlib import Path
 
-log = logging.getLogger("pretrain_bench.plan_run")
+log = logging.getLogger("pretrain_bench.plan_pretrain")
 
 
 def main(config, index, tokenizer, peak, out_dir, state_dir, plan_path, manifest=None):
@@ -20,7 +20,7 @@ def main(config, index, tokenizer, peak, out_dir, state_dir, plan_path, manifest
 if "snakemake" in globals():
     from pretrain_bench.logs import job_log
 
-    with job_log(snakemake.log[0], "plan_run"):  # noqa: F821
+    with job_log(snakemake.log[0], "plan_pretrain"):  # noqa: F821
         main(snakemake.params.config, snakemake.input.index, snakemake.input.tokenizer,  # noqa: F821
              snakemake.input.peak, snakemake.params.out_dir, snakemake.params.state_dir,  # noqa: F821
              snakemake.output.plan, manifest=snakemake.input.manifest)  # noqa: F821

@@ -3,7 +3,7 @@ import json
 import logging
 from pathlib import Path
 
-log = logging.getLogger("pretrain_bench.build_lm_eval_data")
+log = logging.getLogger("pretrain_bench.lm_eval_data")
 
 
 def main(val_path, out_dir):
@@ -16,5 +16,5 @@ def main(val_path, out_dir):
 if "snakemake" in globals():
     from pretrain_bench.logs import job_log
 
-    with job_log(snakemake.log[0], "build_lm_eval_data"):  # noqa: F821
+    with job_log(snakemake.log[0], "lm_eval_data"):  # noqa: F821
         main(snakemake.input.val, snakemake.output[0])  # noqa: F821

@@ -4,7 +4,7 @@ import json
 import logging
 from pathlib import Path
 
-log = logging.getLogger("pretrain_bench.export_checkpoint")
+log = logging.getLogger("pretrain_bench.export_final")
 
 
 def main(plan_path, step, out_dir, dtype, threads):
@@ -22,7 +22,7 @@ def main(plan_path, step, out_dir, dtype, threads):
 if "snakemake" in globals():
     from pretrain_bench.logs import exit_without_teardown, job_log
 
-    with job_log(snakemake.log[0], "export_checkpoint"):  # noqa: F821
+    with job_log(snakemake.log[0], "export_final"):  # noqa: F821
         main(snakemake.input.plan, snakemake.params.step, snakemake.output[0],  # noqa: F821
              snakemake.params.dtype, snakemake.threads)  # noqa: F821
     exit_without_teardown(0)  # the export is written (atomically): skip the seconds of teardown
