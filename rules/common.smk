@@ -11,7 +11,7 @@ gc.freeze()
 
 from snakemake.exceptions import WorkflowError
 
-from pretrain_bench.config_types import coerce_command_line_types, fill_defaults_and_validate, load_schema  # noqa: E402
+from pretrain_bench.config_types import ModelSettings, coerce_command_line_types, fill_defaults_and_validate, load_schema  # noqa: E402
 from pretrain_bench.devices import GPU_LOCK_DIR as DEVICE_LOCK_DIR  # noqa: E402
 from pretrain_bench.settings import ConfigError, TrainSettings, check_settings  # noqa: E402
 
@@ -30,6 +30,7 @@ if not workflow.modifier.skip_validation:
 
 try:
     TRAIN = TrainSettings.from_config(config["train"])
+    MODEL = ModelSettings.from_config(config["model"])
     check_settings(TRAIN, seq_len=config["model"]["seq_len"])
 except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}")
@@ -246,7 +247,7 @@ try:
 except ConfigError as error:
     logger.warning(f"{error}\n(rule plan_pretrain will stop here, before training allocates anything)")
     MAIN_FIT = (TRAIN, None)
-logger.info(preview_text(cost_preview(BENCH_MATRIX, MAIN_FIT[0], config["model"], VOCAB_SIZE,
+logger.info(preview_text(cost_preview(BENCH_MATRIX, MAIN_FIT[0], MODEL, VOCAB_SIZE,
                                       *planning_peak(config, BENCH_MATRIX["device"], NAME))))
 
 # Host RAM of one export or evaluation job (memory_model.export_and_evaluation_host_bytes), as mem_mb (10^6 bytes, as

@@ -8,7 +8,9 @@ log = logging.getLogger("pretrain_bench.write_bench_matrix")
 
 def main(matrix, model, vocab_size, grad_accum_steps, peak_path, out_path):
     from pretrain_bench.bench_matrix import time_estimate
+    from pretrain_bench.config_types import ModelSettings
 
+    model = ModelSettings.from_config(model)
     peak = json.loads(Path(peak_path).read_text())
     matrix = {**matrix, "peak": peak, "cells": [
         {**entry, "time_estimate": time_estimate(entry, model, vocab_size, grad_accum_steps, peak, matrix["steps"])}

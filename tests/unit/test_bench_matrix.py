@@ -10,6 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from pretrain_bench import devices  # noqa: E402
 from pretrain_bench.bench_matrix import BenchSettings, Cell, cells, plan_matrix, runnable, time_estimate  # noqa: E402
+from pretrain_bench.config_types import ModelSettings  # noqa: E402
 from pretrain_bench.memory_model import GIB, Budget  # noqa: E402
 from pretrain_bench.plan import cell_train, make_plan, plan_config  # noqa: E402
 from pretrain_bench.settings import ConfigError, TrainSettings  # noqa: E402
@@ -131,7 +132,7 @@ def dry_run_matrix_line(matrix, config):
     from pretrain_bench.bench_matrix import cost_preview, preview_text
 
     main = TrainSettings.from_config(config["train"])
-    text = preview_text(cost_preview(matrix, main, config["model"], 102_400, 165e12, "test"))
+    text = preview_text(cost_preview(matrix, main, ModelSettings.from_config(config["model"]), 102_400, 165e12, "test"))
     return next(line for line in text.splitlines() if "benchmark matrix" in line)
 
 
@@ -198,21 +199,21 @@ def test_cell_plan_rederives_the_batch_and_keeps_no_state(tmp_path):
     cell_config = plan_config(config, train=cell_train(config, cell.train_overrides(bench)))
     plan = make_plan(cell_config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "rep1",
                      state_dir=tmp_path / "s", role="bench", resume=False, save_checkpoints=False)
-    assert plan.train["gpus"] == 2 and plan.train["zero_stage"] == 1
+    assert plan.train.gpus == 2 and plan.train.zero_stage == 1
     # 8 per rank × 2 ranks, not the main run's 24
-    assert TrainSettings.from_config(plan.train).derived_global_batch == 16
-    assert plan.train["max_steps"] == bench.steps and plan.train["warmup_timing_steps"] == bench.warmup_steps
-    assert plan.train["max_tokens"] is None
+    assert plan.train.derived_global_batch == 16
+    assert plan.train.max_steps == bench.steps and plan.train.warmup_timing_steps == bench.warmup_steps
+    assert plan.train.max_tokens is None
     assert plan.role == "bench" and not plan.resume and not plan.save_checkpoints
     # a cell measures its own settings: memory_fit never changes them, and checkpoint keys are not its business
-    assert plan.train["memory_fit"] == "strict" and "checkpoint_every" not in cell_config["train"]
+    assert plan.train.memory_fit == "strict" and "checkpoint_every" not in cell_config["train"]
     assert set(plan.config) == {"name", "model", "train", "tokenizer", "benchmark", "report"}
 
 
 def test_time_estimate_is_a_lower_bound_from_the_peak():
     config = tiny()
     entry = {"status": "run", "gpus": 2, "micro_batch_size": 8}
-    model = config["model"]
+    model = ModelSettings.from_config(config["model"])
     cpu = time_estimate(entry, model, 4096, 1, {"device": "cpu", "peak_flops": 1e11}, steps=8)
     gpu = time_estimate(entry, model, 4096, 1, {"device": "cuda", "peak_flops": 1e11}, steps=8)
     assert cpu["min_step_time_s"] == pytest.approx(2 * gpu["min_step_time_s"])  # CPU ranks share one peak

@@ -11,6 +11,7 @@ import torch
 
 ROOT = Path(__file__).parents[2]
 
+from pretrain_bench.config_types import ModelSettings  # noqa: E402
 from pretrain_bench.memory_model import config_vocab_size  # noqa: E402
 from pretrain_bench.model import InitFromError, build_model, llama_config, load_pretrained, model_shape, resolve_shape  # noqa: E402
 from pretrain_bench.tokenizer import EOS_TOKEN, adopted_tokenizer_path, save_hf_folder, train_bpe  # noqa: E402
@@ -33,13 +34,13 @@ def hf_folder(tmp_path_factory) -> Path:
 
 
 def test_shape_comes_from_config_json_and_overrides_are_refused(hf_folder):
-    shape = model_shape({"preset": "deepseek-7b", "init_from": str(hf_folder)}, 300)
+    shape = model_shape(ModelSettings(preset="deepseek-7b", init_from=str(hf_folder)), 300)
     assert (shape.num_hidden_layers, shape.hidden_size, shape.num_key_value_heads, shape.vocab_size) == (5, 64, 2, 300)
     assert not shape.tie_word_embeddings
     with pytest.raises(InitFromError, match="model.overrides cannot change"):
-        model_shape({"preset": "tiny", "init_from": str(hf_folder), "overrides": {"num_hidden_layers": 2}}, 300)
+        model_shape(ModelSettings(preset="tiny", init_from=str(hf_folder), overrides={"num_hidden_layers": 2}), 300)
     with pytest.raises(InitFromError, match="no config.json"):
-        model_shape({"preset": "tiny", "init_from": str(hf_folder / "missing")}, 300)
+        model_shape(ModelSettings(preset="tiny", init_from=str(hf_folder / "missing")), 300)
 
 
 def test_its_tokenizer_is_adopted_unless_tokenizer_path_says_otherwise(hf_folder, tmp_path):
@@ -59,13 +60,13 @@ def test_weights_load_exactly_and_a_grown_vocabulary_gets_mean_rows(hf_folder):
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(hf_folder).eval()
-    shape = model_shape({"preset": "tiny", "init_from": str(hf_folder)}, 300)
+    shape = model_shape(ModelSettings(preset="tiny", init_from=str(hf_folder)), 300)
     model = build_model(shape, 64, seed=99, precision="fp32").eval()
     info = load_pretrained(model, hf_folder)
     assert info["added_vocab_rows"] == 0 and info["files"] == ["model.safetensors"]
     ids = torch.arange(40).reshape(2, 20)
     torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=1e-5)
-    grown = build_model(model_shape({"preset": "tiny", "init_from": str(hf_folder)}, 302), 64, seed=1).eval()
+    grown = build_model(model_shape(ModelSettings(preset="tiny", init_from=str(hf_folder)), 302), 64, seed=1).eval()
     assert load_pretrained(grown, hf_folder)["added_vocab_rows"] == 2
     embed = reference.model.embed_tokens.weight
     torch.testing.assert_close(grown.model.embed_tokens.weight[300], embed.mean(0))
@@ -86,7 +87,7 @@ def test_hf_uri_offline_fails_fast_naming_the_uri_and_the_download_command(tmp_p
     assert "model.init_from hf://some-org/some-model@v1.0: offline mode is on" in result.stdout, result.stderr[-2000:]
     assert "hf download some-org/some-model --revision v1.0" in result.stdout
     with pytest.raises(InitFromError, match="expected hf://<org>/<name>"):
-        model_shape({"preset": "tiny", "init_from": "hf://just-a-name"}, 300)
+        model_shape(ModelSettings(preset="tiny", init_from="hf://just-a-name"), 300)
 
 
 def test_an_hf_model_is_fetched_once_per_process(monkeypatch, hf_folder):
@@ -100,8 +101,9 @@ def test_an_hf_model_is_fetched_once_per_process(monkeypatch, hf_folder):
     model._hf_snapshot.cache_clear()
     try:
         # planning reads the shape once per benchmark cell
-        shapes = [model_shape({"preset": "tiny", "init_from": "hf://some-org/some-model@v1.0"}, 300) for _ in range(3)]
-        assert shapes == [model_shape({"preset": "tiny", "init_from": str(hf_folder)}, 300)] * 3
+        pinned = ModelSettings(preset="tiny", init_from="hf://some-org/some-model@v1.0")
+        shapes = [model_shape(pinned, 300) for _ in range(3)]
+        assert shapes == [model_shape(ModelSettings(preset="tiny", init_from=str(hf_folder)), 300)] * 3
         assert calls == [("some-org/some-model", "v1.0")]
     finally:
         model._hf_snapshot.cache_clear()
@@ -195,6 +197,6 @@ def test_weights_whose_shapes_disagree_with_config_json_are_refused_at_plan_time
     assert "the weights lack 9 tensor(s) of the model, e.g. ['model.layers.5.self_attn.q_proj.weight'" in message
     assert "Use the config.json these weights were saved with" in message
     # the same rules when the ranks load them
-    shape = model_shape({"preset": "tiny", "init_from": str(folder)}, 300)
+    shape = model_shape(ModelSettings(preset="tiny", init_from=str(folder)), 300)
     with pytest.raises(InitFromError, match="gate_proj.weight has shape"):
         load_pretrained(build_model(shape, 64, seed=0), folder)

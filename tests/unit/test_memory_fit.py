@@ -200,11 +200,11 @@ def test_plan_records_asked_and_chosen(tmp_path, no_gpu):
     index.write_text(json.dumps({"vocab_size": 102400, "splits": {"val": {"shards": [{"tokens": 10**7}]}}}))
     plan = make_plan(plan_config(config), index=index, tokenizer=tmp_path, out_dir=tmp_path / "o",
                      state_dir=tmp_path / "state")
-    assert plan.train["offload_optimizer"] == "cpu" and plan.memory_fit["asked"]["offload_optimizer"] == "none"
-    assert plan.train["activation_checkpointing"] and not plan.memory_fit["asked"]["activation_checkpointing"]
+    assert plan.train.offload_optimizer == "cpu" and plan.memory_fit["asked"]["offload_optimizer"] == "none"
+    assert plan.train.activation_checkpointing and not plan.memory_fit["asked"]["activation_checkpointing"]
     # a production CUDA run never pays for the comms logger's per-collective synchronisation
     assert plan.measure_comm is False
-    assert plan.train["nvme_path"] == str(tmp_path / "state" / "nvme")  # the default: under the run's state
+    assert plan.train.nvme_path == str(tmp_path / "state" / "nvme")  # the default: under the run's state
     # the plan records only the config a training run reads
     assert set(plan.config) == {"name", "model", "train", "tokenizer", "benchmark", "report"}
     assert "evaluate" not in plan.config and "corpus" not in plan.config

@@ -9,6 +9,7 @@ from pretrain_bench.bench_matrix import (
     model_flops_per_token,
     preview_text,
 )
+from pretrain_bench.config_types import ModelSettings
 from pretrain_bench.memory_model import GIB
 from pretrain_bench.model import count_parameters, model_shape
 from pretrain_bench.offload_time import FORMULA, OffloadStep, offload_seconds, planned_cores, usable_cores
@@ -55,7 +56,7 @@ def test_nvme_offload_swaps_the_fp32_states_through_one_disk():
 
 
 def test_the_preview_adds_the_offload_terms_and_prints_the_formula():
-    model = {"preset": "deepseek-7b", "seq_len": 128, "overrides": {}}
+    model = ModelSettings(preset="deepseek-7b", seq_len=128)
     main = TrainSettings(gpus=3, device="cuda", zero_stage=3, precision="fp16", micro_batch_size=8,
                          offload_optimizer="cpu", max_steps=10)
     matrix = empty_matrix()
@@ -77,7 +78,7 @@ def test_the_preview_adds_the_offload_terms_and_prints_the_formula():
 
 
 def test_activation_checkpointing_adds_a_forward_to_the_compute_time():
-    model = {"preset": "deepseek-7b", "seq_len": 128, "overrides": {}}
+    model = ModelSettings(preset="deepseek-7b", seq_len=128)
     matrix = empty_matrix()
     settings = dict(gpus=3, device="cuda", zero_stage=2, precision="fp16", micro_batch_size=8, max_steps=10)
     plain = cost_preview(matrix, TrainSettings(**settings), model, 102_400, 165e12, "test")
@@ -100,7 +101,7 @@ def test_host_adam_divides_by_the_planned_machines_cores_not_this_ones(monkeypat
     # GPUs here, or a CPU run: this machine's own usable cores, whatever benchmark.host_cores says
     assert planned_cores("cuda", gpu_detected=True, host_cores=16) == (2, "this machine's usable cores")
     assert planned_cores("cpu", gpu_detected=False, host_cores=16) == (2, "this machine's usable cores")
-    model = {"preset": "deepseek-7b", "seq_len": 128, "overrides": {}}
+    model = ModelSettings(preset="deepseek-7b", seq_len=128)
     main = TrainSettings(gpus=3, device="cuda", zero_stage=2, precision="fp16", micro_batch_size=8,
                          offload_optimizer="cpu", max_steps=10)
     on_16 = cost_preview(empty_matrix(16), main, model, 102_400, 165e12, "test")["main_offload"]

@@ -33,7 +33,7 @@ def test_a_plan_survives_its_json_file_field_for_field(plan_file):
     again = Plan.from_json(path)
     assert again == plan and plan_digest(again) == plan_digest(plan)
     written = json.loads(path.read_text())
-    assert written["paths"]["state_dir"] == plan.paths.state_dir and written["train"] == plan.train
+    assert written["paths"]["state_dir"] == plan.paths.state_dir and written["train"] == plan.train.as_dict()
     assert "cell" not in written  # a main run's plan has no cell; a benchmark cell's names it
     assert "device" not in written and "hardware" not in written  # run-time facts live in RunContext
     cell = dataclasses.replace(plan, cell="ranks2-zero2-fp32-gloo")
@@ -138,13 +138,13 @@ def test_a_val_split_too_small_for_eval_every_is_refused_at_plan_time(tmp_path, 
         "128); an evaluation needs 48 sample(s) (6,145 tokens: train.eval_tokens 6,144 over 3 rank(s), at least "
         "one sample per rank). Raise corpus.val_fraction (or the corpus size), lower train.gpus (one val sample per "
         "rank is the least an evaluation takes), or set train.eval_every: null")
-    assert tiny_plan(tmp_path, index, eval_every=None).train["eval_every"] is None
+    assert tiny_plan(tmp_path, index, eval_every=None).train.eval_every is None
 
     index = val_index(tmp_path, 10 * 128 + 1)  # 10 samples: 9 for 3 ranks, not the 48 asked for
     with pytest.raises(ConfigError, match=r"holds 1,281 tokens, 10 sample\(s\) .* lower train.eval_tokens to at "
                                           r"most 1,152, or set train.eval_every: null"):
         tiny_plan(tmp_path, index)
-    assert tiny_plan(tmp_path, index, eval_tokens=1152).train["eval_tokens"] == 1152
+    assert tiny_plan(tmp_path, index, eval_tokens=1152).train.eval_tokens == 1152
     # the ranks count with the same function: what the plan accepts, they take; what it refuses, they would too
     assert HeldOutSlice(index, 128, rank=0, world_size=3, eval_tokens=1152).samples == 9
     with pytest.raises(ConfigError, match="lower train.eval_tokens to at most 1,152"):

@@ -18,6 +18,7 @@ from httpfixture import FixtureServer, Route  # noqa: E402
 from pretrain_bench import state_lock  # noqa: E402
 from pretrain_bench.bench_matrix import BenchSettings, cell_settings, cells  # noqa: E402
 from pretrain_bench.checkpoint import CheckpointError  # noqa: E402
+from pretrain_bench.config_types import ModelSettings  # noqa: E402
 from pretrain_bench.download import DownloadError, download  # noqa: E402
 from pretrain_bench.plan import Plan, RunPaths  # noqa: E402
 from pretrain_bench.settings import ConfigError, TrainSettings, check_settings  # noqa: E402
@@ -35,10 +36,11 @@ time.sleep(120)
 
 def test_second_launch_is_refused_before_any_rank_and_leaves_the_running_log_alone(tmp_path):
     state = tmp_path / "results" / "run" / "state"
-    train = TrainSettings(gpus=1, device="cpu", comm_backend="gloo", precision="fp32", warmup_steps=0).as_dict()
+    train = TrainSettings(gpus=1, device="cpu", comm_backend="gloo", precision="fp32", warmup_steps=0)
     plan = tmp_path / "plan.json"
-    Plan(name="run", role="pretrain", config={}, device_request="cpu", train=train, model={}, init_from=None,
-         data_sha256="0" * 64, paths=RunPaths(index="", tokenizer="", out_dir="", state_dir=str(state), manifest=None),
+    Plan(name="run", role="pretrain", config={}, device_request="cpu", train=train,
+         model=ModelSettings(preset="tiny"), init_from=None, data_sha256="0" * 64,
+         paths=RunPaths(index="", tokenizer="", out_dir="", state_dir=str(state), manifest=None),
          resume=True, save_checkpoints=True, peak_tflops=None, peak=None, measure_comm=True, memory_fit={},
          preflight={}).to_json(plan)
     # The first run: a real process holding the lock, with its log under the rule's declared name.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass
 
-from .config_types import schema_defaults
+from .config_types import ModelSettings, schema_defaults
 from .devices import resolve_device_cheaply
 from .memory_model import Budget, config_vocab_size, detect_budget, estimate, gib, judge, run_shape
 from .offload_time import planned_cores
@@ -174,12 +174,12 @@ def runnable(matrix: dict) -> list[str]:
     return [entry["cell"] for entry in matrix["cells"] if entry["status"] == "run"]
 
 
-def time_estimate(entry: dict, model: dict, vocab_size: int, grad_accum_steps: int, peak: dict,
+def time_estimate(entry: dict, model: ModelSettings, vocab_size: int, grad_accum_steps: int, peak: dict,
                   steps: int) -> dict | None:
     """Lower bound on a cell's step time from the measured hardware peak (100% MFU), for the report."""
     if entry["status"] != "run" or not peak.get("peak_flops"):
         return None
-    tokens_per_step = entry["micro_batch_size"] * grad_accum_steps * entry["gpus"] * model["seq_len"]
+    tokens_per_step = entry["micro_batch_size"] * grad_accum_steps * entry["gpus"] * model.seq_len
     # CPU ranks share one machine's peak; each GPU brings its own.
     aggregate = peak["peak_flops"] * (entry["gpus"] if peak["device"] == "cuda" else 1)
     step_s = tokens_per_step * model_flops_per_token(model, vocab_size) / aggregate
@@ -187,13 +187,13 @@ def time_estimate(entry: dict, model: dict, vocab_size: int, grad_accum_steps: i
             "formula": "tokens per step × FLOPs per token ÷ peak (per GPU × ranks; on CPU the whole machine)"}
 
 
-def model_flops_per_token(model: dict, vocab_size: int) -> float:
+def model_flops_per_token(model: ModelSettings, vocab_size: int) -> float:
     from .flops import flops_per_token
     from .model import count_parameters, model_shape
 
     shape = model_shape(model, vocab_size)
     return flops_per_token(count_parameters(shape)["matmul"], shape.num_hidden_layers, shape.num_attention_heads,
-                           shape.hidden_size // shape.num_attention_heads, model["seq_len"])
+                           shape.hidden_size // shape.num_attention_heads, model.seq_len)
 
 
 # Stated assumptions of the DAG-time cost preview (labelled as such wherever it is printed): a share of the peak
@@ -203,7 +203,7 @@ PREVIEW_STARTUP_S = {"cuda": 60.0, "cpu": 20.0}
 RECOMPUTE_FACTOR = 4 / 3  # (6 + 2) / 6: one more forward per step under activation checkpointing
 
 
-def cost_preview(matrix: dict, main: TrainSettings, model: dict, vocab_size: int, peak_flops: float | None,
+def cost_preview(matrix: dict, main: TrainSettings, model: ModelSettings, vocab_size: int, peak_flops: float | None,
                  peak_source: str) -> dict:
     """Predicted wall time of the main run and of the benchmark matrix, before anything runs.
 
@@ -235,7 +235,7 @@ def cost_preview(matrix: dict, main: TrainSettings, model: dict, vocab_size: int
                  flops(entry["activation_checkpointing"]))
                 for entry in matrix["cells"] if entry["status"] == "run" for _ in range(matrix["repeats"])]
     main_offload = offload(main.world_size, main.precision, main.offload_optimizer, main.offload_param)
-    main_run = [(main.world_size, main.derived_global_batch, main.total_steps(model["seq_len"]), main_offload,
+    main_run = [(main.world_size, main.derived_global_batch, main.total_steps(model.seq_len), main_offload,
                  flops(main.activation_checkpointing))]
 
     def seconds(runs, mfu):
@@ -244,7 +244,7 @@ def cost_preview(matrix: dict, main: TrainSettings, model: dict, vocab_size: int
         total = 0.0
         for ranks, batch, steps, offloaded, flops_per_token in runs:
             aggregate = peak_flops * (ranks if device == "cuda" else 1) * mfu
-            compute_s = batch * model["seq_len"] * flops_per_token / aggregate
+            compute_s = batch * model.seq_len * flops_per_token / aggregate
             total += steps * (compute_s + offloaded["total_s"]) + PREVIEW_STARTUP_S[device]
         return total
 

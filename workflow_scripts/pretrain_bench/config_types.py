@@ -62,6 +62,25 @@ def default_field(*keys: str):
     return dataclasses.field(default=tuple(value) if isinstance(value, list) else value)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """The `model:` block of the config. What each key means, its bounds and its default: model.<key> in
+    schemas/config.schema.yaml."""
+
+    preset: str
+    seq_len: int = default_field("model", "seq_len")
+    overrides: dict = default_field("model", "overrides")
+    init_from: str | None = default_field("model", "init_from")
+
+    @classmethod
+    def from_config(cls, model: dict) -> ModelSettings:
+        return cls(**model)
+
+    def as_dict(self) -> dict:
+        """The block as plan.json and the resume fingerprint hold it."""
+        return dataclasses.asdict(self)
+
+
 def coerce_command_line_types(config: dict, schema: dict | Path | str) -> dict:
     """Convert, in place, string values whose schema type is not string; returns config.
 

@@ -121,8 +121,8 @@ def export_checkpoint(plan, step: int, target: Path, *, dtype: str = "fp32") -> 
     index = json.loads(Path(plan.paths.index).read_text())
     shape = plan_shape(plan, index["vocab_size"])
     root = Path(plan.paths.state_dir) / "checkpoints"
-    export_hf(root, step, shape, plan.model["seq_len"], Path(plan.paths.tokenizer), Path(target),
-              dtype=dtype, info={"model": plan.model, "run": plan.name}, plan=plan)
+    export_hf(root, step, shape, plan.model.seq_len, Path(plan.paths.tokenizer), Path(target),
+              dtype=dtype, info={"model": plan.model.as_dict(), "run": plan.name}, plan=plan)
     return read_export_info(target)
 
 

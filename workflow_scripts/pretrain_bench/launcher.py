@@ -351,7 +351,7 @@ def launch(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_dir: Path
     the module docstring; without it output stays on this process's stdout/stderr.
     Raises state_lock.StateInUse, before starting anything or opening the log, when another run holds the state.
     """
-    settings = TrainSettings.from_config(plan.train)
+    settings = plan.train
     if ranks != settings.gpus:
         raise ValueError(f"--ranks {ranks} (ranks per node) but train.gpus={settings.gpus}: they must agree")
     check_settings(settings)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from . import devices
+from .config_types import ModelSettings
 from .model import count_parameters, model_shape
 from .settings import ConfigError, TrainSettings
 
@@ -498,12 +499,13 @@ def config_vocab_size(config: dict) -> int:
 
 def run_shape(config: dict, settings: TrainSettings, device: str, vocab_size: int | None = None) -> RunShape:
     # model.init_from: the shape of the model in its config.json, which the weights fix
-    shape = model_shape(config["model"], vocab_size or config_vocab_size(config))
+    model = ModelSettings.from_config(config["model"])
+    shape = model_shape(model, vocab_size or config_vocab_size(config))
     counts = count_parameters(shape)
     head_dim = shape.hidden_size // shape.num_attention_heads
     return RunShape(parameters=counts["total"], layers=shape.num_hidden_layers, hidden_size=shape.hidden_size,
                     kv_size=shape.num_key_value_heads * head_dim, ffn_size=shape.intermediate_size,
-                    vocab_size=shape.vocab_size, seq_len=config["model"]["seq_len"],
+                    vocab_size=shape.vocab_size, seq_len=model.seq_len,
                     micro_batch_size=settings.micro_batch_size, ranks=settings.world_size,
                     zero_stage=settings.zero_stage, precision=settings.precision,
                     offload_optimizer=settings.offload_optimizer, offload_param=settings.offload_param,

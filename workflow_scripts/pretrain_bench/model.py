@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from .config_types import ModelSettings
 from .settings import ConfigError
 
 
@@ -208,13 +209,14 @@ def shape_from_hf_config(folder: Path) -> ModelShape:
     return ModelShape(**values, extra=extra)
 
 
-def model_shape(model: dict, tokenizer_vocab: int | None = None, init_folder: Path | None = None) -> ModelShape:
+def model_shape(model: ModelSettings, tokenizer_vocab: int | None = None,
+                init_folder: Path | None = None) -> ModelShape:
     """The shape of the model a `model:` block (config or plan) describes: model.init_from's config.json when
     set (`init_folder`: where it was resolved to), else the preset with its overrides."""
-    if not model.get("init_from"):
-        return resolve_shape(model["preset"], model.get("overrides"), tokenizer_vocab)
-    shape = shape_from_hf_config(init_folder or init_from_folder(model["init_from"], weights=False))
-    if model.get("overrides"):
+    if not model.init_from:
+        return resolve_shape(model.preset, model.overrides, tokenizer_vocab)
+    shape = shape_from_hf_config(init_folder or init_from_folder(model.init_from, weights=False))
+    if model.overrides:
         raise InitFromError("model.overrides cannot change a model.init_from model's shape: its weights fix it")
     if tokenizer_vocab is not None and tokenizer_vocab > shape.vocab_size:
         # The adopted tokenizer gained rows (a pad token it lacked): the embedding grows, see load_pretrained.

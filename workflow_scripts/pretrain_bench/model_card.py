@@ -37,8 +37,8 @@ def card_facts(plan, step: int, tokens: int | None) -> dict:
     manifest_path = plan.paths.manifest  # the plan rule's input (None for benchmark cells)
     manifest = json.loads(Path(manifest_path).read_text()) if manifest_path and Path(manifest_path).is_file() else None
     return {
-        "name": plan.name, "step": step, "tokens": tokens, "seq_len": plan.model["seq_len"],
-        "preset": plan.model["preset"], "init_from": plan.init_from,
+        "name": plan.name, "step": step, "tokens": tokens, "seq_len": plan.model.seq_len,
+        "preset": plan.model.preset, "init_from": plan.init_from,
         "heldout": heldout_at(Path(plan.paths.state_dir) / "metrics.jsonl", step, index),
         "sources": manifest["sources"] if manifest else None,
         "splits": {split: manifest[split] for split in ("train", "val")} if manifest else None,

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .config_types import ModelSettings
 from .devices import resolve_device_cheaply
 from .flops import plan_peak
 from .io import atomic_write_json
@@ -50,8 +51,8 @@ class Plan:
     role: str  # pretrain | bench
     config: dict  # plan_config(config): the part of the config a training run reads
     device_request: str  # train.device as asked (auto | cpu | cuda)
-    train: dict  # the train block after the memory pre-flight (TrainSettings.as_dict)
-    model: dict  # preset, seq_len, overrides, init_from (uri)
+    train: TrainSettings  # the train block after the memory pre-flight
+    model: ModelSettings  # preset, seq_len, overrides, init_from (uri)
     init_from: dict | None  # init_from_record(): the local folder and identity of model.init_from's weights
     data_sha256: str  # digest of the shards' index.json
     paths: RunPaths
@@ -65,7 +66,7 @@ class Plan:
     cell: str | None = None  # the benchmark cell this plan measures
 
     def to_dict(self) -> dict:
-        data = dataclasses.asdict(self)
+        data = dataclasses.asdict(self) | {"train": self.train.as_dict(), "model": self.model.as_dict()}
         if data["cell"] is None:
             del data["cell"]  # a main run's plan.json has no cell key
         return data
@@ -81,7 +82,9 @@ class Plan:
         if missing or unknown:
             raise ConfigError(f"{source} is not a plan this version writes (missing {missing}, unknown {unknown}): "
                               "rerun its plan rule (snakemake --forcerun plan_pretrain, or plan_bench_cell for a cell)")
-        return cls(**{**data, "paths": RunPaths(**{k: data["paths"][k] for k in path_fields})})
+        return cls(**{**data, "paths": RunPaths(**{k: data["paths"][k] for k in path_fields}),
+                      "train": TrainSettings.from_config(data["train"]),
+                      "model": ModelSettings.from_config(data["model"])})
 
     def to_json(self, path: Path) -> None:
         path = Path(path)
@@ -162,21 +165,19 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
     settings, memory_fit = fit_run(config, settings, index_data.get("vocab_size"), what=f"the {role} run",
                                    state_dir=str(state_dir) if save_checkpoints else None)
     check_settings(settings)
-    model = config["model"]
+    model = ModelSettings.from_config(config["model"])
     if settings.eval_every:
-        check_val_split(index_data, Path(index), model["seq_len"], settings)
+        check_val_split(index_data, Path(index), model.seq_len, settings)
     device = resolve_device_cheaply(settings.device)  # nvidia-smi at most once
     return Plan(
         name=config["name"],
         role=role,
         config=config,
         device_request=settings.device,
-        train=settings.as_dict(),
-        model={"preset": model["preset"], "seq_len": model["seq_len"], "overrides": model.get("overrides") or {},
-               "init_from": model.get("init_from")},
+        train=settings,
+        model=model,
         # model.init_from fetched (hf://: into the HF cache) once here, so the ranks only read a local folder
-        init_from=init_from_record(model["init_from"], model, index_data.get("vocab_size"))
-        if model.get("init_from") else None,
+        init_from=init_from_record(model, index_data.get("vocab_size")) if model.init_from else None,
         data_sha256=hashlib.sha256(Path(index).read_bytes()).hexdigest(),
         paths=RunPaths(index=str(index), tokenizer=str(tokenizer), out_dir=str(out_dir), state_dir=str(state_dir),
                        manifest=str(manifest) if manifest else None),
@@ -202,7 +203,7 @@ def check_val_split(index_data: dict, index: Path, seq_len: int, settings: Train
     heldout_samples(val_tokens, seq_len, settings.world_size, settings.eval_tokens, index)
 
 
-def init_from_record(uri: str, model: dict, tokenizer_vocab: int | None) -> dict:
+def init_from_record(model: ModelSettings, tokenizer_vocab: int | None) -> dict:
     """Where model.init_from's weights are (a local folder) and what identifies them: the hf:// commit, and a digest
     of config.json and the weight files' names and sizes (a changed model starts a fresh run, never a resume).
 
@@ -210,9 +211,10 @@ def init_from_record(uri: str, model: dict, tokenizer_vocab: int | None) -> dict
     is the one the model of `model` (its config.json, with the vocabulary of the tokenizer) has."""
     from .model import check_init_from_weights, init_from_folder, model_shape
 
+    uri = model.init_from
     folder = init_from_folder(uri, weights=True)
     shape = model_shape(model, tokenizer_vocab, init_folder=folder)
-    weights = check_init_from_weights(folder, shape, model["seq_len"])
+    weights = check_init_from_weights(folder, shape, model.seq_len)
     digest = hashlib.sha256((folder / "config.json").read_bytes())
     for file in weights:
         digest.update(f"{file.name}:{file.stat().st_size}".encode())

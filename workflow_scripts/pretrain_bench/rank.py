@@ -198,8 +198,8 @@ def resume_fingerprint(plan) -> dict:
                 "warmup_timing_steps", "allow_reshape", "gpus", "nodes", "global_batch_size", "rdzv_endpoint",
                 "memory_fit", "nvme_path", "collective_timeout_min", "nccl_env", "verify_checkpoints", "phase_timing",
                 "eval_every", "eval_tokens", "deepspeed"}
-    train = {k: v for k, v in plan.train.items() if k not in keep_out}
-    fingerprint = {"model": plan.model, "train": train, "data": plan.data_sha256}
+    train = {k: v for k, v in plan.train.as_dict().items() if k not in keep_out}
+    fingerprint = {"model": plan.model.as_dict(), "train": train, "data": plan.data_sha256}
     if plan.init_from:  # other weights at the same path or hf:// revision are another run
         fingerprint["init_from"] = plan.init_from["identity"]
     return fingerprint

@@ -45,7 +45,7 @@ from .rank import (
 )
 from .rank import log as rank_log
 from .run_state import mark_finished, plan_digest, prepare_state
-from .settings import TrainSettings, check_settings, deepspeed_config
+from .settings import check_settings, deepspeed_config
 from .step import PhaseTimer, train_step
 
 
@@ -56,13 +56,13 @@ class Trainer:
         self.plan, self.context = plan, context
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.settings = TrainSettings.from_config(plan.train)
+        self.settings = plan.train
         self.device = context.device
         self.out_dir, self.state_dir = Path(plan.paths.out_dir), Path(plan.paths.state_dir)
         self.ckpt_root = self.state_dir / "checkpoints"
         self.metrics_path = self.state_dir / "metrics.jsonl"
         self.run_device = f"cuda:{self.local_rank}" if self.device == "cuda" else "cpu"
-        self.seq_len = plan.model["seq_len"]
+        self.seq_len = plan.model.seq_len
         self.total_steps = self.settings.total_steps(self.seq_len)
         self.tokens_per_step = self.settings.derived_global_batch * self.seq_len
         self.fingerprint = resume_fingerprint(plan)
@@ -177,7 +177,7 @@ class Trainer:
         self.shape = plan_shape(plan, index["vocab_size"])
         self.params = params = count_parameters(self.shape)
         self.init_from = init_from = plan.init_from
-        self.log(f"model {init_from['uri'] if init_from else plan.model['preset']}: {params['total']:,} parameters "
+        self.log(f"model {init_from['uri'] if init_from else plan.model.preset}: {params['total']:,} parameters "
                  f"({params['non_embedding']:,} non-embedding), world size {self.world}, device {self.device}")
         from .memory_fit import summary_line
 
@@ -481,7 +481,7 @@ class Trainer:
             "warmup_timing_steps": settings.warmup_timing_steps,
             "peak_mem_bytes": peak_memory_per_rank(records, world),
             "peak_mem_kind": peak_memory_bytes(self.device)[1],
-            "model": {"preset": plan.model["preset"], "parameters": params["total"],
+            "model": {"preset": plan.model.preset, "parameters": params["total"],
                       "non_embedding_parameters": params["non_embedding"],
                       "matmul_parameters": params["matmul"], "layers": shape.num_hidden_layers,
                       "hidden_size": shape.hidden_size, "heads": shape.num_attention_heads,
