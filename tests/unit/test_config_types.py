@@ -79,3 +79,37 @@ def test_settings_built_in_code_take_the_schemas_defaults():
                          prompts=tuple(evaluate["prompts"]))
     assert built == EvalSettings()
     assert BenchSettings.from_config(config) == BenchSettings.from_config({**config, "benchmark": {}})
+
+
+def test_key_groups_are_the_fields_metadata():
+    """The groups of train keys (what a resume fingerprints, what a benchmark cell drops, what trains further, what
+    train.memory_fit may change) are tags on TrainSettings' fields, and the resume fingerprint they decide is the one
+    earlier runs' checkpoints carry."""
+    from pretrain_bench.config_types import ModelSettings, keys_with
+    from pretrain_bench.plan import Plan, RunPaths
+    from pretrain_bench.rank import resume_fingerprint
+    from pretrain_bench.run_state import fingerprint_id
+    from pretrain_bench.settings import (
+        CELL_IRRELEVANT_KEYS,
+        FIT_KEYS,
+        RESUMABLE_KEYS,
+        TRAINS_FURTHER_KEYS,
+        TrainSettings,
+    )
+
+    assert set(RESUMABLE_KEYS) == {
+        "max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "max_restarts", "warmup_timing_steps",
+        "allow_reshape", "gpus", "nodes", "global_batch_size", "rdzv_endpoint", "memory_fit", "nvme_path",
+        "collective_timeout_min", "nccl_env", "verify_checkpoints", "phase_timing", "eval_every", "eval_tokens",
+        "deepspeed"}
+    assert CELL_IRRELEVANT_KEYS == ("checkpoint_every", "keep_checkpoints", "max_restarts", "allow_reshape",
+                                    "eval_every", "eval_tokens")
+    assert TRAINS_FURTHER_KEYS == ("max_steps", "max_tokens")
+    assert FIT_KEYS == ("zero_stage", "offload_optimizer", "offload_param", "activation_checkpointing",
+                        "micro_batch_size", "grad_accum_steps")  # the order of plan.json's memory_fit.asked
+    assert keys_with(TrainSettings, "no such tag") == ()
+    plan = Plan(name="run", role="pretrain", config={}, device_request="cpu", train=TrainSettings(),
+                model=ModelSettings(preset="tiny"), init_from=None, data_sha256="0" * 64,
+                paths=RunPaths(index="", tokenizer="", out_dir="", state_dir="", manifest=None), resume=True,
+                save_checkpoints=True, peak_tflops=None, peak=None, measure_comm=True, memory_fit={}, preflight={})
+    assert fingerprint_id(resume_fingerprint(plan)) == "39aa21b7b7eb"

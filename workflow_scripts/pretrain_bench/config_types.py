@@ -54,12 +54,21 @@ def schema_defaults(*keys: str) -> dict:
     return {key: copy.deepcopy(sub["default"]) for key, sub in properties.items() if "default" in sub}
 
 
-def default_field(*keys: str):
-    """A dataclass field whose default is `schema_default(*keys)` (a list becomes a tuple: frozen settings hash)."""
+def default_field(*keys: str, **tags):
+    """A dataclass field whose default is `schema_default(*keys)` (a list becomes a tuple: frozen settings hash).
+
+    `tags` become the field's metadata: the groups a key belongs to (see `keys_with`)."""
     value = schema_default(*keys)
     if isinstance(value, dict):
-        return dataclasses.field(default_factory=lambda: copy.deepcopy(value))
-    return dataclasses.field(default=tuple(value) if isinstance(value, list) else value)
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(value), metadata=tags)
+    return dataclasses.field(default=tuple(value) if isinstance(value, list) else value, metadata=tags)
+
+
+def keys_with(settings_class, tag: str, value=True) -> tuple[str, ...]:
+    """The fields of a settings dataclass whose metadata sets `tag` to `value`, in the order they are declared:
+    groups of keys (what a resume fingerprints, what a benchmark cell ignores ...) are written on the fields
+    themselves, never as lists kept beside them."""
+    return tuple(f.name for f in dataclasses.fields(settings_class) if tag in f.metadata and f.metadata[tag] == value)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,11 +36,7 @@ from .memory_model import (
     judge,
     run_shape,
 )
-from .settings import ConfigError, TrainSettings
-
-# The settings a rung may change; everything else (model, precision, global batch, data) stays as asked.
-FIT_KEYS = ("zero_stage", "offload_optimizer", "offload_param", "activation_checkpointing", "micro_batch_size",
-            "grad_accum_steps")
+from .settings import FIT_KEYS, ConfigError, TrainSettings
 
 
 @dataclass(frozen=True)

@@ -18,15 +18,10 @@ from .devices import resolve_device_cheaply
 from .flops import plan_peak
 from .io import atomic_write_json
 from .memory_fit import fit_run
-from .settings import ConfigError, TrainSettings, check_settings
+from .settings import CELL_IRRELEVANT_KEYS, TRAINS_FURTHER_KEYS, ConfigError, TrainSettings, check_settings
 
 # benchmark.* keys the pre-flight reads (the machine it plans for, and whether to launch runs that do not fit).
 PLANNING_KEYS = ("force", "device_memory_gib", "host_memory_gib", "disk_gib")
-# train.* keys that mean nothing to a benchmark cell (it keeps no checkpoints, is never restarted, and spends its few
-# steps on timing, not on held-out evaluation).
-CELL_IRRELEVANT = ("checkpoint_every", "keep_checkpoints", "max_restarts", "allow_reshape", "eval_every", "eval_tokens")
-# train.* keys that, raised, train a run further without touching the checkpoints it has kept.
-TRAINS_FURTHER = ("max_steps", "max_tokens")
 
 
 @dataclass(frozen=True)
@@ -119,7 +114,7 @@ def plan_config(config: dict, train: dict | None = None) -> dict:
 
 def only_trains_further(plan_path: Path, config: dict) -> bool:
     """Whether a plan made from `config` (a plan config) only trains on the run whose plan is `plan_path`: the same
-    plan config but for a raised train.max_steps or train.max_tokens (TRAINS_FURTHER). That run resumes, and every
+    plan config but for a raised train.max_steps or train.max_tokens (TRAINS_FURTHER_KEYS). That run resumes, and every
     checkpoint it has kept stays as it is. False when there is no such plan (or it cannot be read), and after any
     other edit of what a plan reads, even one a resume allows: only then may the checkpoints be written anew."""
     try:
@@ -128,12 +123,12 @@ def only_trains_further(plan_path: Path, config: dict) -> bool:
         return False
     asked = json.loads(json.dumps(config, default=str))  # as plan.json holds it (lists, not tuples)
     old_train, new_train = written.get("train") or {}, asked.get("train") or {}
-    if any((new_train.get(key) or 0) < (old_train.get(key) or 0) for key in TRAINS_FURTHER):
+    if any((new_train.get(key) or 0) < (old_train.get(key) or 0) for key in TRAINS_FURTHER_KEYS):
         return False  # fewer steps: not a continuation
 
     def without_steps(plan_config: dict) -> dict:
         return {**plan_config, "train": {k: v for k, v in (plan_config.get("train") or {}).items()
-                                         if k not in TRAINS_FURTHER}}
+                                         if k not in TRAINS_FURTHER_KEYS}}
 
     return without_steps(written) == without_steps(asked)
 
@@ -145,7 +140,7 @@ def cell_train(config: dict, overrides: dict) -> dict:
     are left out of the matrix instead), and its global batch is derived from its own ranks.
     """
     train = {**config["train"], **overrides, "global_batch_size": None, "memory_fit": "strict"}
-    return {key: value for key, value in train.items() if key not in CELL_IRRELEVANT}
+    return {key: value for key, value in train.items() if key not in CELL_IRRELEVANT_KEYS}
 
 
 def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, state_dir: Path,

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from .settings import TrainSettings
+from .settings import RESUMABLE_KEYS, TrainSettings
 
 logger = logging.getLogger(__name__)
 
@@ -194,11 +194,7 @@ def fused_adam_prebuilt() -> bool:
 
 def resume_fingerprint(plan) -> dict:
     """What must not change between a checkpoint and the run that resumes it."""
-    keep_out = {"max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "max_restarts",
-                "warmup_timing_steps", "allow_reshape", "gpus", "nodes", "global_batch_size", "rdzv_endpoint",
-                "memory_fit", "nvme_path", "collective_timeout_min", "nccl_env", "verify_checkpoints", "phase_timing",
-                "eval_every", "eval_tokens", "deepspeed"}
-    train = {k: v for k, v in plan.train.as_dict().items() if k not in keep_out}
+    train = {k: v for k, v in plan.train.as_dict().items() if k not in RESUMABLE_KEYS}
     fingerprint = {"model": plan.model.as_dict(), "train": train, "data": plan.data_sha256}
     if plan.init_from:  # other weights at the same path or hf:// revision are another run
         fingerprint["init_from"] = plan.init_from["identity"]

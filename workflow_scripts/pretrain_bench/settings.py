@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 from .checkpoint import VERIFY_MODES
-from .config_types import default_field
+from .config_types import default_field, keys_with
 
 
 class ConfigError(ValueError):
@@ -23,26 +23,35 @@ LR_SCHEDULES = ("cosine", "linear", "constant", "warmup-stable-decay")
 @dataclass(frozen=True)
 class TrainSettings:
     """The `train:` block of the config. What each key means, its bounds and its default: the `description`,
-    limits and `default` of train.<key> in schemas/config.schema.yaml, the only place they are written."""
+    limits and `default` of train.<key> in schemas/config.schema.yaml, the only place they are written.
 
-    gpus: int = default_field("train", "gpus")
-    nodes: int = default_field("train", "nodes")
-    rdzv_endpoint: str | None = default_field("train", "rdzv_endpoint")
+    The groups a key belongs to are its field's metadata (`config_types.keys_with`):
+    fingerprint=False  may change between a checkpoint and the run that resumes it (RESUMABLE_KEYS)
+    cell=False         means nothing to a benchmark cell: it keeps no checkpoints, is never restarted, and spends its
+                       few steps on timing, not on held-out evaluation (CELL_IRRELEVANT_KEYS)
+    trains_further     raised, trains a run further without touching the checkpoints it has kept (TRAINS_FURTHER_KEYS)
+    fit                a train.memory_fit rung may change it; the model, precision, global batch and data stay as
+                       asked (FIT_KEYS)
+    """
+
+    gpus: int = default_field("train", "gpus", fingerprint=False)
+    nodes: int = default_field("train", "nodes", fingerprint=False)
+    rdzv_endpoint: str | None = default_field("train", "rdzv_endpoint", fingerprint=False)
     device: str = default_field("train", "device")
     engine: str = default_field("train", "engine")
     comm_backend: str = default_field("train", "comm_backend")
-    zero_stage: int = default_field("train", "zero_stage")
+    zero_stage: int = default_field("train", "zero_stage", fit=True)
     precision: str = default_field("train", "precision")
-    offload_optimizer: str = default_field("train", "offload_optimizer")
-    offload_param: str = default_field("train", "offload_param")
-    nvme_path: str | None = default_field("train", "nvme_path")
-    memory_fit: str = default_field("train", "memory_fit")
-    activation_checkpointing: bool = default_field("train", "activation_checkpointing")
-    micro_batch_size: int = default_field("train", "micro_batch_size")
-    grad_accum_steps: int = default_field("train", "grad_accum_steps")
-    global_batch_size: int | None = default_field("train", "global_batch_size")
-    max_steps: int = default_field("train", "max_steps")
-    max_tokens: int | None = default_field("train", "max_tokens")
+    offload_optimizer: str = default_field("train", "offload_optimizer", fit=True)
+    offload_param: str = default_field("train", "offload_param", fit=True)
+    nvme_path: str | None = default_field("train", "nvme_path", fingerprint=False)
+    memory_fit: str = default_field("train", "memory_fit", fingerprint=False)
+    activation_checkpointing: bool = default_field("train", "activation_checkpointing", fit=True)
+    micro_batch_size: int = default_field("train", "micro_batch_size", fit=True)
+    grad_accum_steps: int = default_field("train", "grad_accum_steps", fit=True)
+    global_batch_size: int | None = default_field("train", "global_batch_size", fingerprint=False)
+    max_steps: int = default_field("train", "max_steps", fingerprint=False, trains_further=True)
+    max_tokens: int | None = default_field("train", "max_tokens", fingerprint=False, trains_further=True)
     lr: float = default_field("train", "lr")
     min_lr: float = default_field("train", "min_lr")
     warmup_steps: int = default_field("train", "warmup_steps")
@@ -53,18 +62,18 @@ class TrainSettings:
     adam_eps: float = default_field("train", "adam_eps")
     grad_clip: float = default_field("train", "grad_clip")
     seed: int = default_field("train", "seed")
-    checkpoint_every: int = default_field("train", "checkpoint_every")
-    keep_checkpoints: int | None = default_field("train", "keep_checkpoints")
-    warmup_timing_steps: int = default_field("train", "warmup_timing_steps")
-    max_restarts: int = default_field("train", "max_restarts")
-    collective_timeout_min: float = default_field("train", "collective_timeout_min")
-    nccl_env: dict | None = default_field("train", "nccl_env")
-    allow_reshape: bool = default_field("train", "allow_reshape")
-    phase_timing: bool = default_field("train", "phase_timing")
-    verify_checkpoints: str = default_field("train", "verify_checkpoints")
-    eval_every: int | None = default_field("train", "eval_every")
-    eval_tokens: int = default_field("train", "eval_tokens")
-    deepspeed: dict = default_field("train", "deepspeed")
+    checkpoint_every: int = default_field("train", "checkpoint_every", fingerprint=False, cell=False)
+    keep_checkpoints: int | None = default_field("train", "keep_checkpoints", fingerprint=False, cell=False)
+    warmup_timing_steps: int = default_field("train", "warmup_timing_steps", fingerprint=False)
+    max_restarts: int = default_field("train", "max_restarts", fingerprint=False, cell=False)
+    collective_timeout_min: float = default_field("train", "collective_timeout_min", fingerprint=False)
+    nccl_env: dict | None = default_field("train", "nccl_env", fingerprint=False)
+    allow_reshape: bool = default_field("train", "allow_reshape", fingerprint=False, cell=False)
+    phase_timing: bool = default_field("train", "phase_timing", fingerprint=False)
+    verify_checkpoints: str = default_field("train", "verify_checkpoints", fingerprint=False)
+    eval_every: int | None = default_field("train", "eval_every", fingerprint=False, cell=False)
+    eval_tokens: int = default_field("train", "eval_tokens", fingerprint=False, cell=False)
+    deepspeed: dict = default_field("train", "deepspeed", fingerprint=False)
 
     @classmethod
     def from_config(cls, train: dict) -> TrainSettings:
@@ -104,6 +113,12 @@ class TrainSettings:
         values = asdict(self)
         values["adam_betas"] = list(self.adam_betas)
         return values
+
+
+RESUMABLE_KEYS = keys_with(TrainSettings, "fingerprint", False)
+CELL_IRRELEVANT_KEYS = keys_with(TrainSettings, "cell", False)
+TRAINS_FURTHER_KEYS = keys_with(TrainSettings, "trains_further")
+FIT_KEYS = keys_with(TrainSettings, "fit")
 
 
 # ds_config keys that decide what trains (precision, ZeRO stage and offload, optimizer and schedule, batch, the
