@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from pretrain_bench.checkpoint import committed_steps, load_fp32_state_dict
+from pretrain_bench.checkpoint import committed_steps
+from pretrain_bench.checkpointer import load_fp32_state_dict
 from pretrain_bench.plan import Plan
 from support import crash_after_first_checkpoint, losses, plan_for, run
 

@@ -3,7 +3,7 @@ same weights as the whole fp32 state dict cast at once."""
 import pytest
 import torch
 
-from pretrain_bench.checkpoint import load_fp32_state_dict
+from pretrain_bench.checkpointer import load_fp32_state_dict
 from pretrain_bench.export import export_checkpoint
 from pretrain_bench.plan import Plan
 from support import plan_for, run

@@ -138,17 +138,17 @@ os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
                   MASTER_PORT=sys.argv[3])
 import torch, torch.nn.functional as F, deepspeed
 from pretrain_bench import engines
-from pretrain_bench.engines import DeepSpeedEngine
+from pretrain_bench.engines import DeepSpeedEngine, EngineRun
 if mode == "real muon":
     engines.skip_muon_import = lambda: None
 from pretrain_bench.model import build_model, resolve_shape
-from pretrain_bench.settings import TrainSettings, deepspeed_config
+from pretrain_bench.settings import TrainSettings
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
 settings = TrainSettings.from_config({"zero_stage": stage, "micro_batch_size": 2, "gpus": 1, "device": "cpu",
                                       "comm_backend": "gloo", "precision": "fp32", "max_steps": 4, "warmup_steps": 1})
 engine = DeepSpeedEngine(build_model(resolve_shape("tiny", {}, 512), 32, 1234), settings,
-                         deepspeed_config(settings, "cpu", 4), 4)
+                         EngineRun(device="cpu", total_steps=4, measure_comm=True, pin_memory=True, reshape=False))
 skipped = not engine.engine.enable_backward_allreduce
 if mode == "reduce":
     engine.engine.enable_backward_allreduce = True

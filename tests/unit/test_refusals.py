@@ -275,16 +275,17 @@ import json, os, sys
 os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT=sys.argv[1])
 import deepspeed
-from pretrain_bench.engines import DeepSpeedEngine
+from pretrain_bench.engines import DeepSpeedEngine, EngineRun
 from pretrain_bench.model import build_model, resolve_shape
-from pretrain_bench.settings import TrainSettings, _merge, deepspeed_config
+from pretrain_bench.settings import TrainSettings
 deepspeed.init_distributed(dist_backend="gloo")
+# what the refusals stop at plan time (train.deepspeed), forced past them here by building the settings directly:
+# the engine merges it into its ds_config and reports what DeepSpeed parsed
 settings = TrainSettings.from_config({"zero_stage": 2, "micro_batch_size": 2, "grad_accum_steps": 3, "gpus": 1,
                                       "device": "cpu", "comm_backend": "gloo", "precision": "fp32", "max_steps": 4,
-                                      "warmup_steps": 1})
-# what the refusals stop at plan time, forced past them here: the engine reports what DeepSpeed parsed
-config = _merge(deepspeed_config(settings, "cpu", 4), json.loads(sys.argv[2]))
-engine = DeepSpeedEngine(build_model(resolve_shape("tiny", {}, 512), 32, 1234), settings, config, 4)
+                                      "warmup_steps": 1, "deepspeed": json.loads(sys.argv[2])})
+engine = DeepSpeedEngine(build_model(resolve_shape("tiny", {}, 512), 32, 1234), settings,
+                         EngineRun(device="cpu", total_steps=4, measure_comm=True, pin_memory=True, reshape=False))
 print(json.dumps(engine.ran()))
 """
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain_bench import rank as rank_module
-from pretrain_bench.engines import DDPEngine
+from pretrain_bench.engines import DDPEngine, EngineRun
 from pretrain_bench.model import ModelShape, build_model
 from pretrain_bench.rank import TrainingAborted
 from pretrain_bench.settings import TrainSettings
@@ -24,6 +24,7 @@ from pretrain_bench.trainer import Trainer
 PACKAGE = str(Path(rank_module.__file__).parent)
 SHAPE = ModelShape(1, 32, 2, 2, 64, 97)
 B, T, STEPS = 2, 8, 6
+RUN = EngineRun(device="cpu", total_steps=STEPS, measure_comm=False, pin_memory=True, reshape=False)
 
 
 class Batches:
@@ -112,7 +113,7 @@ def run_steps(trainer, timer_enabled=True):
 def test_each_step_reads_the_device_once(process_group, host_reads, precision):
     settings = TrainSettings(engine="ddp", device="cpu", precision=precision, micro_batch_size=B, grad_accum_steps=2,
                              comm_backend="gloo")
-    engine = DDPEngine(build_model(SHAPE, T, seed=0), settings, "cpu", total_steps=STEPS)
+    engine = DDPEngine(build_model(SHAPE, T, seed=0), settings, RUN)
     before = dict(host_reads, where=[])
     records = run_steps(trainer_for(engine, settings))
     # fp16: the loss scaler's scale, read once per step to know whether the step was skipped (the scheduler steps
@@ -130,7 +131,7 @@ def test_each_step_reads_the_device_once(process_group, host_reads, precision):
 def test_the_gather_carries_the_stop_flag_and_a_non_finite_loss_still_aborts_in_it(process_group, host_reads):
     settings = TrainSettings(engine="ddp", device="cpu", precision="fp32", micro_batch_size=B, grad_accum_steps=1,
                              comm_backend="gloo")
-    engine = DDPEngine(build_model(SHAPE, T, seed=0), settings, "cpu", total_steps=STEPS)
+    engine = DDPEngine(build_model(SHAPE, T, seed=0), settings, RUN)
     trainer = trainer_for(engine, settings)
     trainer.preemption.requested = True
     gathered, _, _ = train_step(engine, Batches(), micro_steps=1, vocab=SHAPE.vocab_size, run_device="cpu",

@@ -27,6 +27,7 @@ from pathlib import Path
 from .config_types import schema_default
 
 MARKER = "COMMITTED.json"
+UNIVERSAL_SUFFIX = "-universal"  # step<N>-universal: DeepSpeed's world-size-independent copy of step<N>, pruned with it
 _TAG = re.compile(r"^step(\d+)$")
 # The sampled hash covers SAMPLE_BYTES at offsets 0, SAMPLE_STRIDE, 2·SAMPLE_STRIDE, …: a file under 1 MiB is hashed
 # whole; a 30 GB optimizer shard costs 480 MB of reads. Truncation is caught by the size, whatever the sample.
@@ -359,64 +360,5 @@ def prune(root: Path, keep: int | None, protect: set[int] = frozenset()) -> list
         # Remove the marker first: a crash during rmtree leaves an incomplete (ignored) folder, not a broken one.
         (folder / MARKER).unlink()
         shutil.rmtree(folder)
-        shutil.rmtree(Path(root) / f"{tag_for(step)}-universal", ignore_errors=True)
+        shutil.rmtree(Path(root) / f"{tag_for(step)}{UNIVERSAL_SUFFIX}", ignore_errors=True)
     return doomed
-
-
-def load_fp32_state_dict(root: Path, step: int, *, lazy: bool = False) -> dict:
-    """The full fp32 model state dict of a committed checkpoint, on CPU, for any ZeRO stage and any engine.
-
-    lazy: the tensors as stored, nothing converted: files mapped rather than read, a ZeRO-3 parameter a DeepSpeed
-    GatheredTensor that `.contiguous()` gathers from the ranks' partitions. For a reader that converts one tensor at a
-    time (export.cast_state_dict) instead of holding the whole fp32 dict."""
-    import torch
-
-    read_marker(root, step)  # raises with the path if incomplete
-    folder = Path(root) / tag_for(step)
-    from .engines import DCP_FOLDER, DDP_MODEL_FILE, read_dcp_model
-
-    if (folder / DDP_MODEL_FILE).is_file():  # train.engine ddp: rank 0's state dict, fp32
-        state = torch.load(folder / DDP_MODEL_FILE, map_location="cpu", weights_only=False, mmap=True)["module"]
-    elif (folder / DCP_FOLDER / ".metadata").is_file():  # train.engine fsdp: a torch.distributed.checkpoint folder
-        state = read_dcp_model(folder / DCP_FOLDER)
-    elif list(folder.glob("*optim_states.pt")) and (list(folder.glob("zero_pp_rank_*"))
-                                                   or list(folder.glob("bf16_zero_pp_rank_*"))):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag_for(step), lazy_mode=lazy)
-    else:
-        model_file = folder / "mp_rank_00_model_states.pt"
-        if not model_file.is_file():
-            raise CheckpointError(f"checkpoint {folder} has no mp_rank_00_model_states.pt")
-        state = torch.load(model_file, map_location="cpu", weights_only=False, mmap=lazy)["module"]
-    return state if lazy else {k: v.float() for k, v in state.items()}
-
-
-def universal_tag(root: Path, step: int, rank: int) -> str:
-    """Tag of a universal (world-size-independent) copy of checkpoint `step`, made once by rank 0.
-
-    DeepSpeed's ds_to_universal merges the ZeRO partitions into per-parameter files that any world size can load
-    (with `checkpoint.load_universal` in the DeepSpeed config). The copy is written to a temporary folder and
-    renamed when complete; the original checkpoint is never modified.
-    """
-    import subprocess
-    import sys
-
-    import torch.distributed as dist
-
-    tag = f"{tag_for(step)}-universal"
-    target = Path(root) / tag
-    if rank == 0 and not (target / "zero").is_dir():
-        tmp = Path(root) / f"{tag}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        result = subprocess.run(
-            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-             str(Path(root) / tag_for(step)), "--output_folder", str(tmp), "--inject_missing_state",
-             "--num_extract_workers", "1", "--num_merge_workers", "1"],
-            capture_output=True, text=True)
-        if result.returncode:
-            raise CheckpointError(f"converting {Path(root) / tag_for(step)} to a universal checkpoint failed:\n"
-                                  f"{result.stderr[-2000:]}")
-        os.replace(tmp, target)
-    dist.barrier()
-    return tag

@@ -1,16 +1,7 @@
-"""The training engines behind one small interface: DeepSpeed, PyTorch DDP and PyTorch FSDP2.
+"""The training engines behind one interface, `Engine`: DeepSpeed, PyTorch DDP and PyTorch FSDP2.
 
-The Trainer's loop knows only this interface; each engine wraps the same model, data and schedule:
-
-    engine(input_ids=…)   forward (the model's output, `.logits`)
-    engine.backward(loss) backward of one micro-step (the engine scales for gradient accumulation)
-    engine.step()         end of one micro-step; the optimizer steps at the accumulation boundary
-    engine.lr(), engine.grad_norm(), engine.skipped_steps, engine.loss_scale()
-                          (grad_norm: as computed, a device tensor or a number, or None; the trainer reads it to
-                          the host with the step's other figures, so no engine call here waits for the device)
-    engine.ran()          precision, ZeRO stage and batch as the engine runs them (for the summary)
-    engine.save(folder, writer, client_state) / engine.load(folder, rank, reshape)
-    engine.eval() / engine.train()
+The Trainer knows only `Engine`: it takes the class of train.engine (`engine_class`) and asks it, never which engine
+it holds. Each engine wraps the same model, data and schedule.
 
 Optimizer maths is the same everywhere: AdamW (train.lr, adam_betas, adam_eps, weight_decay on every parameter),
 gradients averaged over ranks and accumulation micro-steps, the global norm clipped to train.grad_clip, and a LambdaLR
@@ -21,20 +12,27 @@ Checkpoints: DeepSpeed writes its own layout (mp_rank_00_model_states.pt, ZeRO p
 same on every rank, so rank 0 writes model.pt (the module's state dict) and optimizer.pt. FSDP writes a
 torch.distributed.checkpoint folder (`dcp/`, one file per rank plus .metadata), which any world size loads. Every
 rank also writes engine_rank<r>.pt (scheduler, loss scaler, skipped steps) — except DeepSpeed, which keeps those in
-its own files. `checkpoint.load_fp32_state_dict` reads all three layouts for the HF export.
+its own files. Each engine class reads its own layout back (`holds_checkpoint`, `read_model_state`) for the HF
+export (`checkpointer.load_fp32_state_dict`).
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import warnings
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-from .rank import number
+from .checkpoint import tag_for
+from .rank import mmap_loads, number
 from .settings import ENGINES, TORCH_ADAMW_KWARGS
 
 DDP_MODEL_FILE, DDP_OPTIMIZER_FILE, DCP_FOLDER = "model.pt", "optimizer.pt", "dcp"
+DS_MODEL_FILE = "mp_rank_00_model_states.pt"  # DeepSpeed's module (and, at ZeRO-0, its whole state)
 
 
 def engine_state_file(rank: int) -> str:
@@ -56,15 +54,111 @@ def lr_schedule(settings, total_steps: int):
     return schedule
 
 
-def build_engine(name: str, model, settings, *, device: str, total_steps: int, ds_config: dict | None = None):
-    """The engine `name` (train.engine) around `model`, which is already on this rank's device."""
-    if name == "deepspeed":
-        return DeepSpeedEngine(model, settings, ds_config, total_steps)
-    if name == "ddp":
-        return DDPEngine(model, settings, device, total_steps)
-    if name == "fsdp":
-        return FSDPEngine(model, settings, device, total_steps)
-    raise ValueError(f"unknown train.engine {name!r}; choose one of {list(ENGINES)}")
+@dataclass(frozen=True)
+class EngineRun:
+    """What an engine needs to know of the run besides its settings and the model."""
+
+    device: str  # cpu | cuda
+    total_steps: int  # the learning-rate schedule's length
+    measure_comm: bool  # the plan asks for communication timing (DeepSpeed: its comms logger, which synchronises)
+    pin_memory: bool  # host memory may be pinned (the launcher's probe in the job's slot)
+    reshape: bool  # the checkpoint this run resumes from was saved at another world size
+
+
+class Engine(abc.ABC):
+    """One training engine, as the Trainer sees it.
+
+    Before the engine is built (class level): `init_distributed`, `build_precision`, `gradient_checkpointing_kwargs`,
+    `comm_timing_is_free`, and the checkpoint layout it writes (`holds_checkpoint`, `read_model_state`).
+    Built (`cls(model, settings, EngineRun(…))`, the model already on this rank's device), it is called like the
+    model (`engine(input_ids=…)` returns the model's output, `.logits`), and:
+
+        backward(loss)   backward of one micro-step (the engine scales for gradient accumulation)
+        step()           end of one micro-step; the optimizer steps at the accumulation boundary
+        lr(), grad_norm(), skipped_steps, loss_scale()
+                         (grad_norm: as computed, a device tensor or a number, or None; the trainer reads it to the
+                         host with the step's other figures, so no engine call here waits for the device)
+        ran()            precision, ZeRO stage and batch as the engine runs them (for the summary)
+        comm_method, comm_ms()   how its collectives are timed (None: they are not), and the total so far
+        save(folder, writer, client_state) · checkpoint_folder(root, step) · load(folder)
+        eval() · train() · write_config(folder)
+    """
+
+    # The keyword arguments of the model's gradient_checkpointing_enable (train.activation_checkpointing).
+    gradient_checkpointing_kwargs: ClassVar[dict | None] = None
+    # How its collectives are timed for the summary's comm_fraction (None: not at all).
+    comm_method: ClassVar[str | None] = None
+    # Timing them costs nothing (no synchronisation), so every run measures them, not only where the plan asks.
+    comm_timing_is_free: ClassVar[bool] = False
+    skipped_steps: int  # optimizer steps skipped (fp16 overflow)
+
+    @staticmethod
+    @abc.abstractmethod
+    def init_distributed(backend: str, timeout: timedelta) -> None:
+        """Join the process group of this run's ranks."""
+
+    @classmethod
+    @abc.abstractmethod
+    def build_precision(cls, settings) -> str:
+        """The precision the model is built in, before the engine wraps it."""
+
+    @classmethod
+    @abc.abstractmethod
+    def holds_checkpoint(cls, folder: Path) -> bool:
+        """Whether checkpoint `folder` is in this engine's layout."""
+
+    @classmethod
+    @abc.abstractmethod
+    def read_model_state(cls, folder: Path, *, lazy: bool) -> dict:
+        """The model's full state dict from checkpoint `folder` in this engine's layout, on CPU, in one process
+        (lazy: as stored, files mapped; see checkpointer.load_fp32_state_dict)."""
+
+    @abc.abstractmethod
+    def __call__(self, **inputs): ...
+
+    @abc.abstractmethod
+    def backward(self, loss) -> None: ...
+
+    @abc.abstractmethod
+    def step(self) -> None: ...
+
+    @abc.abstractmethod
+    def eval(self) -> None: ...
+
+    @abc.abstractmethod
+    def train(self) -> None: ...
+
+    @abc.abstractmethod
+    def lr(self) -> float: ...
+
+    @abc.abstractmethod
+    def grad_norm(self): ...
+
+    @abc.abstractmethod
+    def loss_scale(self) -> float | None: ...
+
+    @abc.abstractmethod
+    def ran(self) -> dict: ...
+
+    def comm_ms(self) -> float | None:
+        """Milliseconds spent in collectives on this rank so far (None: not timed)."""
+        return None
+
+    def write_config(self, folder: Path) -> None:
+        """Write the engine's own configuration file into the run's output folder, where it has one."""
+        return None  # DDP and FSDP take everything from the settings
+
+    @abc.abstractmethod
+    def save(self, folder: Path, writer, client_state: dict) -> None:
+        """Write this rank's part of a checkpoint into `folder` (which files pass through `writer`: see the engine)."""
+
+    def checkpoint_folder(self, root: Path, step: int) -> Path:
+        """The folder to load checkpoint `step` from (every rank calls it)."""
+        return Path(root) / tag_for(step)
+
+    @abc.abstractmethod
+    def load(self, folder: Path) -> None:
+        """Load this rank's states from checkpoint `folder`."""
 
 
 MUON_MODULES = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.muon.original_muon")
@@ -99,34 +193,59 @@ def skip_muon_import() -> None:
         sys.modules[name] = module
 
 
-class DeepSpeedEngine:
-    name = "deepspeed"
+class DeepSpeedEngine(Engine):
+    """DeepSpeed (ZeRO 0-3, offload) from the ds_config of the settings (settings.deepspeed_config)."""
 
-    def __init__(self, model, settings, ds_config: dict, total_steps: int):
+    comm_method = ("DeepSpeed comms_logger (prof_all) on rank 0: wall-clock of every deepspeed.comm collective "
+                   "(synchronised), summed over steady-state steps ÷ their step time; includes time spent waiting "
+                   "for slower ranks")
+
+    @staticmethod
+    def init_distributed(backend: str, timeout: timedelta) -> None:
         import deepspeed
 
-        if ds_config["optimizer"]["type"].lower() != "muon":
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+
+    @classmethod
+    def build_precision(cls, settings) -> str:
+        # DeepSpeed keeps the module in the training precision; its optimizer holds the fp32 master copy.
+        return settings.precision
+
+    def __init__(self, model, settings, run: EngineRun):
+        import deepspeed
+
+        from .rank import fused_adam_prebuilt
+        from .settings import deepspeed_config
+
+        self.config = deepspeed_config(settings, run.device, run.total_steps, fused_adam=fused_adam_prebuilt(),
+                                       pin_memory=run.pin_memory, comms_logger=run.measure_comm)
+        if run.reshape:  # DDP's files and FSDP's DCP folder load at any world size; DeepSpeed's through a universal one
+            self.config["checkpoint"] = {"load_universal": True}
+        if self.config["optimizer"]["type"].lower() != "muon":
             skip_muon_import()
         # DeepSpeed 0.19's ZeRO-1/2 step all-gathers the updated partitions with
         # torch.distributed.all_gather_into_tensor, which torch 2.13 marks deprecated: a FutureWarning (two lines)
         # per rank in every training log, about a call the user cannot change.
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
                                 category=FutureWarning)
-        self.settings = settings
+        self.settings, self.reshape = settings, run.reshape
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                    config=ds_config, lr_scheduler=lr_schedule(settings, total_steps))
+                                                    config=self.config,
+                                                    lr_scheduler=lr_schedule(settings, run.total_steps))
         if settings.zero_stage == 0 and self.engine.dp_world_size == 1:
             # Alone, ZeRO-0's backward would still flatten every gradient, all-reduce it with itself and copy it
             # back: about 7 % of a step on CPU (bench/bench_trainer.py), for an average over one rank, which is the
             # gradient itself. ZeRO-1/2/3 reduce through their optimizer's own hooks and keep this path.
             self.engine.enable_backward_allreduce = False
 
+    def write_config(self, folder: Path) -> None:
+        """ds_config.json: the config DeepSpeed was given (train.deepspeed merged in)."""
+        import json
+
+        (Path(folder) / "ds_config.json").write_text(json.dumps(self.config, indent=2))
+
     def __call__(self, **inputs):
         return self.engine(**inputs)
-
-    comm_method = ("DeepSpeed comms_logger (prof_all) on rank 0: wall-clock of every deepspeed.comm collective "
-                   "(synchronised), summed over steady-state steps ÷ their step time; includes time spent waiting "
-                   "for slower ranks")
 
     def comm_ms(self) -> float:
         from .rank import comm_ms
@@ -180,23 +299,96 @@ class DeepSpeedEngine:
         finally:
             del engine.checkpoint_engine.save  # back to the engine's own method
 
-    def load(self, folder: Path, rank: int, reshape: bool) -> None:
-        loaded, _ = self.engine.load_checkpoint(str(folder.parent), tag=folder.name)
+    def checkpoint_folder(self, root: Path, step: int) -> Path:
+        """At another world size: a universal copy of the checkpoint (rank 0 converts it once, the others wait)."""
+        if self.reshape:
+            return Path(root) / universal_tag(root, step)
+        return super().checkpoint_folder(root, step)
+
+    def load(self, folder: Path) -> None:
+        """DeepSpeed's optimizer shards are mapped, not copied, beside the states already allocated (mmap_loads
+        gives what outlives the load memory of its own, so a pruned checkpoint's disk is freed)."""
+        with mmap_loads():
+            loaded, _ = self.engine.load_checkpoint(str(folder.parent), tag=folder.name)
         if loaded is None:  # DeepSpeed only warns when it finds nothing to load
-            raise FileNotFoundError(f"DeepSpeed found no checkpoint files of rank {rank} in {folder}")
+            import torch.distributed as dist
+
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint files of rank {dist.get_rank()} in {folder}")
+
+    @staticmethod
+    def zero_partitioned(folder: Path) -> bool:
+        """ZeRO-1/2/3: the optimizer states are partitioned over the ranks (zero_pp_rank_* files)."""
+        return bool(list(folder.glob("*optim_states.pt")) and (list(folder.glob("zero_pp_rank_*"))
+                                                               or list(folder.glob("bf16_zero_pp_rank_*"))))
+
+    @classmethod
+    def holds_checkpoint(cls, folder: Path) -> bool:
+        return (folder / DS_MODEL_FILE).is_file() or cls.zero_partitioned(folder)
+
+    @classmethod
+    def read_model_state(cls, folder: Path, *, lazy: bool) -> dict:
+        """ZeRO-1/2/3: the partitions merged by DeepSpeed's zero_to_fp32; ZeRO-0: the model file's module."""
+        if cls.zero_partitioned(folder):
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            return get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name, lazy_mode=lazy)
+        return torch.load(folder / DS_MODEL_FILE, map_location="cpu", weights_only=False, mmap=lazy)["module"]
 
 
-class TorchEngine:
+def universal_tag(root: Path, step: int) -> str:
+    """Tag of a universal (world-size-independent) copy of checkpoint `step`, made once by rank 0.
+
+    DeepSpeed's ds_to_universal merges the ZeRO partitions into per-parameter files that any world size can load
+    (with `checkpoint.load_universal` in the DeepSpeed config). The copy is written to a temporary folder and
+    renamed when complete; the original checkpoint is never modified.
+    """
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from .checkpoint import UNIVERSAL_SUFFIX, CheckpointError
+
+    tag = f"{tag_for(step)}{UNIVERSAL_SUFFIX}"
+    target = Path(root) / tag
+    if dist.get_rank() == 0 and not (target / "zero").is_dir():
+        tmp = Path(root) / f"{tag}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        result = subprocess.run(
+            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+             str(Path(root) / tag_for(step)), "--output_folder", str(tmp), "--inject_missing_state",
+             "--num_extract_workers", "1", "--num_merge_workers", "1"],
+            capture_output=True, text=True)
+        if result.returncode:
+            raise CheckpointError(f"converting {Path(root) / tag_for(step)} to a universal checkpoint failed:\n"
+                                  f"{result.stderr[-2000:]}")
+        os.replace(tmp, target)
+    dist.barrier()
+    return tag
+
+
+class TorchEngine(Engine):
     """What DDP and FSDP share: AdamW, the LambdaLR, gradient accumulation, clipping and fp16 loss scaling."""
 
-    name = "torch"
-    comm_method = None  # no timing of its collectives: comm_ms() is None
+    # non-reentrant recomputation: what DDP's and FSDP's gradient hooks need
+    gradient_checkpointing_kwargs = {"use_reentrant": False}
 
-    def comm_ms(self) -> float | None:
-        return None
+    @staticmethod
+    def init_distributed(backend: str, timeout: timedelta) -> None:
+        import torch.distributed as dist
 
-    def __init__(self, model, settings, device: str, total_steps: int):
-        self.settings, self.device = settings, device
+        dist.init_process_group(backend=backend, timeout=timeout)  # no DeepSpeed at all (nor its import time)
+
+    @classmethod
+    def build_precision(cls, settings) -> str:
+        # fp32 parameters; bf16/fp16 compute through autocast or FSDP's mixed-precision policy
+        return "fp32"
+
+    def __init__(self, model, settings, run: EngineRun):
+        self.settings, self.device = settings, run.device
+        total_steps = run.total_steps
         self.accumulation = settings.grad_accum_steps
         self.micro_step = 0  # micro-steps since the last optimizer step
         self.skipped_steps = 0
@@ -293,7 +485,14 @@ class TorchEngine:
         return {"scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
-    def load_engine_state(self, state: dict) -> None:
+    def load_engine_state(self, folder: Path) -> None:
+        """The scheduler, scaler and skipped steps. A new world size has no file of its own for a new rank: they are
+        the same on every rank, so rank 0's serve."""
+        import torch.distributed as dist
+
+        own = folder / engine_state_file(dist.get_rank())
+        state = torch.load(own if own.is_file() else folder / engine_state_file(0), map_location="cpu",
+                           weights_only=False)
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_steps = state["skipped_steps"]
         if self.scaler is not None and state.get("scaler"):
@@ -366,10 +565,10 @@ class DDPEngine(TorchEngine):
     """torch.nn.parallel.DistributedDataParallel: replicated fp32 parameters, gradients and AdamW states; bf16/fp16
     through autocast (fp16 with torch.amp.GradScaler); accumulation micro-steps under no_sync."""
 
-    name = "ddp"
     comm_method = ("DDP communication hook on rank 0: wall-clock while any gradient-bucket all-reduce was in "
                    "flight (union of launch-to-completion intervals, CUDA events on a GPU; they overlap the backward "
                    "pass), summed over steady-state steps ÷ their step time")
+    comm_timing_is_free = True  # the hook times its all-reduces without synchronising anything
 
     def wrap(self, model):
         from torch.nn.parallel import DistributedDataParallel
@@ -415,37 +614,41 @@ class DDPEngine(TorchEngine):
             return contextlib.nullcontext()
         return torch.autocast(self.device, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
-    @property
-    def module(self):
-        return self.model.module
-
     def save(self, folder: Path, writer, client_state: dict) -> None:
+        """Every file passes through `writer` (hashed while written)."""
         import torch.distributed as dist
 
         rank = dist.get_rank()
         if rank == 0:  # every rank holds the same states
-            writer.save({"module": self.module.state_dict(), "client_state": client_state}, folder / DDP_MODEL_FILE)
+            writer.save({"module": self.model.module.state_dict(), "client_state": client_state},
+                        folder / DDP_MODEL_FILE)
             writer.save({"optimizer": self.optimizer.state_dict()}, folder / DDP_OPTIMIZER_FILE)
         writer.save(self.engine_state(), folder / engine_state_file(rank))
 
-    def load(self, folder: Path, rank: int, reshape: bool) -> None:
-        model = torch.load(folder / DDP_MODEL_FILE, map_location="cpu", weights_only=False, mmap=True)
-        self.module.load_state_dict(model["module"])
-        self.optimizer.load_state_dict(torch.load(folder / DDP_OPTIMIZER_FILE, map_location="cpu",
-                                                  weights_only=False, mmap=True)["optimizer"])
-        # a new world size has no file of its own for a new rank: the scheduler and scaler are the same on every
-        # rank, so rank 0's serve
-        own = folder / engine_state_file(rank)
-        self.load_engine_state(torch.load(own if own.is_file() else folder / engine_state_file(0),
-                                          map_location="cpu", weights_only=False))
+    def load(self, folder: Path) -> None:
+        """Mapped, not read (mmap_loads gives what outlives the load memory of its own, so a pruned checkpoint's
+        disk is freed)."""
+        with mmap_loads():
+            model = torch.load(folder / DDP_MODEL_FILE, map_location="cpu", weights_only=False, mmap=True)
+            self.model.module.load_state_dict(model["module"])
+            self.optimizer.load_state_dict(torch.load(folder / DDP_OPTIMIZER_FILE, map_location="cpu",
+                                                      weights_only=False, mmap=True)["optimizer"])
+            self.load_engine_state(folder)
+
+    @classmethod
+    def holds_checkpoint(cls, folder: Path) -> bool:
+        return (folder / DDP_MODEL_FILE).is_file()
+
+    @classmethod
+    def read_model_state(cls, folder: Path, *, lazy: bool) -> dict:
+        """Rank 0's state dict, fp32."""
+        return torch.load(folder / DDP_MODEL_FILE, map_location="cpu", weights_only=False, mmap=True)["module"]
 
 
 class FSDPEngine(TorchEngine):
     """FSDP2 (torch.distributed.fsdp.fully_shard) on every decoder layer and the whole model: fp32 shards of the
     parameters, gradients and AdamW states (ZeRO-3's layout); bf16/fp16 compute through MixedPrecisionPolicy with
     fp32 gradient reduction (fp16 with the sharded gradient scaler)."""
-
-    name = "fsdp"
 
     def wrap(self, model):
         import torch.distributed as dist
@@ -471,11 +674,11 @@ class FSDPEngine(TorchEngine):
         self.model.set_requires_gradient_sync(boundary)
         return contextlib.nullcontext()
 
-    @property
-    def module(self):
-        return self.model
-
     def save(self, folder: Path, writer, client_state: dict) -> None:
+        """engine_rank<r>.pt passes through `writer` (hashed while written). The DCP folder is written by
+        torch.distributed.checkpoint's own FileSystemWriter, which takes no file object to write through: its files
+        are hashed when the checkpoint is committed (checkpoint.write_marker reads every file of the folder that no
+        writer recorded), and the marker lists them, with their sizes and sha256, like every other file."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
@@ -488,7 +691,8 @@ class FSDPEngine(TorchEngine):
             raise OSError(f"torch.distributed.checkpoint failed writing {folder / DCP_FOLDER}: {error}") from None
         writer.save(self.engine_state(), folder / engine_state_file(dist.get_rank()))
 
-    def load(self, folder: Path, rank: int, reshape: bool) -> None:
+    def load(self, folder: Path) -> None:
+        """torch.distributed.checkpoint reads through buffers, which cannot be mapped."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -501,9 +705,15 @@ class FSDPEngine(TorchEngine):
             raise RuntimeError(f"torch.distributed.checkpoint failed reading {folder / DCP_FOLDER}: {error}") from None
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-        own = folder / engine_state_file(rank)
-        self.load_engine_state(torch.load(own if own.is_file() else folder / engine_state_file(0),
-                                          map_location="cpu", weights_only=False))
+        self.load_engine_state(folder)
+
+    @classmethod
+    def holds_checkpoint(cls, folder: Path) -> bool:
+        return (folder / DCP_FOLDER / ".metadata").is_file()
+
+    @classmethod
+    def read_model_state(cls, folder: Path, *, lazy: bool) -> dict:
+        return read_dcp_model(folder / DCP_FOLDER)
 
 
 def read_dcp_model(folder: Path) -> dict:
@@ -522,3 +732,14 @@ def read_dcp_model(folder: Path) -> dict:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(nested, storage_reader=reader, no_dist=True)
     return nested["model"]
+
+
+ENGINE_CLASSES: dict[str, type[Engine]] = {"deepspeed": DeepSpeedEngine, "ddp": DDPEngine, "fsdp": FSDPEngine}
+assert tuple(ENGINE_CLASSES) == ENGINES, "settings.ENGINES names the engines of this module"
+
+
+def engine_class(name: str) -> type[Engine]:
+    """The engine of train.engine `name`."""
+    if name not in ENGINE_CLASSES:
+        raise ValueError(f"unknown train.engine {name!r}; choose one of {list(ENGINES)}")
+    return ENGINE_CLASSES[name]

@@ -32,10 +32,12 @@ def torch_dtype(name: str):
 
 def read_checkpoint_weights(ckpt_root: Path, step: int, dtype: str = "fp32") -> dict:
     """The weights of committed checkpoint `step` cast to `dtype`; any failure names the checkpoint folder."""
+    from .checkpointer import load_fp32_state_dict
+
     folder = Path(ckpt_root) / ckpt.tag_for(step)
     ckpt.read_marker(ckpt_root, step)  # missing or uncommitted: CheckpointError naming the folder
     try:
-        return cast_state_dict(ckpt.load_fp32_state_dict(ckpt_root, step, lazy=True), torch_dtype(dtype))
+        return cast_state_dict(load_fp32_state_dict(ckpt_root, step, lazy=True), torch_dtype(dtype))
     except ckpt.CheckpointError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError, AssertionError) as error:

@@ -7,7 +7,6 @@ barrier, and the two closing barriers. See `pretrain_bench.train` for the fault-
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
@@ -22,7 +21,7 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from . import state_lock
-from .engines import build_engine
+from .engines import EngineRun, engine_class
 from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .heldout import HeldOutSlice
 from .io import atomic_write_json, read_jsonl
@@ -34,10 +33,8 @@ from .rank import (
     Preemption,
     TrainingAborted,
     check_resume_point,
-    fused_adam_prebuilt,
     gather_floats,
     heldout_summary,
-    mmap_loads,
     pinning_allowed,
     resume_fingerprint,
     rng_state,
@@ -45,7 +42,7 @@ from .rank import (
 )
 from .rank import log as rank_log
 from .run_state import mark_finished, plan_digest, prepare_state
-from .settings import check_settings, deepspeed_config
+from .settings import check_settings
 from .step import PhaseTimer, train_step
 
 
@@ -66,6 +63,7 @@ class Trainer:
         self.total_steps = self.settings.total_steps(self.seq_len)
         self.tokens_per_step = self.settings.derived_global_batch * self.seq_len
         self.fingerprint = resume_fingerprint(plan)
+        self.engine_class = engine_class(self.settings.engine)
         self.start_step, self.resumed_from, self.last_saved = 0, None, 0
         self.comm_steady_ms, self.steady_time_s = 0.0, 0.0
 
@@ -131,13 +129,7 @@ class Trainer:
             torch.cuda.set_device(self.local_rank)
         # An explicit collective timeout: rank-0 work (a universal-checkpoint conversion, a large save) must not hit
         # the 10-minute default while the other ranks wait in a barrier.
-        timeout = timedelta(minutes=settings.collective_timeout_min)
-        if settings.engine == "deepspeed":
-            import deepspeed
-
-            deepspeed.init_distributed(dist_backend=settings.comm_backend, timeout=timeout)
-        else:  # DDP and FSDP need no DeepSpeed at all (nor its import time)
-            dist.init_process_group(backend=settings.comm_backend, timeout=timeout)
+        self.engine_class.init_distributed(settings.comm_backend, timedelta(minutes=settings.collective_timeout_min))
         self.preemption = Preemption()
         self.lock, refusal = None, ""
         if rank == 0:
@@ -182,10 +174,8 @@ class Trainer:
         from .memory_fit import summary_line
 
         self.log(summary_line(plan.memory_fit))
-        # DeepSpeed keeps the module in the training precision (its optimizer holds the fp32 master copy); DDP and
-        # FSDP train fp32 parameters and compute in bf16/fp16 through autocast or FSDP's mixed-precision policy.
-        build_precision = settings.precision if settings.engine == "deepspeed" else "fp32"
-        self.model = build_model(self.shape, self.seq_len, settings.seed, build_precision, self.run_device)
+        self.model = build_model(self.shape, self.seq_len, settings.seed, self.engine_class.build_precision(settings),
+                                 self.run_device)
         self.loaded = None
         if init_from:
             # Every rank loads the whole model before DeepSpeed partitions it, so this holds under every ZeRO stage;
@@ -195,20 +185,8 @@ class Trainer:
                      f"{loaded['bytes'] / 2**20:,.1f} MiB in {len(loaded['files'])} file(s)"
                      + (f", {loaded['added_vocab_rows']} embedding row(s) added" if loaded["added_vocab_rows"] else ""))
         if settings.activation_checkpointing:
-            # non-reentrant recomputation: what DDP's and FSDP's gradient hooks need
             self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs=None if settings.engine == "deepspeed" else {"use_reentrant": False})
-        self.ds_config = None
-        if settings.engine == "deepspeed":
-            self.ds_config = deepspeed_config(settings, self.device, self.total_steps,
-                                              fused_adam=fused_adam_prebuilt(),
-                                              pin_memory=pinning_allowed(),
-                                              comms_logger=plan.measure_comm)
-            self.write_ds_config()
-
-    def write_ds_config(self) -> None:
-        if self.rank == 0 and self.ds_config is not None:
-            (self.out_dir / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2))
+                gradient_checkpointing_kwargs=self.engine_class.gradient_checkpointing_kwargs)
 
     def resume_point(self) -> None:
         """The checkpoint to resume from, verified and checked before DeepSpeed starts, so a wrong checkpoint fails in
@@ -243,31 +221,26 @@ class Trainer:
                 f"({', '.join(changed)} changed): restore the config or move {ckpt_root} away to start over"
             )
         self.reshape = marker["world_size"] != world
-        if self.reshape and settings.engine == "deepspeed":  # DDP's files and FSDP's DCP folder load at any size
-            self.ds_config["checkpoint"] = {"load_universal": True}
-            self.write_ds_config()
 
     def build_engine(self) -> None:
         """The engine of train.engine (DeepSpeed, DDP or FSDP), with the learning-rate schedule of this run."""
-        self.engine = build_engine(self.settings.engine, self.model, self.settings, device=self.device,
-                                   total_steps=self.total_steps, ds_config=self.ds_config)
+        run = EngineRun(device=self.device, total_steps=self.total_steps, measure_comm=self.plan.measure_comm,
+                        pin_memory=pinning_allowed(), reshape=self.reshape)
+        self.engine = self.engine_class(self.model, self.settings, run)
+        if self.rank == 0:
+            self.engine.write_config(self.out_dir)
 
     def restore(self) -> None:
         """Load the chosen checkpoint into the engine (through a universal checkpoint when the world size changed)."""
         if self.resume_step is None:
             return
         step, ckpt_root, rank = self.resume_step, self.ckpt_root, self.rank
-        tag = ckpt.tag_for(step)
-        if self.reshape and self.settings.engine == "deepspeed":
-            tag = ckpt.universal_tag(ckpt_root, step, rank)  # rank 0 converts once, the others wait
+        folder = self.engine.checkpoint_folder(ckpt_root, step)
+        tag = folder.name
         try:
-            # DeepSpeed's optimizer shards are mapped, not copied, beside the states already allocated (DDP maps
-            # its own files, and mmap_loads gives what outlives the load memory of its own, so a pruned checkpoint's
-            # disk is freed; torch.distributed.checkpoint reads through buffers, which cannot be mapped)
-            with mmap_loads() if self.settings.engine != "fsdp" else contextlib.nullcontext():
-                self.engine.load(ckpt_root / tag, rank, self.reshape)
+            self.engine.load(folder)
             if not self.reshape:
-                set_rng_state(torch.load(ckpt_root / tag / f"rng_rank{rank}.pt", weights_only=False))
+                set_rng_state(torch.load(folder / f"rng_rank{rank}.pt", weights_only=False))
         except (OSError, RuntimeError, ValueError, KeyError, EOFError) as error:
             raise ckpt.CheckpointError(
                 f"loading checkpoint {ckpt_root / tag} failed on rank {rank}: {type(error).__name__}: {error}. Its "
@@ -295,7 +268,7 @@ class Trainer:
         # always (no cost).
         self.timer = PhaseTimer(self.device, enabled=settings.phase_timing)
         # DDP's hook times its all-reduces without synchronising anything, so a DDP run always measures them
-        self.measure_comm = ((self.plan.measure_comm or self.settings.engine == "ddp")
+        self.measure_comm = ((self.plan.measure_comm or self.engine.comm_timing_is_free)
                              and self.engine.comm_method is not None)
 
     # --- each step ---------------------------------------------------------------------------------------------------
