@@ -99,10 +99,10 @@ def default_setup(config: dict) -> tuple[dict, str]:
 
 
 def default_config() -> dict:
-    """config.yaml as written: the default experiment."""
-    import yaml
+    """config.yaml as the workflow sees it (the schema's defaults filled in): the default experiment."""
+    from pretrain_bench.config_types import load_config
 
-    return yaml.safe_load((ROOT / "config.yaml").read_text())
+    return load_config(ROOT / "config.yaml")
 
 
 def device_settings(train: dict, device: str) -> dict:

@@ -12,8 +12,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
+from pretrain_bench.config_types import load_config
 from pretrain_bench.tokenizer import EOS_TOKEN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,10 +67,9 @@ def run_snakemake(name: str, *args, configfiles=(TINY_CONFIG,), check=True, time
 
 
 def tiny_config(name: str) -> dict:
-    """config.yaml with the tiny overlay applied the way Snakemake applies --configfile, and another name."""
-    config = yaml.safe_load((ROOT / "config.yaml").read_text())
-    for key, value in yaml.safe_load((ROOT / TINY_CONFIG).read_text()).items():
-        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    """config.yaml with the tiny overlay applied the way Snakemake applies --configfile, validated (the schema's
+    defaults filled in), and another name."""
+    config = load_config(ROOT / "config.yaml", ROOT / TINY_CONFIG)
     config["name"] = name
     return config
 

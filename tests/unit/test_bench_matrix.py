@@ -10,14 +10,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from pretrain_bench import devices  # noqa: E402
 from pretrain_bench.bench_matrix import BenchSettings, Cell, cells, plan_matrix, runnable, time_estimate  # noqa: E402
-from pretrain_bench.config_types import ModelSettings  # noqa: E402
+from pretrain_bench.config_types import ModelSettings, load_config  # noqa: E402
 from pretrain_bench.memory_model import GIB, Budget  # noqa: E402
 from pretrain_bench.plan import cell_train, make_plan, plan_config  # noqa: E402
 from pretrain_bench.settings import ConfigError, TrainSettings  # noqa: E402
 
 
 def merged(*overlays):
-    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    config = load_config(ROOT / "config.yaml")
     for overlay in overlays:
         _merge(config, overlay)
     return config

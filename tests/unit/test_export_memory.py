@@ -7,14 +7,13 @@ import weakref
 
 import pytest
 import torch
-import yaml
 
 from pretrain_bench import checkpoint as ckpt
 from pretrain_bench.export import cast_state_dict, export_hf
 from pretrain_bench.memory_model import RUNTIME_BYTES, export_and_evaluation_host_bytes, run_shape
 from pretrain_bench.model import ModelShape, build_model
 from pretrain_bench.settings import TrainSettings
-from support import ROOT, stdlib_texts, write_jsonl
+from support import ROOT, SNAKEFILE, stdlib_texts, workflow_dir, write_jsonl
 
 
 class Partitioned:
@@ -86,12 +85,11 @@ def test_a_bf16_export_holds_every_weight_of_the_checkpoint_cast(tmp_path):
 @pytest.fixture(scope="module")
 def default_run():
     """The default config (validated, defaults filled) and the shape of its model."""
-    from pretrain_bench.config_types import fill_defaults_and_validate, load_schema
+    from pretrain_bench.config_types import load_config
     from pretrain_bench.memory_model import config_vocab_size
     from pretrain_bench.plan import plan_config
 
-    config = yaml.safe_load((ROOT / "config.yaml").read_text())
-    fill_defaults_and_validate(config, load_schema(ROOT / "schemas" / "config.schema.yaml"))
+    config = load_config(ROOT / "config.yaml")
     settings = TrainSettings.from_config(config["train"])
     return config, run_shape(plan_config(config), settings, "cpu", config_vocab_size(config))
 
@@ -107,10 +105,11 @@ def test_host_bytes_of_export_and_evaluation_count_the_cast_copy_the_largest_ten
     assert export_and_evaluation_host_bytes(run, "bf16", "fp32") == 4 * psi + runtime
 
 
-def dry_run_mem_mb() -> dict[str, int]:
+def dry_run_mem_mb(folder) -> dict[str, int]:
     """mem_mb of rule evaluate and rule export_final in `snakemake -n` on the default config."""
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "2", "--resources", "gpu=3",
-                           "--config", "name=itest-mem-mb"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "-n", "--cores", "2",
+                           "--resources", "gpu=3", "--config", "name=itest-mem-mb"], cwd=workflow_dir(folder),
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = dict(re.findall(r"^rule (evaluate|export_final):\n(?:    .*\n)*?    resources: .*?mem_mb=(\d+)",
                             proc.stdout, flags=re.M))
@@ -118,10 +117,11 @@ def dry_run_mem_mb() -> dict[str, int]:
     return {rule: int(value) for rule, value in found.items()}
 
 
-def test_the_default_config_declares_mem_mb_from_the_memory_model_for_evaluate_and_export_final(default_run):
+def test_the_default_config_declares_mem_mb_from_the_memory_model_for_evaluate_and_export_final(default_run,
+                                                                                                   tmp_path):
     config, run = default_run
     evaluate = config["evaluate"]
-    mem_mb = dry_run_mem_mb()
+    mem_mb = dry_run_mem_mb(tmp_path / "workflow")
     assert mem_mb["export_final"] == -(-export_and_evaluation_host_bytes(run, "fp32") // 10**6)
     assert mem_mb["evaluate"] == -(-export_and_evaluation_host_bytes(run, evaluate["export_dtype"],
                                                                      evaluate["precision"]) // 10**6)

@@ -11,7 +11,7 @@ import torch
 
 ROOT = Path(__file__).parents[2]
 
-from pretrain_bench.config_types import ModelSettings  # noqa: E402
+from pretrain_bench.config_types import ModelSettings, load_config  # noqa: E402
 from pretrain_bench.memory_model import config_vocab_size  # noqa: E402
 from pretrain_bench.model import InitFromError, build_model, llama_config, load_pretrained, model_shape, resolve_shape  # noqa: E402
 from pretrain_bench.tokenizer import EOS_TOKEN, adopted_tokenizer_path, save_hf_folder, train_bpe  # noqa: E402
@@ -122,13 +122,9 @@ def plan_with_init_from(folder: Path, tmp_path: Path):
     """make_plan, as rule plan_pretrain calls it, for a tiny CPU run continuing from `folder`."""
     import json
 
-    import yaml
-
     from pretrain_bench.plan import make_plan, plan_config
 
-    config = yaml.safe_load((ROOT / "config.yaml").read_text())
-    for key, value in yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text()).items():
-        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     config["model"] = {**config["model"], "init_from": str(folder), "seq_len": 64}
     index = tmp_path / "index.json"
     index.write_text(json.dumps({"vocab_size": 300, "splits": {"val": {"shards": [{"tokens": 10**6}]}}}))

@@ -5,11 +5,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
 from pretrain_bench import devices, memory_model  # noqa: E402
+from pretrain_bench.config_types import load_config  # noqa: E402
 from pretrain_bench.memory_fit import describe, fit_run, ladder  # noqa: E402
 from pretrain_bench.memory_model import GIB, Budget, estimate, run_shape  # noqa: E402
 from pretrain_bench.plan import make_plan, plan_config  # noqa: E402
@@ -22,7 +22,7 @@ def no_gpu(monkeypatch):
 
 
 def default_config(**benchmark):
-    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    config = load_config(ROOT / "config.yaml")
     config["benchmark"].update(benchmark)
     return config
 
@@ -172,7 +172,7 @@ def test_the_ladder_keeps_precision_and_global_batch():
 
 
 def test_a_cpu_run_short_of_ram_recomputes_activations():
-    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    config = load_config(ROOT / "config.yaml")
     config["model"] = {"preset": "llama-125m", "seq_len": 1024, "overrides": {}}
     asked = TrainSettings(gpus=2, device="cpu", comm_backend="gloo", precision="fp32", micro_batch_size=16)
 

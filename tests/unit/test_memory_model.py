@@ -10,6 +10,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 from pretrain_bench import devices, memory_model  # noqa: E402
+from pretrain_bench.config_types import load_config  # noqa: E402
 from pretrain_bench.memory_fit import fit_run  # noqa: E402
 from pretrain_bench.memory_model import GB, GIB, Budget, estimate, judge, model_state_bytes  # noqa: E402
 from pretrain_bench.plan import make_plan  # noqa: E402
@@ -155,7 +156,7 @@ def test_cpu_ranks_share_host_ram():
 
 
 def default_config():
-    return yaml.safe_load((ROOT / "config.yaml").read_text())
+    return load_config(ROOT / "config.yaml")
 
 
 def check_fits(config, settings, what="the training run"):

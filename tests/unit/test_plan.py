@@ -5,9 +5,9 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from pretrain_bench import devices
+from pretrain_bench.config_types import load_config
 from pretrain_bench.plan import Plan, RunContext, make_plan, plan_config
 from pretrain_bench.run_state import plan_digest
 from pretrain_bench.settings import ConfigError
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def plan_file(tmp_path, monkeypatch):
     monkeypatch.setattr(devices, "nvidia_smi_memory", lambda: [])
-    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    config = load_config(ROOT / "config.yaml")
     index = tmp_path / "index.json"
     index.write_text(json.dumps({"vocab_size": 102400, "splits": {"val": {"shards": [{"tokens": 10**7}]}}}))
     plan = make_plan(plan_config(config), index=index, tokenizer=tmp_path, out_dir=tmp_path / "out",
@@ -69,11 +69,11 @@ def test_a_plan_file_missing_or_adding_a_field_is_refused_by_name(plan_file, cha
 def dry_run(name: str, tmp_path: Path):
     """`snakemake -n` on the tiny config under another name, as a user starts it."""
     import subprocess
-    import sys
 
-    return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "2", "--resources", "gpu=3",
-                           "--configfile", "config/tiny-cpu.yaml", "--config", f"name={name}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    from support import snakemake_command, workflow_dir
+
+    return subprocess.run(snakemake_command("-n", "--config", f"name={name}"), cwd=workflow_dir(tmp_path / "workflow"),
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_a_name_too_long_for_the_file_system_is_refused_by_validation(tmp_path):

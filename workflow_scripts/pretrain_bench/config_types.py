@@ -1,4 +1,10 @@
-"""The config against its schema: command-line overrides with the types the schema asks for, defaults, validation.
+"""The config against its schema: command-line overrides with the types the schema asks for, defaults, validation,
+and the typed settings built from the validated config.
+
+Defaults have one home, the schema (schemas/config.schema.yaml `default:`): validation fills them into the config,
+and settings dataclasses take theirs from it (`default_field`). config.yaml names only the keys that define the
+experiment and those where it departs from the schema's defaults. Code reads typed, frozen settings built once from
+the validated config (`ModelSettings` here, `settings.TrainSettings` ...), never `.get(key, default)` on the dict.
 
 `snakemake --config 'train={"gpus": 8}'` parses a nested value with YAML's BaseLoader, which keeps every scalar a
 string, so the schema would see "8" where it wants an integer. Validation fills defaults but converts no types, and
@@ -90,6 +96,19 @@ class ModelSettings:
         return dataclasses.asdict(self)
 
 
+def load_config(*paths: Path | str) -> dict:
+    """The config of `snakemake --configfile <paths...>` after validation: the files merged in order, mapping into
+    mapping as Snakemake merges them (snakemake.utils.update_config), with the schema's defaults filled in.
+    For code outside the workflow (tests, tools) that needs the config the workflow sees."""
+    from snakemake.utils import update_config
+
+    config: dict = {}
+    for path in paths:
+        update_config(config, yaml.safe_load(Path(path).read_text()) or {})
+    schema = _project_schema()
+    return fill_defaults_and_validate(coerce_command_line_types(config, schema), schema)
+
+
 def coerce_command_line_types(config: dict, schema: dict | Path | str) -> dict:
     """Convert, in place, string values whose schema type is not string; returns config.
 
@@ -113,7 +132,8 @@ def fill_defaults_and_validate(config: dict, schema: dict) -> dict:
     def fill_defaults(validator, properties, instance, subschema):
         for name, property_schema in properties.items():
             if "default" in property_schema:
-                instance.setdefault(name, property_schema["default"])
+                # a copy: the config's mappings are filled in turn, and the schema's defaults must stay as written
+                instance.setdefault(name, copy.deepcopy(property_schema["default"]))
         yield from check_properties(validator, properties, instance, subschema)
 
     validators.extend(checker, {"properties": fill_defaults})(schema).validate(config)
