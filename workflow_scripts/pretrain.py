@@ -16,7 +16,8 @@ def main(argv=None) -> int:
     from pretrain_bench.checkpoint import CheckpointError
     from pretrain_bench.launcher import wait_out_stale_build_locks
     from pretrain_bench.plan import Plan, RunContext
-    from pretrain_bench.train import TrainingAborted, run_training
+    from pretrain_bench.rank import TrainingAborted
+    from pretrain_bench.trainer import run_training
 
     wait_out_stale_build_locks()  # DeepSpeed loads its CPU op behind torch's build lock in every rank
     parser = argparse.ArgumentParser(description=__doc__)

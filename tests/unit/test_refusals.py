@@ -89,7 +89,7 @@ def test_state_lock_is_free_again_once_its_holder_dies(tmp_path):
 
 
 def test_a_resume_point_beyond_the_last_step_is_refused_naming_both(tmp_path):
-    from pretrain_bench.train import check_resume_point
+    from pretrain_bench.checkpointer import check_resume_point
 
     settings = TrainSettings(gpus=3, max_steps=100, warmup_steps=10, micro_batch_size=8)
     check_resume_point(100, settings, 128, tmp_path)  # the end of the same run: nothing left to do, allowed

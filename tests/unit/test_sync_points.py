@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain_bench import rank as rank_module
+from pretrain_bench.checkpointer import Checkpointer
 from pretrain_bench.engines import DDPEngine, EngineRun
 from pretrain_bench.model import ModelShape, build_model
 from pretrain_bench.rank import TrainingAborted
@@ -48,9 +49,10 @@ def trainer_for(engine, settings) -> Trainer:
     trainer = Trainer.__new__(Trainer)
     trainer.__dict__.update(
         engine=engine, settings=settings, rank=0, world=1, device="cpu", run_device="cpu", inject_nan_step=0,
-        preemption=types.SimpleNamespace(requested=False, received=None), resumed_from=None, last_saved=0,
-        start_step=0, comm_steady_ms=0.0, steady_time_s=0.0, tokens_per_step=B * T, heldout=None,
-        ckpt_root=Path("state/checkpoints"))
+        preemption=types.SimpleNamespace(requested=False, received=None), start_step=0, comm_steady_ms=0.0,
+        steady_time_s=0.0, tokens_per_step=B * T, heldout=None,
+        checkpointer=Checkpointer(Path("state/checkpoints"), settings, seq_len=T, rank=0, world=1, run_device="cpu",
+                                  fingerprint={}, saves=False, log=print))
     return trainer
 
 

@@ -160,7 +160,7 @@ class CheckpointWriter:
 
     A write error is recorded (with the free space at that moment) rather than raised, and the partial file removed,
     so that this rank still takes part in DeepSpeed's collectives; the ranks then decide together that the save
-    failed (see train.py). `save` has the signature of DeepSpeed's checkpoint engine's `save`, which it replaces.
+    failed (Checkpointer.save). `save` has the signature of DeepSpeed's checkpoint engine's `save`, which it replaces.
     """
 
     def __init__(self, step: int, folder: Path, *, zipfile: bool = True, fail_after: int | None = None):

@@ -1,6 +1,5 @@
 """What one training rank needs besides the loop: the abort error, SIGTERM and SIGINT as a flag, rank-0 logging,
-collectives outside DeepSpeed's comms logger, RNG state, the resume checks (fingerprint, resume point) and the held-out
-summary."""
+collectives outside DeepSpeed's comms logger, RNG state, the resume fingerprint and the held-out summary."""
 from __future__ import annotations
 
 import logging
@@ -8,13 +7,11 @@ import os
 import random
 import signal
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as ckpt
 from .settings import RESUMABLE_KEYS, TrainSettings
 
 logger = logging.getLogger(__name__)
@@ -212,19 +209,3 @@ def heldout_summary(records: list[dict], settings: TrainSettings, heldout) -> di
             "evaluations": len(evaluated), "time_s": sum(r["eval_time_s"] for r in evaluated),
             "last": {"step": last["step"], "loss": last["val_loss"], "perplexity": last["val_perplexity"]}
             if last else None}
-
-
-def check_resume_point(step: int, settings: TrainSettings, seq_len: int, ckpt_root: Path) -> None:
-    """Refuse a checkpoint beyond this run's last step: its summary, export and evaluation would be mislabelled."""
-    total_steps = settings.total_steps(seq_len)
-    if step <= total_steps:
-        return
-    tokens_per_step = settings.derived_global_batch * seq_len
-    limit = (f"train.max_steps {settings.max_steps}" if settings.max_tokens is None else
-             f"train.max_tokens {settings.max_tokens:,} = {total_steps} steps of {tokens_per_step:,} tokens")
-    fix = (f"train.max_steps to at least {step}" if settings.max_tokens is None else
-           f"train.max_tokens to at least {step * tokens_per_step:,}")
-    raise ckpt.CheckpointError(
-        f"checkpoint {ckpt_root / ckpt.tag_for(step)} is at step {step}, beyond this run's last step {total_steps} "
-        f"({limit}): the steps would go backwards. Set {fix} to continue that run, or move {ckpt_root} away to "
-        "start a new one")

@@ -1,9 +1,18 @@
-"""The training loop of one rank, as named steps: setup() → build_model() → resume_point() → build_engine() →
-restore() → for each step: train_step() → record() → maybe save() … → summarise() → finish().
+"""The training loop of one rank, started by torchrun through workflow_scripts/launch.py (pretrain.py): a run is
+described by a plan (plan.json, see `pretrain_bench.plan`); `run_training` hands it to `Trainer`, as named steps:
+setup() → build_model() → resume_point() → build_engine() → restore() → for each step: train_step() → record() →
+maybe save() … → summarise() → finish(). The engine (`pretrain_bench.engines`) trains; the `Checkpointer` saves with
+a commit marker and resumes from the newest checkpoint that verifies; the trainer writes metrics.jsonl and
+summary.json.
 
 Every rank makes the same collective calls in the same order (gloo deadlocks otherwise): the refusal and resume-point
 gathers, DeepSpeed's initialisation and load, each step's loss gather (and held-out gather), each save's gather and
-barrier, and the two closing barriers. See `pretrain_bench.train` for the fault-injection variables.
+barrier, and the two closing barriers.
+
+Fault injection for tests: PRETRAIN_BENCH_INJECT_NAN_AT_STEP=N makes the last rank report a NaN loss at step N,
+exercising the abort path (no checkpoint after it, the last good one kept) without having to diverge a model;
+PRETRAIN_BENCH_INJECT_ENOSPC_AT_STEP=N (see `pretrain_bench.checkpointer`) fails the last rank's checkpoint files of
+step N with ENOSPC.
 """
 from __future__ import annotations
 
@@ -21,6 +30,7 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from . import state_lock
+from .checkpointer import Checkpointer
 from .engines import EngineRun, engine_class
 from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .heldout import HeldOutSlice
@@ -32,16 +42,14 @@ from .provenance import provenance
 from .rank import (
     Preemption,
     TrainingAborted,
-    check_resume_point,
     gather_floats,
     heldout_summary,
     pinning_allowed,
     resume_fingerprint,
-    rng_state,
-    set_rng_state,
 )
 from .rank import log as rank_log
 from .run_state import mark_finished, plan_digest, prepare_state
+from .run_summary import RunSummary
 from .settings import check_settings
 from .step import PhaseTimer, train_step
 
@@ -56,7 +64,6 @@ class Trainer:
         self.settings = plan.train
         self.device = context.device
         self.out_dir, self.state_dir = Path(plan.paths.out_dir), Path(plan.paths.state_dir)
-        self.ckpt_root = self.state_dir / "checkpoints"
         self.metrics_path = self.state_dir / "metrics.jsonl"
         self.run_device = f"cuda:{self.local_rank}" if self.device == "cuda" else "cpu"
         self.seq_len = plan.model.seq_len
@@ -64,7 +71,10 @@ class Trainer:
         self.tokens_per_step = self.settings.derived_global_batch * self.seq_len
         self.fingerprint = resume_fingerprint(plan)
         self.engine_class = engine_class(self.settings.engine)
-        self.start_step, self.resumed_from, self.last_saved = 0, None, 0
+        self.checkpointer = Checkpointer(self.state_dir / "checkpoints", self.settings, seq_len=self.seq_len,
+                                         rank=self.rank, world=self.world, run_device=self.run_device,
+                                         fingerprint=self.fingerprint, saves=plan.save_checkpoints, log=self.log)
+        self.start_step = 0
         self.comm_steady_ms, self.steady_time_s = 0.0, 0.0
 
     def log(self, message: str) -> None:
@@ -77,7 +87,6 @@ class Trainer:
         self.build_engine()
         self.restore()
         self.prepare_measures()
-        save_every = self.settings.checkpoint_every if self.plan.save_checkpoints else None
         self.inject_nan_step = int(os.environ.get("PRETRAIN_BENCH_INJECT_NAN_AT_STEP", "0"))
         self.run_start = time.perf_counter()
         with MetricsSink(self.metrics_path, self.state_dir / "tensorboard", self.start_step,
@@ -94,26 +103,27 @@ class Trainer:
                 record = self.record(step, gathered, step_time, phases, comm, skipped_before)
                 sink.write(record)
                 self.log_progress(step, record, step_time)
-                if save_every and (step % save_every == 0 or step == self.total_steps):
+                if self.checkpointer.due(step):
                     self.save(step)
                 # SIGTERM/SIGINT on some rank: save the step just trained and stop. At the last step the run simply
                 # finishes (its checkpoint is saved above): stopping there would leave a finished run without outputs.
                 if step < self.total_steps and any(g[2] for g in gathered):
-                    self.stop(step, save_every)
+                    self.stop(step)
         summary = self.summarise()
         self.finish(summary)
         return summary
 
-    def stop(self, step: int, save_every: int | None) -> None:
+    def stop(self, step: int) -> None:
         """A stop signal: save step `step` (when this run saves checkpoints) and raise TrainingAborted."""
-        signal_name = self.preemption.received or "a stop signal"
-        if not save_every:
+        signal_name, checkpointer = self.preemption.received or "a stop signal", self.checkpointer
+        if not checkpointer.every:
             raise TrainingAborted(f"{signal_name} received at step {step}: this run saves no checkpoints (a benchmark "
                                   "cell), so a rerun starts it again")
-        if self.last_saved != step:
+        if checkpointer.last_saved != step:
             self.save(step)
-        raise TrainingAborted(f"{signal_name} received: checkpoint step {self.last_saved} saved in {self.ckpt_root}; "
-                              "exiting non-zero so the job is retried (rerun the same command to resume)")
+        raise TrainingAborted(f"{signal_name} received: checkpoint step {checkpointer.last_saved} saved in "
+                              f"{checkpointer.root}; exiting non-zero so the job is retried (rerun the same command to "
+                              "resume)")
 
     # --- before the loop -------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -145,10 +155,9 @@ class Trainer:
         self.digest = plan_digest(self.plan)
         if rank == 0:
             # Safe under the state lock: no other run can be saving there.
-            for folder in ckpt.remove_incomplete(self.ckpt_root):
-                self.log(f"removed {folder}: an incomplete checkpoint left by an interrupted or failed save")
+            self.checkpointer.remove_incomplete()
             if not self.plan.resume:
-                shutil.rmtree(self.ckpt_root, ignore_errors=True)
+                self.checkpointer.clear()
                 self.metrics_path.unlink(missing_ok=True)
             else:  # which run this job continues, starts fresh, or trains again (see run_state)
                 for message in prepare_state(self.state_dir, self.fingerprint, self.total_steps, self.digest,
@@ -189,70 +198,28 @@ class Trainer:
                 gradient_checkpointing_kwargs=self.engine_class.gradient_checkpointing_kwargs)
 
     def resume_point(self) -> None:
-        """The checkpoint to resume from, verified and checked before DeepSpeed starts, so a wrong checkpoint fails in
-        seconds. Rank 0 alone verifies (and may set damaged checkpoints aside); every rank then uses the step it
-        chose."""
-        settings, ckpt_root, world = self.settings, self.ckpt_root, self.world
-        self.resume_step, self.marker, self.reshape = None, None, False
-        step, problem = None, ""
-        if self.rank == 0 and self.plan.resume:
-            try:
-                step = ckpt.newest_verified(ckpt_root, settings.verify_checkpoints, warn=self.log)
-            except ckpt.CheckpointError as error:
-                problem = str(error)
-        chosen = gather_floats([-2.0 if problem else -1.0 if step is None else float(step)], self.run_device)[0][0]
-        if chosen == -2.0:
-            raise ckpt.CheckpointError(problem or f"rank 0 found no checkpoint in {ckpt_root} that verifies")
-        if chosen < 0:
-            return
-        step = self.resume_step = int(chosen)
-        marker = self.marker = ckpt.read_marker(ckpt_root, step)
-        check_resume_point(step, settings, self.seq_len, ckpt_root)
-        if marker["world_size"] != world and not settings.allow_reshape:
-            raise ckpt.CheckpointError(
-                f"checkpoint {ckpt_root / ckpt.tag_for(step)} was saved with world size {marker['world_size']}, "
-                f"this run has {world}: run with the old train.gpus/nodes, set train.allow_reshape to convert it "
-                f"through a universal checkpoint, or move {ckpt_root} away to start over"
-            )
-        if marker["fingerprint"] != self.fingerprint:
-            changed = sorted(k for k in self.fingerprint if self.fingerprint[k] != marker["fingerprint"].get(k))
-            raise ckpt.CheckpointError(
-                f"checkpoint {ckpt_root / ckpt.tag_for(step)} belongs to a different configuration "
-                f"({', '.join(changed)} changed): restore the config or move {ckpt_root} away to start over"
-            )
-        self.reshape = marker["world_size"] != world
+        """The checkpoint to resume from (Checkpointer.resume_point), chosen before the engine starts."""
+        self.resume = self.checkpointer.resume_point(self.plan.resume)
 
     def build_engine(self) -> None:
         """The engine of train.engine (DeepSpeed, DDP or FSDP), with the learning-rate schedule of this run."""
         run = EngineRun(device=self.device, total_steps=self.total_steps, measure_comm=self.plan.measure_comm,
-                        pin_memory=pinning_allowed(), reshape=self.reshape)
+                        pin_memory=pinning_allowed(), reshape=bool(self.resume and self.resume.reshape))
         self.engine = self.engine_class(self.model, self.settings, run)
         if self.rank == 0:
             self.engine.write_config(self.out_dir)
 
     def restore(self) -> None:
         """Load the chosen checkpoint into the engine (through a universal checkpoint when the world size changed)."""
-        if self.resume_step is None:
+        point = self.resume
+        if point is None:
             return
-        step, ckpt_root, rank = self.resume_step, self.ckpt_root, self.rank
-        folder = self.engine.checkpoint_folder(ckpt_root, step)
-        tag = folder.name
-        try:
-            self.engine.load(folder)
-            if not self.reshape:
-                set_rng_state(torch.load(folder / f"rng_rank{rank}.pt", weights_only=False))
-        except (OSError, RuntimeError, ValueError, KeyError, EOFError) as error:
-            raise ckpt.CheckpointError(
-                f"loading checkpoint {ckpt_root / tag} failed on rank {rank}: {type(error).__name__}: {error}. Its "
-                f"files passed the {self.settings.verify_checkpoints} check"
-                + ("" if self.settings.verify_checkpoints == "full" else
-                   "; set train.verify_checkpoints: full to find a damaged file")
-                + ", or move the folder aside to resume from the checkpoint before it") from error
+        folder = self.checkpointer.restore(self.engine, point)
         # The loader position is global (samples consumed), so it carries over to another world size.
-        self.batches.load_state_dict(self.marker["loader"], **({"allow_reshape": True} if self.reshape else {}))
-        self.start_step = self.resumed_from = self.last_saved = step  # MetricsSink drops the records past it
-        self.log(f"resumed from {ckpt_root / tag} (step {step}"
-                 + (f", saved at world size {self.marker['world_size']}, now {self.world})" if self.reshape else ")"))
+        self.batches.load_state_dict(point.marker["loader"], **({"allow_reshape": True} if point.reshape else {}))
+        self.start_step = point.step  # MetricsSink drops the records past it
+        self.log(f"resumed from {folder} (step {point.step}"
+                 + (f", saved at world size {point.marker['world_size']}, now {self.world})" if point.reshape else ")"))
 
     def prepare_measures(self) -> None:
         """What the loop measures with: the peak FLOP/s and FLOPs per token for MFU, the held-out slice, the timer."""
@@ -278,7 +245,7 @@ class Trainer:
         the next checkpoint is saved and a stop signal must stop every rank at the same step. Aborts on a non-finite
         loss on any rank (distrusting the checkpoint resumed from when no checkpoint was saved since)."""
         if step == self.inject_nan_step and self.rank == self.world - 1:
-            local_loss = float("nan")  # fault injection, see pretrain_bench.train
+            local_loss = float("nan")  # fault injection, see the module's docstring
         peak, _ = peak_memory_bytes(self.device)
         norm = self.engine.grad_norm()  # a device tensor, a number or None: read with the rest
         values = [local_loss, float(peak), float(self.preemption.requested)] + ([norm] if norm is not None else [])
@@ -287,43 +254,8 @@ class Trainer:
         if not all(math.isfinite(v) for v in rank_losses):
             bad = [r for r, v in enumerate(rank_losses) if not math.isfinite(v)]
             what = f"non-finite loss at step {step} on rank(s) {bad}"
-            if self.resumed_from is not None and self.last_saved == self.resumed_from:
-                raise TrainingAborted(self.distrust_resume(what))
-            raise TrainingAborted(
-                f"{what}; no checkpoint written after it, the last "
-                f"complete one is step {self.last_saved if self.last_saved else 'none'} in {self.ckpt_root}"
-            )
+            raise TrainingAborted(self.checkpointer.non_finite(what))
         return gathered
-
-    def distrust_resume(self, what: str) -> str:
-        """A non-finite loss after a resume and before the next save: the checkpoint resumed from is the suspect
-        (damaged in a way its sha256 cannot show, say in memory before it was saved, or not fully checked under
-        train.verify_checkpoints: sampled). Rank 0 sets it aside as step<N>.nonfinite, so the next attempt resumes
-        from the committed checkpoint before it; once only: when this resume is itself such a fallback, the cause
-        is not the checkpoints and nothing is moved. Every rank returns the same message."""
-        step, root = self.resumed_from, self.ckpt_root
-        folder = root / ckpt.tag_for(step)
-        earlier = [s for s in ckpt.committed_steps(root) if s < step]
-        fell_back_from = [s for s in ckpt.set_aside_steps(root, "nonfinite") if s > step]
-        aside = ckpt.aside_path(root, step, "nonfinite")
-        dist.barrier()  # every rank has read the folder before rank 0 changes it
-        head = f"{what}, right after resuming from checkpoint {folder}"
-        if fell_back_from:
-            message = (f"{head}, which this run fell back to after a non-finite loss right after resuming from step "
-                       f"{fell_back_from[-1]} (set aside in {root}): the loss diverges from an older checkpoint "
-                       "too, so the checkpoints are not the likely cause and nothing was moved. Look at the training "
-                       f"(train.lr, train.warmup_steps, train.grad_clip), or move {root} away to start over")
-        elif not earlier:
-            message = (f"{head}: its weights are the likely cause, and there is no committed checkpoint before it "
-                       f"to fall back to, so nothing was moved. Move {folder} away to start over from step 0")
-        else:
-            if self.rank == 0:
-                ckpt.set_aside(root, step, "nonfinite")
-            message = (f"{head}: its weights are the likely cause. Moved it aside to {aside} (kept for "
-                       f"inspection); rerun to resume from checkpoint step {earlier[-1]}, the one before it. This "
-                       "fallback happens once: a non-finite loss right after that resume stops the run")
-        dist.barrier()  # the folder is aside before any rank exits
-        return message
 
     def record(self, step: int, gathered: list[list[float]], step_time: float, phases: dict, comm: float | None,
                skipped_before: int) -> dict:
@@ -340,7 +272,7 @@ class Trainer:
             "comm_s": comm / 1000.0 if comm is not None else None, "peak_mem_bytes": [int(g[1]) for g in gathered],
             "skipped_steps": engine.skipped_steps, "overflow": engine.skipped_steps > skipped_before,
             "loss_scale": engine.loss_scale(),
-            "after_resume": self.resumed_from is not None and step == self.start_step + 1,
+            "after_resume": self.checkpointer.resumed_from is not None and step == self.start_step + 1,
         }
         if self.heldout and (step % settings.eval_every == 0 or step == self.total_steps):
             # after the step's timing and before its checkpoint; its wall time is recorded apart (eval_time_s)
@@ -368,50 +300,8 @@ class Trainer:
                      f"{record['eval_time_s']:.2f}s)")
 
     def save(self, step: int) -> None:
-        """Save checkpoint `step` on every rank and commit it; on failure remove it and raise CheckpointSaveError."""
-        engine, rank, world, ckpt_root = self.engine, self.rank, self.world, self.ckpt_root
-        inject_enospc_step = int(os.environ.get("PRETRAIN_BENCH_INJECT_ENOSPC_AT_STEP", "0"))
-        tag = ckpt.tag_for(step)
-        folder = ckpt_root / tag
-        client = {"step": step, "loader": self.batches.state_dict(), "world_size": world,
-                  "fingerprint": self.fingerprint}
-        writer = ckpt.CheckpointWriter(
-            step, folder,
-            fail_after=4096 if step == inject_enospc_step and rank == world - 1 else None)  # see pretrain_bench.train
-        folder.mkdir(parents=True, exist_ok=True)
-        try:
-            engine.save(folder, writer, client)  # every file saved through the writer is hashed while written
-        except (OSError, RuntimeError) as error:
-            # A failure outside the files the writer sees (DeepSpeed's own small files): the other ranks may be in a
-            # collective this rank will never join, so it removes the folder and stops; torchrun stops the others.
-            shutil.rmtree(folder, ignore_errors=True)
-            raise ckpt.CheckpointSaveError(ckpt.save_failure(step, folder, error)) from error
-        writer.save(rng_state(), folder / f"rng_rank{rank}.pt")
-        # Every rank's files are on disk (or failed) before the ranks decide together whether to commit.
-        outcomes = [None] * world
-        dist.all_gather_object(outcomes, (writer.error, writer.files))
-        failures = [(r, error) for r, (error, _) in enumerate(outcomes) if error]
-        if failures:
-            if rank == 0:
-                shutil.rmtree(folder, ignore_errors=True)
-            dist.barrier()
-            r, error = failures[0]
-            raise ckpt.CheckpointSaveError(
-                f"{error} (rank {r}). The partial {folder} was removed; the committed checkpoints are untouched, "
-                f"the newest is step {self.last_saved if self.last_saved else 'none'} in {ckpt_root}")
-        if rank == 0:
-            files = {name: record for _, saved in outcomes for name, record in saved.items()}
-            try:
-                ckpt.write_marker(ckpt_root, step, {"world_size": world, "fingerprint": self.fingerprint,
-                                                    "loader": self.batches.state_dict(),
-                                                    "tokens": step * self.tokens_per_step},
-                                  files)
-            except OSError as error:
-                shutil.rmtree(folder, ignore_errors=True)
-                raise ckpt.CheckpointSaveError(ckpt.save_failure(step, folder, error)) from error
-            ckpt.prune(ckpt_root, self.settings.keep_checkpoints)
-        dist.barrier()
-        self.last_saved = step
+        """Checkpoint step `step` (Checkpointer.save: every rank saves, rank 0 commits)."""
+        self.checkpointer.save(step, self.engine, self.batches.state_dict(), step * self.tokens_per_step)
 
     # --- after the loop ----------------------------------------------------------------------------------------------
     def comm_fraction(self) -> tuple[float | None, str]:
@@ -439,7 +329,7 @@ class Trainer:
         comm_fraction, comm_note = self.comm_fraction()
         ran = self.engine.ran()  # precision, ZeRO stage and batch as the engine parsed them, train.deepspeed included
         peak_flops, peak_source = self.peak["flops_per_rank"], self.peak["source"]
-        return {
+        return RunSummary(**{  # the summary's one declaration: a field not declared there is refused
             "name": plan.name, "role": plan.role, "engine": settings.engine,
             "world_size": world, "nodes": settings.nodes, "device": self.device, "zero_stage": ran["zero_stage"],
             "offload_optimizer": settings.offload_optimizer, "offload_param": settings.offload_param,
@@ -466,10 +356,10 @@ class Trainer:
             "comm_fraction": comm_fraction, "comm_method": comm_note,
             "loss": steady["loss"], "skipped_steps": records[-1]["skipped_steps"],
             "oversubscribed": os.environ.get("PRETRAIN_BENCH_OVERSUBSCRIBED") == "1",
-            "threads_per_rank": self.threads, "resumed_from_step": self.resumed_from,
+            "threads_per_rank": self.threads, "resumed_from_step": self.checkpointer.resumed_from,
             # what the pre-flight chose under train.memory_fit (asked vs ran, and why)
             "memory_fit": {k: plan.memory_fit[k] for k in ("mode", "asked", "chosen", "changed", "summary")},
-            "checkpoints": ckpt.committed_steps(self.ckpt_root), "checkpoint_dir": str(self.ckpt_root),
+            "checkpoints": self.checkpointer.committed(), "checkpoint_dir": str(self.checkpointer.root),
             # where the weights came from: model.init_from (uri, revision, folder) or a random initialisation
             "init_from": {**self.init_from, "loaded": self.loaded} if self.init_from else None,
             "init_seed": None if self.init_from else settings.seed,
@@ -479,7 +369,7 @@ class Trainer:
             | {"slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                # 1-, 5- and 15-minute load averages at the end: busy-machine timings are traceable
                "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
-        }
+        }).to_dict()
 
     def finish(self, summary: dict | None) -> None:
         """Rank 0 copies metrics and TensorBoard to the output folder, writes summary.json and marks the run
@@ -494,3 +384,8 @@ class Trainer:
             self.log(f"done: {summary['tokens_per_s']:,.0f} tokens/s steady state, loss "
                      f"{summary['loss']['first']:.3f} → {summary['loss']['last']:.3f}")
         dist.barrier()
+
+
+def run_training(plan: Plan, context: RunContext) -> dict | None:
+    """Train per the plan on this rank. Returns the summary on rank 0."""
+    return Trainer(plan, context).run()
