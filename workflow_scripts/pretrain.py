@@ -1,4 +1,5 @@
-"""One training rank, started by torchrun through launch.py: `pretrain.py --plan PLAN`."""
+"""One training rank, started by torchrun through launch.py: `pretrain.py --plan PLAN --context JSON`, the context
+being the launcher's decisions for the job's ranks (pretrain_bench.run_context.LaunchContext)."""
 import argparse
 import os
 import sys
@@ -17,20 +18,23 @@ def main(argv=None) -> int:
     from pretrain_bench.launcher import wait_out_stale_build_locks
     from pretrain_bench.plan import Plan, RunContext
     from pretrain_bench.rank import TrainingAborted
+    from pretrain_bench.run_context import LaunchContext
     from pretrain_bench.trainer import run_training
 
     wait_out_stale_build_locks()  # DeepSpeed loads its CPU op behind torch's build lock in every rank
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--plan", type=Path, required=True)
+    parser.add_argument("--context", type=LaunchContext.from_json, required=True,
+                        help="the launcher's LaunchContext, as JSON")
     args = parser.parse_args(argv)
-    plan = Plan.from_json(args.plan)
-    device = os.environ.get("PRETRAIN_BENCH_DEVICE", "cpu")  # what the launcher resolved device_request to
+    plan, launch = Plan.from_json(args.plan), args.context
+    device = launch.device  # what the launcher resolved device_request to
     if device == "cuda":
         import torch
 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     try:
-        run_training(plan, RunContext(device=device, hardware=hardware_description(device)))
+        run_training(plan, RunContext(device=device, hardware=hardware_description(device)), launch)
     except (TrainingAborted, CheckpointError) as error:
         print(f"error (rank {os.environ.get('RANK')}): {error}", file=sys.stderr, flush=True)
         return 3

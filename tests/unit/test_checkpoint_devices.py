@@ -15,6 +15,7 @@ from pretrain_bench import checkpoint as ckpt  # noqa: E402
 from pretrain_bench.devices import SlotError, allocate_slots, gpu_slots  # noqa: E402
 from pretrain_bench.launcher import rank_environment, torchrun_command  # noqa: E402
 from pretrain_bench.metrics import summarise_steps, truncate_jsonl  # noqa: E402
+from pretrain_bench.run_context import LaunchContext  # noqa: E402
 
 
 def make_ckpt(root, step, commit=True):
@@ -99,13 +100,23 @@ def test_slot_allocation_waits_then_times_out(tmp_path):
             pass
 
 
-def test_rank_environment_threads_and_oversubscription():
-    env = rank_environment("cpu", ranks=3, cores=2, base={})
+def test_launch_context_threads_and_oversubscription():
+    context = LaunchContext.for_job("cpu", ranks=3, cores=2)
+    assert context.threads_per_rank == 1 and context.oversubscribed and context.pin_memory
+    env = rank_environment(context, base={})
     assert env["DS_ACCELERATOR"] == "cpu" and env["OMP_NUM_THREADS"] == "1"
-    assert env["PRETRAIN_BENCH_OVERSUBSCRIBED"] == "1"
-    env = rank_environment("cpu", ranks=2, cores=16, base={})
-    assert env["OMP_NUM_THREADS"] == "8" and env["PRETRAIN_BENCH_OVERSUBSCRIBED"] == "0"
-    assert "DS_ACCELERATOR" not in rank_environment("cuda", 3, 16, {})
+    context = LaunchContext.for_job("cpu", ranks=2, cores=16)
+    assert context.threads_per_rank == 8 and not context.oversubscribed
+    assert rank_environment(context, base={})["OMP_NUM_THREADS"] == "8"
+    assert "DS_ACCELERATOR" not in rank_environment(LaunchContext.for_job("cuda", 3, 16), {})
+    assert not any(key.startswith("PRETRAIN_BENCH_") for key in env), "the ranks get the context on their command line"
+
+
+def test_the_launch_context_reaches_the_rank_as_it_was_decided():
+    context = LaunchContext(device="cuda", threads_per_rank=5, oversubscribed=False, pin_memory=False)
+    assert LaunchContext.from_json(context.to_json()) == context
+    with pytest.raises(ValueError, match=r"missing \['pin_memory'\], unknown \['pin'\]"):
+        LaunchContext.from_json('{"device": "cpu", "threads_per_rank": 1, "oversubscribed": true, "pin": true}')
 
 
 def test_torchrun_single_node_uses_standalone_free_port():
@@ -137,8 +148,8 @@ def test_pinned_memory_is_turned_off_where_torch_cannot_pin_exactly():
     from pretrain_bench.launcher import exact_pinning
 
     # this machine's torch has no CUDA: the probe fails, so offloaded buffers are not pinned (and never rounded)
-    additions, note = exact_pinning(dict(os.environ))
-    assert additions == {"PRETRAIN_BENCH_PIN_MEMORY": "0"} and "pinned host memory off" in note
+    additions, pin_memory, note = exact_pinning(dict(os.environ))
+    assert additions == {} and pin_memory is False and "pinned host memory off" in note
 
 
 def test_stale_torch_extension_locks_are_removed_fresh_ones_kept(tmp_path):
@@ -178,7 +189,7 @@ def test_ranks_load_deepspeeds_ops_from_the_environments_cache_where_make_instal
     from pretrain_bench.launcher import extension_build_root
 
     base = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
-    env = rank_environment("cpu", ranks=3, cores=2, base=base)
+    env = rank_environment(LaunchContext.for_job("cpu", ranks=3, cores=2), base=base)
     assert env["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
     # what `make install` runs: DeepSpeed's CPU ops are (already, after make install) in that directory
     code = ("from pretrain_bench.launcher import build_cpu_ops; print(*build_cpu_ops())")
@@ -187,10 +198,11 @@ def test_ranks_load_deepspeeds_ops_from_the_environments_cache_where_make_instal
     root = Path(env["TORCH_EXTENSIONS_DIR"])
     assert (root / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").is_file()
     assert (root / "cpu_adam" / "cpu_adam.so").is_file()
-    assert rank_environment("cpu", 1, 2, dict(base, TORCH_EXTENSIONS_DIR="/x"))["TORCH_EXTENSIONS_DIR"] == "/x"
+    alone = LaunchContext.for_job("cpu", 1, 2)
+    assert rank_environment(alone, dict(base, TORCH_EXTENSIONS_DIR="/x"))["TORCH_EXTENSIONS_DIR"] == "/x"
     # the environment's own ninja first, whatever PATH the job had: another ninja version would rebuild the ops
     own_bin = str(Path(sys.executable).parent)
-    path = rank_environment("cpu", 1, 2, dict(base, PATH=f"/usr/bin:{own_bin}:/bin"))["PATH"]
+    path = rank_environment(alone, dict(base, PATH=f"/usr/bin:{own_bin}:/bin"))["PATH"]
     assert path == f"{own_bin}:/usr/bin:/bin"
     assert Path(shutil.which("ninja", path=path)).parent == Path(own_bin), "deepspeed's dependency ninja is there"
     # an environment this user cannot write to (a system Python): torch's own default, shared

@@ -195,8 +195,8 @@ def test_the_pinning_probe_names_the_real_failure():
 
     # the real probe, in a child, on this machine's torch: it has no CUDA, and the line says so instead of blaming
     # pinned-block rounding
-    additions, note = exact_pinning(dict(os.environ))
-    assert additions == {"PRETRAIN_BENCH_PIN_MEMORY": "0"}
+    additions, pin_memory, note = exact_pinning(dict(os.environ))
+    assert additions == {} and pin_memory is False
     assert note == ("pinned host memory off: AssertionError: Torch not compiled with CUDA enabled (offload copies "
                     "are slower, RAM exact)")
 

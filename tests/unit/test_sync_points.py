@@ -138,7 +138,7 @@ def test_the_gather_carries_the_stop_flag_and_a_non_finite_loss_still_aborts_in_
     trainer.preemption.requested = True
     gathered, _, _ = train_step(engine, Batches(), micro_steps=1, vocab=SHAPE.vocab_size, run_device="cpu",
                                 timer=PhaseTimer("cpu"), read=functools.partial(trainer.gather_step, 1))
-    assert gathered[0][2] == 1.0, "rank 0's stop flag, read in the same gather"
+    assert gathered[0].stop_requested == 1.0, "rank 0's stop flag, read in the same gather"
     trainer.inject_nan_step = 2
     with pytest.raises(TrainingAborted, match=r"non-finite loss at step 2 on rank\(s\) \[0\]; no checkpoint written "
                                               r"after it, the last complete one is step none in state/checkpoints"):
@@ -157,7 +157,7 @@ def test_deepspeed_throughput_timer_never_synchronises():
 @pytest.mark.parametrize("allowed", [True, False])
 def test_host_copies_pin_only_where_the_launcher_allows_it(monkeypatch, allowed):
     """Batches and the step's gather reach the device through one function, which pins only where the launcher's
-    probe could (PRETRAIN_BENCH_PIN_MEMORY=0 otherwise: every pin would fail, e.g. under a locked-memory limit).
+    probe could (LaunchContext.pin_memory false otherwise: every pin would fail, e.g. under a locked-memory limit).
     The "meta" device stands in for CUDA: a copy to it runs on a machine without a GPU."""
     from pretrain_bench.step import to_device
 
@@ -170,7 +170,8 @@ def test_host_copies_pin_only_where_the_launcher_allows_it(monkeypatch, allowed)
         return tensor
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
-    monkeypatch.setenv("PRETRAIN_BENCH_PIN_MEMORY", "1" if allowed else "0")
+    monkeypatch.setattr(rank_module, "_pin_memory", True)  # restored after the test
+    rank_module.allow_pinning(allowed)
     batch = torch.zeros(2, 8, dtype=torch.long)
     assert to_device(batch, "meta").device.type == "meta"
     assert rank_module.host_to_device(torch.zeros(3), "meta").device.type == "meta"

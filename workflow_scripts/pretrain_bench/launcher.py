@@ -11,6 +11,8 @@ Used by every multi-rank rule (`pretrain`, benchmark cells) through workflow_scr
 - CUDA: disjoint device ids per concurrent job through `devices.gpu_slots`, taken from the visible devices
   (CUDA_VISIBLE_DEVICES when set), unless a scheduler assigned them. CPU: DS_ACCELERATOR=cpu, gloo,
   max(1, cores // ranks) threads per rank.
+- The ranks get the launcher's decisions (device, threads, oversubscription, pinning) as `pretrain.py --context`, a
+  LaunchContext (run_context.py).
 - One run per state folder: the launcher takes `<state_dir>/run.lock` (state_lock.py) before anything else, so a
   second run on the same name is refused before any rank starts and before any log is opened.
 - With `--log`: every attempt writes its own file in `<log>.attempts/` (a header names the attempt), and the rule's
@@ -19,6 +21,7 @@ Used by every multi-rank rule (`pretrain`, benchmark cells) through workflow_scr
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -32,6 +35,7 @@ from pathlib import Path
 from . import state_lock
 from .devices import die_with_parent, gpu_slots, probe_peer_access, resolve_device, usable_cpu_count
 from .plan import Plan
+from .run_context import LaunchContext
 from .settings import TrainSettings, check_settings
 
 logger = logging.getLogger(__name__)
@@ -52,8 +56,9 @@ if "pinned_max_round_threshold_mb" not in _accelerator_getAllocatorSettings():
 """
 
 
-def exact_pinning(env: dict) -> tuple[dict, str]:
-    """Environment additions that keep pinned host buffers at their exact size, and a line for the log.
+def exact_pinning(env: dict) -> tuple[dict, bool, str]:
+    """Environment additions that keep pinned host buffers at their exact size, whether the ranks may pin at all
+    (LaunchContext.pin_memory), and a line for the log.
 
     Probed in a child with `env`: the job's own GPU slot (CUDA_VISIBLE_DEVICES) and allocator settings. Where the
     probe fails, pinning is off and the line names the failure (a torch without the option, or a GPU or pinned
@@ -67,11 +72,10 @@ def exact_pinning(env: dict) -> tuple[dict, str]:
         failure = f"the pinning probe did not run: {error}"
     else:
         if probe.returncode == 0:
-            return {key: conf}, f"pinned host memory at exact sizes: {key}={conf}"
+            return {key: conf}, True, f"pinned host memory at exact sizes: {key}={conf}"
         lines = probe.stderr.strip().splitlines()
         failure = lines[-1] if lines else f"the pinning probe exited with status {probe.returncode}"
-    return {"PRETRAIN_BENCH_PIN_MEMORY": "0"}, (f"pinned host memory off: {failure} (offload copies are slower, RAM "
-                                               "exact)")
+    return {}, False, f"pinned host memory off: {failure} (offload copies are slower, RAM exact)"
 
 
 P2P_KEY = "NCCL_P2P_DISABLE"
@@ -198,19 +202,13 @@ def wait_out_stale_build_locks(max_age_s: float = STALE_EXTENSION_LOCK_S) -> Non
     file_baton.FileBaton.wait = wait
 
 
-def rank_environment(device: str, ranks: int, cores: int, base: dict) -> dict:
-    """Environment for the ranks of one job."""
+def rank_environment(context: LaunchContext, base: dict) -> dict:
+    """Environment for the ranks of one job: what the libraries they load read (OpenMP, tokenizers, DeepSpeed). The
+    launcher's own decisions reach the ranks as their --context (LaunchContext), not through the environment."""
     env = dict(base)
-    threads = max(1, cores // ranks)
-    env.update(
-        PRETRAIN_BENCH_DEVICE=device,
-        PRETRAIN_BENCH_THREADS_PER_RANK=str(threads),
-        PRETRAIN_BENCH_OVERSUBSCRIBED="1" if ranks > cores else "0",
-        OMP_NUM_THREADS=str(threads),
-        TOKENIZERS_PARALLELISM="false",
-    )
+    env.update(OMP_NUM_THREADS=str(context.threads_per_rank), TOKENIZERS_PARALLELISM="false")
     env.update(extension_build_environment(base))  # DeepSpeed's CPU ops: where and how `make install` built them
-    if device == "cpu":
+    if context.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     return env
 
@@ -398,7 +396,8 @@ def _launch_locked(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_d
     device = resolve_device(plan.device_request)
     check_settings(settings, device)
     cores = usable_cpu_count()
-    env = rank_environment(device, ranks, cores, os.environ)
+    context = LaunchContext.for_job(device, ranks, cores)
+    env = rank_environment(context, os.environ)
     for stale in clear_stale_extension_locks():
         logger.warning(f"removed {stale}: a torch extension build lock left by a killed process (ranks would wait "
                        "on it forever)")
@@ -406,25 +405,25 @@ def _launch_locked(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_d
         env.update(settings.nccl_env)
         logger.info("nccl environment (train.nccl_env): " + " ".join(f"{k}={v}" for k, v in settings.nccl_env.items()))
     env[state_lock.HELD_ENV] = "1"  # by this launcher, or by node rank 0's in a multi-node run
-    if env["PRETRAIN_BENCH_OVERSUBSCRIBED"] == "1":
+    if context.oversubscribed:
         logger.info(f"note: {ranks} ranks on {cores} cores: oversubscribed, 1 thread per rank; timings are contended")
     slots = gpu_slots(ranks, lock_dir) if device == "cuda" else nullcontext(None)
-    rdzv_id = job_id or f"{plan.name}-{plan.role}"
-    cmd = torchrun_command(script, ["--plan", str(plan_path)], ranks=ranks, nodes=settings.nodes,
-                           max_restarts=settings.max_restarts, rdzv_endpoint=rdzv_endpoint, node_rank=node_rank,
-                           rdzv_id=rdzv_id)
     with slots as device_ids:
         if device_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, device_ids))
             logger.info(f"device slots: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}")
         if device == "cuda" and "cpu" in (settings.offload_optimizer, settings.offload_param):
-            additions, note = exact_pinning(env)  # probed on the job's own GPUs, as are the peers below
+            additions, pin_memory, note = exact_pinning(env)  # probed on the job's own GPUs, as are the peers below
             env.update(additions)
+            context = dataclasses.replace(context, pin_memory=pin_memory)
             logger.info(note)
         if device == "cuda" and settings.comm_backend == "nccl":
             additions, note = nccl_peer_environment(settings.nccl_env or {}, env, ranks)
             env.update(additions)
             logger.info(note)
+        cmd = torchrun_command(script, ["--plan", str(plan_path), "--context", context.to_json()], ranks=ranks,
+                               nodes=settings.nodes, max_restarts=settings.max_restarts, rdzv_endpoint=rdzv_endpoint,
+                               node_rank=node_rank, rdzv_id=job_id or f"{plan.name}-{plan.role}")
         return _run(cmd, env, pass_fds)
 
 

@@ -3,7 +3,6 @@ collectives outside DeepSpeed's comms logger, RNG state, the resume fingerprint 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import signal
 from contextlib import contextmanager
@@ -80,10 +79,19 @@ def host_values(tensor: torch.Tensor) -> list:
     return tensor.tolist()
 
 
+_pin_memory = True  # allow_pinning: set once when the rank starts, from its LaunchContext
+
+
+def allow_pinning(allowed: bool) -> None:
+    """Whether this rank may pin host memory (LaunchContext.pin_memory): the launcher says no where its probe in the
+    job's GPU slot could not pin, e.g. under a locked-memory limit, and every pin would fail the same way. A setting
+    of the process, as every host-to-device copy of it (batches, gathers) goes through host_to_device."""
+    global _pin_memory
+    _pin_memory = allowed
+
+
 def pinning_allowed() -> bool:
-    """Whether this rank may pin host memory: the launcher says no (PRETRAIN_BENCH_PIN_MEMORY=0) where its probe in
-    the job's GPU slot could not pin, e.g. under a locked-memory limit, and every pin would fail the same way."""
-    return os.environ.get("PRETRAIN_BENCH_PIN_MEMORY", "1") == "1"
+    return _pin_memory
 
 
 def host_to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:

@@ -24,6 +24,7 @@ import shutil
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,23 +43,37 @@ from .provenance import provenance
 from .rank import (
     Preemption,
     TrainingAborted,
+    allow_pinning,
     gather_floats,
     heldout_summary,
-    pinning_allowed,
     resume_fingerprint,
 )
 from .rank import log as rank_log
+from .run_context import LaunchContext
 from .run_state import mark_finished, plan_digest, prepare_state
-from .run_summary import RunSummary
 from .settings import check_settings
 from .step import PhaseTimer, train_step
+
+
+class StepFigures(NamedTuple):
+    """One rank's figures of a training step, as Trainer.gather_step reads them."""
+
+    loss: float  # the mean loss over the step's micro-batches
+    peak_mem_bytes: float  # metrics.peak_memory_bytes
+    stop_requested: float  # 1.0 where a stop signal arrived (Preemption), else 0.0
+    grad_norm: float | None  # the gradient norm, where the engine computed one
+
+    @classmethod
+    def of(cls, values: list[float]) -> StepFigures:
+        """From the gathered values of one rank: the norm is gathered only where the engine has one."""
+        return cls(*values) if len(values) == len(cls._fields) else cls(*values, None)
 
 
 class Trainer:
     """One rank's run of a plan. `run()` returns the summary on rank 0 (None on the other ranks)."""
 
-    def __init__(self, plan: Plan, context: RunContext):
-        self.plan, self.context = plan, context
+    def __init__(self, plan: Plan, context: RunContext, launch: LaunchContext):
+        self.plan, self.context, self.launch = plan, context, launch
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.settings = plan.train
@@ -107,7 +122,7 @@ class Trainer:
                     self.save(step)
                 # SIGTERM/SIGINT on some rank: save the step just trained and stop. At the last step the run simply
                 # finishes (its checkpoint is saved above): stopping there would leave a finished run without outputs.
-                if step < self.total_steps and any(g[2] for g in gathered):
+                if step < self.total_steps and any(rank.stop_requested for rank in gathered):
                     self.stop(step)
         summary = self.summarise()
         self.finish(summary)
@@ -133,8 +148,8 @@ class Trainer:
         if self.world != settings.world_size:
             raise RuntimeError(
                 f"launched with {self.world} ranks but train.gpus × train.nodes = {settings.world_size}")
-        self.threads = int(os.environ.get("PRETRAIN_BENCH_THREADS_PER_RANK", torch.get_num_threads()))
-        torch.set_num_threads(self.threads)
+        torch.set_num_threads(self.launch.threads_per_rank)
+        allow_pinning(self.launch.pin_memory)
         if self.device == "cuda":
             torch.cuda.set_device(self.local_rank)
         # An explicit collective timeout: rank-0 work (a universal-checkpoint conversion, a large save) must not hit
@@ -204,7 +219,7 @@ class Trainer:
     def build_engine(self) -> None:
         """The engine of train.engine (DeepSpeed, DDP or FSDP), with the learning-rate schedule of this run."""
         run = EngineRun(device=self.device, total_steps=self.total_steps, measure_comm=self.plan.measure_comm,
-                        pin_memory=pinning_allowed(), reshape=bool(self.resume and self.resume.reshape))
+                        pin_memory=self.launch.pin_memory, reshape=bool(self.resume and self.resume.reshape))
         self.engine = self.engine_class(self.model, self.settings, run)
         if self.rank == 0:
             self.engine.write_config(self.out_dir)
@@ -239,9 +254,9 @@ class Trainer:
                              and self.engine.comm_method is not None)
 
     # --- each step ---------------------------------------------------------------------------------------------------
-    def gather_step(self, step: int, local_loss) -> list[list[float]]:
-        """Every rank's (loss, peak memory, SIGTERM flag[, gradient norm]), gathered on the device and read to the
-        host at once: the step's one synchronisation, every step, since a non-finite loss must stop the run before
+    def gather_step(self, step: int, local_loss) -> list[StepFigures]:
+        """Every rank's StepFigures (loss, peak memory, stop flag, gradient norm), gathered on the device and read to
+        the host at once: the step's one synchronisation, every step, since a non-finite loss must stop the run before
         the next checkpoint is saved and a stop signal must stop every rank at the same step. Aborts on a non-finite
         loss on any rank (distrusting the checkpoint resumed from when no checkpoint was saved since)."""
         if step == self.inject_nan_step and self.rank == self.world - 1:
@@ -249,15 +264,15 @@ class Trainer:
         peak, _ = peak_memory_bytes(self.device)
         norm = self.engine.grad_norm()  # a device tensor, a number or None: read with the rest
         values = [local_loss, float(peak), float(self.preemption.requested)] + ([norm] if norm is not None else [])
-        gathered = gather_floats(values, self.run_device)
-        rank_losses = [g[0] for g in gathered]
+        gathered = [StepFigures.of(values) for values in gather_floats(values, self.run_device)]
+        rank_losses = [rank.loss for rank in gathered]
         if not all(math.isfinite(v) for v in rank_losses):
             bad = [r for r, v in enumerate(rank_losses) if not math.isfinite(v)]
             what = f"non-finite loss at step {step} on rank(s) {bad}"
             raise TrainingAborted(self.checkpointer.non_finite(what))
         return gathered
 
-    def record(self, step: int, gathered: list[list[float]], step_time: float, phases: dict, comm: float | None,
+    def record(self, step: int, gathered: list[StepFigures], step_time: float, phases: dict, comm: float | None,
                skipped_before: int) -> dict:
         """The step's metrics.jsonl record, with the held-out evaluation when train.eval_every asks for one."""
         settings, engine, tokens_per_step = self.settings, self.engine, self.tokens_per_step
@@ -265,11 +280,12 @@ class Trainer:
             self.comm_steady_ms += comm or 0.0
             self.steady_time_s += step_time
         record = {
-            "step": step, "loss": sum(g[0] for g in gathered) / self.world, "lr": engine.lr(),
-            "grad_norm": gathered[0][3] if len(gathered[0]) > 3 else None, "step_time_s": step_time,
+            "step": step, "loss": sum(rank.loss for rank in gathered) / self.world, "lr": engine.lr(),
+            "grad_norm": gathered[0].grad_norm, "step_time_s": step_time,
             "forward_s": phases["forward"], "backward_s": phases["backward"], "optimizer_s": phases["optimizer"],
             "tokens_per_s": tokens_per_step / step_time, "tokens": step * tokens_per_step,
-            "comm_s": comm / 1000.0 if comm is not None else None, "peak_mem_bytes": [int(g[1]) for g in gathered],
+            "comm_s": comm / 1000.0 if comm is not None else None,
+            "peak_mem_bytes": [int(rank.peak_mem_bytes) for rank in gathered],
             "skipped_steps": engine.skipped_steps, "overflow": engine.skipped_steps > skipped_before,
             "loss_scale": engine.loss_scale(),
             "after_resume": self.checkpointer.resumed_from is not None and step == self.start_step + 1,
@@ -329,7 +345,7 @@ class Trainer:
         comm_fraction, comm_note = self.comm_fraction()
         ran = self.engine.ran()  # precision, ZeRO stage and batch as the engine parsed them, train.deepspeed included
         peak_flops, peak_source = self.peak["flops_per_rank"], self.peak["source"]
-        return RunSummary(**{  # the summary's one declaration: a field not declared there is refused
+        return {
             "name": plan.name, "role": plan.role, "engine": settings.engine,
             "world_size": world, "nodes": settings.nodes, "device": self.device, "zero_stage": ran["zero_stage"],
             "offload_optimizer": settings.offload_optimizer, "offload_param": settings.offload_param,
@@ -355,8 +371,8 @@ class Trainer:
                                                                     peak_source))),
             "comm_fraction": comm_fraction, "comm_method": comm_note,
             "loss": steady["loss"], "skipped_steps": records[-1]["skipped_steps"],
-            "oversubscribed": os.environ.get("PRETRAIN_BENCH_OVERSUBSCRIBED") == "1",
-            "threads_per_rank": self.threads, "resumed_from_step": self.checkpointer.resumed_from,
+            "oversubscribed": self.launch.oversubscribed,
+            "threads_per_rank": self.launch.threads_per_rank, "resumed_from_step": self.checkpointer.resumed_from,
             # what the pre-flight chose under train.memory_fit (asked vs ran, and why)
             "memory_fit": {k: plan.memory_fit[k] for k in ("mode", "asked", "chosen", "changed", "summary")},
             "checkpoints": self.checkpointer.committed(), "checkpoint_dir": str(self.checkpointer.root),
@@ -365,11 +381,12 @@ class Trainer:
             "init_seed": None if self.init_from else settings.seed,
             "lr_schedule": settings.lr_schedule,
             "eval_during_training": heldout_summary(records, settings, self.heldout),
-            "provenance": provenance(plan.config, self.context.hardware | {"threads_per_rank": self.threads})
+            "provenance": provenance(plan.config,
+                                     self.context.hardware | {"threads_per_rank": self.launch.threads_per_rank})
             | {"slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                # 1-, 5- and 15-minute load averages at the end: busy-machine timings are traceable
                "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
-        }).to_dict()
+        }
 
     def finish(self, summary: dict | None) -> None:
         """Rank 0 copies metrics and TensorBoard to the output folder, writes summary.json and marks the run
@@ -386,6 +403,6 @@ class Trainer:
         dist.barrier()
 
 
-def run_training(plan: Plan, context: RunContext) -> dict | None:
-    """Train per the plan on this rank. Returns the summary on rank 0."""
-    return Trainer(plan, context).run()
+def run_training(plan: Plan, context: RunContext, launch: LaunchContext) -> dict | None:
+    """Train per the plan on this rank, as the launcher set it up. Returns the summary on rank 0."""
+    return Trainer(plan, context, launch).run()
