@@ -29,14 +29,12 @@ MODEL_OVERRIDES = {"hidden_size": 384, "num_attention_heads": 6, "num_key_value_
 
 
 def build_data() -> tuple[dict, Path]:
-    import yaml
+    from pretrain_bench.config_types import load_config
 
     targets = [f"results/{NAME}/shards/index.json", f"results/{NAME}/tokenizer/tokenizer.json"]
     subprocess.run([sys.executable, "-m", "snakemake", *targets, "--cores", str(os.cpu_count()), "--configfile",
                     "config/tiny-cpu.yaml", "--config", f"name={NAME}", "--quiet"], cwd=ROOT, check=True)
-    config = yaml.safe_load((ROOT / "config.yaml").read_text())
-    for key, value in yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text()).items():
-        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     config["name"] = NAME
     config["model"]["overrides"] = MODEL_OVERRIDES
     return config, ROOT / "results" / NAME

@@ -36,7 +36,7 @@ rule bench_matrix:
         "../envs/pretrain.yaml"
     params:
         matrix=BENCH_MATRIX,
-        model=config["model"],
+        model=MODEL.as_dict(),
         vocab_size=VOCAB_SIZE,
         grad_accum_steps=TRAIN.grad_accum_steps,
     script:

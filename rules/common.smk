@@ -11,7 +11,7 @@ gc.freeze()
 
 from snakemake.exceptions import WorkflowError
 
-from pretrain_bench.config_types import ModelSettings, coerce_command_line_types, fill_defaults_and_validate, load_schema  # noqa: E402
+from pretrain_bench.config_types import CorpusSettings, ModelSettings, ReportSettings, ShardSettings, TokenizerSettings, coerce_command_line_types, fill_defaults_and_validate, load_schema  # noqa: E402
 from pretrain_bench.devices import GPU_LOCK_DIR as DEVICE_LOCK_DIR  # noqa: E402
 from pretrain_bench.settings import ConfigError, TrainSettings, check_settings  # noqa: E402
 
@@ -28,10 +28,15 @@ if not workflow.modifier.skip_validation:
     except ValidationError as error:
         raise WorkflowError("Error validating config file.", error)
 
+# The validated config as typed, frozen settings, built once: rules and helpers read these, never config[...].
 try:
-    TRAIN = TrainSettings.from_config(config["train"])
+    CORPUS = CorpusSettings.from_config(config["corpus"])
+    TOKENIZER = TokenizerSettings.from_config(config["tokenizer"])
+    SHARDS = ShardSettings.from_config(config["shards"])
     MODEL = ModelSettings.from_config(config["model"])
-    check_settings(TRAIN, seq_len=config["model"]["seq_len"])
+    TRAIN = TrainSettings.from_config(config["train"])
+    REPORT = ReportSettings.from_config(config["report"])
+    check_settings(TRAIN, seq_len=MODEL.seq_len)
 except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}")
 
@@ -64,18 +69,17 @@ def check_other_run_input(key, path, name, marker):
             "then run this again.")
 
 
-check_other_run_input("model.init_from", config["model"]["init_from"], NAME, "config.json")
-check_other_run_input("tokenizer.path", config["tokenizer"]["path"], NAME, None)
+check_other_run_input("model.init_from", MODEL.init_from, NAME, "config.json")
+check_other_run_input("tokenizer.path", TOKENIZER.path, NAME, None)
 # The local files of corpus.sources (file://, globs expanded here, at DAG time): inputs of the corpus.
 from pretrain_bench.corpus_sources import CorpusError, local_source_files  # noqa: E402
 
 try:
-    CORPUS_FILES = local_source_files(config["corpus"]["sources"])
+    CORPUS_FILES = local_source_files(CORPUS.sources)
 except CorpusError as error:
     raise WorkflowError(f"corpus.sources: {error}")
 # A local model.init_from folder is an input of planning: a newer export there replans (and so continues again).
-INIT_FROM_INPUT = [] if (config["model"]["init_from"] or "hf://").startswith("hf://") else [
-    config["model"]["init_from"].removeprefix("file://")]
+INIT_FROM_INPUT = [] if (MODEL.init_from or "hf://").startswith("hf://") else [MODEL.init_from.removeprefix("file://")]
 
 # Multi-rank rules start torchrun through this script (it needs its sibling pretrain_bench/ beside it, so it is
 # run from the workflow folder rather than from Snakemake's source cache).
@@ -102,7 +106,7 @@ wildcard_constraints:
 
 def checkpoint_steps():
     """Steps at which the main run leaves a complete checkpoint that is still kept at the end."""
-    return TRAIN.checkpoint_steps(config["model"]["seq_len"])
+    return TRAIN.checkpoint_steps(MODEL.seq_len)
 
 
 def eval_outputs(name):
@@ -112,7 +116,7 @@ def eval_outputs(name):
 # --- evaluation ---
 # Evaluation runs where evaluate.device says (null: where train.device says). Each job on a GPU holds one device slot
 # (gpu=1, plus a lock-file slot in the launcher's lock folder); on CPU it asks for none, leaving `gpu` to training.
-EVAL_DEVICE = config["evaluate"].get("device") or TRAIN.device
+EVAL_DEVICE = config["evaluate"]["device"] or TRAIN.device
 GPU_LOCK_DIR = str(DEVICE_LOCK_DIR)  # the launcher's too: training ranks and evaluations never share
 LM_EVAL_TASKS = config["evaluate"]["lm_eval"]["tasks"]
 

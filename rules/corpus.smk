@@ -18,14 +18,7 @@ rule download_corpus:
     conda:
         "../envs/pretrain.yaml"
     params:
-        sources=config["corpus"]["sources"],
-        # every key has its default in the schema, filled in when the config was validated
-        max_bytes=config["corpus"]["max_bytes"],
-        min_chars=config["corpus"]["min_chars"],
-        dedup=config["corpus"]["dedup"],
-        val_fraction=config["corpus"]["val_fraction"],
-        encoding_errors=config["corpus"]["encoding_errors"],
-        seed=config["corpus"]["seed"],
+        corpus=CORPUS.as_dict(),
         cache_dir="resources/corpus-cache",
     script:
         "../workflow_scripts/download_corpus.py"

@@ -64,7 +64,7 @@ rule export_final:
     resources:
         mem_mb=EXPORT_FINAL_MEM_MB,
     params:
-        step=TRAIN.total_steps(config["model"]["seq_len"]),
+        step=TRAIN.total_steps(MODEL.seq_len),
         dtype=FINAL_EXPORT_DTYPE,
     script:
         "../workflow_scripts/export_final.py"

@@ -19,6 +19,6 @@ rule report:
     conda:
         "../envs/report.yaml"
     params:
-        target_corpus_tokens=config["report"]["target_corpus_tokens"],
+        target_corpus_tokens=REPORT.target_corpus_tokens,
     script:
         "../workflow_scripts/build_report.py"

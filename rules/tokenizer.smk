@@ -19,8 +19,8 @@ rule train_tokenizer:
         "../envs/pretrain.yaml"
     threads: 8
     params:
-        vocab_size=config["tokenizer"]["vocab_size"],
-        train_bytes=config["tokenizer"]["train_bytes"],
+        vocab_size=TOKENIZER.vocab_size,
+        train_bytes=TOKENIZER.train_bytes,
         path=ADOPTED_TOKENIZER,
     script:
         "../workflow_scripts/train_tokenizer.py"
@@ -44,7 +44,7 @@ rule shard_tokens:
         "../envs/pretrain.yaml"
     threads: 2
     params:
-        shard_count=config["shards"]["count"],
+        shard_count=SHARDS.count,
     script:
         "../workflow_scripts/shard_tokens.py"
 
@@ -54,12 +54,12 @@ rule index_shards:
         bins=expand(
             "results/{{name}}/shards/{split}-{shard:05d}.bin",
             split=["train", "val"],
-            shard=range(config["shards"]["count"]),
+            shard=range(SHARDS.count),
         ),
         meta=expand(
             "results/{{name}}/shards/{split}-{shard:05d}.json",
             split=["train", "val"],
-            shard=range(config["shards"]["count"]),
+            shard=range(SHARDS.count),
         ),
     output:
         index=report("results/{name}/shards/index.json", category="Tokens"),
@@ -70,6 +70,6 @@ rule index_shards:
     conda:
         "../envs/pretrain.yaml"
     params:
-        seq_len=config["model"]["seq_len"],
+        seq_len=MODEL.seq_len,
     script:
         "../workflow_scripts/index_shards.py"

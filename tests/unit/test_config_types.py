@@ -64,6 +64,7 @@ def test_settings_built_in_code_take_the_schemas_defaults():
     """The schema is the one place defaults are written: settings made without a config equal those read from a
     minimal config that validation filled in."""
     from pretrain_bench.bench_matrix import BenchSettings
+    from pretrain_bench.config_types import ModelSettings, schema_defaults
     from pretrain_bench.evaluation import EvalSettings, GenerationSettings
     from pretrain_bench.settings import TrainSettings
 
@@ -78,7 +79,10 @@ def test_settings_built_in_code_take_the_schemas_defaults():
                          device=evaluate["device"] or config["train"]["device"], precision=evaluate["precision"],
                          prompts=tuple(evaluate["prompts"]))
     assert built == EvalSettings()
-    assert BenchSettings.from_config(config) == BenchSettings.from_config({**config, "benchmark": {}})
+    bench, defaults = BenchSettings.from_config(config), schema_defaults("benchmark")
+    assert {key: getattr(bench, key) for key in defaults if key != "matrix"} == \
+        {key: value for key, value in defaults.items() if key != "matrix"}
+    assert ModelSettings.from_config(config["model"]) == ModelSettings(preset="tiny")
 
 
 def test_key_groups_are_the_fields_metadata():

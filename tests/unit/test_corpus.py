@@ -422,12 +422,14 @@ def load_script():
 def test_script_main_logs_success_and_failure(tmp_path):
     main = load_script().main
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
-    settings = {**DEFAULTS, "cache_dir": str(tmp_path / "cache")}
-    manifest = main(str(tmp_path / "ok.log"), str(tmp_path / "out"), [{"uri": uri(path)}], **settings)
+    cache = str(tmp_path / "cache")
+    manifest = main(str(tmp_path / "ok.log"), str(tmp_path / "out"), {"sources": [{"uri": uri(path)}], **DEFAULTS},
+                    cache)
     assert manifest["documents"] == len(DOCS)
     assert f"corpus: {len(DOCS)} documents" in (tmp_path / "ok.log").read_text()
     with pytest.raises(CorpusError):
-        main(str(tmp_path / "bad.log"), str(tmp_path / "out2"), [{"uri": uri(tmp_path / "x.txt")}], **settings)
+        main(str(tmp_path / "bad.log"), str(tmp_path / "out2"), {"sources": [{"uri": uri(tmp_path / "x.txt")}],
+                                                                   **DEFAULTS}, cache)
     assert "download_corpus failed" in (tmp_path / "bad.log").read_text()
 
 
@@ -448,16 +450,16 @@ def test_script_is_refused_while_another_process_runs_the_same_job(tmp_path):
         assert holder.stdout.readline() == "holding\n"
         held = log.read_text()
         path = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
-        settings = {**DEFAULTS, "cache_dir": str(tmp_path / "cache")}
+        corpus, cache = {"sources": [{"uri": uri(path)}], **DEFAULTS}, str(tmp_path / "cache")
         with pytest.raises(StateInUse, match=rf"another pipeline \(pid {holder.pid}, .* on host .*\) is running "
                                              "download_corpus"):
-            load_script().main(str(log), str(tmp_path / "out"), [{"uri": uri(path)}], **settings)
+            load_script().main(str(log), str(tmp_path / "out"), corpus, cache)
         assert not (tmp_path / "out").exists() and log.read_text() == held
         assert "the first job is running" in held
     finally:
         holder.communicate("done\n", timeout=60)
     assert holder.returncode == 0
-    manifest = load_script().main(str(log), str(tmp_path / "out"), [{"uri": uri(path)}], **settings)
+    manifest = load_script().main(str(log), str(tmp_path / "out"), corpus, cache)
     assert manifest["documents"] == len(DOCS) and "corpus:" in log.read_text()
     assert len(list(log.with_name("download_corpus.attempts").glob("*.log"))) == 2  # each job's log kept
 
@@ -467,13 +469,14 @@ def corpus_workflow(folder: Path, sources_yaml: str):
     `snakemake ARGS` there."""
     (folder / "config.yaml").write_text(f"name: t\ncorpus:\n  sources:\n{sources_yaml}  max_bytes: 300000\n")
     (folder / "Snakefile").write_text(textwrap.dedent(f"""
-        from pretrain_bench.config_types import fill_defaults_and_validate, load_schema
+        from pretrain_bench.config_types import CorpusSettings, fill_defaults_and_validate, load_schema
         from pretrain_bench.corpus_sources import local_source_files
         configfile: "config.yaml"
         # the corpus block validated, which fills in the defaults the rule reads (the Snakefile does this for all)
         fill_defaults_and_validate(config["corpus"],
                                    load_schema("{ROOT / 'schemas' / 'config.schema.yaml'}")["properties"]["corpus"])
-        CORPUS_FILES = local_source_files(config["corpus"]["sources"])  # as rules/common.smk sets it
+        CORPUS = CorpusSettings.from_config(config["corpus"])  # as rules/common.smk sets them
+        CORPUS_FILES = local_source_files(CORPUS.sources)
         include: "{ROOT / 'rules' / 'corpus.smk'}"
         rule all:
             input: "results/t/corpus/manifest.json"

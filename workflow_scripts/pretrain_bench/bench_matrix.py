@@ -19,8 +19,8 @@ from .settings import ENGINE_STAGE, ConfigError, TrainSettings, check_settings
 
 AXES = ("gpus", "zero_stage", "precision", "comm_backend", "micro_batch_size", "offload_optimizer", "engine",
         "activation_checkpointing")
-# benchmark.* defaults: the schema's (a config validated against it has them already; code-built configs may not)
-DEFAULTS = {key: value for key, value in schema_defaults("benchmark").items() if key != "matrix"}
+# the benchmark: block's keys besides the matrix (a validated config has each, the schema's default where unset)
+KEYS = tuple(key for key in schema_defaults("benchmark") if key != "matrix")
 
 
 @dataclass(frozen=True)
@@ -43,12 +43,10 @@ class BenchSettings:
 
     @classmethod
     def from_config(cls, config: dict) -> BenchSettings:
-        bench = {**DEFAULTS, **(config.get("benchmark") or {})}
-        train = config["train"]
-        matrix = dict(bench.get("matrix") or {})
+        bench, train = config["benchmark"], config["train"]
+        matrix = dict(bench["matrix"])
         for axis in AXES:  # an axis the matrix leaves out keeps the main run's value; an empty list: no cells
-            default = [train.get(axis, TrainSettings.__dataclass_fields__[axis].default)]
-            matrix[axis] = list(matrix[axis]) if axis in matrix and matrix[axis] is not None else default
+            matrix[axis] = list(matrix[axis]) if axis in matrix and matrix[axis] is not None else [train[axis]]
         if bench["warmup_steps"] >= bench["steps"]:
             raise ConfigError(f"benchmark.warmup_steps {bench['warmup_steps']} leaves no timed step of "
                               f"benchmark.steps {bench['steps']}")
@@ -56,7 +54,7 @@ class BenchSettings:
         # that ends before its last step (what DeepSpeed's scheduler was clamped to anyway), so that the rule
         # "train.warmup_steps below max_steps" holds for cells too.
         lr_warmup = min(train["warmup_steps"], bench["steps"] - 1)
-        return cls(matrix=matrix, lr_warmup_steps=lr_warmup, **{k: bench[k] for k in DEFAULTS})
+        return cls(matrix=matrix, lr_warmup_steps=lr_warmup, **{k: bench[k] for k in KEYS})
 
 
 @dataclass(frozen=True)
@@ -121,7 +119,7 @@ def plan_matrix(config: dict, available_ranks: int | None = None, budget: Budget
     """
     bench = BenchSettings.from_config(config)
     device = resolve_device_cheaply(config["train"]["device"])
-    budget = budget or detect_budget(device, config.get("benchmark"))
+    budget = budget or detect_budget(device, config["benchmark"])
     vocab_size = vocab_size or config_vocab_size(config)
     entries = []
     for cell in cells(bench):
@@ -286,7 +284,7 @@ def planning_peak(config: dict, device: str, name: str) -> tuple[float | None, s
     from .devices import gpu_names
     from .flops import gpu_table_peak
 
-    if (config.get("report") or {}).get("peak_tflops"):
+    if config["report"]["peak_tflops"]:
         return config["report"]["peak_tflops"] * 1e12, "report.peak_tflops"
     precision = config["train"]["precision"]
     if device == "cuda":

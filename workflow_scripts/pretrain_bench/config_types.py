@@ -78,6 +78,73 @@ def keys_with(settings_class, tag: str, value=True) -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class CorpusSettings:
+    """The `corpus:` block of the config (corpus.<key> in schemas/config.schema.yaml). Its field names are
+    corpus.build_corpus's parameters."""
+
+    sources: tuple  # mappings: a uri and its kind's keys (pretrain_bench.corpus_sources)
+    max_bytes: int | None = default_field("corpus", "max_bytes")
+    min_chars: int = default_field("corpus", "min_chars")
+    dedup: bool = default_field("corpus", "dedup")
+    val_fraction: float = default_field("corpus", "val_fraction")
+    encoding_errors: str = default_field("corpus", "encoding_errors")
+    seed: int = default_field("corpus", "seed")
+
+    @classmethod
+    def from_config(cls, corpus: dict) -> CorpusSettings:
+        return cls(**{**corpus, "sources": tuple(corpus["sources"])})
+
+    def as_dict(self) -> dict:
+        """The block as the config holds it (sources a list)."""
+        return {**dataclasses.asdict(self), "sources": [dict(source) for source in self.sources]}
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSettings:
+    """The `tokenizer:` block of the config (tokenizer.<key> in schemas/config.schema.yaml)."""
+
+    path: str | None = default_field("tokenizer", "path")
+    vocab_size: int = default_field("tokenizer", "vocab_size")
+    train_bytes: int = default_field("tokenizer", "train_bytes")
+
+    @classmethod
+    def from_config(cls, tokenizer: dict) -> TokenizerSettings:
+        return cls(**tokenizer)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSettings:
+    """The `shards:` block of the config (shards.<key> in schemas/config.schema.yaml)."""
+
+    count: int = default_field("shards", "count")
+
+    @classmethod
+    def from_config(cls, shards: dict) -> ShardSettings:
+        return cls(**shards)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportSettings:
+    """The `report:` block of the config (report.<key> in schemas/config.schema.yaml)."""
+
+    target_corpus_tokens: float = default_field("report", "target_corpus_tokens")
+    peak_tflops: float | None = default_field("report", "peak_tflops")
+
+    @classmethod
+    def from_config(cls, report: dict) -> ReportSettings:
+        return cls(**report)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSettings:
     """The `model:` block of the config. What each key means, its bounds and its default: model.<key> in
     schemas/config.schema.yaml."""

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import orjson
 
+from pretrain_bench.config_types import schema_default
 from pretrain_bench.corpus_sources import DROP_REASONS, CorpusError, SourceStats, read_source, source_kind
 from pretrain_bench.io import atomic_write_text
 from pretrain_bench.progress import Progress
@@ -71,7 +72,8 @@ class CleaningSettings:
 
 
 def build_corpus(sources: list[dict], out_dir: Path, *, max_bytes: int | None, min_chars: int, dedup: bool,
-                 val_fraction: float, encoding_errors: str, cache_dir: Path, seed: int = 1234) -> dict:
+                 val_fraction: float, encoding_errors: str, cache_dir: Path,
+                 seed: int = schema_default("corpus", "seed")) -> dict:
     """Read, clean, de-duplicate, cap and split `sources` into out_dir/{train,val}.jsonl; return the manifest.
 
     `seed` orders a weighted mixture (sources with `weight`); it is unused when no source has one."""
@@ -150,7 +152,7 @@ def _documents(readers: list, weights: list[float] | None, seed: int, closed: se
 
 
 def _clean_all(sources, settings: CleaningSettings, files: _SplitFiles, cache_dir: Path,
-               weights: list[float] | None = None, seed: int = 1234):
+               weights: list[float] | None, seed: int):
     """Steps 2-6 of the module docstring over every source; returns per-source stats and where the cap cut."""
     seen: set[bytes] = set()
     kept_bytes, cut_at = 0, None

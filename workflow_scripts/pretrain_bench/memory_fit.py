@@ -125,7 +125,7 @@ def checkpoint_disk(config: dict, settings: TrainSettings, parameters: int, stat
     kept = min(len(steps), settings.keep_checkpoints + 1) if settings.keep_checkpoints else len(steps)
     need = kept * checkpoint_bytes(parameters, settings.precision, settings.zero_stage, settings.engine)
     bench = config["benchmark"]
-    if settings.device != "cpu" and not gpu_here and bench.get("disk_gib"):
+    if settings.device != "cpu" and not gpu_here and bench["disk_gib"]:
         have, source = int(bench["disk_gib"] * GIB), "benchmark.disk_gib, no GPU detected here"
     else:
         have, source = free_disk_bytes(state_dir), f"free at {state_dir}"

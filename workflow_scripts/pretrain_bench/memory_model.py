@@ -34,7 +34,6 @@ CUDA_RANK_HOST_BYTES = int(2.0 * GIB)
 # gradients touch become resident, so the bucket counts as min(bucket, Ψ).
 REDUCE_BUCKET_ELEMENTS = 500_000_000
 PREFETCH_BUCKET_ELEMENTS = 50_000_000  # ZeRO-3 stage3_prefetch_bucket_size default
-FALLBACK_DEVICE_MEMORY_GIB = 24.0  # the articles' RTX 4090, used when no GPU can be detected
 # ZeRO-Infinity's pinned host staging buffers (DeepSpeed runtime/zero/offload_config.py defaults): parameter swap
 # buffers buffer_count 5 × buffer_size 1e8 elements (16-bit), and optimizer swap buffers buffer_count 4 × one
 # sub-group (stage3 sub_group_size 1e9 elements, at most the rank's partition) × 4 bytes (fp32).
@@ -482,19 +481,19 @@ def config_vocab_size(config: dict) -> int:
     """The vocabulary the model will have, known before the shards exist: an adopted tokenizer's (tokenizer.path, or
     model.init_from's own tokenizer; the same rows the tokenizer stage will report: largest id + 1, a pad token added
     when it has none), else the BPE's tokenizer.vocab_size."""
-    tokenizer = config.get("tokenizer") or {}
+    tokenizer = config["tokenizer"]
     from .tokenizer import adopted_tokenizer_path
 
     path = adopted_tokenizer_path(config)
     if path:
         from .tokenizer import adopt_tokenizer, tokenizer_info
 
-        key = "tokenizer.path" if tokenizer.get("path") else "model.init_from's tokenizer"
+        key = "tokenizer.path" if tokenizer["path"] else "model.init_from's tokenizer"
         try:
             return tokenizer_info(*adopt_tokenizer(Path(path)))["vocab_size"]
         except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse
             raise ConfigError(f"{key} {path}: {error}") from error
-    return int(tokenizer.get("vocab_size") or 32000)
+    return tokenizer["vocab_size"]
 
 
 def run_shape(config: dict, settings: TrainSettings, device: str, vocab_size: int | None = None) -> RunShape:
@@ -528,14 +527,13 @@ def free_disk_bytes(path: str | Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def detect_budget(device: str, bench: dict | None = None, nvme_path: str | Path | None = None) -> Budget:
+def detect_budget(device: str, bench: dict, nvme_path: str | Path | None = None) -> Budget:
     """Memory of this machine: nvidia-smi per GPU, physical RAM, free disk at `nvme_path`.
 
     When a CUDA run is planned on a machine without GPUs, the machine it is meant for is described by
     benchmark.device_memory_gib, benchmark.host_memory_gib and benchmark.disk_gib (the articles' 3 × 24 GiB box
     with 128 GB of RAM and a 2 TB disk in config.yaml); a machine with GPUs is measured.
     """
-    bench = bench or {}
     host, host_source = host_memory_bytes(), "physical RAM of this machine"
     disk, disk_source = None, "not checked"
     if nvme_path is not None:
@@ -556,15 +554,14 @@ def planned_budget(bench: dict, nvme_path: str | Path | None = None, why: str = 
     each figure's source, why the keys stand for the machine."""
     host, host_source = None, "no GPU here, set benchmark.host_memory_gib to check the GPU machine's RAM"
     disk, disk_source = None, "not checked"
-    fallback = bench.get("device_memory_gib") or FALLBACK_DEVICE_MEMORY_GIB
-    if bench.get("host_memory_gib"):
+    if bench["host_memory_gib"]:
         host, host_source = int(bench["host_memory_gib"] * GIB), f"benchmark.host_memory_gib, {why}"
-    if bench.get("disk_gib"):
+    if bench["disk_gib"]:
         disk, disk_source = int(bench["disk_gib"] * GIB), f"benchmark.disk_gib, {why}"
     elif nvme_path is not None:
         disk, disk_source = None, "not checked: no GPU here, set benchmark.disk_gib"
-    return Budget("cuda", int(fallback * GIB), f"benchmark.device_memory_gib, {why}", host, host_source, None, disk,
-                  disk_source)
+    return Budget("cuda", int(bench["device_memory_gib"] * GIB), f"benchmark.device_memory_gib, {why}", host,
+                  host_source, None, disk, disk_source)
 
 
 # ---- what would fit ----------------------------------------------------------------------------------------------

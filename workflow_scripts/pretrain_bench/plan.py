@@ -101,14 +101,13 @@ class RunContext:
 
 def plan_config(config: dict, train: dict | None = None) -> dict:
     """The part of the (validated) config a training run reads; `train` replaces the train block (a cell's)."""
-    bench = config.get("benchmark") or {}
     return {
         "name": config["name"],
         "model": config["model"],
         "train": train if train is not None else config["train"],
-        "tokenizer": {"vocab_size": config["tokenizer"]["vocab_size"], "path": config["tokenizer"].get("path")},
-        "benchmark": {key: bench.get(key) for key in PLANNING_KEYS},
-        "report": {"peak_tflops": (config.get("report") or {}).get("peak_tflops")},
+        "tokenizer": {"vocab_size": config["tokenizer"]["vocab_size"], "path": config["tokenizer"]["path"]},
+        "benchmark": {key: config["benchmark"][key] for key in PLANNING_KEYS},
+        "report": {"peak_tflops": config["report"]["peak_tflops"]},
     }
 
 
@@ -119,16 +118,17 @@ def only_trains_further(plan_path: Path, config: dict) -> bool:
     other edit of what a plan reads, even one a resume allows: only then may the checkpoints be written anew."""
     try:
         written = json.loads(Path(plan_path).read_text())["config"]
+        old_train = written["train"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
     asked = json.loads(json.dumps(config, default=str))  # as plan.json holds it (lists, not tuples)
-    old_train, new_train = written.get("train") or {}, asked.get("train") or {}
-    if any((new_train.get(key) or 0) < (old_train.get(key) or 0) for key in TRAINS_FURTHER_KEYS):
+    new_train = asked["train"]
+    # max_tokens null (no token limit) counts as 0
+    if any((new_train[key] or 0) < (old_train[key] or 0) for key in TRAINS_FURTHER_KEYS):
         return False  # fewer steps: not a continuation
 
     def without_steps(plan_config: dict) -> dict:
-        return {**plan_config, "train": {k: v for k, v in (plan_config.get("train") or {}).items()
-                                         if k not in TRAINS_FURTHER_KEYS}}
+        return {**plan_config, "train": {k: v for k, v in plan_config["train"].items() if k not in TRAINS_FURTHER_KEYS}}
 
     return without_steps(written) == without_steps(asked)
 

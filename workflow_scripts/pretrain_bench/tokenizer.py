@@ -204,8 +204,7 @@ def save_hf_folder(tokenizer: Tokenizer, specials: dict, out_dir: Path) -> None:
 def adopted_tokenizer_path(config: dict) -> str | None:
     """The tokenizer the tokenizer stage adopts: tokenizer.path, else model.init_from's own (a continued model
     must keep the token ids it was trained with), else None (train a BPE)."""
-    path = (config.get("tokenizer") or {}).get("path")
-    init_from = (config.get("model") or {}).get("init_from")
+    path, init_from = config["tokenizer"]["path"], config["model"]["init_from"]
     if path or not init_from:
         return path or None
     from .model import InitFromError, init_from_folder
