@@ -31,13 +31,13 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from . import state_lock
-from .checkpointer import Checkpointer
-from .engines import EngineRun, engine_class
+from .checkpointer import Checkpointer, ResumePoint
+from .engines import Engine, EngineRun, engine_class
 from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .heldout import HeldOutSlice
 from .io import atomic_write_json, read_jsonl
 from .metrics import MetricsSink, one_record_per_step, peak_memory_bytes, peak_memory_per_rank, summarise_steps
-from .model import build_model, count_parameters, load_pretrained
+from .model import ModelShape, build_model, count_parameters, load_pretrained
 from .plan import Plan, RunContext, plan_shape
 from .provenance import provenance
 from .rank import (
@@ -89,8 +89,29 @@ class Trainer:
         self.checkpointer = Checkpointer(self.state_dir / "checkpoints", self.settings, seq_len=self.seq_len,
                                          rank=self.rank, world=self.world, run_device=self.run_device,
                                          fingerprint=self.fingerprint, saves=plan.save_checkpoints, log=self.log)
-        self.start_step = 0
-        self.comm_steady_ms, self.steady_time_s = 0.0, 0.0
+        self.digest = plan_digest(plan)  # what run_state records of the plan a finished run ran
+        self.init_from = plan.init_from  # model.init_from's weights (None: a random initialisation from train.seed)
+        # Peak FLOP/s for MFU: the machine's one figure, resolved by the plan (flops.plan_peak); never measured here
+        self.peak = plan.peak or {"flops_per_rank": None, "source": "no peak in the plan"}
+        # Phase times from CUDA events on a GPU (no synchronisation in the loop)
+        self.timer = PhaseTimer(self.device, enabled=self.settings.phase_timing)
+        self.inject_nan_step = int(os.environ.get("PRETRAIN_BENCH_INJECT_NAN_AT_STEP", "0"))  # see the docstring
+        self.start_step = 0  # the step resumed from (0: a fresh start)
+        self.comm_steady_ms, self.steady_time_s = 0.0, 0.0  # communication and step time over steady-state steps
+        self.run_start = 0.0  # perf_counter() when the loop started, for the ETA
+        # Set by the named steps of run(), in this order:
+        self.preemption: Preemption | None = None  # setup(): SIGTERM/SIGINT as a flag
+        self.lock = None  # setup(): the state lock, where this rank took it (started without the launcher)
+        self.batches = None  # build_model(): this rank's RankBatches
+        self.shape: ModelShape | None = None  # build_model()
+        self.params: dict | None = None  # build_model(): count_parameters
+        self.model = None  # build_model()
+        self.loaded: dict | None = None  # build_model(): what load_pretrained read from model.init_from
+        self.resume: ResumePoint | None = None  # resume_point(): the checkpoint to continue from
+        self.engine: Engine | None = None  # build_engine()
+        self.flops_token: float | None = None  # prepare_measures(): FLOPs per token for MFU
+        self.heldout: HeldOutSlice | None = None  # prepare_measures(): train.eval_every's slice
+        self.measure_comm = False  # prepare_measures(): whether each step's communication time is taken
 
     def log(self, message: str) -> None:
         rank_log(self.rank, message)
@@ -102,7 +123,6 @@ class Trainer:
         self.build_engine()
         self.restore()
         self.prepare_measures()
-        self.inject_nan_step = int(os.environ.get("PRETRAIN_BENCH_INJECT_NAN_AT_STEP", "0"))
         self.run_start = time.perf_counter()
         with MetricsSink(self.metrics_path, self.state_dir / "tensorboard", self.start_step,
                          enabled=self.rank == 0) as sink:
@@ -167,7 +187,6 @@ class Trainer:
                     refusal = str(error)
         if gather_floats([float(bool(refusal))], self.run_device)[0][0]:
             raise ckpt.CheckpointError(refusal or f"rank 0 was refused {self.state_dir}: another training run holds it")
-        self.digest = plan_digest(self.plan)
         if rank == 0:
             # Safe under the state lock: no other run can be saving there.
             self.checkpointer.remove_incomplete()
@@ -192,7 +211,7 @@ class Trainer:
                                    micro_batch_size=settings.micro_batch_size, seed=settings.seed)
         self.shape = plan_shape(plan, index["vocab_size"])
         self.params = params = count_parameters(self.shape)
-        self.init_from = init_from = plan.init_from
+        init_from = self.init_from
         self.log(f"model {init_from['uri'] if init_from else plan.model.preset}: {params['total']:,} parameters "
                  f"({params['non_embedding']:,} non-embedding), world size {self.world}, device {self.device}")
         from .memory_fit import summary_line
@@ -200,7 +219,6 @@ class Trainer:
         self.log(summary_line(plan.memory_fit))
         self.model = build_model(self.shape, self.seq_len, settings.seed, self.engine_class.build_precision(settings),
                                  self.run_device)
-        self.loaded = None
         if init_from:
             # Every rank loads the whole model before DeepSpeed partitions it, so this holds under every ZeRO stage;
             # a resumed run then overwrites these weights with its checkpoint's.
@@ -237,19 +255,15 @@ class Trainer:
                  + (f", saved at world size {point.marker['world_size']}, now {self.world})" if point.reshape else ")"))
 
     def prepare_measures(self) -> None:
-        """What the loop measures with: the peak FLOP/s and FLOPs per token for MFU, the held-out slice, the timer."""
-        # Peak FLOP/s for MFU: the machine's one figure, resolved by the plan (flops.plan_peak); never measured here
-        self.peak = self.plan.peak or {"flops_per_rank": None, "source": "no peak in the plan"}
+        """What the loop measures with: FLOPs per token for MFU, the held-out slice, whether communication is timed."""
         settings, shape = self.settings, self.shape
         self.flops_token = flops_per_token(self.params["matmul"], shape.num_hidden_layers, shape.num_attention_heads,
                                            shape.hidden_size // shape.num_attention_heads, self.seq_len)
         self.heldout = HeldOutSlice(Path(self.plan.paths.index), self.seq_len, self.rank, self.world,
                                     settings.eval_tokens) if settings.eval_every else None
-        # Phase times from CUDA events (no synchronisation in the loop); the comms logger synchronises every
-        # collective, so a CUDA run measures communication only where the plan asks (benchmark cells), a CPU run
-        # always (no cost).
-        self.timer = PhaseTimer(self.device, enabled=settings.phase_timing)
-        # DDP's hook times its all-reduces without synchronising anything, so a DDP run always measures them
+        # DeepSpeed's comms logger synchronises every collective, so a CUDA run measures communication only where the
+        # plan asks (benchmark cells, and CPU runs: no cost there); an engine whose timing costs nothing (DDP's hook)
+        # always measures it
         self.measure_comm = ((self.plan.measure_comm or self.engine.comm_timing_is_free)
                              and self.engine.comm_method is not None)
 
@@ -264,7 +278,7 @@ class Trainer:
         peak, _ = peak_memory_bytes(self.device)
         norm = self.engine.grad_norm()  # a device tensor, a number or None: read with the rest
         values = [local_loss, float(peak), float(self.preemption.requested)] + ([norm] if norm is not None else [])
-        gathered = [StepFigures.of(values) for values in gather_floats(values, self.run_device)]
+        gathered = [StepFigures.of(row) for row in gather_floats(values, self.run_device)]
         rank_losses = [rank.loss for rank in gathered]
         if not all(math.isfinite(v) for v in rank_losses):
             bad = [r for r, v in enumerate(rank_losses) if not math.isfinite(v)]
