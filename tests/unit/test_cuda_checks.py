@@ -94,7 +94,7 @@ os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
                   MASTER_PORT=sys.argv[1])
 import torch, deepspeed
 from deepspeed.comm import comm as ds_comm
-from pretrain_bench.rank import comm_ms
+from pretrain_bench.engines import deepspeed_comm_ms as comm_ms
 deepspeed.init_distributed(dist_backend="gloo")
 ds_comm.configure(enabled=True, prof_all=True)  # as the comms_logger block of a measured run's ds_config
 held, totals = [], []

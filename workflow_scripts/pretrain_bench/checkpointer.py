@@ -9,17 +9,19 @@ the same order: the resume point's gather, and each save's gather and barrier.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from .engines import ENGINE_CLASSES, Engine
-from .rank import gather_floats, rng_state, set_rng_state
+from .rank import gather_floats
 from .settings import TrainSettings
 
 # Fault injection for tests: the last rank's checkpoint files of step N fail with ENOSPC after a few KiB, as a full
@@ -219,6 +221,21 @@ class Checkpointer:
                        "fallback happens once: a non-finite loss right after that resume stops the run")
         dist.barrier()  # the folder is aside before any rank exits
         return message
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def rng_file(rank: int) -> str:

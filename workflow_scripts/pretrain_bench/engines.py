@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -27,8 +28,7 @@ from typing import ClassVar
 
 import torch
 
-from .checkpoint import tag_for
-from .rank import mmap_loads, number
+from .checkpoint import UNIVERSAL_SUFFIX, CheckpointError, tag_for
 from .settings import ENGINES, TORCH_ADAMW_KWARGS
 
 DDP_MODEL_FILE, DDP_OPTIMIZER_FILE, DCP_FOLDER = "model.pt", "optimizer.pt", "dcp"
@@ -161,6 +161,99 @@ class Engine(abc.ABC):
         """Load this rank's states from checkpoint `folder`."""
 
 
+# --- helpers of the engines ---------------------------------------------------------------------------------------
+
+
+@contextmanager
+def mmap_loads():
+    """torch.load maps checkpoint files instead of reading them into memory (DeepSpeed's loader calls torch.load
+    without mmap); the setting is restored afterwards.
+
+    A loaded tensor that outlives the load (DeepSpeed keeps a few, such as the optimizer's step count) would keep its
+    whole file mapped: once the checkpoint is pruned, its blocks would stay allocated on disk for the rest of the run.
+    So on the way out every loaded tensor still alive gets memory of its own and the mappings close."""
+    import gc
+    import weakref
+
+    from torch.utils.serialization import config
+
+    loaded: list[weakref.ref] = []
+    original_load = torch.load
+
+    def load(*args, **kwargs):
+        result = original_load(*args, **kwargs)
+        loaded.extend(weakref.ref(t) for t in _tensors_in(result))
+        return result
+
+    previous = config.load.mmap
+    config.load.mmap = True
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original_load
+        config.load.mmap = previous
+        gc.collect()  # the loaded state dicts, dropped by the loader but caught in reference cycles
+        with torch.no_grad():
+            for ref in loaded:
+                tensor = ref()
+                if tensor is not None:
+                    tensor.set_(tensor.clone())
+
+
+def _tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in a loaded checkpoint object (dicts, lists and tuples of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
+
+
+def number(value) -> float | None:
+    """A plain float from a DeepSpeed figure that may be a tensor, a float or None."""
+    return None if value is None else float(value)
+
+
+def fused_adam_prebuilt() -> bool:
+    """Whether this DeepSpeed install ships a compiled FusedAdam (DS_BUILD_FUSED_ADAM=1 at install); otherwise it
+    would be compiled at the first step with nvcc, which a machine without the CUDA toolkit does not have."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+
+        return bool(installed_ops.get("fused_adam"))
+    except ImportError:
+        return False
+
+
+_comm_total_ms = 0.0  # deepspeed_comm_ms's running total: what earlier calls took out of DeepSpeed's logger
+
+
+def deepspeed_comm_ms() -> float:
+    """Total milliseconds spent in deepspeed.comm collectives on this rank so far (DeepSpeed's comms logger).
+
+    deepspeed.comm times each op name with one of its synchronised timers and appends the timer's running total (not
+    the op's own duration) to the logger's lists, so the largest value per op name is that op's time since the timer
+    was last reset. Left alone, nothing is ever reset: every op appends to the lists, and each op's
+    `elapsed(reset=False)` re-reads every start/stop pair its timer holds (on CUDA one event query each), so a
+    collective costs more with every one before it. So each call takes the per-op totals, resets those timers and
+    empties the logger, and keeps the sum here: called every step, the records held stay one step's worth.
+    """
+    global _comm_total_ms
+    from deepspeed.comm import comm as ds_comm
+
+    logger = getattr(ds_comm, "comms_logger", None)
+    recorded = getattr(logger, "comms_dict", {})
+    for name, by_size in recorded.items():
+        _comm_total_ms += max((max(record[1]) for record in by_size.values() if record[1]), default=0.0)
+        ds_comm.timers(name).reset()  # the logger's record names are the timers' names (comm.timed_op)
+    if logger is not None:
+        logger.reset_data()
+    return _comm_total_ms
+
+
 MUON_MODULES = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.muon.original_muon")
 
 
@@ -214,7 +307,6 @@ class DeepSpeedEngine(Engine):
     def __init__(self, model, settings, run: EngineRun):
         import deepspeed
 
-        from .rank import fused_adam_prebuilt
         from .settings import deepspeed_config
 
         self.config = deepspeed_config(settings, run.device, run.total_steps, fused_adam=fused_adam_prebuilt(),
@@ -248,9 +340,7 @@ class DeepSpeedEngine(Engine):
         return self.engine(**inputs)
 
     def comm_ms(self) -> float:
-        from .rank import comm_ms
-
-        return comm_ms()
+        return deepspeed_comm_ms()
 
     def backward(self, loss) -> None:
         self.engine.backward(loss)
@@ -348,8 +438,6 @@ def universal_tag(root: Path, step: int) -> str:
     import sys
 
     import torch.distributed as dist
-
-    from .checkpoint import UNIVERSAL_SUFFIX, CheckpointError
 
     tag = f"{tag_for(step)}{UNIVERSAL_SUFFIX}"
     target = Path(root) / tag

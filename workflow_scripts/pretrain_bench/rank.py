@@ -1,13 +1,11 @@
-"""What one training rank needs besides the loop: the abort error, SIGTERM and SIGINT as a flag, rank-0 logging,
-collectives outside DeepSpeed's comms logger, RNG state, the resume fingerprint and the held-out summary."""
+"""What one training rank needs besides the loop: the abort error, SIGTERM and SIGINT as a flag, rank-0 logging, reads
+of device values to the host and collectives outside DeepSpeed's comms logger, the resume fingerprint and the held-out
+summary. (What only an engine needs lives in engines.py, the RNG state of a checkpoint in checkpointer.py.)"""
 from __future__ import annotations
 
 import logging
-import random
 import signal
-from contextlib import contextmanager
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -44,32 +42,6 @@ def log(rank: int, message: str) -> None:
     """Rank 0's progress and notices (every rank holds the same facts; one of them says them)."""
     if rank == 0:
         logger.info(message)
-
-
-_comm_total_ms = 0.0  # comm_ms's running total: what earlier calls took out of DeepSpeed's logger
-
-
-def comm_ms() -> float:
-    """Total milliseconds spent in deepspeed.comm collectives on this rank so far (DeepSpeed's comms logger).
-
-    deepspeed.comm times each op name with one of its synchronised timers and appends the timer's running total (not
-    the op's own duration) to the logger's lists, so the largest value per op name is that op's time since the timer
-    was last reset. Left alone, nothing is ever reset: every op appends to the lists, and each op's
-    `elapsed(reset=False)` re-reads every start/stop pair its timer holds (on CUDA one event query each), so a
-    collective costs more with every one before it. So each call takes the per-op totals, resets those timers and
-    empties the logger, and keeps the sum here: called every step, the records held stay one step's worth.
-    """
-    global _comm_total_ms
-    from deepspeed.comm import comm as ds_comm
-
-    logger = getattr(ds_comm, "comms_logger", None)
-    recorded = getattr(logger, "comms_dict", {})
-    for name, by_size in recorded.items():
-        _comm_total_ms += max((max(record[1]) for record in by_size.values() if record[1]), default=0.0)
-        ds_comm.timers(name).reset()  # the logger's record names are the timers' names (comm.timed_op)
-    if logger is not None:
-        logger.reset_data()
-    return _comm_total_ms
 
 
 def host_values(tensor: torch.Tensor) -> list:
@@ -116,85 +88,6 @@ def gather_floats(values: list, device: str) -> list[list[float]]:
     gathered = torch.empty(world * len(values), dtype=torch.float64, device=device)
     dist.all_gather_single(gathered, numbers)
     return host_values(gathered.view(world, len(values)))
-
-
-@contextmanager
-def mmap_loads():
-    """torch.load maps checkpoint files instead of reading them into memory (DeepSpeed's loader calls torch.load
-    without mmap); the setting is restored afterwards.
-
-    A loaded tensor that outlives the load (DeepSpeed keeps a few, such as the optimizer's step count) would keep its
-    whole file mapped: once the checkpoint is pruned, its blocks would stay allocated on disk for the rest of the run.
-    So on the way out every loaded tensor still alive gets memory of its own and the mappings close."""
-    import gc
-    import weakref
-
-    from torch.utils.serialization import config
-
-    loaded: list[weakref.ref] = []
-    original_load = torch.load
-
-    def load(*args, **kwargs):
-        result = original_load(*args, **kwargs)
-        loaded.extend(weakref.ref(t) for t in _tensors_in(result))
-        return result
-
-    previous = config.load.mmap
-    config.load.mmap = True
-    torch.load = load
-    try:
-        yield
-    finally:
-        torch.load = original_load
-        config.load.mmap = previous
-        gc.collect()  # the loaded state dicts, dropped by the loader but caught in reference cycles
-        with torch.no_grad():
-            for ref in loaded:
-                tensor = ref()
-                if tensor is not None:
-                    tensor.set_(tensor.clone())
-
-
-def _tensors_in(value) -> list[torch.Tensor]:
-    """The tensors in a loaded checkpoint object (dicts, lists and tuples of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_in(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors_in(v)]
-    return []
-
-
-def number(value) -> float | None:
-    """A plain float from a DeepSpeed figure that may be a tensor, a float or None."""
-    return None if value is None else float(value)
-
-
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def fused_adam_prebuilt() -> bool:
-    """Whether this DeepSpeed install ships a compiled FusedAdam (DS_BUILD_FUSED_ADAM=1 at install); otherwise it
-    would be compiled at the first step with nvcc, which a machine without the CUDA toolkit does not have."""
-    try:
-        from deepspeed.git_version_info import installed_ops
-
-        return bool(installed_ops.get("fused_adam"))
-    except ImportError:
-        return False
 
 
 def resume_fingerprint(plan) -> dict:
