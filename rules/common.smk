@@ -11,7 +11,7 @@ gc.freeze()
 
 from snakemake.exceptions import WorkflowError
 
-from pretrain_bench.config_types import CorpusSettings, ModelSettings, ReportSettings, ShardSettings, TokenizerSettings, coerce_command_line_types, fill_defaults_and_validate, load_schema  # noqa: E402
+from pretrain_bench.config_types import AXES as bench_axes, BenchSettings, CorpusSettings, ModelSettings, ReportSettings, ShardSettings, TokenizerSettings, coerce_command_line_types, fill_defaults_and_validate, load_schema  # noqa: E402
 from pretrain_bench.devices import GPU_LOCK_DIR as DEVICE_LOCK_DIR  # noqa: E402
 from pretrain_bench.settings import ConfigError, TrainSettings, check_settings  # noqa: E402
 
@@ -150,7 +150,7 @@ def evaluation_outputs(name):
 # out (unsupported on this device, or predicted not to fit). bench/matrix.json records the same decisions.
 from snakemake.logging import logger  # noqa: E402
 
-from pretrain_bench.bench_matrix import AXES as bench_axes, BenchSettings, Cell, cost_preview, plan_matrix, planning_peak, preview_text  # noqa: E402
+from pretrain_bench.bench_matrix import Cell, cost_preview, plan_matrix, planning_peak, preview_text  # noqa: E402
 from pretrain_bench.memory_fit import fit_run, summary_line  # noqa: E402
 from pretrain_bench.memory_model import config_vocab_size  # noqa: E402
 from pretrain_bench.plan import cell_train, plan_config  # noqa: E402

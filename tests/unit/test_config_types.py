@@ -90,7 +90,7 @@ def test_key_groups_are_the_fields_metadata():
     train.memory_fit may change) are tags on TrainSettings' fields, and the resume fingerprint they decide is the one
     earlier runs' checkpoints carry."""
     from pretrain_bench.config_types import ModelSettings, keys_with
-    from pretrain_bench.plan import Plan, RunPaths
+    from pretrain_bench.plan import PLANNING_KEYS, Plan, RunPaths
     from pretrain_bench.rank import resume_fingerprint
     from pretrain_bench.run_state import fingerprint_id
     from pretrain_bench.settings import (
@@ -112,6 +112,7 @@ def test_key_groups_are_the_fields_metadata():
     assert FIT_KEYS == ("zero_stage", "offload_optimizer", "offload_param", "activation_checkpointing",
                         "micro_batch_size", "grad_accum_steps")  # the order of plan.json's memory_fit.asked
     assert keys_with(TrainSettings, "no such tag") == ()
+    assert PLANNING_KEYS == ("force", "device_memory_gib", "host_memory_gib", "disk_gib")  # benchmark keys
     plan = Plan(name="run", role="pretrain", config={}, device_request="cpu", train=TrainSettings(),
                 model=ModelSettings(preset="tiny"), init_from=None, data_sha256="0" * 64,
                 paths=RunPaths(index="", tokenizer="", out_dir="", state_dir="", manifest=None), resume=True,

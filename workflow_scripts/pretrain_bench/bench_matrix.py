@@ -10,51 +10,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass
 
-from .config_types import ModelSettings, schema_defaults
+from .config_types import AXES, BenchSettings, ConfigError, ModelSettings
 from .devices import resolve_device_cheaply
 from .memory_model import Budget, config_vocab_size, detect_budget, estimate, gib, judge, run_shape
 from .offload_time import planned_cores
 from .plan import cell_train
-from .settings import ENGINE_STAGE, ConfigError, TrainSettings, check_settings
-
-AXES = ("gpus", "zero_stage", "precision", "comm_backend", "micro_batch_size", "offload_optimizer", "engine",
-        "activation_checkpointing")
-# the benchmark: block's keys besides the matrix (a validated config has each, the schema's default where unset)
-KEYS = tuple(key for key in schema_defaults("benchmark") if key != "matrix")
-
-
-@dataclass(frozen=True)
-class BenchSettings:
-    """The `benchmark:` block of the config."""
-
-    matrix: dict  # axis -> list of values, for every axis in AXES
-    enabled: bool  # false: no matrix at all (a train-only run)
-    steps: int  # optimizer steps per launch
-    warmup_steps: int  # steps left out of the timing (train.warmup_timing_steps of a cell)
-    repeats: int  # launches per cell
-    allow_concurrent: bool  # let cells share the machine (timings then contended)
-    force: bool  # launch cells (and the main run) predicted not to fit
-    device_memory_gib: float  # memory per GPU when none can be detected
-    host_memory_gib: float | None  # host RAM of the GPU machine planned for when none is detected
-    disk_gib: float | None  # free disk at train.nvme_path on that machine
-    assumed_gpu: str  # the GPU planned for when none is detected (its datasheet peak predicts run times)
-    host_cores: int | None  # cores of that machine: they run an offloaded run's host Adam
-    lr_warmup_steps: int = 0  # train.warmup_steps of a cell: the main run's, shortened to fit the cell's steps
-
-    @classmethod
-    def from_config(cls, config: dict) -> BenchSettings:
-        bench, train = config["benchmark"], config["train"]
-        matrix = dict(bench["matrix"])
-        for axis in AXES:  # an axis the matrix leaves out keeps the main run's value; an empty list: no cells
-            matrix[axis] = list(matrix[axis]) if axis in matrix and matrix[axis] is not None else [train[axis]]
-        if bench["warmup_steps"] >= bench["steps"]:
-            raise ConfigError(f"benchmark.warmup_steps {bench['warmup_steps']} leaves no timed step of "
-                              f"benchmark.steps {bench['steps']}")
-        # A cell runs benchmark.steps steps, often fewer than the main run's learning-rate warm-up; it keeps a warm-up
-        # that ends before its last step (what DeepSpeed's scheduler was clamped to anyway), so that the rule
-        # "train.warmup_steps below max_steps" holds for cells too.
-        lr_warmup = min(train["warmup_steps"], bench["steps"] - 1)
-        return cls(matrix=matrix, lr_warmup_steps=lr_warmup, **{k: bench[k] for k in KEYS})
+from .settings import ENGINE_STAGE, TrainSettings, check_settings
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,10 @@ _PYTHON_TYPES = {"integer": int, "number": (int, float), "boolean": bool, "null"
                  "array": list, "object": dict}
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key and the reason."""
+
+
 def load_schema(schema_path: Path | str) -> dict:
     """The JSON schema in a YAML file."""
     # libyaml's loader when PyYAML has it: the pure-Python one takes a noticeable part of a dry run here
@@ -142,6 +146,56 @@ class ReportSettings:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# The benchmark matrix's axes: train keys a cell may set (an axis benchmark.matrix leaves out: the main run's value).
+AXES = ("gpus", "zero_stage", "precision", "comm_backend", "micro_batch_size", "offload_optimizer", "engine",
+        "activation_checkpointing")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSettings:
+    """The `benchmark:` block of the config (benchmark.<key> in schemas/config.schema.yaml). The keys the pre-flight
+    reads (the machine it plans for, and whether to launch runs that do not fit) are tagged planning=True."""
+
+    matrix: dict = default_field("benchmark", "matrix")  # axis -> list of values, for every axis in AXES
+    enabled: bool = default_field("benchmark", "enabled")  # false: no matrix at all (a train-only run)
+    steps: int = default_field("benchmark", "steps")  # optimizer steps per launch
+    # steps left out of the timing (train.warmup_timing_steps of a cell)
+    warmup_steps: int = default_field("benchmark", "warmup_steps")
+    repeats: int = default_field("benchmark", "repeats")  # launches per cell
+    # let cells share the machine (timings then contended)
+    allow_concurrent: bool = default_field("benchmark", "allow_concurrent")
+    # launch cells (and the main run) predicted not to fit
+    force: bool = default_field("benchmark", "force", planning=True)
+    # memory per GPU when none can be detected
+    device_memory_gib: float = default_field("benchmark", "device_memory_gib", planning=True)
+    # host RAM of the GPU machine planned for when none is detected
+    host_memory_gib: float | None = default_field("benchmark", "host_memory_gib", planning=True)
+    # free disk at train.nvme_path on that machine
+    disk_gib: float | None = default_field("benchmark", "disk_gib", planning=True)
+    # the GPU planned for when none is detected (its datasheet peak predicts run times)
+    assumed_gpu: str = default_field("benchmark", "assumed_gpu")
+    # cores of that machine: they run an offloaded run's host Adam
+    host_cores: int | None = default_field("benchmark", "host_cores")
+    lr_warmup_steps: int = 0  # train.warmup_steps of a cell: the main run's, shortened to fit the cell's steps
+
+    @classmethod
+    def from_config(cls, config: dict) -> BenchSettings:
+        """From a validated config: its benchmark block, with the main run's train values for the axes the matrix
+        leaves out."""
+        bench, train = config["benchmark"], config["train"]
+        matrix = dict(bench["matrix"])
+        for axis in AXES:  # an axis the matrix leaves out keeps the main run's value; an empty list: no cells
+            matrix[axis] = list(matrix[axis]) if axis in matrix and matrix[axis] is not None else [train[axis]]
+        if bench["warmup_steps"] >= bench["steps"]:
+            raise ConfigError(f"benchmark.warmup_steps {bench['warmup_steps']} leaves no timed step of "
+                              f"benchmark.steps {bench['steps']}")
+        # A cell runs benchmark.steps steps, often fewer than the main run's learning-rate warm-up; it keeps a warm-up
+        # that ends before its last step (what DeepSpeed's scheduler was clamped to anyway), so that the rule
+        # "train.warmup_steps below max_steps" holds for cells too.
+        lr_warmup = min(train["warmup_steps"], bench["steps"] - 1)
+        return cls(**{**bench, "matrix": matrix}, lr_warmup_steps=lr_warmup)
 
 
 @dataclasses.dataclass(frozen=True)

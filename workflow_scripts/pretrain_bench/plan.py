@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config_types import ModelSettings
+from .config_types import BenchSettings, ModelSettings, keys_with
 from .devices import resolve_device_cheaply
 from .flops import plan_peak
 from .io import atomic_write_json
@@ -21,7 +21,7 @@ from .memory_fit import fit_run
 from .settings import CELL_IRRELEVANT_KEYS, TRAINS_FURTHER_KEYS, ConfigError, TrainSettings, check_settings
 
 # benchmark.* keys the pre-flight reads (the machine it plans for, and whether to launch runs that do not fit).
-PLANNING_KEYS = ("force", "device_memory_gib", "host_memory_gib", "disk_gib")
+PLANNING_KEYS = keys_with(BenchSettings, "planning")
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 from .checkpoint import VERIFY_MODES
-from .config_types import default_field, keys_with
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the key and the reason."""
-
+from .config_types import ConfigError, default_field, keys_with
 
 LR_SCHEDULES = ("cosine", "linear", "constant", "warmup-stable-decay")
 
