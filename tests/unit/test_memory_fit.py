@@ -171,6 +171,29 @@ def test_the_ladder_keeps_precision_and_global_batch():
     assert not any("offload" in label for label in cpu) and "ZeRO-2, micro-batch 1 × 8 accumulation" in cpu
 
 
+@pytest.mark.parametrize("device, engine, stage, offload_optimizer, offload_param, global_batch", [
+    ("cuda", "deepspeed", 0, "none", "none", None), ("cuda", "deepspeed", 1, "cpu", "none", None),
+    ("cuda", "deepspeed", 2, "none", "none", 48), ("cuda", "deepspeed", 3, "cpu", "cpu", None),
+    ("cuda", "deepspeed", 3, "nvme", "none", None), ("cuda", "ddp", 0, "none", "none", 48),
+    ("cuda", "fsdp", 3, "none", "none", None), ("cpu", "deepspeed", 2, "none", "none", None),
+    ("cpu", "fsdp", 3, "none", "none", 48),
+])
+def test_every_rung_is_settings_that_pass_the_checks(device, engine, stage, offload_optimizer, offload_param,
+                                                     global_batch):
+    """What train.memory_fit chooses is checked no further (plan.make_plan): every rung passes check_settings."""
+    from pretrain_bench.settings import check_settings
+
+    asked = TrainSettings(gpus=3, device=device, engine=engine, zero_stage=stage, micro_batch_size=8,
+                          grad_accum_steps=2, global_batch_size=global_batch, offload_optimizer=offload_optimizer,
+                          offload_param=offload_param, precision="bf16",
+                          comm_backend="nccl" if device == "cuda" else "gloo")
+    check_settings(asked, device, seq_len=128)
+    rungs = ladder(asked, device)
+    assert rungs
+    for rung in rungs:
+        check_settings(rung.settings, device, seq_len=128)
+
+
 def test_a_cpu_run_short_of_ram_recomputes_activations():
     config = load_config(ROOT / "config.yaml")
     config["model"] = {"preset": "llama-125m", "seq_len": 1024, "overrides": {}}

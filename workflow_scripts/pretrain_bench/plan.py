@@ -150,17 +150,16 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
 
     peak: rule measure_peak's bench/peak.json, the machine's peak that every run's MFU divides by.
     manifest: the corpus manifest, whose sources the export's model card lists."""
-    settings = TrainSettings.from_config(config["train"])
+    settings, model = TrainSettings.from_config(config["train"]), ModelSettings.from_config(config["model"])
     if settings.nvme_path is None:
-        settings = TrainSettings.from_config({**config["train"], "nvme_path": str(Path(state_dir) / "nvme")})
-    check_settings(settings, seq_len=config["model"]["seq_len"])
+        settings = dataclasses.replace(settings, nvme_path=str(Path(state_dir) / "nvme"))
+    check_settings(settings, seq_len=model.seq_len)
     # Pre-flight: stop (or, under train.memory_fit auto, change the settings) before anything is allocated when
-    # the run is predicted not to fit; benchmark.force launches anyway.
+    # the run is predicted not to fit; benchmark.force launches anyway. What it chooses needs no second check: its
+    # rungs (memory_fit.ladder) change only the layout keys, each into a combination that check_settings accepts.
     index_data = json.loads(Path(index).read_text())
     settings, memory_fit = fit_run(config, settings, index_data.get("vocab_size"), what=f"the {role} run",
                                    state_dir=str(state_dir) if save_checkpoints else None)
-    check_settings(settings)
-    model = ModelSettings.from_config(config["model"])
     if settings.eval_every:
         check_val_split(index_data, Path(index), model.seq_len, settings)
     device = resolve_device_cheaply(settings.device)  # nvidia-smi at most once
