@@ -85,6 +85,32 @@ def test_settings_built_in_code_take_the_schemas_defaults():
     assert ModelSettings.from_config(config["model"]) == ModelSettings(preset="tiny")
 
 
+# Keys config.yaml sets to their schema default on purpose: they define the source articles' experiment, so a reader
+# of config.yaml sees them. Every other key it sets departs from the schema's default (or has none).
+DEFINES_THE_EXPERIMENT = {
+    "model.seq_len", "train.engine", "train.comm_backend", "train.zero_stage", "train.memory_fit",
+    "train.micro_batch_size", "train.grad_accum_steps", "train.global_batch_size", "train.max_steps",
+    "benchmark.device_memory_gib", "benchmark.assumed_gpu", "report.target_corpus_tokens"}
+
+
+def test_config_yaml_sets_only_what_defines_the_experiment_and_departs_from_the_schema():
+    """The schema is the one home of defaults: config.yaml restates none of them, beyond the keys named above."""
+    schema = load_schema(SCHEMA)
+
+    def restated(values: dict, node: dict, prefix: str = "") -> list[str]:
+        found = []
+        for key, value in values.items():
+            sub = node["properties"][key]
+            if isinstance(value, dict) and "properties" in sub:
+                found += restated(value, sub, f"{prefix}{key}.")
+            elif "default" in sub and sub["default"] == value:
+                found.append(prefix + key)
+        return found
+
+    written = yaml.safe_load((ROOT / "config.yaml").read_text())
+    assert set(restated(written, schema)) == DEFINES_THE_EXPERIMENT
+
+
 def test_key_groups_are_the_fields_metadata():
     """The groups of train keys (what a resume fingerprints, what a benchmark cell drops, what trains further, what
     train.memory_fit may change) are tags on TrainSettings' fields, and the resume fingerprint they decide is the one
