@@ -11,9 +11,10 @@ gc.freeze()
 
 from snakemake.exceptions import WorkflowError
 
-from pretrain_bench.config_types import AXES as bench_axes, BenchSettings, CorpusSettings, ModelSettings, ReportSettings, ShardSettings, TokenizerSettings, coerce_command_line_types, fill_defaults_and_validate, load_schema  # noqa: E402
+from pretrain_bench.config import Config  # noqa: E402
+from pretrain_bench.config_types import AXES as bench_axes, coerce_command_line_types, fill_defaults_and_validate, load_schema  # noqa: E402
 from pretrain_bench.devices import GPU_LOCK_DIR as DEVICE_LOCK_DIR  # noqa: E402
-from pretrain_bench.settings import ConfigError, TrainSettings, check_settings  # noqa: E402
+from pretrain_bench.settings import ConfigError  # noqa: E402
 
 
 # The schema parsed once, for the command-line types and for validation (Snakemake's validate() would parse it a
@@ -28,19 +29,16 @@ if not workflow.modifier.skip_validation:
     except ValidationError as error:
         raise WorkflowError("Error validating config file.", error)
 
-# The validated config as typed, frozen settings, built once: rules and helpers read these, never config[...].
+# The validated config as typed, frozen settings, built (and its combinations checked) once: rules and helpers read
+# these, never config[...]. A rule hands its script a value, or a whole block as <BLOCK>.as_dict() when the script
+# reads the block (Snakemake compares params as plain values); the script rebuilds the block's settings from it.
 try:
-    CORPUS = CorpusSettings.from_config(config["corpus"])
-    TOKENIZER = TokenizerSettings.from_config(config["tokenizer"])
-    SHARDS = ShardSettings.from_config(config["shards"])
-    MODEL = ModelSettings.from_config(config["model"])
-    TRAIN = TrainSettings.from_config(config["train"])
-    REPORT = ReportSettings.from_config(config["report"])
-    check_settings(TRAIN, seq_len=MODEL.seq_len)
+    SETTINGS = Config.from_config(config)
 except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}")
-
-NAME = config["name"]
+NAME, CORPUS, TOKENIZER, SHARDS = SETTINGS.name, SETTINGS.corpus, SETTINGS.tokenizer, SETTINGS.shards
+MODEL, TRAIN, EVALUATE, BENCH, REPORT = SETTINGS.model, SETTINGS.train, SETTINGS.evaluate, SETTINGS.benchmark, \
+    SETTINGS.report
 
 
 def check_other_run_input(key, path, name, marker):
@@ -116,9 +114,9 @@ def eval_outputs(name):
 # --- evaluation ---
 # Evaluation runs where evaluate.device says (null: where train.device says). Each job on a GPU holds one device slot
 # (gpu=1, plus a lock-file slot in the launcher's lock folder); on CPU it asks for none, leaving `gpu` to training.
-EVAL_DEVICE = config["evaluate"]["device"] or TRAIN.device
+EVAL_DEVICE = EVALUATE.device or TRAIN.device
 GPU_LOCK_DIR = str(DEVICE_LOCK_DIR)  # the launcher's too: training ranks and evaluations never share
-LM_EVAL_TASKS = config["evaluate"]["lm_eval"]["tasks"]
+LM_EVAL_TASKS = EVALUATE.lm_eval["tasks"]
 
 
 def eval_gpus():
@@ -165,7 +163,6 @@ def available_ranks():
 
 
 try:
-    BENCH = BenchSettings.from_config(config)
     VOCAB_SIZE = config_vocab_size(config)
     BENCH_MATRIX = plan_matrix(config, available_ranks=available_ranks(), vocab_size=VOCAB_SIZE)
     # tokenizer.path, or model.init_from's own tokenizer: the tokenizer stage adopts it instead of training one
@@ -201,14 +198,14 @@ from pretrain_bench.plan import only_trains_further  # noqa: E402
 
 TRAINS_FURTHER = only_trains_further(Path(f"results/{NAME}/train/plan.json"), main_plan_config())
 EVALUATE_SETTINGS = {
-    "dtype": config["evaluate"]["export_dtype"],
-    "max_tokens": config["evaluate"]["max_tokens"],
-    "batch_size": config["evaluate"]["batch_size"],
+    "dtype": EVALUATE.export_dtype,
+    "max_tokens": EVALUATE.max_tokens,
+    "batch_size": EVALUATE.batch_size,
     "device": EVAL_DEVICE,
-    "precision": config["evaluate"]["precision"],
-    "prompts": config["evaluate"]["prompts"],
-    "generation": config["evaluate"]["generation"],
-    "lm_eval": config["evaluate"]["lm_eval"] if LM_EVAL_TASKS else None,
+    "precision": EVALUATE.precision,
+    "prompts": list(EVALUATE.prompts),
+    "generation": EVALUATE.generation,
+    "lm_eval": EVALUATE.lm_eval if LM_EVAL_TASKS else None,
 }
 
 

@@ -111,6 +111,23 @@ def test_config_yaml_sets_only_what_defines_the_experiment_and_departs_from_the_
     assert set(restated(written, schema)) == DEFINES_THE_EXPERIMENT
 
 
+def test_the_config_becomes_every_blocks_settings_once_and_is_checked_then():
+    from pretrain_bench.config import Config
+    from pretrain_bench.config_types import ConfigError, CorpusSettings, load_config
+
+    config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
+    settings = Config.from_config(config)
+    assert settings.name == "tiny-cpu" and settings.train.gpus == 3 and settings.model.preset == "tiny"
+    assert settings.corpus == CorpusSettings.from_config(config["corpus"]) and settings.shards.count == 2
+    assert settings.corpus.as_dict() == config["corpus"]  # what rule download_corpus hands its script
+    assert list(settings.evaluate.prompts) == config["evaluate"]["prompts"]
+    assert settings.benchmark.matrix["gpus"] == [1, 2, 3] and settings.report.peak_tflops is None
+    with pytest.raises(ConfigError, match="train.warmup_steps 60 is not below train.max_steps 60"):
+        Config.from_config({**config, "train": {**config["train"], "warmup_steps": 60}})
+    with pytest.raises(ConfigError, match="benchmark.warmup_steps 8 leaves no timed step"):
+        Config.from_config({**config, "benchmark": {**config["benchmark"], "warmup_steps": 8}})
+
+
 def test_key_groups_are_the_fields_metadata():
     """The groups of train keys (what a resume fingerprints, what a benchmark cell drops, what trains further, what
     train.memory_fit may change) are tags on TrainSettings' fields, and the resume fingerprint they decide is the one

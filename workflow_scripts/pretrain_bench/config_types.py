@@ -148,6 +148,24 @@ class ReportSettings:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class EvaluateSettings:
+    """The `evaluate:` block of the config (evaluate.<key> in schemas/config.schema.yaml)."""
+
+    max_tokens: int = default_field("evaluate", "max_tokens")
+    batch_size: int = default_field("evaluate", "batch_size")
+    device: str | None = default_field("evaluate", "device")  # null: train.device
+    precision: str = default_field("evaluate", "precision")
+    export_dtype: str = default_field("evaluate", "export_dtype")
+    prompts: tuple = default_field("evaluate", "prompts")
+    generation: dict = dataclasses.field(default_factory=lambda: schema_defaults("evaluate", "generation"))
+    lm_eval: dict = dataclasses.field(default_factory=lambda: schema_defaults("evaluate", "lm_eval"))
+
+    @classmethod
+    def from_config(cls, evaluate: dict) -> EvaluateSettings:
+        return cls(**{**evaluate, "prompts": tuple(evaluate["prompts"])})
+
+
 # The benchmark matrix's axes: train keys a cell may set (an axis benchmark.matrix leaves out: the main run's value).
 AXES = ("gpus", "zero_stage", "precision", "comm_backend", "micro_batch_size", "offload_optimizer", "engine",
         "activation_checkpointing")
