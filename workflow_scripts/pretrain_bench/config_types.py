@@ -4,7 +4,8 @@ and the typed settings built from the validated config.
 Defaults have one home, the schema (schemas/config.schema.yaml `default:`): validation fills them into the config,
 and settings dataclasses take theirs from it (`default_field`). config.yaml names only the keys that define the
 experiment and those where it departs from the schema's defaults. Code reads typed, frozen settings built once from
-the validated config (`ModelSettings` here, `settings.TrainSettings` ...), never `.get(key, default)` on the dict.
+the validated config (`config.Config`: the blocks' settings here and `settings.TrainSettings`), never
+`.get(key, default)` on the dict.
 
 `snakemake --config 'train={"gpus": 8}'` parses a nested value with YAML's BaseLoader, which keeps every scalar a
 string, so the schema would see "8" where it wants an integer. Validation fills defaults but converts no types, and
