@@ -49,6 +49,7 @@ DEFAULT_VARIANTS = ["zero0", "zero2", "ddp", "fsdp"]
 
 def run_trainer(config: dict, results: Path, steps: int, warmup: int, variant: str, work: Path) -> dict:
     from pretrain_bench.plan import make_plan, plan_config
+    from pretrain_bench.run_summary import RunSummary
 
     train = {"gpus": 1, "global_batch_size": None, "max_steps": steps, "warmup_timing_steps": warmup,
              "checkpoint_every": 10**6, **VARIANTS[variant]}
@@ -63,7 +64,7 @@ def run_trainer(config: dict, results: Path, steps: int, warmup: int, variant: s
                                "--plan", str(plan_path)], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT).returncode
     if code:
         raise SystemExit(f"trainer failed, see {log}")
-    return json.loads((work / variant / "summary.json").read_text())
+    return RunSummary.read(work / variant / "summary.json").to_dict()
 
 
 def run_plain_loop(config: dict, results: Path, steps: int, warmup: int, fused: bool) -> dict:

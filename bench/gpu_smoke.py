@@ -162,6 +162,7 @@ def run_one(name: str, preset: str, train: dict, size: Size, device: str, peak: 
             tokenizer: Path, work: Path) -> dict:
     """Plan and launch one run; its figures, or its exit code and log tail when it failed."""
     from pretrain_bench.plan import make_plan, plan_config
+    from pretrain_bench.run_summary import RunSummary
 
     config = smoke_config(name, preset, train, size, device)
     run_dir = work / name
@@ -183,20 +184,20 @@ def run_one(name: str, preset: str, train: dict, size: Size, device: str, peak: 
     result.update(exit_code=code, wall_s=time.perf_counter() - started)
     if code:
         return {**result, "log_tail": log.read_text()[-3000:]}
-    summary = json.loads((run_dir / "out" / "summary.json").read_text())
+    summary = RunSummary.read(run_dir / "out" / "summary.json")
     estimate = plan.memory_fit["estimate"]
-    measured = summary["peak_mem_bytes"][0]
+    measured = summary.peak_mem_bytes[0]
     predicted = predicted_memory_bytes(estimate, device)
     records = [json.loads(line) for line in (run_dir / "out" / "metrics.jsonl").read_text().splitlines()]
     result.update(
-        tokens_per_s=summary["tokens_per_s"], mfu=summary["mfu"], mfu_note=summary.get("mfu_note"),
-        peak_flops_per_rank=summary["peak_flops_per_rank"], peak_flops_source=summary["peak_flops_source"],
-        step_time_s=summary["step_time_s"], loss=summary["loss"], parameters=summary["model"]["parameters"],
-        peak_memory_bytes=measured, peak_memory_kind=summary.get("peak_mem_kind"),
+        tokens_per_s=summary.tokens_per_s, mfu=summary.mfu, mfu_note=summary.mfu_note,
+        peak_flops_per_rank=summary.peak_flops_per_rank, peak_flops_source=summary.peak_flops_source,
+        step_time_s=summary.step_time_s, loss=summary.loss, parameters=summary.model["parameters"],
+        peak_memory_bytes=measured, peak_memory_kind=summary.peak_mem_kind,
         predicted_memory_bytes=predicted, measured_over_predicted=measured / predicted,
         memory_terms={k: estimate[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "init",
                                                "runtime", "host_states")},
-        skipped_steps=summary["skipped_steps"], loss_scale=[r.get("loss_scale") for r in records][:10],
+        skipped_steps=summary.skipped_steps, loss_scale=[r.get("loss_scale") for r in records][:10],
     )
     return result
 

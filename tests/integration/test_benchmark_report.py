@@ -43,7 +43,8 @@ def matrix_of(run):
 def runs_of(run):
     from pretrain_bench.report import load_bench
 
-    return load_bench(sorted((run / "bench").glob("*/rep*/summary.json")))
+    summaries = load_bench(sorted((run / "bench").glob("*/rep*/summary.json")))  # RunSummary: the files validated
+    return {cell: [s.to_dict() for s in reps] for cell, reps in summaries.items()}
 
 
 def test_runnable_cells_ran_twice_and_the_others_were_reported_not_run(run):

@@ -10,38 +10,52 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from pretrain_bench import claims  # noqa: E402
 from pretrain_bench.report import GIB, build_report, build_tables, fmt  # noqa: E402
+from pretrain_bench.run_summary import SUMMARY_VERSION, RunSummary, SummaryError  # noqa: E402
 from pretrain_bench.tables import fmt_duration, spread  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def summary(ranks=1, zero=2, tokens_per_s=1000.0, mem_gib=1.0, comm=None, mfu=0.2, backend="gloo", device="cpu"):
+    """A summary.json as Trainer.summarise writes it (a dict: what the file holds)."""
     return {
-        "name": "unit", "role": "bench", "world_size": ranks, "nodes": 1, "device": device, "zero_stage": zero,
+        "version": SUMMARY_VERSION, "name": "unit", "role": "bench", "engine": "deepspeed", "world_size": ranks,
+        "nodes": 1, "device": device, "zero_stage": zero, "offload_optimizer": "none", "offload_param": "none",
         "precision": "fp32", "comm_backend": backend, "micro_batch_size": 8, "grad_accum_steps": 1,
-        "global_batch_size": 8 * ranks, "seq_len": 128, "steps": 8, "tokens_per_step": 1024 * ranks,
+        "global_batch_size": 8 * ranks, "seq_len": 128, "deepspeed_overrides": {}, "steps": 8,
+        "tokens_per_step": 1024 * ranks,
         "tokens": 8192 * ranks, "tokens_per_s": tokens_per_s,
         "step_time_s": {"median": 1024 * ranks / tokens_per_s, "min": 0.1, "max": 2.0, "mean": 1.0},
         "phase_time_s": {"forward": 0.1, "backward": 0.2, "optimizer": 0.05}, "steady_steps": 6,
         "warmup_timing_steps": 2, "peak_mem_bytes": [int(mem_gib * GIB) - i * 1000 for i in range(ranks)],
         "peak_mem_kind": "peak RSS of the rank process (getrusage)",
-        "model": {"preset": "tiny", "parameters": 2_557_632, "non_embedding_parameters": 1_771_200, "layers": 4,
-                  "hidden_size": 192, "heads": 6, "vocab_size": 4096},
+        "model": {"preset": "tiny", "parameters": 2_557_632, "non_embedding_parameters": 1_771_200,
+                  "matmul_parameters": 1_771_200, "layers": 4, "hidden_size": 192, "heads": 6, "vocab_size": 4096},
         "flops_per_token": 1.2e7, "flops_formula": "6N + 12*L*H*Q*T", "peak_flops_per_rank": 5e10,
-        "peak_flops_source": "measured: test", "mfu": mfu, "comm_fraction": comm if ranks > 1 else None,
+        "peak_flops_source": "measured: test", "mfu": mfu, "mfu_note": None,
+        "comm_fraction": comm if ranks > 1 else None,
         "comm_method": "test comms", "loss": {"first": 8.0, "last": 6.0, "min": 5.9}, "skipped_steps": 0,
-        "oversubscribed": ranks > 2, "threads_per_rank": 1, "resumed_from_step": None, "checkpoints": [4, 8],
-        "checkpoint_dir": "x",
+        "oversubscribed": ranks > 2, "threads_per_rank": 1, "resumed_from_step": None,
+        "memory_fit": {"mode": "strict", "asked": "ZeRO-2", "chosen": "ZeRO-2", "changed": False,
+                       "summary": "fits as asked"},
+        "checkpoints": [4, 8], "checkpoint_dir": "x", "init_from": None, "init_seed": 1234, "lr_schedule": "cosine",
+        "eval_during_training": None,
         "provenance": {"git_commit": "abc123", "config_sha256": "f" * 64, "versions": {"torch": "2.13.0"},
-                       "hardware": {"device": device, "cpu_count": 2, "processor": "test"}},
+                       "hardware": {"device": device, "cpu_count": 2, "processor": "test"}, "slurm_job_id": None,
+                       "load_average": [0.5, 0.5, 0.5]},
     }
+
+
+def typed(*args, **kwargs) -> RunSummary:
+    """`summary(...)` as the report reads it."""
+    return RunSummary.from_dict(summary(*args, **kwargs))
 
 
 def entry(ranks, zero, backend="gloo", status="run", reason=None):
     est = {"params": 100, "grads": 100, "optimizer": 100, "activations": 50, "buffers": 10, "runtime": 600,
            "init": 0, "host_states": 0, "state_formula": "4Ψ + 16Ψ/N", "buffer_formula": "b",
            "model_states": 300, "per_rank": 960}
-    return {"cell": f"ranks{ranks}-zero{zero}-fp32-{backend}", "gpus": ranks, "zero_stage": zero,
+    return {"cell": f"ranks{ranks}-zero{zero}-fp32-{backend}", "engine": "deepspeed", "gpus": ranks, "zero_stage": zero,
             "precision": "fp32", "comm_backend": backend, "micro_batch_size": 8, "offload_optimizer": "none",
             "status": status, "reason": reason, "forced": False, "estimate": est if status == "run" else None,
             "time_estimate": {"min_step_time_s": 0.01, "min_cell_time_s": 0.08} if status == "run" else None}
@@ -58,15 +72,15 @@ MATRIX = {
                     "predicted OOM: needs 40.0 GiB (3 ranks × 13.3 GiB), has 16.0 GiB")],
 }
 RUNS = {
-    "ranks1-zero2-fp32-gloo": [summary(1, tokens_per_s=1000, mem_gib=0.8), summary(1, tokens_per_s=1100, mem_gib=0.9)],
-    "ranks2-zero2-fp32-gloo": [summary(2, tokens_per_s=1500, comm=0.3), summary(2, tokens_per_s=1700, comm=0.4)],
-    "ranks3-zero2-fp32-gloo": [summary(3, tokens_per_s=1800, comm=0.5), summary(3, tokens_per_s=2000, comm=0.45)],
-    "ranks1-zero1-fp32-gloo": [summary(1, zero=1, tokens_per_s=900), summary(1, zero=1, tokens_per_s=950)],
+    "ranks1-zero2-fp32-gloo": [typed(1, tokens_per_s=1000, mem_gib=0.8), typed(1, tokens_per_s=1100, mem_gib=0.9)],
+    "ranks2-zero2-fp32-gloo": [typed(2, tokens_per_s=1500, comm=0.3), typed(2, tokens_per_s=1700, comm=0.4)],
+    "ranks3-zero2-fp32-gloo": [typed(3, tokens_per_s=1800, comm=0.5), typed(3, tokens_per_s=2000, comm=0.45)],
+    "ranks1-zero1-fp32-gloo": [typed(1, zero=1, tokens_per_s=900), typed(1, zero=1, tokens_per_s=950)],
 }
 
 
 def test_seeds_table_equals_a_recomputation():
-    tables = build_tables(summary(3), [], 1e12, MATRIX, RUNS)
+    tables = build_tables(typed(3), [], 1e12, MATRIX, RUNS)
     rows = {r["cell"]: r for r in tables["scaling"]}
     assert set(rows) == set(RUNS)
     base = statistics.median([1000, 1100])
@@ -77,7 +91,7 @@ def test_seeds_table_equals_a_recomputation():
         assert row["speedup"] == f"{fmt(med / base, 2)}×"
         assert row["efficiency_pct"] == fmt(med / base / ranks * 100, 0)
         assert row["epoch"] == fmt_duration(1e12 / med)
-        mem = [max(s["peak_mem_bytes"]) for s in RUNS[row["cell"]]]
+        mem = [max(s.peak_mem_bytes) for s in RUNS[row["cell"]]]
         assert row["mem_gib"] == spread(mem, 2, 1 / GIB)
     assert rows["ranks1-zero1-fp32-gloo"]["speedup"] == "1.00×"  # its own baseline: a separate series
     assert rows["ranks3-zero2-fp32-gloo"]["oversubscribed"] == "yes"
@@ -89,16 +103,15 @@ def test_seeds_table_equals_a_recomputation():
 
 
 def test_noisy_and_superlinear_timings_are_flagged():
-    runs = {**RUNS, "ranks1-zero2-fp32-gloo": [summary(1, tokens_per_s=300), summary(1, tokens_per_s=1000)],
-            "ranks2-zero2-fp32-gloo": [summary(2, tokens_per_s=1500, comm=0.3), summary(2, tokens_per_s=1520,
-                                                                                    comm=0.3)]}
-    headline = build_tables(summary(3), [], 1e12, MATRIX, runs)["headline"]
+    runs = {**RUNS, "ranks1-zero2-fp32-gloo": [typed(1, tokens_per_s=300), typed(1, tokens_per_s=1000)],
+            "ranks2-zero2-fp32-gloo": [typed(2, tokens_per_s=1500, comm=0.3), typed(2, tokens_per_s=1520, comm=0.3)]}
+    headline = build_tables(typed(3), [], 1e12, MATRIX, runs)["headline"]
     assert headline["noisy"] == {"ranks1-zero2-fp32-gloo": pytest.approx(700 / 650)}
     assert "ranks2-zero2-fp32-gloo" in headline["superlinear"]  # 1510 / 650 / 2 ranks = 116%
 
 
 def test_matrix_memory_communication_and_mfu_tables():
-    tables = build_tables(summary(3), [], 1e12, MATRIX, RUNS)
+    tables = build_tables(typed(3), [], 1e12, MATRIX, RUNS)
     status = {r["cell"]: r for r in tables["matrix"]}
     assert status["ranks2-zero2-fp32-nccl"]["status"] == "left out: not supported here"
     assert status["ranks3-zero1-fp32-gloo"]["status"] == "predicted OOM"
@@ -118,7 +131,7 @@ def test_matrix_memory_communication_and_mfu_tables():
 
 
 def test_claims_are_computed_from_the_claims_data(monkeypatch):
-    rows = build_tables(summary(3), [], 1e12, MATRIX, RUNS)["claims"]
+    rows = build_tables(typed(3), [], 1e12, MATRIX, RUNS)["claims"]
     by_claim = {r["claim"]: r for r in rows}
     one = by_claim["1 GPU: throughput and memory"]
     assert fmt(claims.CLAIMS["one_gpu"]["tokens_per_s"]) in one["claimed"]
@@ -128,7 +141,7 @@ def test_claims_are_computed_from_the_claims_data(monkeypatch):
     assert "impossible as described" in by_claim["8 × RTX 4090 D, DDP, 70B"]["verdict"]
     # change a claimed figure: the row follows, so nothing is typed into the report by hand
     monkeypatch.setitem(claims.CLAIMS, "one_gpu", {**claims.CLAIMS["one_gpu"], "tokens_per_s": 4321})
-    again = {r["claim"]: r for r in build_tables(summary(3), [], 1e12, MATRIX, RUNS)["claims"]}
+    again = {r["claim"]: r for r in build_tables(typed(3), [], 1e12, MATRIX, RUNS)["claims"]}
     assert "4,321 tokens/s" in again["1 GPU: throughput and memory"]["claimed"]
 
 
@@ -159,7 +172,7 @@ def test_report_files_render_from_json(tmp_path):
         for rep, run in enumerate(runs, start=1):
             path = tmp_path / "bench" / cell / f"rep{rep}" / "summary.json"
             path.parent.mkdir(parents=True)
-            path.write_text(json.dumps(run))
+            path.write_text(json.dumps(run.to_dict()))
             bench.append(path)
     lm_eval = []
     for step, acc in ((4, 0.25), (8, 0.5)):  # lm_eval/step<N>.json as harness.run_harness writes it
@@ -195,12 +208,12 @@ def test_report_files_render_from_json(tmp_path):
 
 
 def test_no_benchmark_cell_still_renders(tmp_path):
-    tables = build_tables(summary(3), [], 1e12, {**MATRIX, "cells": [MATRIX["cells"][-1]]}, {})
+    tables = build_tables(typed(3), [], 1e12, {**MATRIX, "cells": [MATRIX["cells"][-1]]}, {})
     assert tables["scaling"] == [] and tables["memory"] == [] and tables["provenance"]["bench"] is None
     assert {r["claim"] for r in tables["claims"]} >= {"NCCL vs Gloo", "time per epoch"}
 
 
-@pytest.mark.parametrize("seconds,text", [(90, "1.5 min"), (7200, "2.0 h"), (86400 * 5, "5.0 days"),
+@pytest.mark.parametrize("seconds,text", [(45, "45.0 s"), (90, "1.5 min"), (7200, "2.0 h"), (86400 * 5, "5.0 days"),
                                           (86400 * 365.25 * 26, "26.0 years")])
 def test_durations_read_naturally(seconds, text):
     assert fmt_duration(seconds) == text
@@ -214,11 +227,11 @@ def test_an_mfu_above_100_percent_is_refused_with_the_reason():
     mfu, note = model_flops_utilisation(8000.0, 1e7, 47.5e9, 1, "measured: 512² matmul")
     assert mfu is None and "MFU would be 168%" in note and "not reported" in note
     assert model_flops_utilisation(1000.0, 1e7, 47.5e9, 1, "x") == (pytest.approx(1e10 / 47.5e9), None)
-    # the report says why instead of printing a figure: the run's own refusal, or an older summary's 169 %
-    assert mfu_text([summary(mfu=None) | {"mfu_note": note}]) == "not reported: " + note
-    old = mfu_text([summary(mfu=1.69)])
-    assert old.startswith("not reported: MFU would be 169%, above 100 %") and "measured: test" in old
-    assert mfu_text([summary(mfu=0.2)]) == fmt(20.0, 2)
+    # the report says why instead of printing a figure; a summary holding 169 % is refused, never printed
+    assert mfu_text([RunSummary.from_dict(summary(mfu=None) | {"mfu_note": note})]) == "not reported: " + note
+    with pytest.raises(SummaryError, match="mfu 1.69 is above 1"):
+        RunSummary.from_dict(summary(mfu=1.69))
+    assert mfu_text([typed(mfu=0.2)]) == fmt(20.0, 2)
 
 
 def test_report_says_where_the_weights_came_from_and_what_validation_took(tmp_path):
@@ -248,3 +261,88 @@ def test_report_says_where_the_weights_came_from_and_what_validation_took(tmp_pa
                  out / "plots", target_corpus_tokens=1e12)
     md = (out / "report.md").read_text()
     assert "Weights of the main run: random initialisation (train.seed 7)" in md and "Validation while" not in md
+
+
+def test_a_summary_of_another_version_or_layout_is_refused_with_the_command_that_rewrites_it(tmp_path):
+    path = tmp_path / "bench" / "ranks1-zero2-fp32-gloo" / "rep1" / "summary.json"
+    path.parent.mkdir(parents=True)
+    older = {key: value for key, value in summary(1).items() if key not in ("version", "engine")}
+    for data, problem in ((older, "it is version None"), ({**summary(1), "version": SUMMARY_VERSION + 1},
+                                                          f"version {SUMMARY_VERSION + 1}"),
+                          ({**summary(1), "tps": 1.0}, "unknown ['tps']")):
+        path.write_text(json.dumps(data))
+        with pytest.raises(SummaryError) as refused:
+            RunSummary.read(path)
+        assert str(path) in str(refused.value) and problem in str(refused.value)
+        assert "snakemake --cores all --forcerun bench_cell" in str(refused.value)
+    main = tmp_path / "train" / "summary.json"
+    main.parent.mkdir()
+    main.write_text(json.dumps(older))
+    with pytest.raises(SummaryError, match="missing|version None") as refused:
+        build_report(main, tmp_path / "metrics.jsonl", [], tmp_path / "r.md", tmp_path / "r.html",
+                     tmp_path / "plots", target_corpus_tokens=1e12)
+    assert "--forcerun pretrain" in str(refused.value)
+    # what the trainer writes reads back as the same object, key for key
+    assert RunSummary.from_dict(json.loads(json.dumps(summary(2)))).to_dict() == summary(2)
+
+
+def test_the_frames_equal_a_recomputation_from_the_summaries():
+    """Throughput, speedup, scaling efficiency, MFU, memory and communication: the report's numbers (its frames)
+    recomputed here from each repeat's own figures, independently of the tables module."""
+    from pretrain_bench.tables import report_frames
+
+    peak, per_token = 5e10, 1.2e7
+    speeds = {1: [1000.0, 1100.0, 1050.0], 2: [1500.0, 1700.0, 1650.0], 3: [1800.0, 2000.0, 1700.0]}
+    runs = {f"ranks{ranks}-zero2-fp32-gloo": [typed(ranks, tokens_per_s=tps, mem_gib=0.5 + ranks / 4 + rep / 10,
+                                                    comm=0.1 * rep + 0.05 * ranks,
+                                                    mfu=tps * per_token / (ranks * peak))
+                                              for rep, tps in enumerate(values)]
+            for ranks, values in speeds.items()}
+    frames = report_frames(typed(3), [], 1e12, MATRIX, runs)
+
+    def recomputed(cell):
+        summaries = runs[cell]
+        ranks = summaries[0].world_size
+        tokens_per_s = statistics.median(s.tokens_per_s for s in summaries)
+        mfu = statistics.median(s.tokens_per_s * s.flops_per_token / (ranks * s.peak_flops_per_rank)
+                                for s in summaries)
+        worst_rank = statistics.median(max(s.peak_mem_bytes) for s in summaries)
+        return ranks, tokens_per_s, mfu, worst_rank
+
+    scaling = frames.scaling.set_index("cell")
+    memory, mfu_table = frames.memory.set_index("cell"), frames.mfu.set_index("cell")
+    communication = frames.communication.set_index("cell")
+    _, base, _, _ = recomputed("ranks1-zero2-fp32-gloo")
+    assert list(scaling.index) == list(runs)
+    for cell in runs:
+        ranks, tokens_per_s, mfu, worst_rank = recomputed(cell)
+        assert scaling.at[cell, "tokens_per_s"] == pytest.approx(tokens_per_s, rel=1e-12)
+        assert scaling.at[cell, "speedup"] == pytest.approx(tokens_per_s / base, rel=1e-12)
+        assert scaling.at[cell, "efficiency_pct"] == pytest.approx(tokens_per_s / base / ranks * 100, rel=1e-12)
+        assert scaling.at[cell, "epoch_s"] == pytest.approx(1e12 / tokens_per_s, rel=1e-12)
+        assert statistics.median(mfu_table.at[cell, "mfu_values"]) == pytest.approx(mfu, rel=1e-12)
+        assert memory.at[cell, "measured_bytes"] == pytest.approx(worst_rank, rel=1e-12)
+        assert memory.at[cell, "ratio"] == pytest.approx(worst_rank / 960, rel=1e-12)  # CPU: the whole per_rank
+        if ranks > 1:
+            comm = statistics.median(s.comm_fraction for s in runs[cell])
+            assert communication.at[cell, "comm_fraction"] == pytest.approx(comm, rel=1e-12)
+    # the main run's row is its own summary's figures, and the epoch its tokens ÷ tokens/s
+    main = frames.throughput.iloc[0]
+    assert main["tokens_per_s"] == 1000.0 and main["ranks"] == 3 and main["mfu"] == 0.2
+    assert frames.epoch_s == 1e12 / 1000.0
+    # and the text the template prints is that frame, formatted once
+    rows = {r["cell"]: r for r in build_tables(typed(3), [], 1e12, MATRIX, runs)["scaling"]}
+    for cell in runs:
+        assert rows[cell]["speedup"] == f"{fmt(scaling.at[cell, 'speedup'].item(), 2)}×"
+
+
+def test_formula_text_comes_from_the_memory_model(monkeypatch):
+    from pretrain_bench import memory_model
+
+    monkeypatch.setitem(memory_model.STATE_FORMULAS["mixed"], 2, "3Ψ + 13Ψ/N (a test's breakdown)")
+    assert "2: 3Ψ + 13Ψ/N," in claims.formula_texts()["mixed"]
+    by_claim = {r["claim"]: r for r in build_tables(typed(3), [], 1e12, MATRIX, RUNS)["claims"]}
+    assert "ZeRO-2 (3Ψ + 13Ψ/N)" in by_claim["3 GPUs, ZeRO-2: memory per GPU"]["physics"]
+    assert "model states 16Ψ → 3Ψ + 13Ψ/3" in by_claim["ZeRO-2 cuts per-card memory"]["physics"]
+    template = (ROOT / "workflow_scripts/pretrain_bench/templates/report.j2").read_text()
+    assert "14Ψ" not in template and "16Ψ/N" not in template  # the notes print formula_texts()

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 from .config_types import AXES, BenchSettings, ConfigError, ModelSettings
 from .devices import resolve_device_cheaply
+from .formats import fmt_duration
 from .memory_model import Budget, config_vocab_size, detect_budget, estimate, gib, judge, run_shape
 from .offload_time import planned_cores
 from .plan import cell_train
@@ -269,7 +270,7 @@ def preview_text(preview: dict) -> str:
     def span(part):
         if part["min_s"] is None:
             return "unknown until the peak is known (rule measure_peak, or report.peak_tflops)"
-        return (f"{bound} {_duration(part['min_s'])} at 100 % MFU, ~{_duration(part['typical_s'])} at "
+        return (f"{bound} {fmt_duration(part['min_s'])} at 100 % MFU, ~{fmt_duration(part['typical_s'])} at "
                 f"{preview['mfu']:.0%} MFU")
 
     peak = (f"{preview['peak_flops'] / 1e12:,.3g} TFLOP/s per rank ({preview['peak_source']})"
@@ -318,13 +319,3 @@ def budget_text(budget: dict) -> str:
     if budget["device"] == "cpu":
         return host
     return f"{gib(budget['device_bytes'])} GiB per GPU / {host}"
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 3 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"

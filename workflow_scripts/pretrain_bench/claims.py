@@ -2,14 +2,34 @@
 
 The figures are typed exactly once, here, with their source; the report's "Claims checked" section is computed
 from them (physics: the ZeRO memory model and PaLM FLOPs for the articles' 7B model on 24 GB cards; measured: this
-run's benchmark cells). Nothing in the report's text repeats a claimed number by hand.
+run's benchmark cells, read as numbers from the report's frames). Nothing in the report's text repeats a claimed
+number by hand, nor a formula: their text comes from the memory model's tables (`formula_texts`).
 """
 from __future__ import annotations
 
 from .flops import GPU_PEAK_TFLOPS_16BIT, flops_per_token
-from .memory_model import GIB, Budget, RunShape, estimate, judge, model_state_bytes, torch_state_bytes
+from .formats import fmt, fmt_duration
+from .memory_model import (
+    GIB,
+    STATE_FORMULAS,
+    TORCH_STATE_FORMULAS,
+    Budget,
+    RunShape,
+    estimate,
+    judge,
+    model_state_bytes,
+    torch_state_bytes,
+)
 from .model import PRESETS, count_parameters
-from .tables import fmt, fmt_duration
+from .tables import (
+    BACKEND_COLUMNS,
+    COMMUNICATION_COLUMNS,
+    MEMORY_COLUMNS,
+    SCALING_COLUMNS,
+    ReportFrames,
+    format_row,
+    records,
+)
 
 SOURCE = "the source articles (docs/reference-experiment.md)"
 
@@ -68,17 +88,36 @@ def _states(states: dict) -> int:
     return states["params"] + states["grads"] + states["optimizer"]
 
 
-def check_claims(scaling: list[dict], memory: list[dict], backends: list[dict], comms: list[dict],
-                 target_corpus_tokens: float, device: str) -> list[dict]:
+def short_formula(text: str) -> str:
+    """A model-state formula without its breakdown: '16Ψ (2Ψ params + 2Ψ grads + 12Ψ Adam/master)' → '16Ψ'."""
+    return text.split(" (")[0]
+
+
+def zero_formula(stage: int, precision: str = "mixed", ranks: int | None = None) -> str:
+    """The ZeRO paper's bytes of model states per rank (memory_model.STATE_FORMULAS), N replaced by `ranks`."""
+    text = short_formula(STATE_FORMULAS[precision][stage])
+    return text if ranks is None else text.replace("/N", f"/{ranks}")
+
+
+def formula_texts() -> dict[str, str]:
+    """The model-state formulas as the report's notes print them: per ZeRO stage in mixed precision and in fp32,
+    and per torch engine."""
+    stages = {kind: ", ".join(f"{stage}: {zero_formula(stage, kind)}" for stage in sorted(STATE_FORMULAS[kind]))
+              for kind in STATE_FORMULAS}
+    return {**stages, **{engine: short_formula(text) for engine, text in TORCH_STATE_FORMULAS.items()}}
+
+
+def check_claims(frames: ReportFrames) -> list[dict]:
     """Rows: claim, claimed figures, what physics allows (7B on 24 GB cards), what this run measured, verdict."""
+    scaling, memory = records(frames.scaling), records(frames.memory)
     return [
         claim_one_gpu(scaling),
         claim_three_gpu_memory(memory),
         claim_three_gpu_speedup(scaling),
         claim_zero2_memory_cut(memory),
-        claim_nccl_vs_gloo(backends, device),
-        claim_epoch_time(scaling, target_corpus_tokens),
-        claim_eight_nodes(comms),
+        claim_nccl_vs_gloo(records(frames.backends), frames.device),
+        claim_epoch_time(scaling, frames.target_corpus_tokens),
+        claim_eight_nodes(records(frames.communication)),
     ]
 
 
@@ -88,7 +127,7 @@ def claim_one_gpu(scaling: list[dict]) -> dict:
     need, fits, _ = _mem(articles_run(1, 0))
     need_off, fits_off, text_off = _mem(articles_run(1, 2, offload=True))
     share = _flops_share(one["tokens_per_s"], 1)
-    base = [r for r in scaling if r["_gpus"] == 1]
+    base = [format_row(r, SCALING_COLUMNS) for r in scaling if r["ranks"] == 1]
     return {
         "claim": "1 GPU: throughput and memory",
         "claimed": f"{fmt(one['tokens_per_s'])} tokens/s at {fmt(one['memory_gb'])} GB, batch {one['batch']}",
@@ -108,13 +147,14 @@ def claim_three_gpu_memory(memory: list[dict]) -> dict:
     three = CLAIMS["three_gpus"]
     need3, _, _ = _mem(articles_run(3, 2))
     need3_off, _, _ = _mem(articles_run(3, 2, offload=True))
+    zero2 = [format_row(r, MEMORY_COLUMNS) for r in memory if r["zero_stage"] == 2]
     return {
         "claim": "3 GPUs, ZeRO-2: memory per GPU",
         "claimed": f"{fmt(three['memory_gb'])} GB per GPU",
-        "physics": (f"ZeRO-2 (2Ψ + 14Ψ/N): {fmt(need3)} GiB per GPU; with optimizer offload {fmt(need3_off)} GiB "
-                    f"(16-bit parameters stay replicated)"),
+        "physics": (f"ZeRO-2 ({zero_formula(2)}): {fmt(need3)} GiB per GPU; with optimizer offload "
+                    f"{fmt(need3_off)} GiB (16-bit parameters stay replicated)"),
         "measured": "; ".join(f"{r['cell']}: {r['measured_gib']} GiB (predicted {r['predicted_gib']})"
-                              for r in memory if r["zero_stage"] == "2") or "no ZeRO-2 cell ran",
+                              for r in zero2) or "no ZeRO-2 cell ran",
         "verdict": ("below what ZeRO-2 can reach for 7B even with offload"
                     if three["memory_gb"] < min(need3, need3_off) else "possible"),
     }
@@ -125,8 +165,9 @@ def claim_three_gpu_speedup(scaling: list[dict]) -> dict:
     one, three = CLAIMS["one_gpu"], CLAIMS["three_gpus"]
     _, fits3, _ = _mem(articles_run(3, 2))
     _, fits3_off, _ = _mem(articles_run(3, 2, offload=True))
-    deepspeed = [r for r in scaling if r["_speedup"] and r.get("_engine", "deepspeed") == "deepspeed"]
-    largest = max(deepspeed, key=lambda r: (r["_gpus"], r["_speedup"]), default=None)
+    deepspeed = [r for r in scaling if r["speedup"] and r["engine"] == "deepspeed"]
+    largest = max(deepspeed, key=lambda r: (r["ranks"], r["speedup"]), default=None)
+    shown = format_row(largest, SCALING_COLUMNS) if largest else None
     claimed_eff = three["speedup"] / three["gpus"]
     return {
         "claim": "3 GPUs, ZeRO-2: speedup",
@@ -135,8 +176,8 @@ def claim_three_gpu_speedup(scaling: list[dict]) -> dict:
                    f"× from the two throughputs)",
         "physics": f"at most {three['gpus']}× (weak scaling: batch {one['batch']} → {three['batch']}); "
                    f"{fmt(_flops_share(three['tokens_per_s'], 3) * 100)}% of peak per GPU",
-        "measured": (f"{largest['series']}: {largest['speedup']} on {largest['ranks']} ranks "
-                     f"({largest['efficiency_pct']}% efficiency)") if largest else "no 1-rank baseline ran",
+        "measured": (f"{shown['series']}: {shown['speedup']} on {shown['ranks']} ranks "
+                     f"({shown['efficiency_pct']}% efficiency)") if shown else "no 1-rank baseline ran",
         "verdict": ("ZeRO-2 as described does not fit (row 2): this throughput cannot come from that setup"
                     + (" unless the optimizer was offloaded, which the articles do not mention" if fits3_off else "")
                     if not fits3 else "plausible"),
@@ -151,16 +192,19 @@ def claim_zero2_memory_cut(memory: list[dict]) -> dict:
     states_3 = _states(model_state_bytes(articles_run(3, 2).parameters, 3, 2, "fp16"))
     cut = 1 - states_3 / states_1
     claimed_cut = 1 - three["memory_gb"] / one["memory_gb"]
-    zero2 = {r["ranks"]: r for r in memory if r["zero_stage"] == "2"}
-    top = zero2[max(zero2, key=int)] if zero2 else None
-    measured_cut = (1 - top["_measured"] / zero2["1"]["_measured"]) if "1" in zero2 and top["ranks"] != "1" else None
+    zero2 = {r["ranks"]: r for r in memory if r["zero_stage"] == 2}
+    top = zero2[max(zero2)] if zero2 else None
+    measured_cut = ((1 - top["measured_bytes"] / zero2[1]["measured_bytes"]) if 1 in zero2 and top["ranks"] != 1
+                    else None)
     return {
         "claim": "ZeRO-2 cuts per-card memory",
         "claimed": f"{fmt(CLAIMS['zero2_memory_cut']['cut_pct'])}% "
                    f"({fmt(one['memory_gb'])} → {fmt(three['memory_gb'])} GB is {fmt(claimed_cut * 100)}%)",
-        "physics": f"model states 16Ψ → 2Ψ + 14Ψ/3: {fmt(cut * 100)}% less (activations unchanged)",
+        "physics": f"model states {zero_formula(0)} → {zero_formula(2, ranks=three['gpus'])}: {fmt(cut * 100)}% less "
+                   f"(activations unchanged)",
         "measured": (f"ZeRO-2, 1 → {top['ranks']} ranks: peak per rank {round(-measured_cut * 100, 1) + 0.0:+,.1f}% "
-                     f"({zero2['1']['measured_gib']} → {top['measured_gib']} GiB)"
+                     f"({format_row(zero2[1], MEMORY_COLUMNS)['measured_gib']} → "
+                     f"{format_row(top, MEMORY_COLUMNS)['measured_gib']} GiB)"
                      if measured_cut is not None else "needs ZeRO-2 cells at 1 and N ranks"),
         "verdict": (f"the model predicts a {'larger' if cut > claimed_cut else 'smaller'} cut of model states"
                     + ("; the 1-GPU starting point is itself impossible (row 1)" if not fits else "")),
@@ -171,6 +215,7 @@ def claim_nccl_vs_gloo(backends: list[dict], device: str) -> dict:
     """Row 5: 'NCCL is 30% faster than Gloo', against the cells that ran with both backends."""
     nccl = CLAIMS["nccl_vs_gloo"]["nccl_faster_pct"]
     here = f"this run ({device})"
+    shown = [format_row(r, BACKEND_COLUMNS) for r in backends]
     return {
         "claim": "NCCL vs Gloo",
         "claimed": f"NCCL {fmt(nccl)}% faster",
@@ -178,7 +223,7 @@ def claim_nccl_vs_gloo(backends: list[dict], device: str) -> dict:
                    "cards have it (RTX 4090s do not: NCCL then stages through host memory too); Gloo always stages "
                    "through host memory and reduces on the CPU — the gap grows with the bytes per step",
         "measured": "; ".join(f"{r['ranks']} ranks ZeRO-{r['zero_stage']}: NCCL {r['nccl_faster_pct']}% faster"
-                              for r in backends) or f"not measured: no cell ran with both backends on {here}",
+                              for r in shown) or f"not measured: no cell ran with both backends on {here}",
         "verdict": "measured here" if backends else "not testable on this machine",
     }
 
@@ -187,6 +232,8 @@ def claim_epoch_time(scaling: list[dict], target_corpus_tokens: float) -> dict:
     """Row 6: the days per epoch, against the claimed throughput and report.target_corpus_tokens."""
     one, three = CLAIMS["one_gpu"], CLAIMS["three_gpus"]
     implied = one["tokens_per_s"] * one["epoch_days"] * 86400
+    widest = max((r["ranks"] for r in scaling), default=None)
+    shown = [format_row(r, SCALING_COLUMNS) for r in scaling if r["ranks"] in (1, widest)]
     return {
         "claim": "time per epoch",
         "claimed": f"{fmt(one['epoch_days'])} days on 1 GPU, {fmt(three['epoch_days'])} days on 3, "
@@ -194,8 +241,7 @@ def claim_epoch_time(scaling: list[dict], target_corpus_tokens: float) -> dict:
         "physics": (f"{fmt(one['epoch_days'])} days at {fmt(one['tokens_per_s'])} tokens/s is {implied:,.3g} tokens; "
                     f"an epoch of {target_corpus_tokens:,.3g} tokens (report.target_corpus_tokens) at that rate takes "
                     f"{fmt_duration(target_corpus_tokens / one['tokens_per_s'])}"),
-        "measured": "; ".join(f"{r['cell']}: {r['epoch']} (extrapolated)" for r in scaling
-                              if r["_gpus"] in (1, max(x["_gpus"] for x in scaling))) or "no cell ran",
+        "measured": "; ".join(f"{r['cell']}: {r['epoch']} (extrapolated)" for r in shown) or "no cell ran",
         "verdict": f"inconsistent with the claimed throughput by {fmt(target_corpus_tokens / implied, 0)}×",
     }
 
@@ -203,23 +249,24 @@ def claim_epoch_time(scaling: list[dict], target_corpus_tokens: float) -> dict:
 def claim_eight_nodes(comms: list[dict]) -> dict:
     """Row 7: the 8-server article (DDP, 70B), against the model states and this run's communication share."""
     eight = CLAIMS["eight_nodes"]
-    # DDP keeps fp32 parameters, fp32 gradients and AdamW's moments on every card (torch_state_bytes: 16Ψ)
+    # DDP keeps fp32 parameters, fp32 gradients and AdamW's moments on every card (torch_state_bytes)
     ddp = _states(torch_state_bytes(int(eight["parameters"]), eight["nodes"], "ddp"))
     zero3 = _states(model_state_bytes(int(eight["parameters"]), eight["nodes"], 3, "fp16"))
     budget = eight["gpu_memory_gib"] * GIB
     # the claim is about DDP: its cells' communication share when any ran, else the widest cell's
-    ddp_comms = [r for r in comms if r.get("engine") == "ddp"]
-    comm_top = max(ddp_comms or comms, key=lambda r: int(r["ranks"]), default=None)
+    ddp_comms = [r for r in comms if r["engine"] == "ddp"]
+    comm_top = max(ddp_comms or comms, key=lambda r: r["ranks"], default=None)
+    shown = format_row(comm_top, COMMUNICATION_COLUMNS) if comm_top else None
     return {
         "claim": f"{eight['nodes']} × {eight['gpu']}, {eight['engine']}, 70B",
         "claimed": f"{fmt(eight['tokens_per_s'][0])} → {fmt(eight['tokens_per_s'][1])} tokens/s "
                    f"({fmt(eight['speedup'])}×), {fmt(eight['comm_pct'])}% communication, 4 → 8 cards "
                    f"{fmt(eight['scale_4_to_8'])}×",
-        "physics": (f"DDP replicates the model states (16Ψ: fp32 params, fp32 grads, AdamW moments): "
-                    f"{fmt(ddp / GIB, 0)} GiB per GPU; even ZeRO-3 over "
+        "physics": (f"DDP replicates the model states ({short_formula(TORCH_STATE_FORMULAS['ddp'])}: fp32 params, "
+                    f"fp32 grads, AdamW moments): {fmt(ddp / GIB, 0)} GiB per GPU; even ZeRO-3 over "
                     f"{eight['nodes']}: {fmt(zero3 / GIB, 0)} GiB vs {eight['gpu_memory_gib']} GiB"),
-        "measured": (f"communication share at {comm_top['ranks']} ranks ({comm_top['cell']}): {comm_top['comm_pct']}%"
-                     if comm_top else "no multi-rank cell ran"),
+        "measured": (f"communication share at {shown['ranks']} ranks ({shown['cell']}): {shown['comm_pct']}%"
+                     if shown else "no multi-rank cell ran"),
         "verdict": ("impossible as described" if ddp > budget else "possible")
         + ("; impossible with any ZeRO stage without offload" if zero3 > budget else ""),
     }

@@ -1,9 +1,14 @@
-"""The report's plots (PNG, matplotlib Agg), drawn from the same rows and records the tables use."""
+"""The report's plots (PNG, matplotlib Agg), drawn from the numbers the tables print: the report's frames and the
+run's records."""
 from __future__ import annotations
 
 import math
 import statistics
 from pathlib import Path
+
+import pandas as pd
+
+from .tables import GIB, records
 
 DPI = 110
 
@@ -87,26 +92,28 @@ def eval_plot(evals: list[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
-def scaling_plot(rows: list[dict], path: Path) -> Path:
+def scaling_plot(scaling: pd.DataFrame, path: Path) -> Path:
     """tokens/s (median, min–max bars) and scaling efficiency against ranks, per series; ideal lines dashed."""
     plt = _pyplot()
+    rows = records(scaling)
     fig, (ax_tps, ax_eff) = plt.subplots(1, 2, figsize=(11, 4))
     series = {}
     for row in rows:
         series.setdefault(row["series"], []).append(row)
     for number, (label, points) in enumerate(series.items()):
         color = f"C{number % 10}"
-        ranks = [p["_gpus"] for p in points]
-        med = [statistics.median(p["_tps"]) for p in points]
-        low = [m - min(p["_tps"]) for m, p in zip(med, points)]
-        high = [max(p["_tps"]) - m for m, p in zip(med, points)]
+        ranks = [p["ranks"] for p in points]
+        values = [p["tokens_per_s_values"] for p in points]
+        med = [statistics.median(v) for v in values]
+        low = [m - min(v) for m, v in zip(med, values)]
+        high = [max(v) - m for m, v in zip(med, values)]
         ax_tps.errorbar(ranks, med, yerr=[low, high], fmt="o-", color=color, capsize=3, label=label)
         base = next((m for r, m in zip(ranks, med) if r == 1), None)
         if base:
             top = max(ranks)
             ax_tps.plot([1, top], [base, base * top], ls="--", color=color, alpha=0.5,
                         label="ideal with one device per rank (1-rank × ranks)" if number == 0 else None)
-            eff = [(p["_speedup"] or 0) / p["_gpus"] * 100 for p in points]
+            eff = [(p["speedup"] or 0) / p["ranks"] * 100 for p in points]
             ax_eff.plot(ranks, eff, "o-", color=color, label=label)
     ax_eff.axhline(100, ls="--", color="grey", label="ideal")
     ax_tps.set(xlabel="ranks", ylabel="tokens/s (global, steady state)", title="Throughput vs ranks",
@@ -114,34 +121,32 @@ def scaling_plot(rows: list[dict], path: Path) -> Path:
     ax_eff.set(xlabel="ranks", ylabel="scaling efficiency %", title="Efficiency = speedup ÷ ranks",
                ylim=(0, max(110, ax_eff.get_ylim()[1])))
     for ax in (ax_tps, ax_eff):
-        all_ranks = sorted({r["_gpus"] for r in rows})
+        all_ranks = sorted({r["ranks"] for r in rows})
         ax.set_xticks(all_ranks or [1])
         ax.legend(fontsize=8)
     return _save(fig, path)
 
 
-def memory_plot(rows: list[dict], device: str, path: Path) -> Path:
+def memory_plot(memory: pd.DataFrame, device: str, path: Path) -> Path:
     """Measured peak per rank against the memory model's prediction, by cell (ZeRO stage and ranks)."""
     plt = _pyplot()
+    rows = records(memory)
     fig, ax = plt.subplots(figsize=(11, 4))
-    gib = 1024**3
     x = list(range(len(rows)))
-    states = [r["_states"] / gib for r in rows]
-    activations = [r["_activations"] / gib for r in rows]
-    other = [(r["_predicted"] - r["_states"] - r["_activations"]) / gib for r in rows]
-    ax.bar([i - 0.2 for i in x], [r["_measured"] / gib for r in rows], width=0.4, color="C0",
+    states = [r["states_bytes"] / GIB for r in rows]
+    activations = [r["activations_bytes"] / GIB for r in rows]
+    other = [r["other_bytes"] / GIB for r in rows]
+    ax.bar([i - 0.2 for i in x], [r["measured_bytes"] / GIB for r in rows], width=0.4, color="C0",
            label="measured (worst rank, median)")
     right = [i + 0.2 for i in x]
     ax.bar(right, states, width=0.4, color="C1", hatch="//", edgecolor="white", label="predicted: model states")
     ax.bar(right, activations, width=0.4, bottom=states, color="C2", label="predicted: activations")
     ax.bar(right, other, width=0.4, bottom=[a + b for a, b in zip(states, activations)], color="C7",
            label="predicted: buffers + runtime")
-    top = max([r["_measured"] for r in rows] + [r["_predicted"] for r in rows]) / gib
+    top = max([r["measured_bytes"] for r in rows] + [r["predicted_bytes"] for r in rows]) / GIB
     ax.set_ylim(0, top * 1.35)
     ax.set_xticks(x)
-    labels = [r.get("engine", f"ZeRO-{r['zero_stage']}").replace("DeepSpeed ", "").replace(" + optimizer offload",
-                                                                                             " + offload")
-              for r in rows]
+    labels = [r["engine"].replace("DeepSpeed ", "").replace(" + optimizer offload", " + offload") for r in rows]
     ax.set_xticklabels([f"{label}\n{r['ranks']} rank(s)\n{r['precision']}" for label, r in zip(labels, rows)],
                        fontsize=8)
     kind = "allocator peak" if device == "cuda" else "peak RSS"
@@ -150,10 +155,11 @@ def memory_plot(rows: list[dict], device: str, path: Path) -> Path:
     return _save(fig, path)
 
 
-def communication_plot(rows: list[dict], path: Path) -> Path:
+def communication_plot(communication: pd.DataFrame, path: Path) -> Path:
     plt = _pyplot()
+    rows = records(communication)
     fig, ax = plt.subplots(figsize=(11, 3))
-    values = [(r["_comm"] or 0) * 100 for r in rows]
+    values = [(r["comm_fraction"] or 0) * 100 for r in rows]
     ax.bar(range(len(rows)), values, color="C4")
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([r["cell"] for r in rows], fontsize=7, rotation=20, ha="right")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import time
 
+from .formats import fmt_duration
+
 INTERVAL_S = 10.0
 
 
@@ -16,13 +18,6 @@ def _size(value: float, unit: str) -> str:
     if unit == "bytes":
         return f"{value / 2**20:,.1f} MiB"
     return f"{value:,.0f} {unit}"
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 class Progress:
@@ -50,12 +45,12 @@ class Progress:
             share = min(self.done / self.total, 1.0)
             eta = (self.total - self.done) / rate if rate > 0 and self.done < self.total else 0.0
             text += (f" of {_size(self.total, self.unit)} ({share:.0%}), {_size(rate, self.unit)}/s, "
-                         f"ETA {_duration(eta)}")
+                         f"ETA {fmt_duration(eta)}")
         else:
-            text += f", {_size(rate, self.unit)}/s, {_duration(elapsed)} so far (total not known in advance)"
+            text += f", {_size(rate, self.unit)}/s, {fmt_duration(elapsed)} so far (total not known in advance)"
         return text + (f"; {note}" if note else "")
 
     def finish(self, note: str = "") -> None:
         elapsed = time.monotonic() - self.start
-        self.log.info("%s: done, %s in %s (%s/s)%s", self.what, _size(self.done, self.unit), _duration(elapsed),
+        self.log.info("%s: done, %s in %s (%s/s)%s", self.what, _size(self.done, self.unit), fmt_duration(elapsed),
                       _size(self.done / max(elapsed, 1e-9), self.unit), f"; {note}" if note else "")

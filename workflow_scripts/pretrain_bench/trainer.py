@@ -51,6 +51,7 @@ from .rank import (
 from .rank import log as rank_log
 from .run_context import LaunchContext
 from .run_state import mark_finished, plan_digest, prepare_state
+from .run_summary import RunSummary
 from .settings import check_settings
 from .step import PhaseTimer, train_step
 
@@ -201,7 +202,8 @@ class Trainer:
         dist.barrier()
 
     def build_model(self) -> None:
-        """The batches of this rank, the model (from model.init_from's weights or a seed) and the DeepSpeed config."""
+        """The batches of this rank and the model (from model.init_from's weights or a seed), built in the precision
+        and with the activation checkpointing the engine asks for."""
         from .loader import PackedTokens, RankBatches
 
         plan, settings = self.plan, self.settings
@@ -359,7 +361,7 @@ class Trainer:
         comm_fraction, comm_note = self.comm_fraction()
         ran = self.engine.ran()  # precision, ZeRO stage and batch as the engine parsed them, train.deepspeed included
         peak_flops, peak_source = self.peak["flops_per_rank"], self.peak["source"]
-        return {
+        return RunSummary(**{  # the summary's one declaration: a field not declared there is refused
             "name": plan.name, "role": plan.role, "engine": settings.engine,
             "world_size": world, "nodes": settings.nodes, "device": self.device, "zero_stage": ran["zero_stage"],
             "offload_optimizer": settings.offload_optimizer, "offload_param": settings.offload_param,
@@ -400,7 +402,7 @@ class Trainer:
             | {"slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                # 1-, 5- and 15-minute load averages at the end: busy-machine timings are traceable
                "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
-        }
+        }).to_dict()
 
     def finish(self, summary: dict | None) -> None:
         """Rank 0 copies metrics and TensorBoard to the output folder, writes summary.json and marks the run
