@@ -65,6 +65,11 @@ def schema_defaults(*keys: str) -> dict:
     return {key: copy.deepcopy(sub["default"]) for key, sub in properties.items() if "default" in sub}
 
 
+def schema_enum(*keys: str) -> tuple:
+    """The values the schema allows for config key `keys` (its `enum`)."""
+    return tuple(_schema_node(keys)["enum"])
+
+
 def default_field(*keys: str, **tags):
     """A dataclass field whose default is `schema_default(*keys)` (a list becomes a tuple: frozen settings hash).
 

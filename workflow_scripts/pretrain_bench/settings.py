@@ -10,9 +10,9 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 from .checkpoint import VERIFY_MODES
-from .config_types import ConfigError, default_field, keys_with
+from .config_types import ConfigError, default_field, keys_with, schema_enum
 
-LR_SCHEDULES = ("cosine", "linear", "constant", "warmup-stable-decay")
+LR_SCHEDULES = schema_enum("train", "lr_schedule")
 
 
 @dataclass(frozen=True)
@@ -271,7 +271,7 @@ def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | N
                               "states in RAM already)")
 
 
-ENGINES = ("deepspeed", "ddp", "fsdp")
+ENGINES = schema_enum("train", "engine")
 # The ZeRO stage naming each PyTorch engine's layout of the model states: DDP replicates parameters, gradients and
 # optimizer states on every rank (ZeRO-0's layout); FSDP shards all three (ZeRO-3's). The memory model, the pre-flight
 # and the tables read train.zero_stage that way.
