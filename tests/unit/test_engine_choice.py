@@ -3,11 +3,12 @@ in the report's tables."""
 import pytest
 
 from pretrain_bench.bench_matrix import BenchSettings, cells, plan_matrix
-from pretrain_bench.claims import CLAIMS, check_claims
+from pretrain_bench.claims import CLAIMS, claim_eight_nodes
 from pretrain_bench.memory_fit import fit_run
 from pretrain_bench.memory_model import GIB, checkpoint_bytes, estimate, run_shape
+from pretrain_bench.run_summary import RunSummary
 from pretrain_bench.settings import ConfigError, TrainSettings, check_settings
-from pretrain_bench.tables import engine_rows
+from pretrain_bench.tables import ENGINE_COLUMNS, cell_table, engine_frame, format_frame
 from support import tiny_config
 
 
@@ -93,10 +94,17 @@ def test_engine_axis_collapses_the_zero_and_offload_axes_for_ddp_and_fsdp():
     assert by_name["fsdp-ranks3-fp32-gloo"]["estimate"]["state_formula"].startswith("16Ψ/N")
 
 
-def summary(engine: str, tps: float, comm: float | None = None) -> dict:
-    return {"tokens_per_s": tps, "step_time_s": {"median": 1.0}, "peak_mem_bytes": [GIB], "mfu": None,
-            "comm_fraction": comm, "peak_flops_per_rank": None, "global_batch_size": 8, "tokens_per_step": 1024,
-            "engine": engine}
+def summary(engine: str, tps: float, comm: float | None = None) -> RunSummary:
+    """A benchmark repeat's summary: the figures the engines table reads (the others None)."""
+    unread = {name: None for name in RunSummary.__dataclass_fields__ if name != "version"}
+    return RunSummary(**{**unread, "tokens_per_s": tps, "step_time_s": {"median": 1.0}, "peak_mem_bytes": [GIB],
+                         "comm_fraction": comm, "global_batch_size": 8, "tokens_per_step": 1024, "engine": engine,
+                         "oversubscribed": False})
+
+
+def engine_rows(matrix: dict, runs: dict) -> list[dict]:
+    """The report's engines table, as the template prints it."""
+    return format_frame(engine_frame(matrix, cell_table(matrix, runs)), ENGINE_COLUMNS)
 
 
 def test_engine_rows_compare_equal_work_fastest_first_with_speedup_over_its_own_one_rank_cell():
@@ -126,7 +134,8 @@ def test_engine_rows_compare_equal_work_fastest_first_with_speedup_over_its_own_
 
 def test_the_claims_ddp_row_uses_the_ddp_formula():
     eight = CLAIMS["eight_nodes"]
-    row = next(r for r in check_claims([], [], [], [], 1e12, "cpu") if eight["engine"] in r["claim"])
+    row = claim_eight_nodes([])
+    assert eight["engine"] in row["claim"]
     per_gpu = 16 * eight["parameters"] / GIB  # fp32 params + fp32 grads + AdamW moments, on every card
     assert f"{per_gpu:,.0f} GiB per GPU" in row["physics"] and "impossible as described" in row["verdict"]
 
