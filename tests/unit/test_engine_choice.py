@@ -146,10 +146,9 @@ stage, mode = int(sys.argv[1]), sys.argv[2]
 os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT=sys.argv[3])
 import torch, torch.nn.functional as F, deepspeed
-from pretrain_bench import engines
-from pretrain_bench.engines import DeepSpeedEngine, EngineRun
+from pretrain_bench.engines import DeepSpeedEngine, EngineRun, deepspeed_engine
 if mode == "real muon":
-    engines.skip_muon_import = lambda: None
+    deepspeed_engine.skip_muon_import = lambda: None
 from pretrain_bench.model import build_model, resolve_shape
 from pretrain_bench.settings import TrainSettings
 torch.set_num_threads(1)
@@ -185,8 +184,8 @@ def test_zero0_alone_skips_deepspeeds_self_all_reduce_and_trains_the_same():
 
 def test_zero2_runs_without_deepspeeds_muon_modules_and_trains_the_same():
     """DeepSpeed's ZeRO-1/2 reduction imports its Muon modules, whose torch.compile loads inductor's compiler (about
-    0.9 s per rank); an AdamW run gets stand-ins (engines.skip_muon_import), and its losses are those with the real
-    modules, bit for bit."""
+    0.9 s per rank); an AdamW run gets stand-ins (engines.deepspeed_engine.skip_muon_import), and its losses are
+    those with the real modules, bit for bit."""
     runs = {mode: train_alone(2, mode, port) for port, mode in ((29713, "as built"), (29714, "real muon"))}
     assert runs["as built"]["compile_fx"] is False and runs["real muon"]["compile_fx"] is True
     assert runs["as built"]["optimizer"] == ["AdamW", True, None]  # fused, on ZeRO-2's flat fp32 partition too

@@ -24,32 +24,48 @@ def import_time_nodes(node: ast.AST):
         yield from import_time_nodes(child)
 
 
-def package_imports(source: str, modules: set[str]) -> set[str]:
-    """The package modules one module's source imports at import time."""
+def package_imports(source: str, module: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The package modules (dotted names below the package, e.g. "engines.base") that module `module`'s source
+    imports at import time. `is_package`: the source is the module's __init__.py."""
+    here = module.split(".") if is_package else module.split(".")[:-1]  # the package a relative import starts from
+
+    def resolve(parts: list[str], names: list[str]) -> set[str]:
+        """An imported name is a module where one exists (from x import submodule), else the module it is taken
+        from: the longest existing prefix of `parts`."""
+        found = {".".join(parts + [name]) for name in names if ".".join(parts + [name]) in modules}
+        if len(found) < len(names):
+            for end in range(len(parts), 0, -1):
+                if ".".join(parts[:end]) in modules:
+                    found.add(".".join(parts[:end]))
+                    break
+        return found
+
     found = set()
     for node in import_time_nodes(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module is None:  # from . import x, y
-                found |= {alias.name for alias in node.names if alias.name in modules}
-            elif node.level == 1:  # from .x import y
-                found.add(node.module.split(".")[0])
-            elif node.level == 0 and node.module and node.module.split(".")[0] == PACKAGE:
-                parts = node.module.split(".")
-                if len(parts) > 1:  # from pretrain_bench.x import y
-                    found.add(parts[1])
-                else:  # from pretrain_bench import x
-                    found |= {alias.name for alias in node.names if alias.name in modules}
+            names = [alias.name for alias in node.names]
+            if node.level:
+                base = here[:len(here) - (node.level - 1)] if node.level > 1 else here
+                found |= resolve(base + (node.module.split(".") if node.module else []), names)
+            elif node.module and node.module.split(".")[0] == PACKAGE:
+                found |= resolve(node.module.split(".")[1:], names)
         elif isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[1] for alias in node.names
+            found |= {".".join(alias.name.split(".")[1:]) for alias in node.names
                       if alias.name.startswith(PACKAGE + ".")}
     return found & modules
 
 
 def import_graph(package_dir: Path) -> dict[str, set[str]]:
-    """Module name → the package modules it imports, for every .py file of the package (not __init__)."""
-    files = {path.stem: path for path in package_dir.glob("*.py") if path.stem != "__init__"}
+    """Module name (dotted, below the package; a subpackage by its __init__) → the package modules it imports."""
+    files = {}
+    for path in package_dir.rglob("*.py"):
+        parts = path.relative_to(package_dir).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if parts:  # the package's own __init__ is not a module of the graph
+            files[".".join(parts)] = path
     modules = set(files)
-    return {name: package_imports(path.read_text(), modules) - {name} for name, path in files.items()}
+    return {name: package_imports(path.read_text(), name, path.name == "__init__.py", modules) - {name}
+            for name, path in files.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -77,8 +93,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph(PACKAGE_DIR)
-    assert {"checkpoint", "checkpointer", "engines", "rank", "trainer"} <= set(graph), "the package was read"
-    assert "engines" in graph["checkpointer"] and "checkpoint" in graph["engines"], "imports were read"
+    assert {"checkpoint", "checkpointer", "engines", "engines.base", "rank", "trainer"} <= set(graph)
+    assert "engines" in graph["checkpointer"] and "checkpoint" in graph["engines.base"], "imports were read"
+    assert {"engines.base", "engines.ddp"} <= graph["engines"] and "engines.torch_engine" in graph["engines.ddp"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " → ".join(cycle)
 
@@ -90,10 +107,16 @@ def test_a_constructed_cycle_is_found(tmp_path):
     (tmp_path / "top.py").write_text("from pretrain_bench.middle import low\n\nclass G:\n"
                                      "    import pretrain_bench.alone\n")
     (tmp_path / "alone.py").write_text("import os\n\ndef f():\n    from .top import G\n    return G\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "__init__.py").write_text("from .leaf import x\n")
+    (tmp_path / "sub" / "leaf.py").write_text("from ..alone import os\nfrom pretrain_bench import sub\nx = 1\n")
     graph = import_graph(tmp_path)
-    assert graph == {"low": {"top"}, "middle": {"low"}, "top": {"middle", "alone"}, "alone": set()}
+    assert graph == {"low": {"top"}, "middle": {"low"}, "top": {"middle", "alone"}, "alone": set(),
+                     "sub": {"sub.leaf"}, "sub.leaf": {"alone", "sub"}}
     assert find_cycle(graph) == ["low", "top", "middle", "low"]
     (tmp_path / "low.py").write_text("def f():\n    from .top import g\n    return g\n")
+    assert find_cycle(import_graph(tmp_path)) == ["sub", "sub.leaf", "sub"], "a subpackage's cycle is found too"
+    (tmp_path / "sub" / "leaf.py").write_text("from ..alone import os\nx = 1\n")
     assert find_cycle(import_graph(tmp_path)) is None
 
 

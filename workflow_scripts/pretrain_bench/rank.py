@@ -1,6 +1,7 @@
 """What one training rank needs besides the loop: the abort error, SIGTERM and SIGINT as a flag, rank-0 logging, reads
 of device values to the host and collectives outside DeepSpeed's comms logger, the resume fingerprint and the held-out
-summary. (What only an engine needs lives in engines.py, the RNG state of a checkpoint in checkpointer.py.)"""
+summary. (What only an engine needs lives in the engines package, the RNG state of a checkpoint in
+checkpointer.py.)"""
 from __future__ import annotations
 
 import logging
