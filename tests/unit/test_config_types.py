@@ -159,5 +159,5 @@ def test_key_groups_are_the_fields_metadata():
     plan = Plan(name="run", role="pretrain", config={}, device_request="cpu", train=TrainSettings(),
                 model=ModelSettings(preset="tiny"), init_from=None, data_sha256="0" * 64,
                 paths=RunPaths(index="", tokenizer="", out_dir="", state_dir="", manifest=None), resume=True,
-                save_checkpoints=True, peak_tflops=None, peak=None, measure_comm=True, memory_fit={}, preflight={})
+                save_checkpoints=True, peak_tflops=None, peak=None, measure_comm=True, memory_fit={})
     assert fingerprint_id(resume_fingerprint(plan)) == "39aa21b7b7eb"

@@ -219,7 +219,7 @@ def test_make_plan_runs_the_guard_before_anything_else(tmp_path, no_gpu):
     # in bf16 (no overflow check over the host's gradient buffer) ZeRO-3 + CPU offload fits the 128 GiB box
     config["train"].update(zero_stage=3, offload_optimizer="cpu", precision="bf16")
     fits = make_plan(config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "o", state_dir=tmp_path / "s")
-    assert fits.preflight["fits"] and fits.preflight["estimate"]["optimizer"] == 0
+    assert fits.memory_fit["fits"] and fits.memory_fit["estimate"]["optimizer"] == 0
 
 
 def test_tiny_config_fits_on_this_machine():

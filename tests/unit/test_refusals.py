@@ -41,8 +41,8 @@ def test_second_launch_is_refused_before_any_rank_and_leaves_the_running_log_alo
     Plan(name="run", role="pretrain", config={}, device_request="cpu", train=train,
          model=ModelSettings(preset="tiny"), init_from=None, data_sha256="0" * 64,
          paths=RunPaths(index="", tokenizer="", out_dir="", state_dir=str(state), manifest=None),
-         resume=True, save_checkpoints=True, peak_tflops=None, peak=None, measure_comm=True, memory_fit={},
-         preflight={}).to_json(plan)
+         resume=True, save_checkpoints=True, peak_tflops=None, peak=None, measure_comm=True,
+         memory_fit={}).to_json(plan)
     # The first run: a real process holding the lock, with its log under the rule's declared name.
     holder = subprocess.Popen([sys.executable, "-c", HOLD.format(scripts=str(ROOT / "workflow_scripts"),
                                                                  state=str(state))],

@@ -20,6 +20,8 @@ from .io import atomic_write_json
 from .memory_fit import fit_run
 from .settings import CELL_IRRELEVANT_KEYS, TRAINS_FURTHER_KEYS, ConfigError, TrainSettings, check_settings
 
+# plan.json's copy of memory_fit under the name older readers of plan.json use (written, not read back).
+PREFLIGHT_KEY = "preflight"
 # benchmark.* keys the pre-flight reads (the machine it plans for, and whether to launch runs that do not fit).
 PLANNING_KEYS = keys_with(BenchSettings, "planning")
 
@@ -56,18 +58,19 @@ class Plan:
     peak_tflops: float | None  # report.peak_tflops as configured
     peak: dict | None  # flops.plan_peak(): the peak FLOP/s per rank every MFU divides by, and its source
     measure_comm: bool  # run DeepSpeed's comms logger (it synchronises every collective)
-    memory_fit: dict  # the pre-flight's record (memory_fit.fit_run)
-    preflight: dict  # the same record under the name older readers of plan.json use
+    memory_fit: dict  # the pre-flight's record (memory_fit.fit_run); plan.json holds it as `preflight` too
     cell: str | None = None  # the benchmark cell this plan measures
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self) | {"train": self.train.as_dict(), "model": self.model.as_dict()}
+        data[PREFLIGHT_KEY] = data["memory_fit"]
         if data["cell"] is None:
             del data["cell"]  # a main run's plan.json has no cell key
         return data
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "plan") -> Plan:
+        data = {key: value for key, value in data.items() if key != PREFLIGHT_KEY}
         fields = {field.name: field for field in dataclasses.fields(cls)}
         required = {name for name, field in fields.items() if field.default is dataclasses.MISSING}
         missing, unknown = sorted(required - set(data)), sorted(set(data) - set(fields))
@@ -183,7 +186,6 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
         # (benchmark cells), never in a production CUDA run
         measure_comm=role == "bench" or device == "cpu",
         memory_fit=memory_fit,
-        preflight=memory_fit,  # the name older readers of plan.json use
         cell=cell,
     )
 
