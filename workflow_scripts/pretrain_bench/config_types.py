@@ -111,10 +111,11 @@ class CorpusSettings:
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerSettings:
-    """The `tokenizer:` block of the config (tokenizer.<key> in schemas/config.schema.yaml)."""
+    """The `tokenizer:` block of the config (tokenizer.<key> in schemas/config.schema.yaml); what a training run
+    reads of it is tagged plan=True."""
 
-    path: str | None = default_field("tokenizer", "path")
-    vocab_size: int = default_field("tokenizer", "vocab_size")
+    vocab_size: int = default_field("tokenizer", "vocab_size", plan=True)
+    path: str | None = default_field("tokenizer", "path", plan=True)
     train_bytes: int = default_field("tokenizer", "train_bytes")
 
     @classmethod
@@ -141,10 +142,11 @@ class ShardSettings:
 
 @dataclasses.dataclass(frozen=True)
 class ReportSettings:
-    """The `report:` block of the config (report.<key> in schemas/config.schema.yaml)."""
+    """The `report:` block of the config (report.<key> in schemas/config.schema.yaml); what a training run reads of it
+    is tagged plan=True."""
 
     target_corpus_tokens: float = default_field("report", "target_corpus_tokens")
-    peak_tflops: float | None = default_field("report", "peak_tflops")
+    peak_tflops: float | None = default_field("report", "peak_tflops", plan=True)
 
     @classmethod
     def from_config(cls, report: dict) -> ReportSettings:
@@ -180,7 +182,7 @@ AXES = ("gpus", "zero_stage", "precision", "comm_backend", "micro_batch_size", "
 @dataclasses.dataclass(frozen=True)
 class BenchSettings:
     """The `benchmark:` block of the config (benchmark.<key> in schemas/config.schema.yaml). The keys the pre-flight
-    reads (the machine it plans for, and whether to launch runs that do not fit) are tagged planning=True."""
+    reads (the machine it plans for, and whether to launch runs that do not fit) are tagged plan=True."""
 
     matrix: dict = default_field("benchmark", "matrix")  # axis -> list of values, for every axis in AXES
     enabled: bool = default_field("benchmark", "enabled")  # false: no matrix at all (a train-only run)
@@ -191,13 +193,13 @@ class BenchSettings:
     # let cells share the machine (timings then contended)
     allow_concurrent: bool = default_field("benchmark", "allow_concurrent")
     # launch cells (and the main run) predicted not to fit
-    force: bool = default_field("benchmark", "force", planning=True)
+    force: bool = default_field("benchmark", "force", plan=True)
     # memory per GPU when none can be detected
-    device_memory_gib: float = default_field("benchmark", "device_memory_gib", planning=True)
+    device_memory_gib: float = default_field("benchmark", "device_memory_gib", plan=True)
     # host RAM of the GPU machine planned for when none is detected
-    host_memory_gib: float | None = default_field("benchmark", "host_memory_gib", planning=True)
+    host_memory_gib: float | None = default_field("benchmark", "host_memory_gib", plan=True)
     # free disk at train.nvme_path on that machine
-    disk_gib: float | None = default_field("benchmark", "disk_gib", planning=True)
+    disk_gib: float | None = default_field("benchmark", "disk_gib", plan=True)
     # the GPU planned for when none is detected (its datasheet peak predicts run times)
     assumed_gpu: str = default_field("benchmark", "assumed_gpu")
     # cores of that machine: they run an offloaded run's host Adam

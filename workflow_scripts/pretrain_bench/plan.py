@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config_types import BenchSettings, ModelSettings, keys_with
+from .config_types import BenchSettings, ModelSettings, ReportSettings, TokenizerSettings, keys_with
 from .devices import resolve_device_cheaply
 from .flops import plan_peak
 from .io import atomic_write_json
@@ -23,7 +23,7 @@ from .settings import CELL_IRRELEVANT_KEYS, TRAINS_FURTHER_KEYS, ConfigError, Tr
 # plan.json's copy of memory_fit under the name older readers of plan.json use (written, not read back).
 PREFLIGHT_KEY = "preflight"
 # benchmark.* keys the pre-flight reads (the machine it plans for, and whether to launch runs that do not fit).
-PLANNING_KEYS = keys_with(BenchSettings, "planning")
+PLANNING_KEYS = keys_with(BenchSettings, "plan")
 
 
 @dataclass(frozen=True)
@@ -103,14 +103,19 @@ class RunContext:
 
 
 def plan_config(config: dict, train: dict | None = None) -> dict:
-    """The part of the (validated) config a training run reads; `train` replaces the train block (a cell's)."""
+    """The part of the (validated) config a training run reads: name, model and train, and of the other blocks the
+    keys their settings tag plan=True; `train` replaces the train block (a cell's)."""
+
+    def planned(block: str, settings_class) -> dict:
+        return {key: config[block][key] for key in keys_with(settings_class, "plan")}
+
     return {
         "name": config["name"],
         "model": config["model"],
         "train": train if train is not None else config["train"],
-        "tokenizer": {"vocab_size": config["tokenizer"]["vocab_size"], "path": config["tokenizer"]["path"]},
-        "benchmark": {key: config["benchmark"][key] for key in PLANNING_KEYS},
-        "report": {"peak_tflops": config["report"]["peak_tflops"]},
+        "tokenizer": planned("tokenizer", TokenizerSettings),
+        "benchmark": planned("benchmark", BenchSettings),
+        "report": planned("report", ReportSettings),
     }
 
 
