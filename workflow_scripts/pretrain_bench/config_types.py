@@ -70,6 +70,13 @@ def schema_enum(*keys: str) -> tuple:
     return tuple(_schema_node(keys)["enum"])
 
 
+def corpus_source(source: dict) -> dict:
+    """A corpus.sources entry with the schema's defaults for the keys it leaves out, as validation fills them in."""
+    properties = _schema_node(("corpus", "sources"))["items"]["properties"]
+    return {**source, **{key: copy.deepcopy(sub["default"]) for key, sub in properties.items()
+                         if "default" in sub and key not in source}}
+
+
 def default_field(*keys: str, **tags):
     """A dataclass field whose default is `schema_default(*keys)` (a list becomes a tuple: frozen settings hash).
 

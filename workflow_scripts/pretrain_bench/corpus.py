@@ -39,7 +39,7 @@ from pathlib import Path
 
 import orjson
 
-from pretrain_bench.config_types import schema_default
+from pretrain_bench.config_types import corpus_source, schema_default
 from pretrain_bench.corpus_sources import DROP_REASONS, CorpusError, SourceStats, read_source, source_kind
 from pretrain_bench.io import atomic_write_text
 from pretrain_bench.progress import Progress
@@ -83,6 +83,7 @@ def build_corpus(sources: list[dict], out_dir: Path, *, max_bytes: int | None, m
     for number, source in enumerate(sources):
         if not isinstance(source, dict) or not isinstance(source.get("uri"), str):
             raise CorpusError(f"corpus.sources[{number}] needs a 'uri' string, got {source!r}")
+    sources = [corpus_source(source) for source in sources]
     weights = _mixture_weights(sources)
     out_dir, cache_dir = Path(out_dir), Path(cache_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -159,7 +160,7 @@ def _clean_all(sources, settings: CleaningSettings, files: _SplitFiles, cache_di
     all_stats = [SourceStats(uri=source["uri"], kind=source_kind(source["uri"])) for source in sources]
     readers = [read_source(source, stats, settings.encoding_errors, cache_dir)
                for source, stats in zip(sources, all_stats)]
-    streaming = {i for i, source in enumerate(sources) if source.get("streaming")}
+    streaming = {i for i, source in enumerate(sources) if source["streaming"]}
     closed: set[int] = set()  # streaming sources stop being read once the cap is reached
     progress = Progress("cleaning (kept bytes)" if settings.max_bytes else "cleaning (bytes read)", log,
                         total=settings.max_bytes)

@@ -204,7 +204,7 @@ def _format_of(name: str, uri: str) -> tuple[str, str | None]:
 def _read_file(path: Path, label: str, source: dict, decode: _Decoder) -> Iterator[str]:
     """One local file: .txt (whole file, or paragraphs), .jsonl or .parquet, optionally .gz/.zst compressed."""
     fmt, compression = _format_of(path.name, source["uri"])
-    field_name = source.get("text_field", "text")
+    field_name = source["text_field"]
     try:
         with _open_decompressed(path, compression) as stream:
             if fmt == ".txt":
@@ -285,12 +285,17 @@ def _read_parquet(stream: BinaryIO, label: str, field_name: str, compression: st
         raise CorpusError(f"{label}: not a readable parquet file: {error}") from error
 
 
+# The split an hf:// source reads when it names none. Not a schema default: `split` means something else (or nothing)
+# for the other kinds of source, so the schema cannot fill it in for all of them.
+HF_DEFAULT_SPLIT = "train"
+
+
 def _read_hf(source: dict, stats: SourceStats, cache_dir: Path) -> Iterator[str]:
     """hf://<dataset> through datasets.load_dataset, cached under cache_dir/hf; fails fast and helpfully offline."""
     uri = source["uri"]
     name, config = uri[len("hf://"):], source.get("config")
-    split, field_name = source.get("split", "train"), source.get("text_field", "text")
-    revision, streaming = source.get("revision"), bool(source.get("streaming", False))
+    split, field_name = source.get("split", HF_DEFAULT_SPLIT), source["text_field"]
+    revision, streaming = source.get("revision"), source["streaming"]
     hf_cache = str(cache_dir / "hf")
     stats.details.update(dataset=name, config=config, split=split, text_field=field_name, revision=revision,
                          streaming=streaming)
