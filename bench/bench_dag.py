@@ -71,10 +71,9 @@ def snakemake_alone(runs: int) -> dict:
 
 def main(out: Path, runs: int = 5) -> dict:
     from pretrain_bench.bench_matrix import plan_matrix
+    from pretrain_bench.config_types import load_config
 
-    config = yaml.safe_load((ROOT / "config.yaml").read_text())
-    for key, value in yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text()).items():
-        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     config["train"]["device"] = "cuda"
     config["benchmark"]["matrix"] = MATRIX_48
     started = time.perf_counter()
