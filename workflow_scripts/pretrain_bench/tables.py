@@ -504,7 +504,7 @@ def matrix_frame(matrix: dict, cells: pd.DataFrame) -> pd.DataFrame:
             "repeats": _number(cells.at[entry["cell"], "repeats"]) if ran else 0,
         })
     return frame(rows, ("cell", "status", "forced", "reason", "predicted_bytes", "min_step_time_s",
-                        "measured_step_time_s", "repeats")).astype({"predicted_bytes": object})
+                        "measured_step_time_s", "repeats"))
 
 
 MATRIX_COLUMNS = {
