@@ -66,7 +66,7 @@ def test_memory_model_ddp_replicates_sixteen_psi_and_fsdp_shards_it():
 
 def test_memory_fit_never_offloads_a_pytorch_engine():
     config = tiny_config("x")
-    config["model"] = {"preset": "llama-1b", "seq_len": 2048, "overrides": {}}
+    config["model"] = {**config["model"], "preset": "llama-1b", "seq_len": 2048, "overrides": {}}
     config["train"] = {**config["train"], "engine": "ddp", "zero_stage": 0, "device": "cuda", "comm_backend": "nccl",
                        "precision": "bf16", "gpus": 3}
     config["benchmark"] = {**config["benchmark"], "device_memory_gib": 24}
