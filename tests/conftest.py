@@ -2,27 +2,27 @@
 spreads the modules over its pytest-xdist workers."""
 import os
 import shutil
-import subprocess
-import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import yaml
+from filelock import FileLock  # a dependency of torch
 
 from pretrain_bench.launcher import extension_build_environment
 from support import (
-    PIPELINE_NAME,
+    DATA_NAME,
     PIPELINE_OVERLAY,
     PIPELINE_STEPS,
-    ROOT,
     TINY_CONFIG,
-    engine_data_lock,
+    changed_run_outputs,
+    run_outputs_snapshot,
     run_snakemake,
+    seeded_workflow_dir,
     tiny_config,
     tree_digest,
+    workflow_dir,
+    write_yaml,
 )
-
-ENGINE_NAME = "itest-engine"
 
 # Engines that tests build in their own processes (not through the launcher) load DeepSpeed's CPU ops as every rank
 # does: from where `make install` built them, with the same ninja; not from a second build in torch's shared cache.
@@ -60,36 +60,80 @@ def pytest_xdist_make_scheduler(config, log):
     return ModuleGroups(config, log)
 
 
-@pytest.fixture(scope="session")
-def data():
-    """Tokenizer and shards of the tiny config, built once by Snakemake."""
-    results = ROOT / "results" / ENGINE_NAME
-    targets = [f"results/{ENGINE_NAME}/shards/index.json", f"results/{ENGINE_NAME}/tokenizer/tokenizer.json"]
-    cmd = [sys.executable, "-m", "snakemake", *targets, "--cores", "2", "--configfile", "config/tiny-cpu.yaml",
-           "--config", f"name={ENGINE_NAME}"]
-    with engine_data_lock():  # another worker may be building the same files, or training on them (test_engines)
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    config = tiny_config(ENGINE_NAME)
-    return config, results
+RUN_OUTPUTS_BEFORE = pytest.StashKey[dict]()
 
 
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist), before any test
+        session.config.stash[RUN_OUTPUTS_BEFORE] = run_outputs_snapshot()
+
+
+def pytest_sessionfinish(session):
+    """The suite runs the workflow only in working directories of its own: it fails when anything under the
+    repository's results/, logs/, benchmarks/, resources/ or .snakemake/ was created or rewritten while it ran."""
+    before = session.config.stash.get(RUN_OUTPUTS_BEFORE, None)
+    if before is None:
+        return
+    if changed := changed_run_outputs(before):
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        reporter.ensure_newline()
+        listing = "\n".join(f"  {path}" for path in changed[:20]) + ("\n  …" if len(changed) > 20 else "")
+        reporter.write_line(f"FAILED: the tests wrote into the repository ({len(changed)} paths):\n{listing}",
+                            red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+
 @pytest.fixture(scope="session")
-def pipeline(tmp_path_factory):
-    """One run of the whole tiny pipeline (config/tiny-cpu.yaml + support.PIPELINE_OVERLAY), shared by the pipeline,
-    evaluation and report tests. The main run goes first on its own, so that its checkpoints' digests are taken
-    before any export or evaluation reads them; then every other job. PRETRAIN_BENCH_REUSE_RESULTS=1 re-checks a
-    finished run without rerunning it."""
-    results = ROOT / "results" / PIPELINE_NAME
-    if not os.environ.get("PRETRAIN_BENCH_REUSE_RESULTS"):
-        for folder in (results, ROOT / "logs" / PIPELINE_NAME, ROOT / "benchmarks" / PIPELINE_NAME):
+def tiny_data(tmp_path_factory) -> Path:
+    """A working directory holding the tiny data (config/tiny-cpu.yaml's corpus, tokenizer and shards under run name
+    DATA_NAME), built by Snakemake once per session: under pytest-xdist the first worker to ask builds it in the
+    session's shared temporary folder, the other waits for it and reuses it. Read it, never write to it: runs start
+    from a copy (support.seeded_workflow_dir, the `workdir` fixture)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # pytest-<N>/popen-gw<K>: pytest-<N> is this session's, common to its workers
+    folder, built = shared / "tiny-data", shared / "tiny-data.built"
+    with FileLock(shared / "tiny-data.lock"):
+        if not built.exists():
             shutil.rmtree(folder, ignore_errors=True)
-    overlay = tmp_path_factory.mktemp("pipeline") / "overlay.yaml"
-    overlay.write_text(yaml.safe_dump(PIPELINE_OVERLAY))
+            targets = [f"results/{DATA_NAME}/shards/index.json", f"results/{DATA_NAME}/tokenizer/tokenizer.json"]
+            run_snakemake(workflow_dir(folder), "--config", f"name={DATA_NAME}", "--", *targets, timeout=900)
+            built.touch()
+    return folder
+
+
+@pytest.fixture(scope="session")
+def data(tiny_data):
+    """The tiny config (named DATA_NAME) and the results folder of its data, for plans launched without Snakemake."""
+    return tiny_config(DATA_NAME), tiny_data / "results" / DATA_NAME
+
+
+@pytest.fixture
+def workdir(tiny_data, tmp_path) -> Path:
+    """A working directory of the test's own for the workflow, holding a copy of the tiny data (run name
+    DATA_NAME)."""
+    return seeded_workflow_dir(tmp_path / "workflow", tiny_data)
+
+
+@pytest.fixture(scope="session")
+def pipeline(tiny_data, tmp_path_factory):
+    """One run of the whole tiny pipeline (config/tiny-cpu.yaml + support.PIPELINE_OVERLAY) from a copy of the tiny
+    data, shared by the pipeline, evaluation and report tests. The main run goes first on its own, so that its
+    checkpoints' digests are taken before any export or evaluation reads them; then every other job.
+    PRETRAIN_BENCH_REUSE_RESULTS=<folder> runs it in <folder>, kept between sessions: a second session re-checks the
+    finished run there without rerunning it."""
+    reuse = os.environ.get("PRETRAIN_BENCH_REUSE_RESULTS")
+    workdir = Path(reuse) if reuse else tmp_path_factory.mktemp("pipeline") / "workflow"
+    if not (workdir / "results").exists():
+        seeded_workflow_dir(workdir, tiny_data)
+    overlay = write_yaml(tmp_path_factory.mktemp("pipeline-config") / "overlay.yaml", PIPELINE_OVERLAY)
     configfiles = (TINY_CONFIG, overlay)
-    run_snakemake(PIPELINE_NAME, "--", f"results/{PIPELINE_NAME}/train/summary.json", configfiles=configfiles)
+    results = workdir / "results" / PIPELINE_OVERLAY["name"]
+    run_snakemake(workdir, "--", f"results/{PIPELINE_OVERLAY['name']}/train/summary.json", configfiles=configfiles)
     checkpoints = results / "state" / "checkpoints"
     before = {step: tree_digest(checkpoints / f"step{step}") for step in PIPELINE_STEPS}
-    run_snakemake(PIPELINE_NAME, configfiles=configfiles)
+    run_snakemake(workdir, configfiles=configfiles)
     after = {step: tree_digest(checkpoints / f"step{step}") for step in PIPELINE_STEPS}
-    return SimpleNamespace(results=results, overlay=overlay, configfiles=configfiles, before=before, after=after)
+    return SimpleNamespace(workdir=workdir, results=results, overlay=overlay, configfiles=configfiles, before=before,
+                           after=after)

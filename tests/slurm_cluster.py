@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from support import free_port
+
 CLIENTS = ("sbatch", "srun", "salloc", "squeue", "scontrol", "scancel", "sinfo", "sacct")
 BINARIES = ("munged", "slurmctld", "slurmd", *CLIENTS)
 PACKAGES = ("slurm-wlm", "munge")
@@ -52,12 +54,6 @@ def ensure_slurm() -> str | None:
             return f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-500:]}"
     missing = missing_binaries()
     return f"SLURM binaries {missing} still missing after installing {PACKAGES}" if missing else None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def first_node_name() -> str:

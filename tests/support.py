@@ -1,10 +1,14 @@
-"""What several test modules need: running Snakemake on the tiny config, the merged tiny config, folder digests, and
-plans launched on the training engine (tests/integration/test_engine.py, test_faults.py)."""
+"""What several test modules need: the tiny pipeline's Snakemake runs in working directories of their own (never the
+repository's results/), the tiny data built once per session and copied into them, the merged tiny config, folder
+digests, and plans launched on the training engine (tests/integration/test_engine.py, test_faults.py)."""
 import contextlib
 import hashlib
 import json
 import os
+import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -12,17 +16,30 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pretrain_bench.config_types import load_config
 from pretrain_bench.tokenizer import EOS_TOKEN
 
 ROOT = Path(__file__).resolve().parents[1]
+SNAKEFILE = ROOT / "Snakefile"
 TINY_CONFIG = "config/tiny-cpu.yaml"
+# What the workflow and the tests name relative to the working directory (the Snakefile's `configfile: config.yaml`,
+# `--configfile config/tiny-cpu.yaml`, `--profile profiles/slurm`): linked into every test's working directory. What
+# a run writes there (results/, logs/, benchmarks/, resources/, .snakemake/) stays out of the repository, whose own
+# folders of that kind the suite checks it left alone (tests/conftest.py).
+WORKFLOW_LINKS = ("config.yaml", "config", "profiles")
+RUN_OUTPUTS = ("results", "logs", "benchmarks", "resources", ".snakemake")
+# The run name the tiny data (corpus → tokenizer → shards of config/tiny-cpu.yaml) is built under once per session
+# (conftest `tiny_data`), and that every run starting from a copy of it takes: the copy is up to date only under the
+# name it was built for.
+DATA_NAME = "itest"
+DATA_PRODUCTS = ("corpus", "tokenizer", "shards")
 # The one run of the whole tiny pipeline that the pipeline, evaluation and report tests share (conftest.pipeline): a
 # short main run with two kept checkpoints (two points on the evaluation curves), both lm-eval tasks, and a benchmark
 # matrix of 1 and 2 ranks × DeepSpeed ZeRO-2 and DDP × 2 repeats (8 launches; 2 ranks fit 2 cores). nccl cells and
 # cells with a micro batch of 100,000 are declared too: they must be reported, not run.
-PIPELINE_NAME = "itest-pipeline"
+PIPELINE_NAME = DATA_NAME
 PIPELINE_STEPS = (10, 20)
 PIPELINE_OVERLAY = {
     "name": PIPELINE_NAME,
@@ -36,34 +53,97 @@ PIPELINE_OVERLAY = {
 LAUNCHER = ROOT / "workflow_scripts" / "launch.py"
 
 
-@contextlib.contextmanager
-def engine_data_lock():
-    """Held around Snakemake runs on the shared engine data (conftest `data`, results/itest-engine): under pytest-xdist
-    two workers must not run Snakemake on the same files at once (Snakemake refuses to lock them)."""
-    import fcntl
-
-    path = ROOT / "results" / ".itest-engine.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def workflow_dir(folder: Path) -> Path:
+    """`folder` (created) as a working directory for the repository's workflow: the files it names relative to the
+    working directory are linked in, nothing else."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in WORKFLOW_LINKS:
+        (folder / name).symlink_to(ROOT / name)
+    return folder
 
 
-def run_snakemake(name: str, *args, configfiles=(TINY_CONFIG,), check=True, timeout=3600, env=None):
-    """`snakemake --cores 2 --resources gpu=3 --configfile … ARGS` in the repository; on failure the test fails
-    showing Snakemake's stderr and the tail of every job log of run `name`."""
-    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--resources", "gpu=3",
-           "--configfile", *map(str, configfiles), *args]
+def seeded_workflow_dir(folder: Path, data: Path) -> Path:
+    """A working directory (workflow_dir) holding a copy of the tiny data built in working directory `data`: its
+    results/<DATA_NAME>/{corpus,tokenizer,shards} with their modification times (Snakemake's mtime trigger) and
+    Snakemake's records of the jobs that wrote them (its params, code and input triggers), so that a run named
+    DATA_NAME there finds them up to date, and rebuilds them only where its config changes what they are made from."""
+    workflow_dir(folder)
+    for product in DATA_PRODUCTS:
+        shutil.copytree(data / "results" / DATA_NAME / product, folder / "results" / DATA_NAME / product)
+    shutil.copytree(data / ".snakemake" / "metadata", folder / ".snakemake" / "metadata")
+    return folder
+
+
+def snakemake_command(*args, configfiles=(TINY_CONFIG,), cores: int = 2) -> list[str]:
+    """`snakemake --snakefile <repository>/Snakefile --cores N --resources gpu=3 --configfile … ARGS`, for a working
+    directory made by workflow_dir."""
+    return [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--cores", str(cores),
+            "--resources", "gpu=3", "--configfile", *map(str, configfiles), *args]
+
+
+def snakemake_env(env=None) -> dict:
+    """The environment a user's shell gives Snakemake: this interpreter's bin/ first on PATH."""
     env = dict(env or os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+    return env
+
+
+def run_snakemake(workdir: Path, *args, configfiles=(TINY_CONFIG,), check=True, timeout=3600, env=None):
+    """snakemake_command(ARGS) in `workdir`; on failure the test fails showing Snakemake's stderr and the tail of
+    every job log there."""
+    proc = subprocess.run(snakemake_command(*args, configfiles=configfiles), cwd=workdir, capture_output=True,
+                          text=True, env=snakemake_env(env), timeout=timeout)
     if check and proc.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (ROOT / "logs" / name).rglob("*.log"))
-        pytest.fail(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{logs}")
+        pytest.fail(f"snakemake failed ({proc.returncode}):\n{proc.stderr[-4000:]}\n{job_logs(workdir)}")
     return proc
+
+
+def job_logs(workdir: Path) -> str:
+    """The tail of every job log under `workdir`/logs, each headed by its path."""
+    return "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted((Path(workdir) / "logs").rglob("*.log")))
+
+
+def scheduled_rules(proc: subprocess.CompletedProcess) -> set[str]:
+    """Rules a `snakemake -n` run would run, from its job-stats table (empty when it has nothing to do)."""
+    out = proc.stdout + proc.stderr
+    if "Nothing to be done" in out:
+        return set()
+    table = out.split("Job stats:")[1].split("total")[0]
+    return {m.group(1) for m in re.finditer(r"^(\w+)\s+\d+\s*$", table, re.M)}
+
+
+def write_yaml(path: Path, content: dict) -> Path:
+    path.write_text(yaml.safe_dump(content))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_outputs_snapshot(root: Path = ROOT) -> dict[str, int]:
+    """Every path under `root`'s RUN_OUTPUTS folders with its modification time (ns): what a Snakemake run there
+    creates or rewrites changes it."""
+    snapshot = {}
+    for top in RUN_OUTPUTS:
+        for folder, _dirs, files in os.walk(root / top):
+            for path in (Path(folder), *(Path(folder, name) for name in files)):  # a folder's mtime: its entries
+                with contextlib.suppress(FileNotFoundError):
+                    snapshot[str(path.relative_to(root))] = path.lstat().st_mtime_ns
+    return snapshot
+
+
+def changed_run_outputs(before: dict[str, int], root: Path = ROOT) -> list[str]:
+    """The paths under `root`'s RUN_OUTPUTS folders created or modified since `before` (run_outputs_snapshot)."""
+    after = run_outputs_snapshot(root)
+    return sorted(path for path, mtime in after.items() if before.get(path) != mtime)
 
 
 def tiny_config(name: str) -> dict:

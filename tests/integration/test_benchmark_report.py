@@ -17,10 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from support import PIPELINE_NAME as NAME  # noqa: E402
-from support import PIPELINE_OVERLAY, run_snakemake  # noqa: E402
+from support import PIPELINE_NAME as NAME
+from support import PIPELINE_OVERLAY, ROOT, TINY_CONFIG, run_snakemake
 
 pytestmark = pytest.mark.pipeline
 RANKS = tuple(PIPELINE_OVERLAY["benchmark"]["matrix"]["gpus"])  # (1, 2)
@@ -47,7 +45,7 @@ def runs_of(run):
     return {cell: [s.to_dict() for s in reps] for cell, reps in summaries.items()}
 
 
-def test_runnable_cells_ran_twice_and_the_others_were_reported_not_run(run):
+def test_runnable_cells_ran_twice_and_the_others_were_reported_not_run(run, pipeline):
     matrix = matrix_of(run)
     by_status = {}
     for entry in matrix["cells"]:
@@ -62,7 +60,7 @@ def test_runnable_cells_ran_twice_and_the_others_were_reported_not_run(run):
     assert len(by_status["predicted_oom"]) == len(RANKS) * SERIES
     for entry in by_status["predicted_oom"] + by_status["unsupported"]:
         assert not (run / "bench" / entry["cell"]).exists(), "a left-out cell must not run"
-        assert not (ROOT / "logs" / NAME / "bench" / entry["cell"]).exists()
+        assert not (pipeline.workdir / "logs" / NAME / "bench" / entry["cell"]).exists()
     runs = runs_of(run)
     assert set(runs) == {e["cell"] for e in by_status["run"]}
     for entry in by_status["run"]:
@@ -78,10 +76,10 @@ def test_runnable_cells_ran_twice_and_the_others_were_reported_not_run(run):
     assert not list((run / "bench-state").rglob("COMMITTED.json")), "bench cells keep no checkpoints"
 
 
-def test_timed_cells_never_overlapped(run):
+def test_timed_cells_never_overlapped(run, pipeline):
     """Each cell took every core: their [start, end] intervals (end = summary mtime, start = end - runtime)."""
     intervals = []
-    for tsv in (ROOT / "benchmarks" / NAME / "bench").rglob("rep*.tsv"):
+    for tsv in (pipeline.workdir / "benchmarks" / NAME / "bench").rglob("rep*.tsv"):
         seconds = float(tsv.read_text().splitlines()[1].split("\t")[0])
         cell, rep = tsv.parent.name, tsv.stem
         end = (run / "bench" / cell / rep / "summary.json").stat().st_mtime
@@ -107,7 +105,7 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
     md = (run / "report" / "report.md").read_text()
     html = (run / "report" / "report.html").read_text()
     runs = runs_of(run)
-    target = yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text())["report"]["target_corpus_tokens"]
+    target = yaml.safe_load((ROOT / TINY_CONFIG).read_text())["report"]["target_corpus_tokens"]
 
     def span(values, digits):
         return f"{fmt(statistics.median(values), digits)} ({fmt(min(values), digits)}–{fmt(max(values), digits)})"
@@ -237,7 +235,7 @@ def test_html_renders_in_headless_chromium_without_console_errors(run, tmp_path)
 
 def test_snakemake_report_archive(run, pipeline, tmp_path):
     archive = tmp_path / "report.zip"
-    run_snakemake(NAME, "--report", str(archive), configfiles=pipeline.configfiles)
+    run_snakemake(pipeline.workdir, "--report", str(archive), configfiles=pipeline.configfiles)
     with zipfile.ZipFile(archive) as zipped:
         names = zipped.namelist()
     assert any(n.endswith("report/report.html") for n in names)

@@ -10,23 +10,30 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from pretrain_bench.checkpoint import committed_steps  # noqa: E402
-from support import TINY_CONFIG, run_snakemake, tree_digest  # noqa: E402
+from pretrain_bench.checkpoint import committed_steps
+from support import (
+    DATA_NAME,
+    SNAKEFILE,
+    TINY_CONFIG,
+    read_jsonl,
+    run_snakemake,
+    scheduled_rules,
+    seeded_workflow_dir,
+    snakemake_command,
+    tree_digest,
+    workflow_dir,
+    write_yaml,
+)
 
 pytestmark = pytest.mark.pipeline
 
-NAME = "itest-edits"
-RESULTS = ROOT / "results" / NAME
+NAME = DATA_NAME  # in a working directory of its own, from a copy of the tiny data
 # Small and quick: one rank, 20 steps, a checkpoint every 10 of which the last is kept (so each training evaluates
 # one), one benchmark cell, no lm-eval, a short evaluation. What these tests prove does not depend on the number of
 # ranks; resume across ranks is test_engine's.
@@ -44,32 +51,30 @@ def overlays(tmp_path_factory):
     folder = tmp_path_factory.mktemp("overlays")
 
     def write(name: str, content: dict) -> Path:
-        path = folder / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(content))
-        return path
+        return write_yaml(folder / f"{name}.yaml", content)
     return write
 
 
 @pytest.fixture(scope="module")
-def finished(overlays):
-    for folder in (RESULTS, ROOT / "logs" / NAME, ROOT / "benchmarks" / NAME):
-        shutil.rmtree(folder, ignore_errors=True)
+def edits(tiny_data, tmp_path_factory) -> Path:
+    """The working directory of the edited runs."""
+    return seeded_workflow_dir(tmp_path_factory.mktemp("edits") / "workflow", tiny_data)
+
+
+@pytest.fixture(scope="module")
+def finished(edits, overlays):
     base = overlays("base", BASE)
-    snakemake(base)
+    snakemake(edits, base)
     return base
 
 
-def snakemake(*overlays, args=(), env=None, check=True):
-    return run_snakemake(NAME, *args, configfiles=(TINY_CONFIG, *overlays), env=env, check=check)
+def snakemake(workdir, *overlays, args=(), env=None, check=True):
+    return run_snakemake(workdir, *args, configfiles=(TINY_CONFIG, *overlays), env=env, check=check)
 
 
-def scheduled(*overlays) -> set[str]:
+def scheduled(workdir, *overlays) -> set[str]:
     """Rules `snakemake -n` would run (from its job-stats table)."""
-    out = snakemake(*overlays, args=("-n",)).stdout
-    if "Nothing to be done" in out:
-        return set()
-    table = out.split("Job stats:")[1].split("total")[0]
-    return {m.group(1) for m in re.finditer(r"^(\w+)\s+\d+\s*$", table, re.M)} - {"all"}
+    return scheduled_rules(snakemake(workdir, *overlays, args=("-n",))) - {"all"}
 
 
 EDITS = {  # section: (edit, rules that must rerun, rules that must not)
@@ -87,95 +92,105 @@ EDITS = {  # section: (edit, rules that must rerun, rules that must not)
 }
 
 
-def test_a_finished_run_has_nothing_to_do(finished):
-    assert scheduled(finished) == set()
+def test_a_finished_run_has_nothing_to_do(edits, finished):
+    assert scheduled(edits, finished) == set()
 
 
 @pytest.mark.parametrize("section", sorted(EDITS))
-def test_one_edit_per_section_reruns_exactly_its_dependants(finished, overlays, section):
+def test_one_edit_per_section_reruns_exactly_its_dependants(edits, finished, overlays, section):
     edit, must, must_not = EDITS[section]
-    rules = scheduled(finished, overlays(section, edit))
+    rules = scheduled(edits, finished, overlays(section, edit))
     assert must <= rules, f"{section}: {sorted(must - rules)} should rerun"
     assert not rules & must_not, f"{section}: {sorted(rules & must_not)} should not rerun"
     if section == "report":
         assert rules == {"report"}
 
 
-def summary():
-    return json.loads((RESULTS / "train" / "summary.json").read_text())
+def summary(workdir):
+    return json.loads((workdir / "results" / NAME / "train" / "summary.json").read_text())
 
 
-def pretrain_log() -> str:
-    return (ROOT / "logs" / NAME / "pretrain.log").read_text()
+def pretrain_log(workdir) -> str:
+    return (workdir / "logs" / NAME / "pretrain.log").read_text()
 
 
-def test_more_steps_continue_the_run_started_without_the_venv_on_path(finished, overlays):
+def losses(workdir) -> list[float]:
+    return [record["loss"] for record in read_jsonl(workdir / "results" / NAME / "train" / "metrics.jsonl")]
+
+
+def test_more_steps_continue_the_run_started_without_the_venv_on_path(edits, finished, overlays):
+    results = edits / "results" / NAME
     more = overlays("more-steps", {"train": {"max_steps": 30}})
     # .venv/bin/snakemake started directly, no activated venv: every rule must still find torch
     env = {**os.environ, "PATH": "/usr/bin:/bin"}
-    cmd = [str(Path(sys.executable).parent / "snakemake"), "--cores", "2", "--resources", "gpu=3",
-           "--configfile", TINY_CONFIG, str(finished), str(more)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:] + pretrain_log()[-3000:]
-    assert summary()["steps"] == 30 and summary()["resumed_from_step"] == 20
-    assert "resumed from" in pretrain_log() and (RESULTS / "eval" / "step30.json").is_file()
-    assert committed_steps(RESULTS / "state" / "checkpoints") == [30]  # train.keep_checkpoints: 1
-    assert scheduled(finished, more) == set()
+    cmd = [str(Path(sys.executable).parent / "snakemake"), "--snakefile", str(SNAKEFILE), "--cores", "2",
+           "--resources", "gpu=3", "--configfile", TINY_CONFIG, str(finished), str(more)]
+    proc = subprocess.run(cmd, cwd=edits, capture_output=True, text=True, env=env, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:] + pretrain_log(edits)[-3000:]
+    assert summary(edits)["steps"] == 30 and summary(edits)["resumed_from_step"] == 20
+    assert "resumed from" in pretrain_log(edits) and (results / "eval" / "step30.json").is_file()
+    assert committed_steps(results / "state" / "checkpoints") == [30]  # train.keep_checkpoints: 1
+    assert scheduled(edits, finished, more) == set()
 
 
-def test_new_learning_rate_and_shape_start_fresh_and_keep_the_old_run(finished, overlays):
+def test_new_learning_rate_and_shape_start_fresh_and_keep_the_old_run(edits, finished, overlays):
+    results = edits / "results" / NAME
     more = overlays("more-steps", {"train": {"max_steps": 30}})
-    old_losses = [json.loads(line)["loss"] for line in (RESULTS / "train" / "metrics.jsonl").read_text().splitlines()]
+    old_losses = losses(edits)
     changed = overlays("changed", {"train": {"lr": 1.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
-    snakemake(finished, more, changed)
-    log = pretrain_log()
+    snakemake(edits, finished, more, changed)
+    log = pretrain_log(edits)
     assert "the settings changed since the run in" in log and "train.lr" in log and "model" in log
     kept = re.search(r"that run is kept in (\S+);", log).group(1)
-    assert committed_steps(ROOT / kept / "checkpoints") == [30]  # the old run, whole
-    new = summary()
+    assert committed_steps(edits / kept / "checkpoints") == [30]  # the old run, whole
+    new = summary(edits)
     assert new["resumed_from_step"] is None and new["model"]["layers"] == 3 and new["steps"] == 30
-    new_losses = [json.loads(line)["loss"] for line in (RESULTS / "train" / "metrics.jsonl").read_text().splitlines()]
+    new_losses = losses(edits)
     assert len(new_losses) == 30 and new_losses != old_losses
-    plan = json.loads((RESULTS / "train" / "plan.json").read_text())
+    plan = json.loads((results / "train" / "plan.json").read_text())
     assert plan["train"]["lr"] == 1.0e-3 and plan["model"]["overrides"] == {"num_hidden_layers": 3}
 
 
-def test_forcerun_pretrain_rewrites_the_outputs_without_training_again(finished, overlays):
+def test_forcerun_pretrain_rewrites_the_outputs_without_training_again(edits, finished, overlays):
+    results = edits / "results" / NAME
     more = overlays("more-steps", {"train": {"max_steps": 30}})
     changed = overlays("changed", {"train": {"lr": 1.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
-    before = set((RESULTS / "state" / "runs").iterdir())
-    metrics = (RESULTS / "train" / "metrics.jsonl").read_text()
-    snakemake(finished, more, changed, args=("--forcerun", "pretrain"))
-    assert "already finished step 30: resuming at its final checkpoint to rewrite the outputs" in pretrain_log()
-    assert "move results/itest-edits/state away first" in pretrain_log()
-    assert set((RESULTS / "state" / "runs").iterdir()) == before, "nothing archived: the run is not trained again"
-    assert summary()["resumed_from_step"] == 30 and summary()["steps"] == 30
-    assert (RESULTS / "train" / "metrics.jsonl").read_text() == metrics
+    before = set((results / "state" / "runs").iterdir())
+    metrics = (results / "train" / "metrics.jsonl").read_text()
+    snakemake(edits, finished, more, changed, args=("--forcerun", "pretrain"))
+    log = pretrain_log(edits)
+    assert "already finished step 30: resuming at its final checkpoint to rewrite the outputs" in log
+    assert f"move results/{NAME}/state away first" in log
+    assert set((results / "state" / "runs").iterdir()) == before, "nothing archived: the run is not trained again"
+    assert summary(edits)["resumed_from_step"] == 30 and summary(edits)["steps"] == 30
+    assert (results / "train" / "metrics.jsonl").read_text() == metrics
 
 
-def test_evaluation_benchmark_and_report_edits_show_in_their_outputs(finished, overlays):
+def test_evaluation_benchmark_and_report_edits_show_in_their_outputs(edits, finished, overlays):
+    results = edits / "results" / NAME
     more = overlays("more-steps", {"train": {"max_steps": 30}})
     changed = overlays("changed", {"train": {"lr": 1.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
-    trained = (RESULTS / "train" / "summary.json").stat().st_mtime
-    edits = overlays("outputs", {"evaluate": {"prompts": ["def main(", "class Queue:"]},
-                                 "benchmark": {"steps": 5}, "report": {"target_corpus_tokens": 2.0e+12}})
-    snakemake(finished, more, changed, edits)
-    assert (RESULTS / "train" / "summary.json").stat().st_mtime == trained, "no retraining"
-    generations = json.loads((RESULTS / "eval" / "step30.json").read_text())["generations"]
+    trained = (results / "train" / "summary.json").stat().st_mtime
+    outputs = overlays("outputs", {"evaluate": {"prompts": ["def main(", "class Queue:"]},
+                                   "benchmark": {"steps": 5}, "report": {"target_corpus_tokens": 2.0e+12}})
+    snakemake(edits, finished, more, changed, outputs)
+    assert (results / "train" / "summary.json").stat().st_mtime == trained, "no retraining"
+    generations = json.loads((results / "eval" / "step30.json").read_text())["generations"]
     assert [g["prompt"] for g in generations if g["mode"] == "greedy"] == ["def main(", "class Queue:"]
-    cell = json.loads((RESULTS / "bench" / "ranks1-zero2-fp32-gloo" / "rep1" / "summary.json").read_text())
+    cell = json.loads((results / "bench" / "ranks1-zero2-fp32-gloo" / "rep1" / "summary.json").read_text())
     assert cell["steps"] == 5
-    assert "report.target_corpus_tokens = 2,000,000,000,000 tokens" in (RESULTS / "report" / "report.md").read_text()
+    assert "report.target_corpus_tokens = 2,000,000,000,000 tokens" in (results / "report" / "report.md").read_text()
 
 
-def dry_run_default(*args) -> subprocess.CompletedProcess:
+def dry_run_default(folder: Path, *args) -> subprocess.CompletedProcess:
     """`snakemake -n` on the default experiment (config.yaml), as the README shows it; no GPU here."""
-    cmd = [sys.executable, "-m", "snakemake", "-n", "--cores", "32", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "-n", "--cores", "32", *args]
+    return subprocess.run(cmd, cwd=workflow_dir(folder / "workflow"), capture_output=True, text=True, timeout=300)
 
 
-def test_readme_train_only_override_on_eight_gpus():
-    proc = dry_run_default("--resources", "gpu=8", "--config", 'benchmark={"enabled": false}', 'train={"gpus": 8}')
+def test_readme_train_only_override_on_eight_gpus(tmp_path):
+    proc = dry_run_default(tmp_path, "--resources", "gpu=8", "--config", 'benchmark={"enabled": false}',
+                           'train={"gpus": 8}')
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert re.search(r"rule pretrain:.*?resources: [^\n]*gpu=8", out, re.S), "8 ranks, global batch derived"
@@ -186,8 +201,8 @@ def test_readme_train_only_override_on_eight_gpus():
     assert "memory fit: asked ZeRO-2" in out and "; ran ZeRO-3, micro-batch 8 × 1 accumulation" in out
 
 
-def test_dry_run_prints_the_memory_choice_and_the_cost_of_the_matrix():
-    proc = dry_run_default("--resources", "gpu=3")
+def test_dry_run_prints_the_memory_choice_and_the_cost_of_the_matrix(tmp_path):
+    proc = dry_run_default(tmp_path, "--resources", "gpu=3")
     out = proc.stdout + proc.stderr
     assert "memory fit: asked ZeRO-2" in out and "because the settings asked for are predicted not to fit" in out
     # ZeRO-3's offloads need more than 128 GiB of host RAM in fp16: ZeRO-2 + CPU offload with activation
@@ -208,8 +223,8 @@ def test_dry_run_prints_the_memory_choice_and_the_cost_of_the_matrix():
                for g in (1, 3) for b in ("nccl", "gloo") for r in (1, 2, 3))
 
 
-def test_dry_run_of_a_matrix_that_does_not_fit_says_so_and_how_to_launch_it():
-    proc = dry_run_default("--resources", "gpu=3", "--config",
+def test_dry_run_of_a_matrix_that_does_not_fit_says_so_and_how_to_launch_it(tmp_path):
+    proc = dry_run_default(tmp_path, "--resources", "gpu=3", "--config",
                            'benchmark={"matrix": {"activation_checkpointing": [false]}}')
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
@@ -220,57 +235,51 @@ def test_dry_run_of_a_matrix_that_does_not_fit_says_so_and_how_to_launch_it():
 
 
 # --- continuing from another run: its results are read, never built or deleted with this config ---
-SIBLING_A, SIBLING_B = "itest-sibling-a", "itest-sibling-b"
+# A is the tiny data's run (a copy of the data in the working directory), B another run beside it.
+SIBLING_A, SIBLING_B = DATA_NAME, "itest-sibling-b"
 
 
-def clean(*names):
-    for name in names:
-        for top in ("results", "logs", "benchmarks"):
-            shutil.rmtree(ROOT / top / name, ignore_errors=True)
-
-
-def test_continuing_from_a_sibling_export_builds_nothing_of_the_sibling(overlays):
-    clean(SIBLING_A, SIBLING_B)
+def test_continuing_from_a_sibling_export_builds_nothing_of_the_sibling(workdir, overlays):
     base, export = overlays("base", BASE), f"results/{SIBLING_A}/train/hf"
-    run_snakemake(SIBLING_A, "--", export, configfiles=(TINY_CONFIG, base, overlays("a", {"name": SIBLING_A})))
-    sibling = {top: tree_digest(ROOT / top / SIBLING_A) for top in ("results", "logs", "benchmarks")}
+    run_snakemake(workdir, "--", export, configfiles=(TINY_CONFIG, base, overlays("a", {"name": SIBLING_A})))
+    sibling = {top: tree_digest(workdir / top / SIBLING_A) for top in ("results", "logs", "benchmarks")}
     continued = overlays("b", {"name": SIBLING_B, "model": {"init_from": export}})
-    run_snakemake(SIBLING_B, "--", f"results/{SIBLING_B}/train/summary.json",
+    run_snakemake(workdir, "--", f"results/{SIBLING_B}/train/summary.json",
                   configfiles=(TINY_CONFIG, base, continued))
-    assert {top: tree_digest(ROOT / top / SIBLING_A) for top in sibling} == sibling, "run A was written to"
-    summary_b = json.loads((ROOT / "results" / SIBLING_B / "train" / "summary.json").read_text())
+    assert {top: tree_digest(workdir / top / SIBLING_A) for top in sibling} == sibling, "run A was written to"
+    summary_b = json.loads((workdir / "results" / SIBLING_B / "train" / "summary.json").read_text())
     assert summary_b["init_from"]["uri"] == export and summary_b["init_from"]["path"] == export
     assert summary_b["init_from"]["loaded"]["files"], "B started from A's weights"
-    tokenizer = json.loads((ROOT / "results" / SIBLING_B / "tokenizer" / "tokenizer.json").read_text())
-    assert tokenizer == json.loads((ROOT / export / "tokenizer.json").read_text()), "A's tokenizer adopted"
+    tokenizer = json.loads((workdir / "results" / SIBLING_B / "tokenizer" / "tokenizer.json").read_text())
+    assert tokenizer == json.loads((workdir / export / "tokenizer.json").read_text()), "A's tokenizer adopted"
     # A's export is a plain input of B now: B has nothing left to do, and still nothing of A is scheduled
-    dry = run_snakemake(SIBLING_B, "-n", "--", f"results/{SIBLING_B}/train/summary.json",
+    dry = run_snakemake(workdir, "-n", "--", f"results/{SIBLING_B}/train/summary.json",
                         configfiles=(TINY_CONFIG, base, continued))
     assert "Nothing to be done" in dry.stdout + dry.stderr
 
 
-def test_a_missing_sibling_export_names_the_command_that_builds_it(overlays):
+def test_a_missing_sibling_export_names_the_command_that_builds_it(overlays, tmp_path):
     missing, continued = "itest-sibling-missing", "itest-sibling-c"
-    clean(missing, continued)
+    folder = workflow_dir(tmp_path / "workflow")
     overlay = overlays("c", {"name": continued, "model": {"init_from": f"results/{missing}/train/hf"}})
-    proc = run_snakemake(continued, configfiles=(TINY_CONFIG, overlay), check=False)
+    proc = run_snakemake(folder, configfiles=(TINY_CONFIG, overlay), check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert (f"run {missing!r} has not written it yet" in out
             and f"--config name={missing} -- results/{missing}/train/hf" in out), out[-3000:]
-    assert not (ROOT / "results" / missing).exists() and not (ROOT / "logs" / continued).exists()
+    assert not (folder / "results" / missing).exists() and not (folder / "logs" / continued).exists()
     # the same for a tokenizer taken from another run
     overlay = overlays("c-tokenizer", {"name": continued, "tokenizer": {"path": f"results/{missing}/tokenizer"}})
-    proc = run_snakemake(continued, "-n", configfiles=(TINY_CONFIG, overlay), check=False)
+    proc = run_snakemake(folder, "-n", configfiles=(TINY_CONFIG, overlay), check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and f"tokenizer.path results/{missing}/tokenizer: run {missing!r} has not" in out
     assert f"--config name={missing} -- results/{missing}/tokenizer" in out
 
 
-def test_init_from_inside_this_runs_own_results_is_refused(overlays):
+def test_init_from_inside_this_runs_own_results_is_refused(overlays, tmp_path):
     overlay = overlays("self", {"name": "itest-sibling-self",
                                 "model": {"init_from": "results/itest-sibling-self/train/hf"}})
-    proc = run_snakemake("itest-sibling-self", "-n", configfiles=(TINY_CONFIG, overlay), check=False)
+    proc = run_snakemake(workflow_dir(tmp_path / "workflow"), "-n", configfiles=(TINY_CONFIG, overlay), check=False)
     assert proc.returncode != 0 and "a run cannot start from itself" in proc.stdout + proc.stderr
 
 
@@ -278,58 +287,54 @@ def test_init_from_inside_this_runs_own_results_is_refused(overlays):
 SOURCE_EDIT = "itest-source-edit"
 
 
-def rules_scheduled(configfiles, target) -> set[str]:
+def rules_scheduled(workdir, configfiles, target) -> set[str]:
     """Rules `snakemake -n TARGET` would run."""
-    out = run_snakemake(SOURCE_EDIT, "-n", "--", target, configfiles=configfiles).stdout
-    if "Nothing to be done" in out:
-        return set()
-    table = out.split("Job stats:")[1].split("total")[0]
-    return {m.group(1) for m in re.finditer(r"^(\w+)\s+\d+\s*$", table, re.M)}
+    return scheduled_rules(run_snakemake(workdir, "-n", "--", target, configfiles=configfiles))
 
 
 def test_editing_a_local_source_file_rebuilds_the_corpus_and_what_follows(overlays, tmp_path):
-    clean(SOURCE_EDIT)
+    folder = workflow_dir(tmp_path / "workflow")
     source = tmp_path / "notes.txt"
     source.write_text("def alpha_function(value):\n    return value * 2\n" * 40)
     overlay = overlays("source-edit", {**BASE, "name": SOURCE_EDIT,
                                        "corpus": {"sources": [{"uri": f"file://{source}"},
                                                               {"uri": "builtin://python-stdlib"}]}})
     configfiles, index = (TINY_CONFIG, overlay), f"results/{SOURCE_EDIT}/shards/index.json"
-    corpus = ROOT / "results" / SOURCE_EDIT / "corpus"
-    run_snakemake(SOURCE_EDIT, "--", index, configfiles=configfiles)
+    corpus = folder / "results" / SOURCE_EDIT / "corpus"
+    run_snakemake(folder, "--", index, configfiles=configfiles)
     before = json.loads((corpus / "manifest.json").read_text())
     assert before["sources"][0]["sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
     assert "alpha_function" in (corpus / "train.jsonl").read_text() + (corpus / "val.jsonl").read_text()
-    shards_before = (ROOT / index).read_bytes()
+    shards_before = (folder / index).read_bytes()
 
     size = source.stat().st_size
     source.write_text(source.read_text().replace("alpha", "omega"))  # the same path, the same size
     assert source.stat().st_size == size
-    assert rules_scheduled(configfiles, index) == {"download_corpus", "train_tokenizer", "shard_tokens",
-                                                   "index_shards"}
-    run_snakemake(SOURCE_EDIT, "--", index, configfiles=configfiles)
+    assert rules_scheduled(folder, configfiles, index) == {"download_corpus", "train_tokenizer", "shard_tokens",
+                                                           "index_shards"}
+    run_snakemake(folder, "--", index, configfiles=configfiles)
     after = json.loads((corpus / "manifest.json").read_text())
     text = (corpus / "train.jsonl").read_text() + (corpus / "val.jsonl").read_text()
     assert "omega_function" in text and "alpha_function" not in text
     edited = hashlib.sha256(source.read_bytes()).hexdigest()
     assert after["sources"][0]["sha256"] == edited != before["sources"][0]["sha256"]
     assert after["sources"][0]["details"]["file_sha256"] == {str(source): after["sources"][0]["sha256"]}
-    assert (ROOT / index).read_bytes() != shards_before
-    assert rules_scheduled(configfiles, index) == set()
+    assert (folder / index).read_bytes() != shards_before
+    assert rules_scheduled(folder, configfiles, index) == set()
 
 
 # --- two pipelines on the same name's data stages at once ---
 CONCURRENT = "itest-concurrent"
 
 
-def test_a_second_pipeline_on_the_same_data_job_is_refused_naming_the_holder(overlays):
+def test_a_second_pipeline_on_the_same_data_job_is_refused_naming_the_holder(overlays, tmp_path):
     import threading
 
     import psutil
 
     from httpfixture import FixtureServer, Route
 
-    clean(CONCURRENT)
+    folder = workflow_dir(tmp_path / "workflow")
     payload = "".join(json.dumps({"text": f"document {i}: " + "text " * 20}) + "\n" for i in range(40)).encode()
     release = threading.Event()
     route = Route(payload, hold=release)  # the first pipeline's download stays in progress until released
@@ -337,18 +342,16 @@ def test_a_second_pipeline_on_the_same_data_job_is_refused_naming_the_holder(ove
     with FixtureServer({"/held.jsonl": route}) as server:
         overlay = overlays("concurrent",
                            {"name": CONCURRENT, "corpus": {"sources": [{"uri": server.url("/held.jsonl")}]}})
-        configfiles = ("--configfile", TINY_CONFIG, str(overlay))
-        first = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "2", "--resources", "gpu=3",
-                                  *configfiles, "--", target], cwd=ROOT, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True)
+        first = subprocess.Popen(snakemake_command("--", target, configfiles=(TINY_CONFIG, overlay)), cwd=folder,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             while route.served == 0:  # the first job holds its lock before it downloads
                 assert first.poll() is None, first.stdout.read()[-3000:]
                 release.wait(0.05)
             first_job = {p.pid for p in psutil.Process(first.pid).children(recursive=True)}
-            log = ROOT / "logs" / CONCURRENT / "download_corpus.log"
+            log = folder / "logs" / CONCURRENT / "download_corpus.log"
             first_log = log.read_text()
-            second = run_snakemake(CONCURRENT, "--nolock", "--", target, configfiles=(TINY_CONFIG, overlay),
+            second = run_snakemake(folder, "--nolock", "--", target, configfiles=(TINY_CONFIG, overlay),
                                    check=False)
         finally:
             release.set()
@@ -361,12 +364,10 @@ def test_a_second_pipeline_on_the_same_data_job_is_refused_naming_the_holder(ove
     assert route.served == 1, "the refused job never downloaded"
     # the first pipeline finished, its corpus whole and its log its own, never truncated or replaced
     assert first.returncode == 0, out_first[-3000:]
-    manifest = json.loads((ROOT / target).read_text())
+    manifest = json.loads((folder / target).read_text())
     assert manifest["documents"] == 40 and manifest["sources"][0]["sha256"] == hashlib.sha256(payload).hexdigest()
     final_log = log.read_text()
     assert final_log.startswith(first_log) and "corpus: 40 documents" in final_log
     assert "another pipeline" not in final_log
     attempts = sorted((log.parent / "download_corpus.attempts").glob("*.log"))
     assert len(attempts) == 1 and attempts[0].read_text() == final_log
-    for cached in (ROOT / "resources" / "corpus-cache" / "http").glob("*-held.jsonl*"):
-        cached.unlink()

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from pretrain_bench.checkpoint import committed_steps  # noqa: E402
-from pretrain_bench.plan import Plan, make_plan  # noqa: E402
-from support import (  # noqa: E402
+from pretrain_bench.checkpoint import committed_steps
+from pretrain_bench.plan import Plan, make_plan
+from support import (
     crash_after_first_checkpoint,
     losses,
     plan_for,
+    read_jsonl,
     recorded_losses,
     run,
     start,  # the data fixture: tests/conftest.py
@@ -153,7 +152,7 @@ def test_continue_from_export_eval_every_and_csv_monitor(data, tmp_path):
     from pretrain_bench.export import export_checkpoint
 
     export_checkpoint(Plan.from_json(plan), 4, first / "out" / "hf")
-    records = [json.loads(line) for line in (first / "out" / "metrics.jsonl").read_text().splitlines()]
+    records = read_jsonl(first / "out" / "metrics.jsonl")
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
     assert all(r["val_perplexity"] > 1 and r["eval_time_s"] > 0 for r in records if "val_loss" in r)
     summary = json.loads((first / "out" / "summary.json").read_text())

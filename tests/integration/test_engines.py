@@ -109,24 +109,20 @@ def test_keys_an_engine_cannot_honour_are_refused_before_launch(data, tmp_path):
     assert not (tmp_path / "a" / "plan.json").exists() and not (tmp_path / "b" / "plan.json").exists()
 
 
-def test_the_pipeline_trains_and_exports_with_fsdp(data, tmp_path):
+def test_the_pipeline_trains_and_exports_with_fsdp(workdir, tmp_path):
     """The main run under train.engine fsdp through Snakemake: pretrain, then the HF export of its last checkpoint."""
-    import yaml
     from transformers import AutoModelForCausalLM
 
-    from support import ROOT, TINY_CONFIG, engine_data_lock, run_snakemake
+    from support import DATA_NAME, TINY_CONFIG, run_snakemake, write_yaml
 
-    config, results = data
-    overlay = tmp_path / "fsdp.yaml"
-    overlay.write_text(yaml.safe_dump({"name": config["name"], "train": {
+    overlay = write_yaml(tmp_path / "fsdp.yaml", {"name": DATA_NAME, "train": {
         "engine": "fsdp", "zero_stage": 3, "max_steps": 6, "checkpoint_every": 3, "warmup_steps": 2,
-        "warmup_timing_steps": 1, "eval_every": None}}))
-    target = f"results/{config['name']}/train/hf"
-    with engine_data_lock():
-        run_snakemake(config["name"], "--forcerun", "pretrain", "--", target, configfiles=(TINY_CONFIG, overlay))
+        "warmup_timing_steps": 1, "eval_every": None}})
+    target, results = f"results/{DATA_NAME}/train/hf", workdir / "results" / DATA_NAME
+    run_snakemake(workdir, "--", target, configfiles=(TINY_CONFIG, overlay))
     summary = json.loads((results / "train" / "summary.json").read_text())
     assert summary["engine"] == "fsdp" and summary["steps"] == 6 and summary["checkpoints"] == [3, 6]
     assert not (results / "train" / "ds_config.json").exists()
-    model = AutoModelForCausalLM.from_pretrained(ROOT / target, local_files_only=True)
-    assert json.loads((ROOT / target / "pretrain_bench_export.json").read_text())["step"] == 6
+    model = AutoModelForCausalLM.from_pretrained(workdir / target, local_files_only=True)
+    assert json.loads((workdir / target / "pretrain_bench_export.json").read_text())["step"] == 6
     assert sum(p.numel() for p in model.parameters()) == summary["model"]["parameters"]

@@ -6,7 +6,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,52 +17,60 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from support import PIPELINE_NAME, PIPELINE_STEPS, run_snakemake  # noqa: E402
+from support import (
+    DATA_NAME,
+    PIPELINE_NAME,
+    PIPELINE_STEPS,
+    ROOT,
+    TINY_CONFIG,
+    free_port,
+    read_jsonl,
+    run_snakemake,
+    seeded_workflow_dir,
+    write_yaml,
+)
 
 pytestmark = pytest.mark.pipeline
 
 NAME = PIPELINE_NAME  # the shared run of the whole tiny pipeline (tests/conftest.py)
-RESULTS = ROOT / "results" / NAME
 STEPS = PIPELINE_STEPS
 SEQ_LEN, GLOBAL_BATCH = 128, 24  # config/tiny-cpu.yaml
-TINY = yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text())
+TINY = yaml.safe_load((ROOT / TINY_CONFIG).read_text())
 TARGETS = [f"results/{NAME}/{kind}/step{step}{suffix}" for step in STEPS
            for kind, suffix in (("export", ""), ("eval", ".json"), ("lm_eval", ".json"))]
 
 
 def snakemake(pipeline, *targets, options=(), check=True):
-    return run_snakemake(NAME, *options, "--", *targets, configfiles=pipeline.configfiles, check=check,
+    return run_snakemake(pipeline.workdir, *options, "--", *targets, configfiles=pipeline.configfiles, check=check,
                          timeout=1800)
 
 
 @pytest.fixture(scope="module")
 def run(pipeline):
     """The shared run, with its checkpoints' digests from before and after exports and evaluations read them."""
-    return {"pipeline": pipeline, "before": pipeline.before, "after": pipeline.after}
+    return {"pipeline": pipeline, "before": pipeline.before, "after": pipeline.after, "results": pipeline.results}
 
 
-def load_eval(step):
-    return json.loads((RESULTS / "eval" / f"step{step}.json").read_text())
+def load_eval(run, step):
+    return json.loads((run["results"] / "eval" / f"step{step}.json").read_text())
 
 
-def load_export(step):
+def load_export(run, step):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = RESULTS / "export" / f"step{step}"
+    folder = run["results"] / "export" / f"step{step}"
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
     return model, AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def test_evaluating_never_modifies_a_checkpoint(run):
     assert run["before"] == run["after"]
-    assert all((RESULTS / "state" / "checkpoints" / f"step{s}" / "COMMITTED.json").is_file() for s in STEPS)
+    assert all((run["results"] / "state" / "checkpoints" / f"step{s}" / "COMMITTED.json").is_file() for s in STEPS)
 
 
 def test_eval_files_hold_the_contract_fields(run):
     for step in STEPS:
-        result = load_eval(step)
+        result = load_eval(run, step)
         assert (result["step"], result["split"], result["train_tokens"]) == (step, "val", step * GLOBAL_BATCH * SEQ_LEN)
         assert result["checkpoint"] == f"results/{NAME}/state/checkpoints/step{step}"
         assert (result["samples"], result["tokens"]) == (4096 // SEQ_LEN, 4096)
@@ -81,9 +88,9 @@ def test_eval_loss_is_the_exports_loss_on_the_evenly_spaced_samples(run):
     from pretrain_bench.evaluation import eval_sample_indices
     from pretrain_bench.loader import PackedTokens
 
-    result = load_eval(20)
-    model, _ = load_export(20)
-    data = PackedTokens(RESULTS / "shards" / "index.json", "val", SEQ_LEN)
+    result = load_eval(run, 20)
+    model, _ = load_export(run, 20)
+    data = PackedTokens(run["results"] / "shards" / "index.json", "val", SEQ_LEN)
     indices = eval_sample_indices(data.num_samples, SEQ_LEN, 4096)
     assert len(set(indices.tolist())) == 32 and indices[-1] > data.num_samples * 0.9, "spread over the whole split"
     batch = torch.from_numpy(np.stack([data[int(k)] for k in indices]))  # (32, T+1)
@@ -96,8 +103,8 @@ def test_eval_loss_is_the_exports_loss_on_the_evenly_spaced_samples(run):
 def test_continuations_reproduce_from_the_export(run):
     from transformers import GenerationConfig
 
-    result = load_eval(20)
-    model, tokenizer = load_export(20)
+    result = load_eval(run, 20)
+    model, tokenizer = load_export(run, 20)
     settings = {"max_new_tokens": 48, "temperature": 0.8, "top_k": 50, "seed": 1234}
     assert result["generation"] == settings
     for record in result["generations"][:2]:
@@ -142,26 +149,24 @@ torch.save({"input_ids": ids, "logits": logits}, out)
 def test_export_logits_match_the_deepspeed_engine(run, tmp_path):
     """A DeepSpeed engine (world size 1, gloo, CPU) loads the 3-rank ZeRO-2 checkpoint's module weights; the HF
     export, built from the ZeRO optimizer shards by zero_to_fp32, gives the same logits (fp32: max |Δ| ≤ 1e-5)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+    env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="2")
     out = tmp_path / "deepspeed_logits.pt"
     proc = subprocess.run([sys.executable, "-c", DEEPSPEED_LOGITS, f"results/{NAME}/train/plan.json", str(out),
-                           *map(str, STEPS)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                           *map(str, STEPS)], cwd=run["pipeline"].workdir, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reference = torch.load(out)
     for step in STEPS:
-        model, _ = load_export(step)
+        model, _ = load_export(run, step)
         with torch.no_grad():
             logits = model(input_ids=reference["input_ids"]).logits  # (2, 96, vocab)
         difference = (logits - reference["logits"][step]).abs().max().item()
         print(f"step {step}: max |logits export - DeepSpeed| = {difference:.3g}")
         assert difference <= 1e-5
         assert reference["logits"][step].abs().max() > 1, "real logits, not an all-zero output"
-    a, _ = load_export(10)
-    b, _ = load_export(20)
+    a, _ = load_export(run, 10)
+    b, _ = load_export(run, 20)
     assert not torch.equal(a.lm_head.weight, b.lm_head.weight), "each step exports its own weights"
 
 
@@ -181,11 +186,11 @@ def rolling_loglikelihood(model, tokens: list[int], prefix: int, max_length: int
 
 def test_lm_eval_numbers_are_the_export_models_own(run):
     """lm-eval's figures recomputed from first principles with the export and the task data files."""
-    summary = json.loads((RESULTS / "lm_eval" / "step20.json").read_text())
+    summary = json.loads((run["results"] / "lm_eval" / "step20.json").read_text())
     assert summary["samples"] == {"pretrain_bench_last_word": 4, "pretrain_bench_doc_perplexity": 4}
     assert (summary["step"], summary["max_length"], summary["limit"]) == (20, SEQ_LEN, 4)
-    model, tokenizer = load_export(20)
-    data = RESULTS / "lm_eval" / "data"
+    model, tokenizer = load_export(run, 20)
+    data = run["results"] / "lm_eval" / "data"
 
     # last word: the target's log-likelihood given the (left-truncated) context; acc when it is the greedy path
     logliks, hits = [], []
@@ -219,22 +224,23 @@ def test_lm_eval_numbers_are_the_export_models_own(run):
 def test_a_missing_checkpoint_fails_naming_its_path(run):
     proc = snakemake(run["pipeline"], f"results/{NAME}/eval/step15.json", check=False)
     assert proc.returncode != 0
-    log = (ROOT / "logs" / NAME / "evaluate" / "step15.log").read_text()
+    log = (run["pipeline"].workdir / "logs" / NAME / "evaluate" / "step15.log").read_text()
     assert f"checkpoint results/{NAME}/state/checkpoints/step15 is missing or incomplete (no COMMITTED.json)" in log
-    assert not (RESULTS / "export" / "step15").exists()
+    assert not (run["results"] / "export" / "step15").exists()
 
 
-def test_an_incomplete_zero_checkpoint_fails_naming_its_path(run, tmp_path):
+def test_an_incomplete_zero_checkpoint_fails_naming_its_path(run, tmp_path, monkeypatch):
     from pretrain_bench.checkpoint import CheckpointError
     from pretrain_bench.export import export_checkpoint
 
-    shutil.copytree(RESULTS / "state" / "checkpoints" / "step10", tmp_path / "checkpoints" / "step10")
+    monkeypatch.chdir(run["pipeline"].workdir)  # where the plan's relative paths lead, as in the run's jobs
+    shutil.copytree(run["results"] / "state" / "checkpoints" / "step10", tmp_path / "checkpoints" / "step10")
     shards = sorted((tmp_path / "checkpoints" / "step10").glob("*optim_states.pt"))
     assert len(shards) == 3, "one optimizer shard per rank"
     shards[1].unlink()  # a copy that lost one rank's shard, marker and all else intact
     from pretrain_bench.plan import Plan
 
-    plan = Plan.from_json(RESULTS / "train" / "plan.json")
+    plan = Plan.from_json(run["results"] / "train" / "plan.json")
     plan = dataclasses.replace(plan, paths=dataclasses.replace(plan.paths, state_dir=str(tmp_path)))
     folder = tmp_path / "checkpoints" / "step10"
     with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {folder} is incomplete or unreadable")):
@@ -247,13 +253,11 @@ def test_rerun_has_nothing_to_do(run):
 
 
 # --- reruns follow the checkpoints: a raised train.max_steps evaluates only the new ones ---
-# A run of its own (the shared one above must stay as it is): 10 steps with checkpoints 5 and 10, then 15 steps.
-RERUN_NAME = "itest-eval-rerun"
-RERUN = ROOT / "results" / RERUN_NAME
+# A run of its own (the shared one above must stay as it is), in a working directory of its own from a copy of the
+# tiny data: 10 steps with checkpoints 5 and 10, then 15 steps.
+RERUN_NAME = DATA_NAME
 RERUN_OVERLAY = {
     "name": RERUN_NAME,
-    "corpus": {"max_bytes": 1_500_000},
-    "tokenizer": {"train_bytes": 500_000},
     "train": {"max_steps": 10, "checkpoint_every": 5, "warmup_steps": 2, "warmup_timing_steps": 1,
               "eval_every": None},
     "evaluate": {"max_tokens": 1024, "prompts": ["def main("], "generation": {"max_new_tokens": 4},
@@ -266,8 +270,8 @@ def rerun_targets(steps):
             for kind, suffix in (("export", ""), ("eval", ".json"))]
 
 
-def rerun_snakemake(configfiles, *args, targets=(), check=True):
-    return run_snakemake(RERUN_NAME, *args, "--", *targets, configfiles=configfiles, check=check, timeout=1800)
+def rerun_snakemake(workdir, configfiles, *args, targets=(), check=True):
+    return run_snakemake(workdir, *args, "--", *targets, configfiles=configfiles, check=check, timeout=1800)
 
 
 def scheduled_jobs(proc) -> list[tuple[str, str]]:
@@ -287,40 +291,38 @@ def evaluated_steps(proc) -> list[int]:
                   for rule, wildcards in scheduled_jobs(proc) if rule == "evaluate")
 
 
-def evaluation_files(steps) -> dict:
+def evaluation_files(results: Path, steps) -> dict:
     """Every file of the evaluations and exports of `steps`, with its modification time and bytes."""
     files = {}
     for step in steps:
-        for path in [RERUN / "eval" / f"step{step}.json", *sorted((RERUN / "export" / f"step{step}").rglob("*"))]:
+        for path in [results / "eval" / f"step{step}.json", *sorted((results / "export" / f"step{step}").rglob("*"))]:
             if path.is_file():
-                files[str(path.relative_to(RERUN))] = (path.stat().st_mtime_ns, path.read_bytes())
+                files[str(path.relative_to(results))] = (path.stat().st_mtime_ns, path.read_bytes())
     return files
 
 
 def overlay_file(folder: Path, name: str, **train) -> Path:
-    overlay = {**RERUN_OVERLAY, "train": {**RERUN_OVERLAY["train"], **train}}
-    path = folder / name
-    path.write_text(yaml.safe_dump(overlay))
-    return path
+    return write_yaml(folder / name, {**RERUN_OVERLAY, "train": {**RERUN_OVERLAY["train"], **train}})
 
 
 @pytest.fixture(scope="module")
-def trained_further(tmp_path_factory):
+def trained_further(tiny_data, tmp_path_factory):
     """The run trained and evaluated at 10 steps, then asked for 15: the dry run of that, and the files before and
     after it ran."""
-    for folder in (RERUN, ROOT / "logs" / RERUN_NAME, ROOT / "benchmarks" / RERUN_NAME):
-        shutil.rmtree(folder, ignore_errors=True)
     folder = tmp_path_factory.mktemp("rerun")
-    first = ("config/tiny-cpu.yaml", overlay_file(folder, "steps10.yaml"))
-    further = ("config/tiny-cpu.yaml", overlay_file(folder, "steps15.yaml", max_steps=15))
-    rerun_snakemake(first, targets=rerun_targets((5, 10)))
-    before = evaluation_files((5, 10))
-    markers = {step: (RERUN / "state" / "checkpoints" / f"step{step}" / "COMMITTED.json").read_bytes()
+    workdir = seeded_workflow_dir(folder / "workflow", tiny_data)
+    results = workdir / "results" / RERUN_NAME
+    first = (TINY_CONFIG, overlay_file(folder, "steps10.yaml"))
+    further = (TINY_CONFIG, overlay_file(folder, "steps15.yaml", max_steps=15))
+    rerun_snakemake(workdir, first, targets=rerun_targets((5, 10)))
+    before = evaluation_files(results, (5, 10))
+    markers = {step: (results / "state" / "checkpoints" / f"step{step}" / "COMMITTED.json").read_bytes()
                for step in (5, 10)}
-    dry_run = rerun_snakemake(further, "-n", targets=rerun_targets((5, 10, 15)))
-    rerun_snakemake(further, targets=rerun_targets((5, 10, 15)))
+    dry_run = rerun_snakemake(workdir, further, "-n", targets=rerun_targets((5, 10, 15)))
+    rerun_snakemake(workdir, further, targets=rerun_targets((5, 10, 15)))
     return SimpleNamespace(first=first, further=further, before=before, markers=markers, dry_run=dry_run,
-                           after=evaluation_files((5, 10)), folder=folder)
+                           after=evaluation_files(results, (5, 10)), folder=folder, workdir=workdir,
+                           results=results)
 
 
 def test_raising_max_steps_schedules_training_and_only_the_new_checkpoints_evaluation(trained_further):
@@ -332,31 +334,34 @@ def test_raising_max_steps_schedules_training_and_only_the_new_checkpoints_evalu
 def test_raising_max_steps_leaves_earlier_evaluations_and_exports_untouched(trained_further):
     assert len(trained_further.before) > 6 and trained_further.after == trained_further.before, \
         "same bytes and modification times"
-    assert json.loads((RERUN / "eval" / "step15.json").read_text())["step"] == 15
-    assert json.loads((RERUN / "train" / "summary.json").read_text())["steps"] == 15
+    results = trained_further.results
+    assert json.loads((results / "eval" / "step15.json").read_text())["step"] == 15
+    assert json.loads((results / "train" / "summary.json").read_text())["steps"] == 15
     for step, marker in trained_further.markers.items():
-        assert (RERUN / "state" / "checkpoints" / f"step{step}" / "COMMITTED.json").read_bytes() == marker
-    proc = rerun_snakemake(trained_further.further, "-n", targets=rerun_targets((5, 10, 15)))
+        assert (results / "state" / "checkpoints" / f"step{step}" / "COMMITTED.json").read_bytes() == marker
+    proc = rerun_snakemake(trained_further.workdir, trained_further.further, "-n",
+                           targets=rerun_targets((5, 10, 15)))
     assert "Nothing to be done" in proc.stdout + proc.stderr
 
 
 def test_an_edit_that_may_train_afresh_evaluates_every_checkpoint_again(trained_further):
-    edited = ("config/tiny-cpu.yaml", overlay_file(trained_further.folder, "lr.yaml", max_steps=15, lr=2.0e-3))
-    proc = rerun_snakemake(edited, "-n", targets=rerun_targets((5, 10, 15)))
+    edited = (TINY_CONFIG, overlay_file(trained_further.folder, "lr.yaml", max_steps=15, lr=2.0e-3))
+    proc = rerun_snakemake(trained_further.workdir, edited, "-n", targets=rerun_targets((5, 10, 15)))
     assert evaluated_steps(proc) == [5, 10, 15]
 
 
 def test_a_checkpoint_written_anew_is_evaluated_anew(trained_further):
-    marker = RERUN / "state" / "checkpoints" / "step5" / "COMMITTED.json"
+    marker = trained_further.results / "state" / "checkpoints" / "step5" / "COMMITTED.json"
     original = marker.read_bytes()
     try:
         # what a new save of step 5 leaves: another marker (here the same facts, written again in another layout)
         marker.write_text(json.dumps(json.loads(original), indent=1))
-        proc = rerun_snakemake(trained_further.further, "-n", targets=rerun_targets((5, 10, 15)))
+        proc = rerun_snakemake(trained_further.workdir, trained_further.further, "-n",
+                               targets=rerun_targets((5, 10, 15)))
         assert evaluated_steps(proc) == [5]
     finally:
         marker.write_bytes(original)
-    proc = rerun_snakemake(trained_further.further, "-n", targets=rerun_targets((5, 10, 15)))
+    proc = rerun_snakemake(trained_further.workdir, trained_further.further, "-n", targets=rerun_targets((5, 10, 15)))
     assert "Nothing to be done" in proc.stdout + proc.stderr
 
 
@@ -365,7 +370,7 @@ def test_the_learning_rate_after_a_raised_max_steps_follows_the_new_total(traine
     cosine stretched to 15 steps), so the rate rises at the resume point from where the 10-step schedule ended."""
     from pretrain_bench.settings import TrainSettings, learning_rate
 
-    records = [json.loads(line) for line in (RERUN / "train" / "metrics.jsonl").read_text().splitlines()]
+    records = read_jsonl(trained_further.results / "train" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 16))
     train = {**TINY["train"], **RERUN_OVERLAY["train"]}
     settings = TrainSettings.from_config({k: v for k, v in train.items() if k in TrainSettings.__dataclass_fields__})
@@ -379,39 +384,37 @@ def test_the_learning_rate_after_a_raised_max_steps_follows_the_new_total(traine
 
 
 # --- refused before launch, through Snakemake: rule plan_pretrain stops, no rank starts ---
-PREFLIGHT_NAME = "itest-preflight"
+PREFLIGHT_NAME = DATA_NAME  # in a working directory of its own
 
 
-def test_init_from_weights_and_a_small_val_split_are_refused_by_the_plan_rule(trained_further, tmp_path):
+def test_init_from_weights_and_a_small_val_split_are_refused_by_the_plan_rule(trained_further, workdir, tmp_path):
     """model.init_from: a copy of the run above's step-5 export whose config.json names another FFN width; then the
     right config.json and a train.eval_tokens larger than the val split. Both stop in plan_pretrain, naming why."""
-    for folder in (ROOT / "results" / PREFLIGHT_NAME, ROOT / "logs" / PREFLIGHT_NAME,
-                   ROOT / "benchmarks" / PREFLIGHT_NAME):
-        shutil.rmtree(folder, ignore_errors=True)
+    logs = workdir / "logs" / PREFLIGHT_NAME
     model = tmp_path / "model"
-    shutil.copytree(RERUN / "export" / "step5", model)
+    shutil.copytree(trained_further.results / "export" / "step5", model)
     config_json = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config_json, "intermediate_size": 640}))
     overlay = {**RERUN_OVERLAY, "name": PREFLIGHT_NAME, "model": {"init_from": str(model)}}
-    (tmp_path / "init_from.yaml").write_text(yaml.safe_dump(overlay))
+    write_yaml(tmp_path / "init_from.yaml", overlay)
     target = f"results/{PREFLIGHT_NAME}/train/summary.json"
-    proc = run_snakemake(PREFLIGHT_NAME, "--", target, check=False, timeout=1800,
-                         configfiles=("config/tiny-cpu.yaml", tmp_path / "init_from.yaml"))
-    log = (ROOT / "logs" / PREFLIGHT_NAME / "plan_pretrain.log").read_text()
+    proc = run_snakemake(workdir, "--", target, check=False, timeout=1800,
+                         configfiles=(TINY_CONFIG, tmp_path / "init_from.yaml"))
+    log = (logs / "plan_pretrain.log").read_text()
     assert proc.returncode != 0
     assert f"model.init_from {model}: its weights do not fit the model its config.json describes" in log
     assert "model.layers.0.mlp.gate_proj.weight has shape [512, 192], the model [640, 192]" in log
-    assert not (ROOT / "logs" / PREFLIGHT_NAME / "pretrain.attempts").exists(), "no rank was started"
+    assert not (logs / "pretrain.attempts").exists(), "no rank was started"
 
     (model / "config.json").write_text(json.dumps(config_json))
     small = {**overlay, "train": {**overlay["train"], "eval_every": 5, "eval_tokens": 10**8}}
-    (tmp_path / "small_val.yaml").write_text(yaml.safe_dump(small))
-    proc = run_snakemake(PREFLIGHT_NAME, "--", target, check=False, timeout=1800,
-                         configfiles=("config/tiny-cpu.yaml", tmp_path / "small_val.yaml"))
-    log = (ROOT / "logs" / PREFLIGHT_NAME / "plan_pretrain.log").read_text()
+    write_yaml(tmp_path / "small_val.yaml", small)
+    proc = run_snakemake(workdir, "--", target, check=False, timeout=1800,
+                         configfiles=(TINY_CONFIG, tmp_path / "small_val.yaml"))
+    log = (logs / "plan_pretrain.log").read_text()
     assert proc.returncode != 0
     index = f"results/{PREFLIGHT_NAME}/shards/index.json"
     assert re.search(rf"train.eval_every: the val split of {re.escape(index)} holds [\d,]+ tokens, [\d,]+ sample\(s\) "
                      r"of 128\+1 tokens .* an evaluation needs 781,248 sample\(s\) .* lower train.eval_tokens to at "
                      r"most [\d,]+, or set train.eval_every: null", log), log[-2000:]
-    assert not (ROOT / "logs" / PREFLIGHT_NAME / "pretrain.attempts").exists(), "no rank was started"
+    assert not (logs / "pretrain.attempts").exists(), "no rank was started"

@@ -3,7 +3,6 @@ save, damaged checkpoints, and a resume point beyond the run's last step. Each a
 and that nothing committed was lost."""
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -11,18 +10,23 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from pretrain_bench import checkpoint as ckpt
-from support import (  # data: the engine tests' shards (tests/conftest.py)
+from support import (  # data: the tiny data (tests/conftest.py)
+    DATA_NAME,
     LAUNCHER,
     ROOT,
+    SNAKEFILE,
     TINY_CONFIG,
     mounted_tmpfs,
     plan_for,
+    read_jsonl,
     recorded_losses,
     run,
+    snakemake_command,
+    snakemake_env,
     tree_digest,
+    write_yaml,
 )
 
 pytestmark = pytest.mark.engine
@@ -160,44 +164,40 @@ def test_damaged_checkpoints_fall_back_and_steps_never_go_backwards(data, tmp_pa
 
 
 # --- Interrupts through Snakemake, and the reruns after them -------------------------------------------------------
-INTERRUPT_NAME = "itest-interrupt"
+INTERRUPT_NAME = DATA_NAME  # in a working directory of its own, from a copy of the tiny data
 INTERRUPT_STEPS = 40
 INTERRUPT_OVERLAY = {"name": INTERRUPT_NAME, "train": {"gpus": 2, "max_steps": INTERRUPT_STEPS,
                                                        "checkpoint_every": 1000, "eval_every": None}}
 
 
-def start_snakemake(overlay: Path, output: Path, *args: str) -> subprocess.Popen:
+def start_snakemake(workdir: Path, overlay: Path, output: Path, *args: str) -> subprocess.Popen:
     """`snakemake … -- results/<name>/train/summary.json` as a user starts it, in a process group of its own (the
     terminal's foreground group)."""
-    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--resources", "gpu=3", "--configfile", TINY_CONFIG,
-           str(overlay), *args, "--", f"results/{INTERRUPT_NAME}/train/summary.json"]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(output, "w"), stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    cmd = snakemake_command(*args, "--", f"results/{INTERRUPT_NAME}/train/summary.json",
+                            configfiles=(TINY_CONFIG, overlay))
+    return subprocess.Popen(cmd, cwd=workdir, stdout=open(output, "w"), stderr=subprocess.STDOUT,
+                            env=snakemake_env(), start_new_session=True)
 
 
-def finish_snakemake(overlay: Path, output: Path, *args: str) -> str:
-    proc = start_snakemake(overlay, output, *args)
+def finish_snakemake(workdir: Path, overlay: Path, output: Path, *args: str) -> str:
+    proc = start_snakemake(workdir, overlay, output, *args)
     try:
         assert proc.wait(1800) == 0, output.read_text()[-4000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    return (ROOT / "logs" / INTERRUPT_NAME / "pretrain.log").read_text()
+    return (workdir / "logs" / INTERRUPT_NAME / "pretrain.log").read_text()
 
 
 @pytest.mark.parametrize("interrupt", ["snakemake", "terminal"])
 def test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_finished_run_is_never_retrained(
-        tmp_path, interrupt):
+        workdir, tmp_path, interrupt):
     import psutil
 
-    results = ROOT / "results" / INTERRUPT_NAME
-    for folder in (results / "state", results / "train", ROOT / "logs" / INTERRUPT_NAME):
-        shutil.rmtree(folder, ignore_errors=True)  # the corpus, tokenizer and shards are kept between variants
-    overlay = tmp_path / "overlay.yaml"
-    overlay.write_text(yaml.safe_dump(INTERRUPT_OVERLAY))
+    results = workdir / "results" / INTERRUPT_NAME
+    overlay = write_yaml(tmp_path / "overlay.yaml", INTERRUPT_OVERLAY)
     run_dir, terminal = results, tmp_path / "terminal.log"
-    proc = start_snakemake(overlay, terminal)
+    proc = start_snakemake(workdir, overlay, terminal)
     try:
         wait_for(lambda: len(recorded_losses(run_dir)) >= 3, proc, terminal, timeout=1800)
         seen = len(recorded_losses(run_dir))
@@ -213,7 +213,7 @@ def test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_f
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    log = (ROOT / "logs" / INTERRUPT_NAME / "pretrain.log").read_text()
+    log = (workdir / "logs" / INTERRUPT_NAME / "pretrain.log").read_text()
     assert code != 0, terminal.read_text()[-3000:]
     saved = ckpt.committed_steps(run_dir / "state" / "checkpoints")
     # the step in flight (or one more, trained while the stop was passed on), saved and committed
@@ -228,11 +228,11 @@ def test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_f
                 " ".join(p.info["cmdline"] or [])], "no process of the job is left"
 
     # the same command resumes from it
-    log = finish_snakemake(overlay, tmp_path / "rerun.log")
+    log = finish_snakemake(workdir, overlay, tmp_path / "rerun.log")
     summary = json.loads((run_dir / "train" / "summary.json").read_text())
     assert f"resumed from {Path('results', INTERRUPT_NAME, 'state', 'checkpoints', ckpt.tag_for(saved[0]))}" in log
     assert summary["resumed_from_step"] == saved[0] and summary["steps"] == INTERRUPT_STEPS
-    records = [json.loads(line) for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()]
+    records = read_jsonl(run_dir / "train" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, INTERRUPT_STEPS + 1))
     if interrupt == "terminal":
         return
@@ -243,7 +243,7 @@ def test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_f
     for args in ((), ("--forcerun", "pretrain")):
         (run_dir / "train" / "summary.json").unlink(missing_ok=True)
         (run_dir / "train" / "metrics.jsonl").unlink(missing_ok=True)
-        log = finish_snakemake(overlay, tmp_path / "rewrite.log", *args)
+        log = finish_snakemake(workdir, overlay, tmp_path / "rewrite.log", *args)
         assert (f"already finished step {INTERRUPT_STEPS}: resuming at its final checkpoint to rewrite the outputs, "
                 "no step is trained again") in log, log[-3000:]
         assert f"step {saved[0] + 1}/" not in log and "starts fresh" not in log
@@ -255,10 +255,10 @@ def test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_f
         assert tree_digest(run_dir / "state" / "checkpoints") == checkpoints
         assert (run_dir / "state" / "metrics.jsonl").read_text() == state_metrics
     # Snakemake killed hard while that job ran: the job's outputs stay marked incomplete; the rerun rewrites them too
-    attempts = ROOT / "logs" / INTERRUPT_NAME / "pretrain.attempts"
+    attempts = workdir / "logs" / INTERRUPT_NAME / "pretrain.attempts"
     before = set(attempts.iterdir())
     (run_dir / "train" / "summary.json").unlink()
-    proc = start_snakemake(overlay, tmp_path / "killed.log")
+    proc = start_snakemake(workdir, overlay, tmp_path / "killed.log")
     try:
         wait_for(lambda: set(attempts.iterdir()) - before, proc, tmp_path / "killed.log")
         os.kill(proc.pid, signal.SIGKILL)  # Snakemake alone: its job runs on, orphaned, to its end
@@ -271,16 +271,16 @@ def test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_f
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    # what `snakemake --unlock` does after a hard kill, for this run's lock files only (other tests' Snakemakes may
-    # hold locks in the same directory)
-    for lock in (ROOT / ".snakemake" / "locks").glob("*.lock"):
+    # what `snakemake --unlock` does after a hard kill, for this run's lock files only
+    for lock in (workdir / ".snakemake" / "locks").glob("*.lock"):
         if all(line.startswith(f"results/{INTERRUPT_NAME}/") for line in lock.read_text().splitlines()):
             lock.unlink()
-    dry = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "2", "--configfile", TINY_CONFIG,
-                          str(overlay), "--", f"results/{INTERRUPT_NAME}/train/summary.json"], cwd=ROOT,
+    dry = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "-n", "--cores", "2",
+                          "--configfile", TINY_CONFIG, str(overlay), "--",
+                          f"results/{INTERRUPT_NAME}/train/summary.json"], cwd=workdir,
                          capture_output=True, text=True, timeout=300)
     assert "incomplete" in (dry.stdout + dry.stderr).lower(), dry.stdout + dry.stderr
-    log = finish_snakemake(overlay, tmp_path / "incomplete.log", "--rerun-incomplete")
+    log = finish_snakemake(workdir, overlay, tmp_path / "incomplete.log", "--rerun-incomplete")
     assert (f"already finished step {INTERRUPT_STEPS}: resuming at its final checkpoint to rewrite the outputs, "
             "no step is trained again") in log, log[-3000:]
     assert json.loads((run_dir / "train" / "summary.json").read_text())["resumed_from_step"] == INTERRUPT_STEPS

@@ -4,37 +4,20 @@ size (fp32, ZeRO-2, gloo on CPU is bit-deterministic)."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from pretrain_bench.launcher import torchrun_command  # noqa: E402
-from pretrain_bench.plan import make_plan  # noqa: E402
-from support import tiny_config  # noqa: E402
+from pretrain_bench.launcher import torchrun_command
+from pretrain_bench.plan import make_plan
+from support import LAUNCHER, ROOT, free_port, read_jsonl  # data: the tiny data (tests/conftest.py)
 
 pytestmark = pytest.mark.engine
 
-NAME = "itest-multinode"
-LAUNCHER = ROOT / "workflow_scripts" / "launch.py"
 # Outside any scheduler: inside a SLURM allocation the launcher would start the nodes itself with srun.
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-
-
-@pytest.fixture(scope="module")
-def data():
-    """Tokenizer and shards of the tiny config, built once by Snakemake."""
-    targets = [f"results/{NAME}/shards/index.json", f"results/{NAME}/tokenizer/tokenizer.json"]
-    cmd = [sys.executable, "-m", "snakemake", *targets, "--cores", "2", "--configfile", "config/tiny-cpu.yaml",
-           "--config", f"name={NAME}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    config = tiny_config(NAME)
-    return config, ROOT / "results" / NAME
 
 
 def write_run_plan(data, run_dir: Path, **train) -> Path:
@@ -66,14 +49,8 @@ def wait_all(procs: dict[str, subprocess.Popen], tmp_path: Path, timeout: float)
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "out" / "metrics.jsonl").read_text().splitlines()]
+    return read_jsonl(run_dir / "out" / "metrics.jsonl")
 
 
 def test_two_nodes_on_one_machine_match_one_node_of_the_same_world_size(data, tmp_path):

@@ -16,15 +16,22 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from slurm_cluster import SlurmCluster, ensure_slurm
+from support import (
+    LAUNCHER,
+    SNAKEFILE,
+    TINY_CONFIG,
+    job_logs,
+    read_jsonl,
+    snakemake_env,
+    workflow_dir,
+    write_yaml,
+)
 
 pytestmark = pytest.mark.slurm
 
-ROOT = Path(__file__).resolve().parents[2]
 NAME = "itest-slurm"
-RESULTS = ROOT / "results" / NAME
 STEPS = 20
 SUBMITTED = re.compile(r"Job \d+ has been submitted with SLURM jobid (\d+) \(log: \S*/rule_(\w+)/")
 
@@ -45,25 +52,33 @@ def cluster():
     shutil.rmtree(cluster.folder, ignore_errors=True)
 
 
-def snakemake(cluster, tmp_path, train: dict, *args) -> str:
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """The working directory of both runs (the SLURM jobs run there too)."""
+    return workflow_dir(tmp_path_factory.mktemp("slurm") / "workflow")
+
+
+def results(workdir: Path) -> Path:
+    return workdir / "results" / NAME
+
+
+def snakemake(cluster, workdir, tmp_path, train: dict, *args) -> str:
     """Run the tiny pipeline up to training with the SLURM profile; returns Snakemake's output."""
-    overlay = tmp_path / "overlay.yaml"
-    overlay.write_text(yaml.safe_dump({"name": NAME, "train": {"max_steps": STEPS, "checkpoint_every": 10,
-                                                               "warmup_timing_steps": 2, **train}}))
-    cmd = [sys.executable, "-m", "snakemake", f"results/{NAME}/train/summary.json", f"results/{NAME}/train/hf",
-           "--profile", "profiles/slurm", "--configfile", "config/tiny-cpu.yaml", str(overlay),
+    overlay = write_yaml(tmp_path / "overlay.yaml", {"name": NAME, "train": {
+        "max_steps": STEPS, "checkpoint_every": 10, "warmup_timing_steps": 2, **train}})
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), f"results/{NAME}/train/summary.json",
+           f"results/{NAME}/train/hf", "--profile", "profiles/slurm", "--configfile", TINY_CONFIG, str(overlay),
            # The test nodes: 2 CPUs and 16 GB each; status checks soon after submission (squeue stays reliable
            # while MinJobAge >= 3 x this delay) and every second after that (Snakemake's default, 10 s, would add
            # seconds to each of the chain's jobs on this local cluster).
            "--cores", "2", "--set-resources", "pretrain:mem_mb=4000", "pretrain:runtime=30",
            "--slurm-init-seconds-before-status-checks", "2", "--seconds-between-status-checks", "1",
            "--rerun-triggers", "mtime", "params", *args]
-    env = dict(cluster.env, PATH=f"{Path(sys.executable).parent}:{cluster.env['PATH']}")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(cmd, cwd=workdir, env=snakemake_env(cluster.env), capture_output=True, text=True,
+                          timeout=1500)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (ROOT / "logs" / NAME).rglob("*.log"))
-        pytest.fail(f"snakemake failed ({proc.returncode}):\n{output[-5000:]}\n{logs}\n{cluster.logs()}")
+        pytest.fail(f"snakemake failed ({proc.returncode}):\n{output[-5000:]}\n{job_logs(workdir)}\n{cluster.logs()}")
     return output
 
 
@@ -75,25 +90,19 @@ def submitted_jobs(output: str) -> dict[str, list[str]]:
     return jobs
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+@pytest.fixture(scope="module")
+def single_node(cluster, workdir, tmp_path_factory):
+    output = snakemake(cluster, workdir, tmp_path_factory.mktemp("single"), {})
+    return output, (workdir / "logs" / NAME / "pretrain.log").read_text()
 
 
 @pytest.fixture(scope="module")
-def single_node(cluster, tmp_path_factory):
-    for folder in (RESULTS, ROOT / "logs" / NAME, ROOT / "benchmarks" / NAME):
-        shutil.rmtree(folder, ignore_errors=True)
-    output = snakemake(cluster, tmp_path_factory.mktemp("single"), {})
-    return output, (ROOT / "logs" / NAME / "pretrain.log").read_text()
-
-
-@pytest.fixture(scope="module")
-def two_nodes(cluster, single_node, tmp_path_factory):
+def two_nodes(cluster, workdir, single_node, tmp_path_factory):
     # Same corpus, tokenizer and shards; a new plan and a fresh training state (the old one has world size 3).
-    shutil.rmtree(RESULTS / "state", ignore_errors=True)
+    shutil.rmtree(results(workdir) / "state", ignore_errors=True)
     # the edited train.nodes/gpus reach plan_pretrain as params: Snakemake replans without being told
-    output = snakemake(cluster, tmp_path_factory.mktemp("two"), {"nodes": 2, "gpus": 1})
-    return output, (ROOT / "logs" / NAME / "pretrain.log").read_text()
+    output = snakemake(cluster, workdir, tmp_path_factory.mktemp("two"), {"nodes": 2, "gpus": 1})
+    return output, (workdir / "logs" / NAME / "pretrain.log").read_text()
 
 
 def test_every_job_ran_as_a_slurm_job(cluster, single_node):
@@ -121,19 +130,20 @@ def test_training_ranks_ran_inside_the_slurm_allocation(cluster, single_node):
     assert "--nproc-per-node=3" in log and "--standalone" in log
 
 
-def test_single_node_training_outputs(single_node):
-    summary = json.loads((RESULTS / "train" / "summary.json").read_text())
-    records = read_jsonl(RESULTS / "train" / "metrics.jsonl")
+def test_single_node_training_outputs(workdir, single_node):
+    run = results(workdir)
+    summary = json.loads((run / "train" / "summary.json").read_text())
+    records = read_jsonl(run / "train" / "metrics.jsonl")
     assert summary["world_size"] == 3 and summary["nodes"] == 1 and summary["device"] == "cpu"
     assert summary["steps"] == STEPS and [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert summary["loss"]["last"] < summary["loss"]["first"] - 0.5
     assert summary["tokens_per_step"] == 24 * 128
-    assert (RESULTS / "train" / "hf" / "config.json").exists()
-    index = json.loads((RESULTS / "shards" / "index.json").read_text())
+    assert (run / "train" / "hf" / "config.json").exists()
+    index = json.loads((run / "shards" / "index.json").read_text())
     assert index["splits"]["train"]["shards"] and index["splits"]["val"]["shards"]
 
 
-def test_two_node_training_through_srun_and_rendezvous_on_the_first_node(cluster, two_nodes):
+def test_two_node_training_through_srun_and_rendezvous_on_the_first_node(cluster, workdir, two_nodes):
     output, log = two_nodes
     jobs = submitted_jobs(output)
     assert set(jobs) == {"plan_pretrain", "pretrain", "export_final"}, "upstream outputs were reused"
@@ -150,18 +160,16 @@ def test_two_node_training_through_srun_and_rendezvous_on_the_first_node(cluster
     for task, host in enumerate(hosts):  # srun --label prefixes every line with the task (= node) number
         assert f"{task}: SLURM_JOB_ID={job_id} node={host}" in log, log[-3000:]
         assert f"{task}: node rank {task} of 2, rendezvous {hosts[0]}:{endpoint.group(1)}" in log
-    summary = json.loads((RESULTS / "train" / "summary.json").read_text())
-    records = read_jsonl(RESULTS / "train" / "metrics.jsonl")
+    summary = json.loads((results(workdir) / "train" / "summary.json").read_text())
+    records = read_jsonl(results(workdir) / "train" / "metrics.jsonl")
     assert summary["world_size"] == 2 and summary["nodes"] == 2 and summary["global_batch_size"] == 16
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert summary["loss"]["last"] < summary["loss"]["first"] - 0.5
 
 
-
-def test_multi_node_plan_in_a_one_node_allocation_is_refused(cluster, two_nodes):
-    plan = RESULTS / "train" / "plan.json"  # train.nodes = 2, left by the two-node run
-    env = dict(cluster.env, PATH=f"{Path(sys.executable).parent}:{cluster.env['PATH']}")
-    proc = subprocess.run(["srun", "--nodes=1", "--ntasks=1", sys.executable, "workflow_scripts/launch.py",
-                           "--ranks", "1", "--plan", str(plan)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+def test_multi_node_plan_in_a_one_node_allocation_is_refused(cluster, workdir, two_nodes):
+    plan = results(workdir) / "train" / "plan.json"  # train.nodes = 2, left by the two-node run
+    proc = subprocess.run(["srun", "--nodes=1", "--ntasks=1", sys.executable, str(LAUNCHER),
+                           "--ranks", "1", "--plan", str(plan)], cwd=workdir, env=snakemake_env(cluster.env),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and re.search(r"train.nodes=2 but SLURM job \d+ holds 1 node", proc.stderr), proc.stderr

@@ -3,14 +3,11 @@ run of tests/conftest.py `pipeline`)."""
 import json
 import math
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from support import PIPELINE_NAME, PIPELINE_STEPS, run_snakemake  # noqa: E402
+from support import PIPELINE_NAME, PIPELINE_STEPS, read_jsonl, run_snakemake
 
 pytestmark = pytest.mark.pipeline
 
@@ -19,10 +16,6 @@ pytestmark = pytest.mark.pipeline
 def run(pipeline):
     """The shared run of the whole tiny pipeline (tests/conftest.py)."""
     return pipeline.results
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def test_manifest_counts_match_documents(run):
@@ -76,8 +69,8 @@ def test_training_loss_falls_and_summary_is_measured(run):
     assert ds_config["zero_optimization"]["stage"] == 2 and ds_config["train_batch_size"] == 24
 
 
-def test_training_log_holds_no_warning_about_deepspeeds_own_calls(run):
-    log = (ROOT / "logs" / run.name / "pretrain.log").read_text()
+def test_training_log_holds_no_warning_about_deepspeeds_own_calls(pipeline):
+    log = (pipeline.workdir / "logs" / PIPELINE_NAME / "pretrain.log").read_text()
     assert f"step {PIPELINE_STEPS[-1]}/{PIPELINE_STEPS[-1]}" in log and "exit status 0" in log
     assert "all_gather_into_tensor" not in log and "FutureWarning" not in log
 
@@ -133,5 +126,5 @@ def test_report_numbers_equal_summary(run):
 
 
 def test_rerun_has_nothing_to_do(pipeline):
-    proc = run_snakemake(PIPELINE_NAME, "-n", configfiles=pipeline.configfiles)
+    proc = run_snakemake(pipeline.workdir, "-n", configfiles=pipeline.configfiles)
     assert "Nothing to be done" in proc.stdout + proc.stderr

@@ -13,7 +13,7 @@ from pretrain_bench.export import cast_state_dict, export_hf
 from pretrain_bench.memory_model import RUNTIME_BYTES, export_and_evaluation_host_bytes, run_shape
 from pretrain_bench.model import ModelShape, build_model
 from pretrain_bench.settings import TrainSettings
-from support import ROOT, stdlib_texts, write_jsonl
+from support import ROOT, SNAKEFILE, stdlib_texts, workflow_dir, write_jsonl
 
 
 class Partitioned:
@@ -105,10 +105,11 @@ def test_host_bytes_of_export_and_evaluation_count_the_cast_copy_the_largest_ten
     assert export_and_evaluation_host_bytes(run, "bf16", "fp32") == 4 * psi + runtime
 
 
-def dry_run_mem_mb() -> dict[str, int]:
+def dry_run_mem_mb(folder) -> dict[str, int]:
     """mem_mb of rule evaluate and rule export_final in `snakemake -n` on the default config."""
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "2", "--resources", "gpu=3",
-                           "--config", "name=itest-mem-mb"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "-n", "--cores", "2",
+                           "--resources", "gpu=3", "--config", "name=itest-mem-mb"], cwd=workflow_dir(folder),
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = dict(re.findall(r"^rule (evaluate|export_final):\n(?:    .*\n)*?    resources: .*?mem_mb=(\d+)",
                             proc.stdout, flags=re.M))
@@ -116,10 +117,11 @@ def dry_run_mem_mb() -> dict[str, int]:
     return {rule: int(value) for rule, value in found.items()}
 
 
-def test_the_default_config_declares_mem_mb_from_the_memory_model_for_evaluate_and_export_final(default_run):
+def test_the_default_config_declares_mem_mb_from_the_memory_model_for_evaluate_and_export_final(default_run,
+                                                                                                   tmp_path):
     config, run = default_run
     evaluate = config["evaluate"]
-    mem_mb = dry_run_mem_mb()
+    mem_mb = dry_run_mem_mb(tmp_path / "workflow")
     assert mem_mb["export_final"] == -(-export_and_evaluation_host_bytes(run, "fp32") // 10**6)
     assert mem_mb["evaluate"] == -(-export_and_evaluation_host_bytes(run, evaluate["export_dtype"],
                                                                      evaluate["precision"]) // 10**6)

@@ -69,11 +69,11 @@ def test_a_plan_file_missing_or_adding_a_field_is_refused_by_name(plan_file, cha
 def dry_run(name: str, tmp_path: Path):
     """`snakemake -n` on the tiny config under another name, as a user starts it."""
     import subprocess
-    import sys
 
-    return subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "2", "--resources", "gpu=3",
-                           "--configfile", "config/tiny-cpu.yaml", "--config", f"name={name}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    from support import snakemake_command, workflow_dir
+
+    return subprocess.run(snakemake_command("-n", "--config", f"name={name}"), cwd=workflow_dir(tmp_path / "workflow"),
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_a_name_too_long_for_the_file_system_is_refused_by_validation(tmp_path):
