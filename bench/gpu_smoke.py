@@ -171,10 +171,10 @@ def run_one(name: str, preset: str, train: dict, size: Size, device: str, peak: 
     plan_path = run_dir / "plan.json"
     plan.to_json(plan_path)
     settings = plan.train
-    result = {"name": name, "preset": preset, "engine": settings["engine"], "zero_stage": settings["zero_stage"],
-              "offload_optimizer": settings["offload_optimizer"], "offload_param": settings["offload_param"],
-              "activation_checkpointing": settings["activation_checkpointing"], "precision": settings["precision"],
-              "comm_backend": settings["comm_backend"], "device": device}
+    result = {"name": name, "preset": preset, "engine": settings.engine, "zero_stage": settings.zero_stage,
+              "offload_optimizer": settings.offload_optimizer, "offload_param": settings.offload_param,
+              "activation_checkpointing": settings.activation_checkpointing, "precision": settings.precision,
+              "comm_backend": settings.comm_backend, "device": device}
     started = time.perf_counter()
     log = run_dir / "train.log"
     with open(log, "w") as out:

@@ -5,7 +5,7 @@ import os
 import sys
 from pathlib import Path
 
-from pretrain_bench.devices import die_with_parent, hardware_description
+from pretrain_bench.devices import die_with_parent, hardware_description, usable_cpu_count
 from pretrain_bench.logs import console_log, exit_without_teardown
 
 
@@ -24,10 +24,13 @@ def main(argv=None) -> int:
     wait_out_stale_build_locks()  # DeepSpeed loads its CPU op behind torch's build lock in every rank
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--plan", type=Path, required=True)
-    parser.add_argument("--context", type=LaunchContext.from_json, required=True,
-                        help="the launcher's LaunchContext, as JSON")
+    parser.add_argument("--context", type=LaunchContext.from_json, default=None,
+                        help="the launcher's LaunchContext, as JSON (started by torchrun without the launcher: CPU, "
+                             "this node's usable cores shared by its LOCAL_WORLD_SIZE ranks)")
     args = parser.parse_args(argv)
-    plan, launch = Plan.from_json(args.plan), args.context
+    plan = Plan.from_json(args.plan)
+    launch = args.context or LaunchContext.for_job("cpu", int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                                   usable_cpu_count())
     device = launch.device  # what the launcher resolved device_request to
     if device == "cuda":
         import torch

@@ -134,7 +134,12 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
     assert len(mfu) == len(RANKS) * SERIES
     for cell, _ranks, mfu_pct, peak, source, flops in mfu:
         reps = runs[cell]
-        assert mfu_pct == span([s["mfu"] * 100 for s in reps], 2)
+        # a repeat that beat the peak it was given (a peak measured on a busy machine) reports no MFU, and says why
+        notes = [s["mfu_note"] for s in reps if s["mfu_note"]]
+        if notes:
+            assert mfu_pct == "not reported: " + notes[0] and all(s["mfu"] is None for s in reps if s["mfu_note"])
+        else:
+            assert mfu_pct == span([s["mfu"] * 100 for s in reps], 2)
         assert peak == span([s["peak_flops_per_rank"] / 1e12 for s in reps], 3)
         assert source == reps[0]["peak_flops_source"] and flops == fmt(reps[0]["flops_per_token"], 0)
 

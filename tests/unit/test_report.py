@@ -264,7 +264,8 @@ def test_report_says_where_the_weights_came_from_and_what_validation_took(tmp_pa
 
 
 def test_a_summary_of_another_version_or_layout_is_refused_with_the_command_that_rewrites_it(tmp_path):
-    path = tmp_path / "bench" / "ranks1-zero2-fp32-gloo" / "rep1" / "summary.json"
+    run = tmp_path / "results" / "my-run"
+    path = run / "bench" / "ranks1-zero2-fp32-gloo" / "rep1" / "summary.json"
     path.parent.mkdir(parents=True)
     older = {key: value for key, value in summary(1).items() if key not in ("version", "engine")}
     for data, problem in ((older, "it is version None"), ({**summary(1), "version": SUMMARY_VERSION + 1},
@@ -274,14 +275,15 @@ def test_a_summary_of_another_version_or_layout_is_refused_with_the_command_that
         with pytest.raises(SummaryError) as refused:
             RunSummary.read(path)
         assert str(path) in str(refused.value) and problem in str(refused.value)
-        assert "snakemake --cores all --forcerun bench_cell" in str(refused.value)
-    main = tmp_path / "train" / "summary.json"
+        assert ("snakemake --cores all --configfile <its config files> --config name=my-run --forcerun bench_cell "
+                "-- results/my-run/bench/ranks1-zero2-fp32-gloo/rep1/summary.json") in str(refused.value)
+    main = run / "train" / "summary.json"
     main.parent.mkdir()
     main.write_text(json.dumps(older))
     with pytest.raises(SummaryError, match="missing|version None") as refused:
         build_report(main, tmp_path / "metrics.jsonl", [], tmp_path / "r.md", tmp_path / "r.html",
                      tmp_path / "plots", target_corpus_tokens=1e12)
-    assert "--forcerun pretrain" in str(refused.value)
+    assert "--config name=my-run --forcerun pretrain -- results/my-run/train/summary.json" in str(refused.value)
     # what the trainer writes reads back as the same object, key for key
     assert RunSummary.from_dict(json.loads(json.dumps(summary(2)))).to_dict() == summary(2)
 

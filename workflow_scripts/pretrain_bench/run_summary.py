@@ -108,6 +108,14 @@ class RunSummary:
 
 
 def regenerate_command(path: Path | str) -> str:
-    """The Snakemake command that writes the summary at `path` again (a benchmark repeat's or the main run's)."""
-    rule = "bench_cell" if "bench" in Path(path).parts else "pretrain"
-    return f"snakemake --cores all --forcerun {rule}"
+    """The Snakemake command that writes the summary at `path` again: results/<name>/bench/<cell>/rep<k>/summary.json
+    is a benchmark repeat's (rule bench_cell), results/<name>/train/summary.json the main run's (rule pretrain)."""
+    parts = Path(path).parts
+    if "results" not in parts[:-2]:
+        return "snakemake --cores all --forcerun pretrain (with the run's config files)"
+    at = len(parts) - 1 - parts[::-1].index("results")
+    name, stage = parts[at + 1], parts[at + 2]
+    rule = "bench_cell" if stage == "bench" else "pretrain"
+    target = Path(*parts[at:]).as_posix()
+    return (f"snakemake --cores all --configfile <its config files> --config name={name} --forcerun {rule} "
+            f"-- {target}")

@@ -239,10 +239,9 @@ class Trainer:
     def build_engine(self) -> None:
         """The engine of train.engine (DeepSpeed, DDP or FSDP), with the learning-rate schedule of this run."""
         run = EngineRun(device=self.device, total_steps=self.total_steps, measure_comm=self.plan.measure_comm,
-                        pin_memory=self.launch.pin_memory, reshape=bool(self.resume and self.resume.reshape))
+                        pin_memory=self.launch.pin_memory, reshape=bool(self.resume and self.resume.reshape),
+                        config_dir=self.out_dir if self.rank == 0 else None)
         self.engine = self.engine_class(self.model, self.settings, run)
-        if self.rank == 0:
-            self.engine.write_config(self.out_dir)
 
     def restore(self) -> None:
         """Load the chosen checkpoint into the engine (through a universal checkpoint when the world size changed)."""

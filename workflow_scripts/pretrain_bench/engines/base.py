@@ -42,6 +42,9 @@ class EngineRun:
     measure_comm: bool  # the plan asks for communication timing (DeepSpeed: its comms logger, which synchronises)
     pin_memory: bool  # host memory may be pinned (the launcher's probe in the job's slot)
     reshape: bool  # the checkpoint this run resumes from was saved at another world size
+    # where the engine writes its own config file (write_config) before it starts, so the file is there to read
+    # when starting fails; None on every rank but one
+    config_dir: Path | None = None
 
 
 class Engine(abc.ABC):
@@ -60,7 +63,10 @@ class Engine(abc.ABC):
         ran()            precision, ZeRO stage and batch as the engine runs them (for the summary)
         comm_method, comm_ms()   how its collectives are timed (None: they are not), and the total so far
         save(folder, writer, client_state) · checkpoint_folder(root, step) · load(folder)
-        eval() · train() · write_config(folder)
+        eval() · train()
+
+    An engine with a configuration file of its own (DeepSpeed's ds_config.json) writes it into `EngineRun.config_dir`
+    before it starts.
     """
 
     # The keyword arguments of the model's gradient_checkpointing_enable (train.activation_checkpointing).
@@ -122,10 +128,6 @@ class Engine(abc.ABC):
     def comm_ms(self) -> float | None:
         """Milliseconds spent in collectives on this rank so far (None: not timed)."""
         return None
-
-    def write_config(self, folder: Path) -> None:
-        """Write the engine's own configuration file into the run's output folder, where it has one."""
-        return None  # DDP and FSDP take everything from the settings
 
     @abc.abstractmethod
     def save(self, folder: Path, writer, client_state: dict) -> None:

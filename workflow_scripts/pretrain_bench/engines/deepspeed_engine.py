@@ -118,6 +118,8 @@ class DeepSpeedEngine(Engine):
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
                                 category=FutureWarning)
         self.settings, self.reshape = settings, run.reshape
+        if run.config_dir is not None:
+            self.write_config(run.config_dir)
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                     config=self.config,
                                                     lr_scheduler=lr_schedule(settings, run.total_steps))
