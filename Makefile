@@ -56,7 +56,7 @@ test: $(INSTALLED) lint
 # The fast loop while editing: unit tests and the workflow lint (a few minutes on 2 cores). `make test` is the whole
 # suite, what CI runs; `pytest -m pipeline|engine|slurm` picks one kind of integration test.
 check: $(INSTALLED) lint
-	$(BIN)/python -m pytest tests/unit -q
+	$(BIN)/python -m pytest tests/unit -q -n $(TEST_WORKERS)
 
 test-unit: $(INSTALLED)
 	$(BIN)/python -m pytest tests/unit -q

@@ -22,7 +22,7 @@ def small_samples(monkeypatch):
 
 
 def save_checkpoint(root: Path, step: int) -> Path:
-    """A checkpoint as the trainer writes one: files through CheckpointWriter, a file written by someone else, marker."""
+    """A checkpoint as training writes one: files through CheckpointWriter, a file written by someone else, marker."""
     folder = root / ckpt.tag_for(step)
     folder.mkdir(parents=True)
     writer = ckpt.CheckpointWriter(step, folder)
