@@ -84,6 +84,17 @@ def pytest_sessionfinish(session):
 
 
 
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    """A gloo process group of one rank in this process, for the tests that build engines in-process."""
+    import torch.distributed as dist
+
+    store = tmp_path_factory.mktemp("store") / "rendezvous"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A working directory holding the tiny data (config/tiny-cpu.yaml's corpus, tokenizer and shards under run name

@@ -276,3 +276,18 @@ def stdlib_texts(max_bytes: int) -> list[str]:
 def write_jsonl(path: Path, texts: list[str]) -> Path:
     path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     return path
+
+
+class RandomBatches:
+    """Token batches of `batch` × (`seq_len` + 1) random ids from a seeded generator: the same sequence every run."""
+
+    def __init__(self, vocab_size: int, batch: int, seq_len: int, seed: int = 0):
+        import torch
+
+        self.generator = torch.Generator().manual_seed(seed)
+        self.shape, self.vocab_size = (batch, seq_len + 1), vocab_size
+
+    def next_batch(self):
+        import torch
+
+        return torch.randint(0, self.vocab_size, self.shape, generator=self.generator)

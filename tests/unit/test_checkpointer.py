@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from pretrain_bench import checkpoint as ckpt
 from pretrain_bench.checkpointer import Checkpointer, ResumePoint
@@ -15,25 +14,10 @@ from pretrain_bench.engines import DCP_FOLDER, EngineRun, FSDPEngine, engine_sta
 from pretrain_bench.model import ModelShape, build_model
 from pretrain_bench.settings import TrainSettings
 from pretrain_bench.step import PhaseTimer, train_step
+from support import RandomBatches
 
 SHAPE = ModelShape(1, 32, 2, 2, 64, 97)
 B, T, STEPS = 2, 8, 4
-
-
-@pytest.fixture(scope="module")
-def process_group(tmp_path_factory):
-    store = tmp_path_factory.mktemp("store") / "rendezvous"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-class Batches:
-    def __init__(self):
-        self.generator = torch.Generator().manual_seed(0)
-
-    def next_batch(self):
-        return torch.randint(0, SHAPE.vocab_size, (B, T + 1), generator=self.generator)
 
 
 def fsdp_engine(settings) -> FSDPEngine:
@@ -56,7 +40,7 @@ def test_fsdp_checkpoints_are_committed_verified_set_aside_and_restored(process_
     notices = []
     checkpointer = Checkpointer(tmp_path, settings, seq_len=T, rank=0, world=1, run_device="cpu",
                                 fingerprint={"run": "a"}, saves=True, log=notices.append)
-    engine, batches, saved = fsdp_engine(settings), Batches(), {}
+    engine, batches, saved = fsdp_engine(settings), RandomBatches(SHAPE.vocab_size, B, T), {}
     for step in range(1, STEPS + 1):
         train_step(engine, batches, micro_steps=1, vocab=SHAPE.vocab_size, run_device="cpu", timer=PhaseTimer("cpu"))
         if checkpointer.due(step):

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from pretrain_bench import rank as rank_module
 from pretrain_bench.checkpointer import Checkpointer
@@ -21,6 +20,7 @@ from pretrain_bench.rank import TrainingAborted
 from pretrain_bench.settings import TrainSettings
 from pretrain_bench.step import PhaseTimer, train_step
 from pretrain_bench.trainer import Trainer
+from support import RandomBatches
 
 PACKAGE = str(Path(rank_module.__file__).parent)
 SHAPE = ModelShape(1, 32, 2, 2, 64, 97)
@@ -28,20 +28,8 @@ B, T, STEPS = 2, 8, 6
 RUN = EngineRun(device="cpu", total_steps=STEPS, measure_comm=False, pin_memory=True, reshape=False)
 
 
-class Batches:
-    def __init__(self):
-        self.generator = torch.Generator().manual_seed(0)
-
-    def next_batch(self):
-        return torch.randint(0, SHAPE.vocab_size, (B, T + 1), generator=self.generator)
-
-
-@pytest.fixture(scope="module")
-def process_group(tmp_path_factory):
-    store = tmp_path_factory.mktemp("store") / "rendezvous"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+def batches() -> RandomBatches:
+    return RandomBatches(SHAPE.vocab_size, B, T)
 
 
 def trainer_for(engine, settings) -> Trainer:
@@ -105,7 +93,7 @@ def run_steps(trainer, timer_enabled=True):
     for step in range(1, STEPS + 1):
         skipped_before = trainer.engine.skipped_steps
         gathered, step_time, phases = train_step(
-            trainer.engine, Batches(), micro_steps=trainer.settings.grad_accum_steps, vocab=SHAPE.vocab_size,
+            trainer.engine, batches(), micro_steps=trainer.settings.grad_accum_steps, vocab=SHAPE.vocab_size,
             run_device="cpu", timer=timer, read=functools.partial(trainer.gather_step, step))
         records.append(trainer.record(step, gathered, step_time, phases, None, skipped_before))
     return records
@@ -136,13 +124,13 @@ def test_the_gather_carries_the_stop_flag_and_a_non_finite_loss_still_aborts_in_
     engine = DDPEngine(build_model(SHAPE, T, seed=0), settings, RUN)
     trainer = trainer_for(engine, settings)
     trainer.preemption.requested = True
-    gathered, _, _ = train_step(engine, Batches(), micro_steps=1, vocab=SHAPE.vocab_size, run_device="cpu",
+    gathered, _, _ = train_step(engine, batches(), micro_steps=1, vocab=SHAPE.vocab_size, run_device="cpu",
                                 timer=PhaseTimer("cpu"), read=functools.partial(trainer.gather_step, 1))
     assert gathered[0].stop_requested == 1.0, "rank 0's stop flag, read in the same gather"
     trainer.inject_nan_step = 2
     with pytest.raises(TrainingAborted, match=r"non-finite loss at step 2 on rank\(s\) \[0\]; no checkpoint written "
                                               r"after it, the last complete one is step none in state/checkpoints"):
-        train_step(engine, Batches(), micro_steps=1, vocab=SHAPE.vocab_size, run_device="cpu",
+        train_step(engine, batches(), micro_steps=1, vocab=SHAPE.vocab_size, run_device="cpu",
                    timer=PhaseTimer("cpu"), read=functools.partial(trainer.gather_step, 2))
 
 

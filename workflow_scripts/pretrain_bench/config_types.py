@@ -116,8 +116,19 @@ class CorpusSettings:
         return {**dataclasses.asdict(self), "sources": [dict(source) for source in self.sources]}
 
 
+class ConfigBlock:
+    """A config block whose fields are exactly its keys: built from the validated block, written back as a dict."""
+
+    @classmethod
+    def from_config(cls, block: dict):
+        return cls(**block)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 @dataclasses.dataclass(frozen=True)
-class TokenizerSettings:
+class TokenizerSettings(ConfigBlock):
     """The `tokenizer:` block of the config (tokenizer.<key> in schemas/config.schema.yaml); what a training run
     reads of it is tagged plan=True."""
 
@@ -125,42 +136,21 @@ class TokenizerSettings:
     path: str | None = default_field("tokenizer", "path", plan=True)
     train_bytes: int = default_field("tokenizer", "train_bytes")
 
-    @classmethod
-    def from_config(cls, tokenizer: dict) -> TokenizerSettings:
-        return cls(**tokenizer)
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class ShardSettings:
+class ShardSettings(ConfigBlock):
     """The `shards:` block of the config (shards.<key> in schemas/config.schema.yaml)."""
 
     count: int = default_field("shards", "count")
 
-    @classmethod
-    def from_config(cls, shards: dict) -> ShardSettings:
-        return cls(**shards)
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class ReportSettings:
+class ReportSettings(ConfigBlock):
     """The `report:` block of the config (report.<key> in schemas/config.schema.yaml); what a training run reads of it
     is tagged plan=True."""
 
     target_corpus_tokens: float = default_field("report", "target_corpus_tokens")
     peak_tflops: float | None = default_field("report", "peak_tflops", plan=True)
-
-    @classmethod
-    def from_config(cls, report: dict) -> ReportSettings:
-        return cls(**report)
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
