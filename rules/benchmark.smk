@@ -1,8 +1,9 @@
 # The benchmark matrix: every runnable cell of benchmark.matrix × benchmark.repeats is one training launch on
 # resources.gpu = the cell's ranks (rules/common.smk decides at DAG time which cells run; bench/matrix.json lists
-# all of them with the reasons the others were left out). A timed cell takes every core (threads), so no other job
-# shares the machine unless benchmark.allow_concurrent. Runs keep no checkpoints and no HF export; their scratch
-# state lives in bench-state/, outside the declared outputs.
+# all of them with the reasons the others were left out). Repeat r of every cell runs before repeat r + 1 of any
+# (input previous_round), so the repeats of different cells interleave. A timed cell takes every core (threads), so
+# no other job shares the machine unless benchmark.allow_concurrent. Runs keep no checkpoints and no HF export; their
+# scratch state lives in bench-state/, outside the declared outputs.
 
 
 rule measure_peak:
@@ -67,6 +68,7 @@ rule plan_bench_cell:
 rule bench_cell:
     input:
         plan="results/{name}/bench/{cell}/rep{rep}/plan.json",
+        previous_round=bench_previous_round,
         index="results/{name}/shards/index.json",
     output:
         summary=report(

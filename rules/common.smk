@@ -287,6 +287,17 @@ def bench_matrix_outputs(name):
     return [f"results/{name}/bench/matrix.json"] if BENCH_ENABLED else []
 
 
+def bench_previous_round(wildcards):
+    """Repeat r of a cell waits for repeat r - 1 of every cell, so that the repeats of different cells interleave
+    (round 1 of every cell, then round 2 ...) and a slow spell of the machine spreads over cells instead of
+    landing on one. Ancient: an order only, never a reason to rerun a repeat that exists."""
+    rep = int(wildcards.rep)
+    if rep == 1:
+        return []
+    return [ancient(path) for path in expand("results/{name}/bench/{cell}/rep{rep}/summary.json",
+                                             name=wildcards.name, cell=sorted(BENCH_CELLS), rep=rep - 1)]
+
+
 def final_outputs():
     return [
         f"results/{NAME}/report/report.md",

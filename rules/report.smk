@@ -1,5 +1,5 @@
 # The report: built only from this run's JSON files — the main run's summary.json, metrics.jsonl, eval/*.json and lm_eval/*.json,
-# and the benchmark's matrix.json and bench/<cell>/rep<r>/summary.json.
+# and the benchmark's peak.json, matrix.json and bench/<cell>/rep<r>/summary.json.
 
 
 rule report:
@@ -10,6 +10,7 @@ rule report:
         lm_eval=lambda wildcards: lm_eval_outputs(wildcards.name),
         matrix=lambda wildcards: bench_matrix_outputs(wildcards.name),
         bench=lambda wildcards: bench_summaries(wildcards.name),
+        peak="results/{name}/bench/peak.json",
     output:
         md=report("results/{name}/report/report.md", category="Report"),
         html=report("results/{name}/report/report.html", category="Report"),
@@ -20,5 +21,6 @@ rule report:
         "../envs/report.yaml"
     params:
         target_corpus_tokens=REPORT.target_corpus_tokens,
+        gpu_hour_price=REPORT.gpu_hour_price,
     script:
         "../workflow_scripts/build_report.py"

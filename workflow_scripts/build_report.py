@@ -5,12 +5,14 @@ from pathlib import Path
 log = logging.getLogger("pretrain_bench.build_report")
 
 
-def main(summary, metrics, evals, matrix, bench, out_md, out_html, plot_dir, target_corpus_tokens, lm_eval=()):
+def main(summary, metrics, evals, matrix, bench, out_md, out_html, plot_dir, target_corpus_tokens, lm_eval=(),
+         peak=None, gpu_hour_price=None):
     from pretrain_bench.report import build_report
 
     build_report(Path(summary), Path(metrics), [Path(p) for p in evals], Path(out_md), Path(out_html),
                  Path(plot_dir), target_corpus_tokens=target_corpus_tokens, matrix_path=_single(matrix),
-                 bench_paths=[Path(p) for p in bench], lm_eval_paths=[Path(p) for p in lm_eval])
+                 bench_paths=[Path(p) for p in bench], lm_eval_paths=[Path(p) for p in lm_eval],
+                 peak_path=Path(peak) if peak else None, gpu_hour_price=gpu_hour_price)
     log.info("%s", f"report: {out_md} and {out_html}")
 
 
@@ -27,4 +29,4 @@ if "snakemake" in globals():
         main(snakemake.input.summary, snakemake.input.metrics, snakemake.input.evals,  # noqa: F821
              snakemake.input.matrix, snakemake.input.bench, snakemake.output.md,  # noqa: F821
              snakemake.output.html, snakemake.output.plots, snakemake.params.target_corpus_tokens,  # noqa: F821
-             snakemake.input.lm_eval)  # noqa: F821
+             snakemake.input.lm_eval, snakemake.input.peak, snakemake.params.gpu_hour_price)  # noqa: F821

@@ -90,6 +90,13 @@ def test_timed_cells_never_overlapped(run, pipeline):
         assert start_b >= end_a - 1.0, f"{a} and {b} ran at the same time"
 
 
+def test_repeats_of_different_cells_interleave(run):
+    """Repeat 1 of every cell ended before repeat 2 of any cell was written (rule bench_cell's previous_round)."""
+    ends = {rep: [(run / "bench" / cell / f"rep{rep}" / "summary.json").stat().st_mtime for cell in runs_of(run)]
+            for rep in (1, 2)}
+    assert max(ends[1]) < min(ends[2])
+
+
 def _md_table(md: str, heading: str) -> list[list[str]]:
     """Rows (without header) of the first Markdown table after a heading."""
     lines = md.split(heading, 1)[1].splitlines()

@@ -42,7 +42,7 @@ def summary(ranks=1, zero=2, tokens_per_s=1000.0, mem_gib=1.0, comm=None, mfu=0.
         "eval_during_training": None,
         "provenance": {"git_commit": "abc123", "config_sha256": "f" * 64, "versions": {"torch": "2.13.0"},
                        "hardware": {"device": device, "cpu_count": 2, "processor": "test"}, "slurm_job_id": None,
-                       "load_average": [0.5, 0.5, 0.5]},
+                       "load_before": [0.5, 0.5, 0.5], "load_after": [0.5, 0.5, 0.5]},
     }
 
 
@@ -98,7 +98,8 @@ def test_seeds_table_equals_a_recomputation():
     assert tables["headline"]["noisy"] == {} and tables["headline"]["superlinear"] == []
     assert tables["headline"]["lines"][0] == (f"ZeRO-2, fp32, gloo, micro batch 8: 1 → 3 ranks, {fmt(base, 0)} → "
                                               f"{fmt(1900.0, 0)} tokens/s ({fmt(1900 / base, 2)}×, "
-                                              f"{fmt(1900 / base / 3 * 100, 0)}% scaling efficiency)")
+                                              f"{fmt(1900 / base / 3 * 100, 0)}% scaling efficiency over its "
+                                              "1-rank cell)")
     assert "1 cell(s): comm_backend nccl needs CUDA GPUs" in tables["headline"]["lines"][-1]
 
 
@@ -348,3 +349,111 @@ def test_formula_text_comes_from_the_memory_model(monkeypatch):
     assert "model states 16Ψ → 3Ψ + 13Ψ/3" in by_claim["ZeRO-2 cuts per-card memory"]["physics"]
     template = (ROOT / "workflow_scripts/pretrain_bench/templates/report.j2").read_text()
     assert "14Ψ" not in template and "16Ψ/N" not in template  # the notes print formula_texts()
+
+
+def busy(run: RunSummary, before: float, after: float, peak_source: str | None = None) -> RunSummary:
+    """`run` as measured with the given 1-minute load before and after it (and, given, another peak source)."""
+    data = run.to_dict()
+    data["provenance"] = {**data["provenance"], "load_before": [before, 1.0, 1.0], "load_after": [after, 1.0, 1.0]}
+    if peak_source:
+        data["peak_flops_source"] = peak_source
+    return RunSummary.from_dict(data)
+
+
+def test_an_impossible_figure_is_never_quoted_without_its_flag(tmp_path):
+    """The issue's busy machine: a 1-rank cell at 223 tokens/s while the load was 7.97 on 2 cores, 3 ranks at 2,757
+    (412 % efficiency), and a peak measured under the same load."""
+    peak = {**MATRIX["peak"], "load_before": [7.97, 6.0, 5.0], "load_after": [8.1, 6.0, 5.0],
+            "hardware": {"cpu_count": 2}}
+    measured = "measured: test (rule measure_peak), shared by 1 CPU rank(s)"
+    runs = {"ranks1-zero2-fp32-gloo": [busy(typed(1, tokens_per_s=223.0), 7.97, 8.1, measured)] * 2,
+            "ranks3-zero2-fp32-gloo": [busy(typed(3, tokens_per_s=2757.0, comm=0.3), 1.0, 1.9, measured)] * 2}
+    matrix = {**MATRIX, "cells": [entry(1, 2), entry(3, 2)]}
+    tables = build_tables(busy(typed(3), 0.2, 1.8, measured), [], 1e12, matrix, runs, peak=peak)
+    line = tables["headline"]["lines"][0]
+    assert "412% scaling efficiency" in line
+    assert "⚠ efficiency 412 % over its 1-rank cell ranks1-zero2-fp32-gloo is above 100 %: not physical" in line
+    assert "⚠ load above the 2 cores (1-min 7.97 before, 8.10 after)" in line
+    assert tables["headline"]["superlinear"] == ["ranks3-zero2-fp32-gloo"]
+    scaling = {r["cell"]: r for r in tables["scaling"]}
+    assert scaling["ranks3-zero2-fp32-gloo"]["load"] == "1-min 1.00 before, 1.90 after; 1-min 1.00 before, 1.90 after"
+    claims_rows = {r["claim"]: r for r in tables["claims"]}
+    for claim in ("1 GPU: throughput and memory", "3 GPUs, ZeRO-2: speedup", "time per epoch"):
+        assert "⚠ load above the 2 cores" in claims_rows[claim]["measured"], claim
+    assert "⚠ efficiency 412 %" in claims_rows["3 GPUs, ZeRO-2: speedup"]["measured"]
+    # the recommendation (the 3-rank cell, itself quiet) divides its MFU by the peak measured under load
+    recommendation = tables["recommendation"]["sentence"]
+    assert recommendation.startswith("On this hardware the fastest setup that fits is ranks3-zero2-fp32-gloo")
+    assert "⚠ peak measured under load: load above the 2 cores (1-min 7.97 before, 8.10 after)" in recommendation
+    assert tables["peak_flag"] and "⚠" not in tables["recommendation"]["main"]  # it quotes no MFU, the load was low
+    cost = {r["setup"]: r["flags"] for r in tables["cost"]["rows"]}  # the cost quotes tokens/s, no MFU
+    one_rank = cost["ranks1-zero2-fp32-gloo"]
+    assert one_rank.startswith("load above the 2 cores") and "peak" not in one_rank
+    # and the same figures, flags and all, in the rendered report
+    (tmp_path / "summary.json").write_text(json.dumps(busy(typed(3), 0.2, 1.8, measured).to_dict()))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 8.0, "tokens_per_s": 900.0,
+                                                        "step_time_s": 1.0, "after_resume": False}) + "\n")
+    (tmp_path / "matrix.json").write_text(json.dumps(matrix))
+    (tmp_path / "peak.json").write_text(json.dumps(peak))
+    bench = []
+    for cell, reps in runs.items():
+        for rep, run in enumerate(reps, start=1):
+            path = tmp_path / "bench" / cell / f"rep{rep}" / "summary.json"
+            path.parent.mkdir(parents=True)
+            path.write_text(json.dumps(run.to_dict()))
+            bench.append(path)
+    out = tmp_path / "report"
+    build_report(tmp_path / "summary.json", tmp_path / "metrics.jsonl", [], out / "report.md", out / "report.html",
+                 out / "plots", target_corpus_tokens=1e12, matrix_path=tmp_path / "matrix.json", bench_paths=bench,
+                 peak_path=tmp_path / "peak.json")
+    md = (out / "report.md").read_text()
+    glance = md[md.index("**At a glance**"):md.index("## The benchmark matrix")]
+    assert "412% scaling efficiency" in glance and "⚠ efficiency 412 %" in glance and "⚠ load above" in glance
+    top = md[:md.index("**At a glance**")]
+    assert "fastest setup that fits is ranks3-zero2-fp32-gloo" in top and "⚠ peak measured under load" in top
+    assert "**Peak measured under load**" in md
+
+
+def test_the_recommendation_equals_a_recomputation_from_the_summaries():
+    main = typed(3, tokens_per_s=1234.0)
+    found = build_tables(main, [], 1e12, MATRIX, RUNS)["recommendation"]
+    medians = {cell: statistics.median(s.tokens_per_s for s in reps) for cell, reps in RUNS.items()}
+    best = max(medians, key=medians.get)
+    reps = RUNS[best]
+    tps = [s.tokens_per_s for s in reps]
+    mem = [max(s.peak_mem_bytes) for s in reps]
+    mfu = [s.mfu for s in reps]
+    assert best == "ranks3-zero2-fp32-gloo"
+    assert found["sentence"] == (
+        f"On this hardware the fastest setup that fits is {best} (3 rank(s), DeepSpeed ZeRO-2, fp32, gloo, micro "
+        f"batch 8 × 1 accumulation (global batch 24)): {spread(tps, 0)} tokens/s, {spread(mem, 2, 1 / GIB)} GiB per "
+        f"rank, MFU {spread(mfu, 2, 100)} %, median (min–max) over 2 repeat(s).")
+    assert found["main"] == ("Your configured run uses 3 rank(s), DeepSpeed ZeRO-2, fp32, gloo, micro batch 8 × 1 "
+                             f"accumulation (global batch 24): {fmt(1234.0, 0)} tokens/s (the main run, measured), at "
+                             f"{fmt(1234.0 / medians[best] * 100, 0)} % of that.")
+    assert [r["cell"] for r in found["ranking"]] == sorted(medians, key=medians.get, reverse=True)
+
+
+def test_the_cost_is_device_hours_times_the_price():
+    price = {"amount": 2.5, "currency": "EUR"}
+    target = 3e11
+    rows = {r["setup"]: r for r in build_tables(typed(3, tokens_per_s=1500.0), [], target, MATRIX, RUNS,
+                                                price=price)["cost"]["rows"]}
+    # a CPU cell: its ranks share one machine, one machine-hour per hour
+    cell = rows["ranks3-zero2-fp32-gloo"]
+    hours = 1e9 / 1900.0 / 3600
+    assert cell["unit"] == "machine-hours" and cell["devices"] == "1"
+    assert cell["hours_per_billion"] == fmt(hours, 2) and cell["cost_per_billion"] == f"{fmt(hours * 2.5, 2)} EUR"
+    assert cell["cost_per_epoch"] == f"{fmt(hours * 300 * 2.5, 2)} EUR"
+    main = rows["the main run"]
+    assert main["hours_per_epoch"] == fmt(target / 1500.0 / 3600, 0)
+    # the articles' 3-GPU claim: 3 GPUs at their 3,400 tokens/s
+    three = rows[f"3 × {claims.SETUP['gpu']}, ZeRO-2"]
+    gpu_hours = 3 * 1e9 / claims.CLAIMS["three_gpus"]["tokens_per_s"] / 3600
+    assert three["unit"] == "GPU-hours" and three["hours_per_billion"] == fmt(gpu_hours, 2)
+    assert three["cost_per_billion"] == f"{fmt(gpu_hours * 2.5, 2)} EUR"
+    assert "claimed by the source articles" in three["source"]
+    # without a price: device-hours only
+    unpriced = build_tables(typed(3), [], target, MATRIX, RUNS)["cost"]
+    assert unpriced["price"] is None and all(r["cost_per_billion"] == "n/a" for r in unpriced["rows"])
+    assert all(r["hours_per_billion"] != "n/a" for r in unpriced["rows"])

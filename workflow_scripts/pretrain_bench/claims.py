@@ -21,6 +21,7 @@ from .memory_model import (
     torch_state_bytes,
 )
 from .model import PRESETS, count_parameters
+from .physical_checks import flagged
 from .tables import (
     BACKEND_COLUMNS,
     COMMUNICATION_COLUMNS,
@@ -107,6 +108,11 @@ def formula_texts() -> dict[str, str]:
     return {**stages, **{engine: short_formula(text) for engine, text in TORCH_STATE_FORMULAS.items()}}
 
 
+def scaling_flags(scaling: list[dict], cell: str) -> list[str]:
+    """The physical checks' flags of a cell's row in the scaling table (none when it has no row)."""
+    return next((r["flags"] for r in scaling if r["cell"] == cell), [])
+
+
 def check_claims(frames: ReportFrames) -> list[dict]:
     """Rows: claim, claimed figures, what physics allows (7B on 24 GB cards), what this run measured, verdict."""
     scaling, memory = records(frames.scaling), records(frames.memory)
@@ -134,7 +140,8 @@ def claim_one_gpu(scaling: list[dict]) -> dict:
         "physics": (f"7B, fp16, no offload: {fmt(need)} GiB needed vs {SETUP['gpu_memory_gib']} GiB; with ZeRO-2 "
                     f"optimizer offload: {text_off}. Compute: {fmt(share * 100)}% of the {SETUP['gpu']}'s "
                     f"{GPU_PEAK_TFLOPS_16BIT[SETUP['gpu']]} TFLOP/s peak"),
-        "measured": "; ".join(f"{r['series']}: {r['tokens_per_s']} tokens/s, {r['mem_gib']} GiB" for r in base)
+        "measured": "; ".join(flagged(f"{r['series']}: {r['tokens_per_s']} tokens/s, {r['mem_gib']} GiB",
+                                      scaling_flags(scaling, r["cell"])) for r in base)
         or "no 1-rank cell ran",
         "verdict": ("memory impossible without offload" if not fits else "possible")
         + ("; possible only with optimizer offload" if fits_off and not fits else "")
@@ -176,8 +183,10 @@ def claim_three_gpu_speedup(scaling: list[dict]) -> dict:
                    f"× from the two throughputs)",
         "physics": f"at most {three['gpus']}× (weak scaling: batch {one['batch']} → {three['batch']}); "
                    f"{fmt(_flops_share(three['tokens_per_s'], 3) * 100)}% of peak per GPU",
-        "measured": (f"{shown['series']}: {shown['speedup']} on {shown['ranks']} ranks "
-                     f"({shown['efficiency_pct']}% efficiency)") if shown else "no 1-rank baseline ran",
+        "measured": flagged(f"{shown['series']}: {shown['speedup']} on {shown['ranks']} ranks "
+                            f"({shown['efficiency_pct']}% efficiency; {shown['speedup_best']} over the fastest "
+                            f"1-rank cell, {largest['best_cell']})", largest["flags"])
+        if shown else "no 1-rank baseline ran",
         "verdict": ("ZeRO-2 as described does not fit (row 2): this throughput cannot come from that setup"
                     + (" unless the optimizer was offloaded, which the articles do not mention" if fits3_off else "")
                     if not fits3 else "plausible"),
@@ -241,7 +250,8 @@ def claim_epoch_time(scaling: list[dict], target_corpus_tokens: float) -> dict:
         "physics": (f"{fmt(one['epoch_days'])} days at {fmt(one['tokens_per_s'])} tokens/s is {implied:,.3g} tokens; "
                     f"an epoch of {target_corpus_tokens:,.3g} tokens (report.target_corpus_tokens) at that rate takes "
                     f"{fmt_duration(target_corpus_tokens / one['tokens_per_s'])}"),
-        "measured": "; ".join(f"{r['cell']}: {r['epoch']} (extrapolated)" for r in shown) or "no cell ran",
+        "measured": "; ".join(flagged(f"{r['cell']}: {r['epoch']} (extrapolated)", scaling_flags(scaling, r["cell"]))
+                              for r in shown) or "no cell ran",
         "verdict": f"inconsistent with the claimed throughput by {fmt(target_corpus_tokens / implied, 0)}×",
     }
 
@@ -265,8 +275,8 @@ def claim_eight_nodes(comms: list[dict]) -> dict:
         "physics": (f"DDP replicates the model states ({short_formula(TORCH_STATE_FORMULAS['ddp'])}: fp32 params, "
                     f"fp32 grads, AdamW moments): {fmt(ddp / GIB, 0)} GiB per GPU; even ZeRO-3 over "
                     f"{eight['nodes']}: {fmt(zero3 / GIB, 0)} GiB vs {eight['gpu_memory_gib']} GiB"),
-        "measured": (f"communication share at {shown['ranks']} ranks ({shown['cell']}): {shown['comm_pct']}%"
-                     if shown else "no multi-rank cell ran"),
+        "measured": (flagged(f"communication share at {shown['ranks']} ranks ({shown['cell']}): {shown['comm_pct']}%",
+                             comm_top["flags"]) if shown else "no multi-rank cell ran"),
         "verdict": ("impossible as described" if ddp > budget else "possible")
         + ("; impossible with any ZeRO stage without offload" if zero3 > budget else ""),
     }

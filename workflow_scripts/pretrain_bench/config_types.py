@@ -151,6 +151,7 @@ class ReportSettings(ConfigBlock):
 
     target_corpus_tokens: float = default_field("report", "target_corpus_tokens")
     peak_tflops: float | None = default_field("report", "peak_tflops", plan=True)
+    gpu_hour_price: dict | None = default_field("report", "gpu_hour_price")  # {amount, currency} or None
 
 
 @dataclasses.dataclass(frozen=True)

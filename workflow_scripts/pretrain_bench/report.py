@@ -18,8 +18,11 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from . import plots as plotting
 from . import tables as t
 from .claims import CLAIMS, SETUP, check_claims, formula_texts
+from .cost import cost_columns, cost_frame
 from .formats import fmt, fmt_duration
 from .io import atomic_write_text, read_jsonl
+from .physical_checks import load_text, peak_flag, run_load_flag
+from .recommendation import ranking, recommend
 from .run_summary import RunSummary
 from .tables import GIB, ReportFrames, engine_label, format_frame, report_frames
 
@@ -35,9 +38,41 @@ def load_bench(summary_paths: list[Path]) -> dict[str, list[RunSummary]]:
     return {cell: [s for _, s in sorted(reps, key=lambda item: item[0])] for cell, reps in runs.items()}
 
 
-def format_tables(frames: ReportFrames) -> dict:
-    """Every table of the report as rows of text, as the template prints them: the frames formatted once."""
+def format_recommendation(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]]) -> dict | None:
+    """The recommendation (fastest measured setup, and the configured run against it) with its ranking as text."""
+    found = recommend(runs_by_cell, frames.main, frames.peak)
+    if found is None:
+        return None
+    ranking = format_frame(found["ranking"], RANKING_COLUMNS)
+    return {"sentence": found["sentence"], "main": found["main"], "ranking": ranking}
+
+
+RANKING_COLUMNS = {
+    "cell": lambda r: r["cell"], "setup": lambda r: r["setup"], "repeats": lambda r: str(r["repeats"]),
+    "tokens_per_s": lambda r: t.spread(r["tokens_per_s_values"], 0),
+    "mem_gib": lambda r: t.spread(r["mem_bytes_values"], 2, 1 / GIB),
+    "mfu_pct": lambda r: t.mfu_figure_text(r["mfu_values"], r["mfu_notes"]),
+    "flags": lambda r: "; ".join(r["flags"]) or "—",
+}
+
+
+def format_cost(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]], price: dict | None) -> dict:
+    """The cost table as text, and the price it used (None: device-hours only)."""
+    main_flags = [flag for flag in [run_load_flag(frames.main.provenance)] if flag]
+    table = cost_frame(ranking(runs_by_cell, frames.peak), frames.main, frames.target_corpus_tokens, price,
+                       main_flags)
+    return {"rows": format_frame(table, cost_columns(price)), "price": price,
+            "price_text": f"{fmt(price['amount'], 2)} {price['currency']}" if price else None}
+
+
+def format_tables(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]] | None = None,
+                  price: dict | None = None) -> dict:
+    """Every table of the report as rows of text, as the template prints them: the frames formatted once.
+    price: report.gpu_hour_price ({amount, currency}), or None for device-hours only."""
+    runs_by_cell = runs_by_cell or {}
     return {
+        "recommendation": format_recommendation(frames, runs_by_cell),
+        "cost": format_cost(frames, runs_by_cell, price),
         "throughput": format_frame(frames.throughput, t.THROUGHPUT_COLUMNS),
         "evaluation": format_frame(frames.evaluation, t.EVALUATION_COLUMNS),
         "generations": format_frame(frames.generations, t.GENERATION_COLUMNS),
@@ -52,6 +87,11 @@ def format_tables(frames: ReportFrames) -> dict:
         "lm_eval": format_frame(frames.lm_eval, t.LM_EVAL_COLUMNS),
         "mfu": format_frame(frames.mfu, t.MFU_COLUMNS),
         "headline": t.headline(frames),
+        "main_load": load_text(frames.main.provenance.get("load_before"), frames.main.provenance.get("load_after")),
+        "main_flags": t.mfu_flags(frames.main.peak_flops_source, frames.peak,
+                                  [flag for flag in [run_load_flag(frames.main.provenance)] if flag]),
+        "peak_load": load_text((frames.peak or {}).get("load_before"), (frames.peak or {}).get("load_after")),
+        "peak_flag": peak_flag(frames.peak),
         "claims": check_claims(frames),
         "provenance": {"main": t.provenance([frames.main]),
                        "bench": t.provenance(frames.bench) if frames.bench else None},
@@ -59,9 +99,11 @@ def format_tables(frames: ReportFrames) -> dict:
 
 
 def build_tables(summary: RunSummary, evals: list[dict], target_corpus_tokens: float, matrix: dict | None = None,
-                 runs_by_cell: dict[str, list[RunSummary]] | None = None, lm_evals: list[dict] = ()) -> dict:
+                 runs_by_cell: dict[str, list[RunSummary]] | None = None, lm_evals: list[dict] = (),
+                 peak: dict | None = None, price: dict | None = None) -> dict:
     """Every table of the report, as rows of text (`format_tables` of `report_frames`)."""
-    return format_tables(report_frames(summary, evals, target_corpus_tokens, matrix, runs_by_cell, lm_evals))
+    frames = report_frames(summary, evals, target_corpus_tokens, matrix, runs_by_cell, lm_evals, peak)
+    return format_tables(frames, runs_by_cell, price)
 
 
 def _cell(text) -> str:
@@ -132,21 +174,23 @@ def draw_plots(frames: ReportFrames, records: list[dict], evals: list[dict], plo
 
 def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path], out_md: Path, out_html: Path,
                  plot_dir: Path, *, target_corpus_tokens: float, matrix_path: Path | None = None,
-                 bench_paths: list[Path] = (), lm_eval_paths: list[Path] = ()) -> dict:
+                 bench_paths: list[Path] = (), lm_eval_paths: list[Path] = (), peak_path: Path | None = None,
+                 gpu_hour_price: dict | None = None) -> dict:
     summary = RunSummary.read(summary_path)
     records = read_jsonl(metrics_path)
     evals = [json.loads(Path(p).read_text()) for p in eval_paths]
     matrix = json.loads(Path(matrix_path).read_text()) if matrix_path else None
     runs_by_cell = load_bench(bench_paths)
     lm_evals = [json.loads(Path(p).read_text()) for p in lm_eval_paths]
-    frames = report_frames(summary, evals, target_corpus_tokens, matrix, runs_by_cell, lm_evals)
-    tables = format_tables(frames)
+    peak = json.loads(Path(peak_path).read_text()) if peak_path else None
+    frames = report_frames(summary, evals, target_corpus_tokens, matrix, runs_by_cell, lm_evals, peak)
+    tables = format_tables(frames, runs_by_cell, gpu_hour_price)
     plots = draw_plots(frames, records, evals, Path(plot_dir))
 
     bench = frames.bench
     context = {
         "summary": summary, "tables": tables, "fmt": fmt, "plots": plots, "matrix": matrix,
-        "peak": (matrix or {}).get("peak"), "claims_source": CLAIMS, "setup": SETUP, "GIB": GIB,
+        "peak": frames.peak, "claims_source": CLAIMS, "setup": SETUP, "GIB": GIB,
         "formulas": formula_texts(), "bench_count": len(bench), "cells_run": len(runs_by_cell),
         "bench_oversubscribed": sum(s.oversubscribed for s in bench),
         "comm_method": next((s.comm_method for s in bench if s.comm_fraction is not None), summary.comm_method),

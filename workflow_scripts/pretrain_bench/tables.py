@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from .formats import fmt, fmt_duration
+from .physical_checks import efficiency_flag, flagged, load_text, peak_flag, run_load_flag
 from .run_summary import RunSummary
 
 __all__ = ["GIB", "fmt", "fmt_duration", "spread", "ReportFrames", "report_frames", "format_frame"]
@@ -92,11 +93,15 @@ class ReportFrames:
     engines: pd.DataFrame
     mfu: pd.DataFrame
     left_out: dict[str, int]  # why declared cells did not run: reason → cells
+    peak: dict | None = None  # bench/peak.json: the machine's peak FLOP/s, with the load around its measurement
 
 
 def report_frames(summary: RunSummary, evals: list[dict], target_corpus_tokens: float, matrix: dict | None = None,
-                  runs_by_cell: dict[str, list[RunSummary]] | None = None, lm_evals: list[dict] = ()) -> ReportFrames:
+                  runs_by_cell: dict[str, list[RunSummary]] | None = None, lm_evals: list[dict] = (),
+                  peak: dict | None = None) -> ReportFrames:
+    """peak: bench/peak.json (else the copy matrix.json holds)."""
     matrix = matrix or {"cells": [], "device": summary.device}
+    peak = peak or matrix.get("peak")
     runs_by_cell = runs_by_cell or {}
     cells = cell_table(matrix, runs_by_cell)
     return ReportFrames(
@@ -107,8 +112,8 @@ def report_frames(summary: RunSummary, evals: list[dict], target_corpus_tokens: 
         generations=generations_frame(evals), lm_eval=lm_eval_frame(list(lm_evals)), cells=cells,
         matrix=matrix_frame(matrix, cells), scaling=scaling_frame(matrix, cells, target_corpus_tokens),
         memory=memory_frame(matrix, cells), communication=communication_frame(matrix, cells),
-        backends=backend_frame(matrix, cells), engines=engine_frame(matrix, cells), mfu=mfu_frame(matrix, cells),
-        left_out=left_out(matrix),
+        backends=backend_frame(matrix, cells), engines=engine_frame(matrix, cells),
+        mfu=mfu_frame(matrix, cells, peak), left_out=left_out(matrix), peak=peak,
     )
 
 
@@ -200,7 +205,7 @@ LM_EVAL_COLUMNS = {
 # What one repeat of a cell measured (its summary.json), aggregated per cell over the repeats.
 FIGURES = ("tokens_per_s", "step_time_s", "mem_bytes", "mfu", "comm_fraction", "peak_flops_per_rank")
 REPEAT_COLUMNS = ("cell", "repeat", *FIGURES, "oversubscribed", "global_batch_size", "tokens_per_step",
-                  "mfu_note", "comm_method", "peak_flops_source", "flops_per_token")
+                  "mfu_note", "comm_method", "peak_flops_source", "flops_per_token", "load", "load_flag")
 
 
 def repeats_frame(matrix: dict, runs_by_cell: dict[str, list[RunSummary]]) -> pd.DataFrame:
@@ -210,7 +215,9 @@ def repeats_frame(matrix: dict, runs_by_cell: dict[str, list[RunSummary]]) -> pd
              "comm_fraction": run.comm_fraction, "peak_flops_per_rank": run.peak_flops_per_rank,
              "oversubscribed": run.oversubscribed, "global_batch_size": run.global_batch_size,
              "tokens_per_step": run.tokens_per_step, "mfu_note": run.mfu_note, "comm_method": run.comm_method,
-             "peak_flops_source": run.peak_flops_source, "flops_per_token": run.flops_per_token}
+             "peak_flops_source": run.peak_flops_source, "flops_per_token": run.flops_per_token,
+             "load": load_text(run.provenance.get("load_before"), run.provenance.get("load_after")),
+             "load_flag": run_load_flag(run.provenance)}
             for entry in matrix["cells"] for number, run in enumerate(runs_by_cell.get(entry["cell"], []), 1)]
     table = frame(rows, REPEAT_COLUMNS)
     # None (not measured) as NaN, so that every figure column is numeric
@@ -233,6 +240,8 @@ def cell_table(matrix: dict, runs_by_cell: dict[str, list[RunSummary]]) -> pd.Da
     for column in ("global_batch_size", "tokens_per_step", "comm_method", "peak_flops_source", "flops_per_token"):
         table[column] = grouped[column].first()
     table["mfu_notes"] = grouped["mfu_note"].agg(lambda column: column.dropna().tolist())
+    table["loads"] = grouped["load"].agg(list)  # per repeat: the 1-min load before and after it
+    table["load_flags"] = grouped["load_flag"].agg(lambda column: list(dict.fromkeys(column.dropna())))
     return table
 
 
@@ -268,9 +277,20 @@ def _tokens_per_s(cells: pd.DataFrame, cell: str) -> float | None:
     return _number(cells.at[cell, "tokens_per_s"])
 
 
+def fastest_one_rank(matrix: dict, cells: pd.DataFrame) -> dict | None:
+    """The matrix entry of the fastest measured 1-rank cell, whatever its engine (a plain single-device run, DDP on
+    one rank, among them where it ran): the baseline a user compares N devices against."""
+    ones = [e for e in _ran(matrix, cells) if e["gpus"] == 1 and _tokens_per_s(cells, e["cell"])]
+    return max(ones, key=lambda e: _tokens_per_s(cells, e["cell"]), default=None)
+
+
 def scaling_frame(matrix: dict, cells: pd.DataFrame, target_corpus_tokens: float) -> pd.DataFrame:
-    """The source articles' table: per series, 1 vs N ranks — tokens/s, speedup, efficiency, memory, time per epoch."""
+    """The source articles' table: per series, 1 vs N ranks — tokens/s, speedup and efficiency over the series' own
+    1-rank cell and over the fastest 1-rank cell of the matrix, memory, time per epoch, the load around each repeat
+    and the flags of the physical checks (pretrain_bench.physical_checks)."""
     entries = _ran(matrix, cells)
+    best = fastest_one_rank(matrix, cells)
+    best_tps = _tokens_per_s(cells, best["cell"]) if best else None
     rows = []
     for key in sorted({group_key(e) for e in entries}, key=str):
         series = sorted((e for e in entries if group_key(e) == key), key=lambda e: e["gpus"])
@@ -280,19 +300,31 @@ def scaling_frame(matrix: dict, cells: pd.DataFrame, target_corpus_tokens: float
             cell = cells.loc[entry["cell"]]
             tps = _number(cell["tokens_per_s"])
             speedup = tps / base_tps if base_tps and tps else None
+            speedup_best = tps / best_tps if best_tps and tps else None
+            efficiency = speedup / entry["gpus"] * 100 if speedup else None
+            efficiency_best = speedup_best / entry["gpus"] * 100 if speedup_best else None
+            # a timing is as trustworthy as the busiest of the runs it is divided by
+            timed = [entry["cell"]] + [b["cell"] for b in (base, best) if b and entry["gpus"] > 1]
+            flags = [flag for name in dict.fromkeys(timed) for flag in cells.at[name, "load_flags"]]
+            flags += [efficiency_flag(efficiency, f"its 1-rank cell {base['cell']}") if base else None,
+                      efficiency_flag(efficiency_best, f"the fastest 1-rank cell {best['cell']}") if best else None]
             rows.append({
                 "series": group_label(entry), "cell": entry["cell"], "ranks": entry["gpus"],
                 "engine": entry["engine"], "global_batch_size": _number(cell["global_batch_size"]),
                 "repeats": _number(cell["repeats"]), "tokens_per_s": tps,
                 "tokens_per_s_values": cell["tokens_per_s_values"], "speedup": speedup,
-                "efficiency_pct": speedup / entry["gpus"] * 100 if speedup else None,
+                "efficiency_pct": efficiency, "baseline_cell": base["cell"] if base else None,
+                "speedup_best": speedup_best, "efficiency_best_pct": efficiency_best,
+                "best_cell": best["cell"] if best else None,
                 "mem_bytes_values": cell["mem_bytes_values"],
                 "epoch_s": target_corpus_tokens / tps if tps else None,
-                "oversubscribed": bool(cell["oversubscribed"]),
+                "oversubscribed": bool(cell["oversubscribed"]), "loads": cell["loads"],
+                "flags": [flag for flag in dict.fromkeys(flags) if flag],
             })
     return frame(rows, ("series", "cell", "ranks", "engine", "global_batch_size", "repeats", "tokens_per_s",
-                        "tokens_per_s_values", "speedup", "efficiency_pct", "mem_bytes_values", "epoch_s",
-                        "oversubscribed"))
+                        "tokens_per_s_values", "speedup", "efficiency_pct", "baseline_cell", "speedup_best",
+                        "efficiency_best_pct", "best_cell", "mem_bytes_values", "epoch_s", "oversubscribed", "loads",
+                        "flags"))
 
 
 SCALING_COLUMNS = {
@@ -301,6 +333,11 @@ SCALING_COLUMNS = {
     "tokens_per_s": lambda r: spread(r["tokens_per_s_values"], 0),
     "speedup": lambda r: _times(r["speedup"]) if r["speedup"] else "n/a",
     "efficiency_pct": lambda r: fmt(r["efficiency_pct"], 0) if r["speedup"] else "n/a",
+    "speedup_best": lambda r: _times(r["speedup_best"]) if r["speedup_best"] else "n/a",
+    "efficiency_best_pct": lambda r: fmt(r["efficiency_best_pct"], 0) if r["speedup_best"] else "n/a",
+    "load": lambda r: "; ".join(r["loads"]),
+    "best_cell": lambda r: r["best_cell"] or "",
+    "flags": lambda r: "; ".join(r["flags"]) or "—",
     "mem_gib": lambda r: spread(r["mem_bytes_values"], 2, 1 / GIB),
     "epoch": lambda r: fmt_duration(r["epoch_s"]) if r["epoch_s"] is not None else "n/a",
     "oversubscribed": lambda r: "yes" if r["oversubscribed"] else "no",
@@ -361,8 +398,10 @@ def communication_frame(matrix: dict, cells: pd.DataFrame) -> pd.DataFrame:
         cell = cells.loc[entry["cell"]]
         rows.append({"cell": entry["cell"], "engine": entry["engine"], "ranks": entry["gpus"],
                      "comm_backend": entry["comm_backend"], "comm_fraction": _number(cell["comm_fraction"]),
-                     "comm_fraction_values": cell["comm_fraction_values"], "method": cell["comm_method"]})
-    return frame(rows, ("cell", "engine", "ranks", "comm_backend", "comm_fraction", "comm_fraction_values", "method"))
+                     "comm_fraction_values": cell["comm_fraction_values"], "method": cell["comm_method"],
+                     "flags": cell["load_flags"]})
+    return frame(rows, ("cell", "engine", "ranks", "comm_backend", "comm_fraction", "comm_fraction_values", "method",
+                        "flags"))
 
 
 COMMUNICATION_COLUMNS = {
@@ -466,16 +505,23 @@ def mfu_figure_text(mfus: list, notes: list[str]) -> str:
     return spread(mfus, 2, 100)
 
 
-def mfu_frame(matrix: dict, cells: pd.DataFrame) -> pd.DataFrame:
+def mfu_flags(peak_source: str | None, peak: dict | None, load_flags: list[str]) -> list[str]:
+    """Why an MFU cannot be trusted: its run's own load, and a peak (rule measure_peak's) measured under load."""
+    measured_here = bool(peak_source) and "rule measure_peak" in peak_source
+    return [*load_flags, *([peak_flag(peak)] if measured_here and peak_flag(peak) else [])]
+
+
+def mfu_frame(matrix: dict, cells: pd.DataFrame, peak: dict | None = None) -> pd.DataFrame:
     rows = []
     for entry in _ran(matrix, cells):
         cell = cells.loc[entry["cell"]]
         rows.append({"cell": entry["cell"], "ranks": entry["gpus"], "mfu_values": cell["mfu_values"],
                      "mfu_notes": cell["mfu_notes"], "peak_flops_per_rank_values": cell["peak_flops_per_rank_values"],
                      "peak_flops_source": cell["peak_flops_source"],
-                     "flops_per_token": _number(cell["flops_per_token"])})
+                     "flops_per_token": _number(cell["flops_per_token"]),
+                     "flags": mfu_flags(cell["peak_flops_source"], peak, cell["load_flags"])})
     return frame(rows, ("cell", "ranks", "mfu_values", "mfu_notes", "peak_flops_per_rank_values",
-                        "peak_flops_source", "flops_per_token"))
+                        "peak_flops_source", "flops_per_token", "flags"))
 
 
 MFU_COLUMNS = {
@@ -483,6 +529,7 @@ MFU_COLUMNS = {
     "mfu_pct": lambda r: mfu_figure_text(r["mfu_values"], r["mfu_notes"]),
     "peak_tflops": lambda r: spread(r["peak_flops_per_rank_values"], 3, 1e-12),
     "peak_source": lambda r: r["peak_flops_source"] or "n/a", "flops_per_token": lambda r: fmt(r["flops_per_token"], 0),
+    "flags": lambda r: "; ".join(r["flags"]) or "—",
 }
 
 STATUS_LABELS = {"run": "ran", "unsupported": "left out: not supported here", "predicted_oom": "predicted OOM"}
@@ -541,23 +588,34 @@ def headline(frames: ReportFrames) -> dict:
         one = next((r for r in rows if r["ranks"] == 1), None)
         top = max(rows, key=lambda r: r["ranks"])
         if one and top is not one:
-            text = format_row(top, SCALING_COLUMNS)
-            lines.append(f"{label}: 1 → {text['ranks']} ranks, {fmt(median(one['tokens_per_s_values']), 0)} → "
-                         f"{fmt(median(top['tokens_per_s_values']), 0)} tokens/s ({text['speedup']}, "
-                         f"{text['efficiency_pct']}% scaling efficiency)")
+            lines.append(scaling_line(label, one, top))
     for row in format_frame(frames.backends, BACKEND_COLUMNS):
         lines.append(f"NCCL vs Gloo at {row['ranks']} ranks, ZeRO-{row['zero_stage']}: NCCL "
                      f"{row['nccl_faster_pct']}% faster")
     if frames.left_out:
         lines.append("left out: " + "; ".join(f"{count} cell(s): {reason}"
                                               for reason, count in frames.left_out.items()))
-    superlinear = [r["cell"] for r in scaling if r["speedup"] and r["speedup"] / r["ranks"] > 1.05]
+    superlinear = [r["cell"] for r in scaling
+                   if any(efficiency_flag(r[key], "") for key in ("efficiency_pct", "efficiency_best_pct"))]
     # repeats that disagree by more than a quarter of their median: the machine was not quiet
     spreads = {r["cell"]: (max(values) - min(values)) / median(values)
                for r in scaling if len(values := r["tokens_per_s_values"]) > 1}
     noisy = {cell: value for cell, value in spreads.items() if value > NOISY_SPREAD}
     return {"lines": lines, "superlinear": superlinear, "noisy": noisy, "noisy_threshold_pct": NOISY_SPREAD * 100,
             "noisy_text": ", ".join(f"{cell} ±{fmt(value * 50, 0)}%" for cell, value in sorted(noisy.items()))}
+
+
+def scaling_line(label: str, one: dict, top: dict) -> str:
+    """'<series>: 1 → 3 ranks, 223 → 2,757 tokens/s (12.35×, 412% scaling efficiency over its 1-rank cell; 0.73×,
+    24% over the fastest 1-rank cell, ddp-ranks1-fp32-gloo) [⚠ flags]': never without the top cell's flags."""
+    text = format_row(top, SCALING_COLUMNS)
+    line = (f"{label}: 1 → {text['ranks']} ranks, {fmt(median(one['tokens_per_s_values']), 0)} → "
+            f"{fmt(median(top['tokens_per_s_values']), 0)} tokens/s ({text['speedup']}, "
+            f"{text['efficiency_pct']}% scaling efficiency over its 1-rank cell")
+    if top["best_cell"] and top["best_cell"] != one["cell"]:
+        line += (f"; {text['speedup_best']}, {text['efficiency_best_pct']}% over the fastest 1-rank cell, "
+                 f"{top['best_cell']}")
+    return flagged(line + ")", top["flags"])
 
 
 def provenance(summaries: list[RunSummary]) -> dict:
@@ -570,6 +628,8 @@ def provenance(summaries: list[RunSummary]) -> dict:
         "files": len(summaries),
         "git_commit": ", ".join(distinct(s.provenance["git_commit"] for s in summaries)) or "n/a",
         "config_sha256": ", ".join(distinct(s.provenance["config_sha256"] for s in summaries)) or "n/a",
+        # results/data/<data_id>: the corpus, tokenizer and shards the runs read (absent from older summaries)
+        "data_id": ", ".join(distinct(s.provenance.get("data_id") or "n/a" for s in summaries)),
         "versions": " | ".join(distinct(", ".join(f"{k} {v}" for k, v in sorted(ver.items())) for ver in versions)),
         "hardware": " | ".join(distinct(
             ", ".join(f"{k}={v}" for k, v in sorted(h.items()) if k != "threads_per_rank") for h in hardware)),
