@@ -130,7 +130,7 @@ def bench_loader(work: Path, draws: int, steps: int) -> dict:
     micro_batch_size, seq_len = 8, 128
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    build_index([work / "train-00000.json"], work / "index.json", seq_len=seq_len)
+    build_index([work / "train-00000.json"], work / "index.json")
     data = PackedTokens(work / "index.json", "train", seq_len)
     batches = RankBatches(data, rank=0, world_size=1, micro_batch_size=micro_batch_size, seed=0)
     for _ in range(10):  # first touches of the memmap pages

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,16 +29,20 @@ MODEL_OVERRIDES = {"hidden_size": 384, "num_attention_heads": 6, "num_key_value_
                    "intermediate_size": 1024, "num_hidden_layers": 6}
 
 
-def build_data() -> tuple[dict, Path]:
+def build_data() -> tuple[dict, SimpleNamespace]:
+    """The tiny config and the folders of its data (`.tokenizer`, `.shards` under results/data/), built first."""
     from pretrain_bench.config_types import load_config
+    from pretrain_bench.data_products import DataProducts
 
-    targets = [f"results/{NAME}/shards/index.json", f"results/{NAME}/tokenizer/tokenizer.json"]
+    products = DataProducts.from_config(load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml"))
+    targets = [products.index, products.tokenizer_json]
     subprocess.run([sys.executable, "-m", "snakemake", *targets, "--cores", str(os.cpu_count()), "--configfile",
                     "config/tiny-cpu.yaml", "--config", f"name={NAME}", "--quiet"], cwd=ROOT, check=True)
     config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     config["name"] = NAME
     config["model"]["overrides"] = MODEL_OVERRIDES
-    return config, ROOT / "results" / NAME
+    return config, SimpleNamespace(tokenizer=ROOT / "results" / products.tokenizer,
+                                   shards=ROOT / "results" / products.shards)
 
 
 VARIANTS = {"zero0": {"zero_stage": 0}, "zero2": {"zero_stage": 2}, "ddp": {"engine": "ddp", "zero_stage": 0},
@@ -47,14 +52,14 @@ VARIANTS = {"zero0": {"zero_stage": 0}, "zero2": {"zero_stage": 2}, "ddp": {"eng
 DEFAULT_VARIANTS = ["zero0", "zero2", "ddp", "fsdp"]
 
 
-def run_trainer(config: dict, results: Path, steps: int, warmup: int, variant: str, work: Path) -> dict:
+def run_trainer(config: dict, results: SimpleNamespace, steps: int, warmup: int, variant: str, work: Path) -> dict:
     from pretrain_bench.plan import make_plan, plan_config
     from pretrain_bench.run_summary import RunSummary
 
     train = {"gpus": 1, "global_batch_size": None, "max_steps": steps, "warmup_timing_steps": warmup,
              "checkpoint_every": 10**6, **VARIANTS[variant]}
-    plan = make_plan(plan_config(config, {**config["train"], **train}), index=results / "shards" / "index.json",
-                     tokenizer=results / "tokenizer", out_dir=work / variant, state_dir=work / f"state-{variant}",
+    plan = make_plan(plan_config(config, {**config["train"], **train}), index=results.shards / "index.json",
+                     tokenizer=results.tokenizer, out_dir=work / variant, state_dir=work / f"state-{variant}",
                      role="bench", resume=False, save_checkpoints=False)
     plan_path = work / f"plan-{variant}.json"
     plan.to_json(plan_path)
@@ -67,7 +72,7 @@ def run_trainer(config: dict, results: Path, steps: int, warmup: int, variant: s
     return RunSummary.read(work / variant / "summary.json").to_dict()
 
 
-def run_plain_loop(config: dict, results: Path, steps: int, warmup: int, fused: bool) -> dict:
+def run_plain_loop(config: dict, results: SimpleNamespace, steps: int, warmup: int, fused: bool) -> dict:
     """fused: torch.optim.AdamW(fused=True), the optimizer every engine builds (settings.TORCH_ADAMW_KWARGS);
     otherwise torch's defaults, the loop most people write (the single-tensor loop on CPU)."""
     import torch
@@ -78,13 +83,13 @@ def run_plain_loop(config: dict, results: Path, steps: int, warmup: int, fused: 
     from pretrain_bench.settings import TORCH_ADAMW_KWARGS
 
     torch.set_num_threads(os.cpu_count())
-    index = json.loads((results / "shards" / "index.json").read_text())
+    index = json.loads((results.shards / "index.json").read_text())
     seq_len, train = config["model"]["seq_len"], config["train"]
     shape = resolve_shape(config["model"]["preset"], MODEL_OVERRIDES, index["vocab_size"])
     model = build_model(shape, seq_len, train["seed"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=train["lr"], betas=(0.9, 0.95), weight_decay=0.1,
                                   **(TORCH_ADAMW_KWARGS if fused else {}))
-    batches = RankBatches(PackedTokens(results / "shards" / "index.json", "train", seq_len), rank=0, world_size=1,
+    batches = RankBatches(PackedTokens(results.shards / "index.json", "train", seq_len), rank=0, world_size=1,
                           micro_batch_size=train["micro_batch_size"], seed=train["seed"])
     times = []
     for _ in range(steps):
@@ -128,7 +133,7 @@ def main() -> None:
                           for variant in args.variants}})
     torch.set_num_threads(os.cpu_count())
     peak = max(measure_matmul_peak("fp32", size=1024) for _ in range(3))
-    index = json.loads((results / "shards" / "index.json").read_text())
+    index = json.loads((results.shards / "index.json").read_text())
     shape = resolve_shape("tiny", MODEL_OVERRIDES, index["vocab_size"])
     params = count_parameters(shape)
 

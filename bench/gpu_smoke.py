@@ -131,7 +131,7 @@ def build_data(work: Path, size: Size) -> tuple[Path, Path]:
             encode_shard(corpus / f"{split}.jsonl", tokenizer, shards / f"{split}-00000.bin", meta, split=split,
                          index=0, count=1)
             sidecars.append(meta)
-        build_index(sidecars, shards / "index.json", seq_len=size.seq_len)
+        build_index(sidecars, shards / "index.json")
     return shards / "index.json", tokenizer
 
 

@@ -46,8 +46,8 @@ rule bench_matrix:
 
 rule plan_bench_cell:
     input:
-        index="results/{name}/shards/index.json",
-        tokenizer="results/{name}/tokenizer/tokenizer.json",
+        index=DATA.index,
+        tokenizer=DATA.tokenizer_json,
         peak="results/{name}/bench/peak.json",
     output:
         plan="results/{name}/bench/{cell}/rep{rep}/plan.json",
@@ -61,6 +61,7 @@ rule plan_bench_cell:
         config=lambda wildcards: cell_plan_config(wildcards.cell),
         out_dir=subpath(output.plan, parent=True),
         state_dir="results/{name}/bench-state/{cell}/rep{rep}",
+        data=DATA.record(),
     script:
         "../workflow_scripts/plan_bench_cell.py"
 
@@ -69,7 +70,7 @@ rule bench_cell:
     input:
         plan="results/{name}/bench/{cell}/rep{rep}/plan.json",
         previous_round=bench_previous_round,
-        index="results/{name}/shards/index.json",
+        index=DATA.index,
     output:
         summary=report(
             "results/{name}/bench/{cell}/rep{rep}/summary.json",

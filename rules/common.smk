@@ -169,6 +169,11 @@ try:
     ADOPTED_TOKENIZER = adopted_tokenizer_path(config)
 except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}")
+# The corpus, tokenizer and shards this config reads, under results/data/ by the digest of the settings that shape
+# each (pretrain_bench/data_products.py): every run with equal data settings shares them.
+from pretrain_bench.data_products import DataProducts  # noqa: E402
+
+DATA = DataProducts.from_settings(CORPUS, TOKENIZER, SHARDS, ADOPTED_TOKENIZER)
 BENCH_CELLS = {entry["cell"]: entry for entry in BENCH_MATRIX["cells"] if entry["status"] == "run"}
 BENCH_ENABLED = bool(BENCH_MATRIX["cells"])
 # A timed cell takes every core, so nothing else (no other cell, no training, no evaluation) shares the machine.

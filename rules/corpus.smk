@@ -1,6 +1,8 @@
 # download_corpus: read corpus.sources, clean, de-duplicate, cap and split them into train/val jsonl + manifest.
-# Downloads and the datasets cache live in resources/corpus-cache, outside results/, so that a re-run with other
-# cleaning settings does not fetch again. See workflow_scripts/pretrain_bench/corpus.py for each cleaning step.
+# The corpus lives under results/data/corpus-<id>/, the id a digest of the corpus settings (DATA, rules/common.smk):
+# every run with the same corpus settings shares it. Downloads and the datasets cache live in resources/corpus-cache,
+# outside results/, so that a re-run with other cleaning settings does not fetch again. See
+# workflow_scripts/pretrain_bench/corpus.py for each cleaning step.
 
 
 rule download_corpus:
@@ -8,13 +10,13 @@ rule download_corpus:
         # the local files of file:// sources (globs expanded when the DAG is built): editing one rebuilds the corpus
         files=CORPUS_FILES,
     output:
-        train="results/{name}/corpus/train.jsonl",
-        val="results/{name}/corpus/val.jsonl",
-        manifest=report("results/{name}/corpus/manifest.json", category="Corpus"),
+        train=f"results/{DATA.corpus}/train.jsonl",
+        val=f"results/{DATA.corpus}/val.jsonl",
+        manifest=report(DATA.manifest, category="Corpus"),
     log:
-        "logs/{name}/download_corpus.log",
+        f"logs/{DATA.corpus}/download_corpus.log",
     benchmark:
-        "benchmarks/{name}/download_corpus.tsv"
+        f"benchmarks/{DATA.corpus}/download_corpus.tsv"
     conda:
         "../envs/pretrain.yaml"
     params:

@@ -16,7 +16,7 @@ rule evaluate:
     input:
         plan=training_input("results/{name}/train/plan.json"),
         summary=training_input("results/{name}/train/summary.json"),
-        index="results/{name}/shards/index.json",
+        index=DATA.index,
         **({"lm_eval_data": "results/{name}/lm_eval/data"} if LM_EVAL_TASKS else {}),
     output:
         export=directory("results/{name}/export/step{step}"),
@@ -72,7 +72,7 @@ rule export_final:
 
 rule lm_eval_data:
     input:
-        val="results/{name}/corpus/val.jsonl",
+        val=f"results/{DATA.corpus}/val.jsonl",
     output:
         directory("results/{name}/lm_eval/data"),
     log:

@@ -1,20 +1,22 @@
 # Tokenizer and token shards: train (or adopt) the tokenizer, encode each split in shards.count parallel slices,
-# gather the shards' sidecars into index.json for the trainer and evaluator.
+# gather the shards' sidecars into index.json for the trainer and evaluator. Both live inside the corpus folder they
+# are made from, under ids of their own settings (DATA, rules/common.smk): results/data/corpus-<c>/tokenizer-<t>/ and
+# .../tokenizer-<t>/shards-<s>/, shared by every run with the same data settings.
 
 
 rule train_tokenizer:
     input:
-        train="results/{name}/corpus/train.jsonl",
+        train=f"results/{DATA.corpus}/train.jsonl",
         # an adopted tokenizer (tokenizer.path, or model.init_from's) is an input too: editing it re-runs the stages
         # after it
         adopted=ADOPTED_TOKENIZER or [],
     output:
-        tokenizer_json="results/{name}/tokenizer/tokenizer.json",
-        tokenizer_config="results/{name}/tokenizer/tokenizer_config.json",
+        tokenizer_json=DATA.tokenizer_json,
+        tokenizer_config=f"results/{DATA.tokenizer}/tokenizer_config.json",
     log:
-        "logs/{name}/train_tokenizer.log",
+        f"logs/{DATA.tokenizer}/train_tokenizer.log",
     benchmark:
-        "benchmarks/{name}/train_tokenizer.tsv"
+        f"benchmarks/{DATA.tokenizer}/train_tokenizer.tsv"
     conda:
         "../envs/pretrain.yaml"
     threads: 8
@@ -28,15 +30,15 @@ rule train_tokenizer:
 
 rule shard_tokens:
     input:
-        corpus="results/{name}/corpus/{split}.jsonl",
-        tokenizer="results/{name}/tokenizer/tokenizer.json",
+        corpus=f"results/{DATA.corpus}/{{split}}.jsonl",
+        tokenizer=DATA.tokenizer_json,
     output:
-        bin="results/{name}/shards/{split}-{shard}.bin",
-        meta="results/{name}/shards/{split}-{shard}.json",
+        bin=f"results/{DATA.shards}/{{split}}-{{shard}}.bin",
+        meta=f"results/{DATA.shards}/{{split}}-{{shard}}.json",
     log:
-        "logs/{name}/shard_tokens/{split}-{shard}.log",
+        f"logs/{DATA.shards}/shard_tokens/{{split}}-{{shard}}.log",
     benchmark:
-        "benchmarks/{name}/shard_tokens/{split}-{shard}.tsv"
+        f"benchmarks/{DATA.shards}/shard_tokens/{{split}}-{{shard}}.tsv"
     wildcard_constraints:
         split="train|val",
         shard=r"\d{5}",
@@ -52,24 +54,24 @@ rule shard_tokens:
 rule index_shards:
     input:
         bins=expand(
-            "results/{{name}}/shards/{split}-{shard:05d}.bin",
+            "results/{shards}/{split}-{shard:05d}.bin",
+            shards=DATA.shards,
             split=["train", "val"],
             shard=range(SHARDS.count),
         ),
         meta=expand(
-            "results/{{name}}/shards/{split}-{shard:05d}.json",
+            "results/{shards}/{split}-{shard:05d}.json",
+            shards=DATA.shards,
             split=["train", "val"],
             shard=range(SHARDS.count),
         ),
     output:
-        index=report("results/{name}/shards/index.json", category="Tokens"),
+        index=report(DATA.index, category="Tokens"),
     log:
-        "logs/{name}/index_shards.log",
+        f"logs/{DATA.shards}/index_shards.log",
     benchmark:
-        "benchmarks/{name}/index_shards.tsv"
+        f"benchmarks/{DATA.shards}/index_shards.tsv"
     conda:
         "../envs/pretrain.yaml"
-    params:
-        seq_len=MODEL.seq_len,
     script:
         "../workflow_scripts/index_shards.py"

@@ -11,11 +11,11 @@ PRETRAIN_MULTI_NODE = {"mpi": "srun", "tasks": TRAIN.nodes, "gres": f"gpu:{TRAIN
 
 rule plan_pretrain:
     input:
-        index="results/{name}/shards/index.json",
-        tokenizer="results/{name}/tokenizer/tokenizer.json",
+        index=DATA.index,
+        tokenizer=DATA.tokenizer_json,
         # the machine's peak FLOP/s, measured once per run name: every run's MFU divides by the same figure
         peak="results/{name}/bench/peak.json",
-        manifest="results/{name}/corpus/manifest.json",  # the export's model card lists the sources
+        manifest=DATA.manifest,  # the export's model card lists the sources
         init_from=INIT_FROM_INPUT,  # model.init_from's local folder (another run's export is read, never built)
     output:
         plan="results/{name}/train/plan.json",
@@ -28,6 +28,7 @@ rule plan_pretrain:
         config=main_plan_config(),
         out_dir=subpath(output.plan, parent=True),
         state_dir="results/{name}/state",
+        data=DATA.record(),  # the data id the plan, summary and model card name
     script:
         "../workflow_scripts/plan_pretrain.py"
 
@@ -35,7 +36,7 @@ rule plan_pretrain:
 rule pretrain:
     input:
         plan="results/{name}/train/plan.json",
-        index="results/{name}/shards/index.json",
+        index=DATA.index,
     output:
         metrics=report("results/{name}/train/metrics.jsonl", category="Training"),
         summary=report("results/{name}/train/summary.json", category="Training"),

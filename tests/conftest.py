@@ -15,6 +15,8 @@ from support import (
     PIPELINE_STEPS,
     TINY_CONFIG,
     changed_run_outputs,
+    data_folders,
+    data_products,
     run_outputs_snapshot,
     run_snakemake,
     seeded_workflow_dir,
@@ -97,8 +99,8 @@ def process_group(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
-    """A working directory holding the tiny data (config/tiny-cpu.yaml's corpus, tokenizer and shards under run name
-    DATA_NAME), built by Snakemake once per session: under pytest-xdist the first worker to ask builds it in the
+    """A working directory holding the tiny data (config/tiny-cpu.yaml's corpus, tokenizer and shards under
+    results/data/), built by Snakemake once per session: under pytest-xdist the first worker to ask builds it in the
     session's shared temporary folder, the other waits for it and reuses it. Read it, never write to it: runs start
     from a copy (support.seeded_workflow_dir, the `workdir` fixture)."""
     shared = tmp_path_factory.getbasetemp()
@@ -108,7 +110,8 @@ def tiny_data(tmp_path_factory) -> Path:
     with FileLock(shared / "tiny-data.lock"):
         if not built.exists():
             shutil.rmtree(folder, ignore_errors=True)
-            targets = [f"results/{DATA_NAME}/shards/index.json", f"results/{DATA_NAME}/tokenizer/tokenizer.json"]
+            products = data_products()
+            targets = [products.index, products.tokenizer_json]
             run_snakemake(workflow_dir(folder), "--config", f"name={DATA_NAME}", "--", *targets, timeout=900)
             built.touch()
     return folder
@@ -116,14 +119,14 @@ def tiny_data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def data(tiny_data):
-    """The tiny config (named DATA_NAME) and the results folder of its data, for plans launched without Snakemake."""
-    return tiny_config(DATA_NAME), tiny_data / "results" / DATA_NAME
+    """The tiny config (named DATA_NAME) and the folders of its data (`.corpus`, `.tokenizer`, `.shards`), for plans
+    launched without Snakemake."""
+    return tiny_config(DATA_NAME), data_folders(tiny_data)
 
 
 @pytest.fixture
 def workdir(tiny_data, tmp_path) -> Path:
-    """A working directory of the test's own for the workflow, holding a copy of the tiny data (run name
-    DATA_NAME)."""
+    """A working directory of the test's own for the workflow, holding a copy of the tiny data (results/data/)."""
     return seeded_workflow_dir(tmp_path / "workflow", tiny_data)
 
 
@@ -146,5 +149,5 @@ def pipeline(tiny_data, tmp_path_factory):
     before = {step: tree_digest(checkpoints / f"step{step}") for step in PIPELINE_STEPS}
     run_snakemake(workdir, configfiles=configfiles)
     after = {step: tree_digest(checkpoints / f"step{step}") for step in PIPELINE_STEPS}
-    return SimpleNamespace(workdir=workdir, results=results, overlay=overlay, configfiles=configfiles, before=before,
-                           after=after)
+    return SimpleNamespace(workdir=workdir, results=results, data=data_folders(workdir), overlay=overlay,
+                           configfiles=configfiles, before=before, after=after)

@@ -14,11 +14,13 @@ import sys
 import sysconfig
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from pretrain_bench.config_types import load_config
+from pretrain_bench.data_products import DataProducts
 from pretrain_bench.tokenizer import EOS_TOKEN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,11 +32,9 @@ TINY_CONFIG = "config/tiny-cpu.yaml"
 # folders of that kind the suite checks it left alone (tests/conftest.py).
 WORKFLOW_LINKS = ("config.yaml", "config", "profiles")
 RUN_OUTPUTS = ("results", "logs", "benchmarks", "resources", ".snakemake")
-# The run name the tiny data (corpus → tokenizer → shards of config/tiny-cpu.yaml) is built under once per session
-# (conftest `tiny_data`), and that every run starting from a copy of it takes: the copy is up to date only under the
-# name it was built for.
+# The run name the tiny data (corpus → tokenizer → shards of config/tiny-cpu.yaml) is built with once per session
+# (conftest `tiny_data`). The data products live under results/data/, shared by every name with the same data settings.
 DATA_NAME = "itest"
-DATA_PRODUCTS = ("corpus", "tokenizer", "shards")
 # The one run of the whole tiny pipeline that the pipeline, evaluation and report tests share (conftest.pipeline): a
 # short main run with two kept checkpoints (two points on the evaluation curves), both lm-eval tasks, and a benchmark
 # matrix of 1 and 2 ranks × DeepSpeed ZeRO-2 and DDP × 2 repeats (8 launches; 2 ranks fit 2 cores). nccl cells and
@@ -64,14 +64,36 @@ def workflow_dir(folder: Path) -> Path:
 
 def seeded_workflow_dir(folder: Path, data: Path) -> Path:
     """A working directory (workflow_dir) holding a copy of the tiny data built in working directory `data`: its
-    results/<DATA_NAME>/{corpus,tokenizer,shards} with their modification times (Snakemake's mtime trigger) and
-    Snakemake's records of the jobs that wrote them (its params, code and input triggers), so that a run named
-    DATA_NAME there finds them up to date, and rebuilds them only where its config changes what they are made from."""
+    results/data/ (corpus, tokenizer, shards) with their modification times (Snakemake's mtime trigger) and
+    Snakemake's records of the jobs that wrote them (its params, code and input triggers), so that a run with the tiny
+    data settings there, whatever its name, finds them up to date, and builds new ones only where its config changes
+    what they are made from."""
     workflow_dir(folder)
-    for product in DATA_PRODUCTS:
-        shutil.copytree(data / "results" / DATA_NAME / product, folder / "results" / DATA_NAME / product)
+    shutil.copytree(data / "results" / "data", folder / "results" / "data")
     shutil.copytree(data / ".snakemake" / "metadata", folder / ".snakemake" / "metadata")
     return folder
+
+
+def data_products(*overlays: dict, configfiles=(TINY_CONFIG,)) -> DataProducts:
+    """The data products (ids and folders) of the config `configfiles` make, with `overlays` merged in as further
+    --configfile files would be (the tiny config's by default)."""
+    from snakemake.utils import update_config
+
+    from pretrain_bench.config_types import SCHEMA_PATH, fill_defaults_and_validate, load_schema
+
+    config = load_config(ROOT / "config.yaml", *(ROOT / path for path in configfiles))
+    for overlay in overlays:
+        update_config(config, overlay)
+    return DataProducts.from_config(fill_defaults_and_validate(config, load_schema(SCHEMA_PATH)))
+
+
+def data_folders(workdir: Path, products: DataProducts | None = None) -> SimpleNamespace:
+    """The corpus, tokenizer and shards folders of `products` (the tiny data's by default) in working directory
+    `workdir`."""
+    products = products or data_products()
+    results = Path(workdir) / "results"
+    return SimpleNamespace(corpus=results / products.corpus, tokenizer=results / products.tokenizer,
+                           shards=results / products.shards)
 
 
 def snakemake_command(*args, configfiles=(TINY_CONFIG,), cores: int = 2) -> list[str]:
@@ -171,7 +193,7 @@ def plan_for(data, run_dir: Path, **train):
     config = {**config, "train": {**config["train"], **overrides}}
     from pretrain_bench.plan import make_plan
 
-    plan = make_plan(config, index=results / "shards" / "index.json", tokenizer=results / "tokenizer",
+    plan = make_plan(config, index=results.shards / "index.json", tokenizer=results.tokenizer,
                      out_dir=run_dir / "out", state_dir=run_dir / "state")
     path = run_dir / "plan.json"
     plan.to_json(path)

@@ -5,12 +5,12 @@ from pathlib import Path
 from pretrain_bench.shards import build_index
 
 
-def main(sidecars: list[str], index_json: str, *, seq_len: int) -> None:
-    build_index([Path(path) for path in sidecars], Path(index_json), seq_len=seq_len)
+def main(sidecars: list[str], index_json: str) -> None:
+    build_index([Path(path) for path in sidecars], Path(index_json))
 
 
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
     from pretrain_bench.state_lock import stage_job_log
 
     with stage_job_log(snakemake.log[0], "index_shards"):  # noqa: F821
-        main(snakemake.input.meta, snakemake.output.index, seq_len=snakemake.params.seq_len)  # noqa: F821
+        main(snakemake.input.meta, snakemake.output.index)  # noqa: F821

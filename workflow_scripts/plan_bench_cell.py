@@ -3,12 +3,12 @@ import json
 from pathlib import Path
 
 
-def main(config, cell, index, tokenizer, peak, out_dir, state_dir, plan_path):
+def main(config, cell, index, tokenizer, peak, out_dir, state_dir, plan_path, data=None):
     from pretrain_bench.plan import make_plan
 
     plan = make_plan(config, index=Path(index), tokenizer=Path(tokenizer).parent, out_dir=Path(out_dir),
                      state_dir=Path(state_dir), role="bench", resume=False, save_checkpoints=False,
-                     peak=json.loads(Path(peak).read_text()), cell=cell)
+                     peak=json.loads(Path(peak).read_text()), cell=cell, data=data)
     plan.to_json(Path(plan_path))
 
 
@@ -19,4 +19,4 @@ if "snakemake" in globals():
         main(snakemake.params.config, snakemake.wildcards.cell, snakemake.input.index,  # noqa: F821
              snakemake.input.tokenizer, snakemake.input.peak, snakemake.params.out_dir,  # noqa: F821
              snakemake.params.state_dir,  # noqa: F821
-             snakemake.output.plan)  # noqa: F821
+             snakemake.output.plan, data=snakemake.params.data)  # noqa: F821

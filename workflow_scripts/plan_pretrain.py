@@ -6,13 +6,13 @@ from pathlib import Path
 log = logging.getLogger("pretrain_bench.plan_pretrain")
 
 
-def main(config, index, tokenizer, peak, out_dir, state_dir, plan_path, manifest=None):
+def main(config, index, tokenizer, peak, out_dir, state_dir, plan_path, manifest=None, data=None):
     from pretrain_bench.memory_fit import summary_line
     from pretrain_bench.plan import make_plan
 
     plan = make_plan(config, index=Path(index), tokenizer=Path(tokenizer).parent, out_dir=Path(out_dir),
                      state_dir=Path(state_dir), peak=json.loads(Path(peak).read_text()),
-                     manifest=Path(manifest) if manifest else None)
+                     manifest=Path(manifest) if manifest else None, data=data)
     log.info("%s", summary_line(plan.memory_fit))
     plan.to_json(Path(plan_path))
 
@@ -23,4 +23,4 @@ if "snakemake" in globals():
     with job_log(snakemake.log[0], "plan_pretrain"):  # noqa: F821
         main(snakemake.params.config, snakemake.input.index, snakemake.input.tokenizer,  # noqa: F821
              snakemake.input.peak, snakemake.params.out_dir, snakemake.params.state_dir,  # noqa: F821
-             snakemake.output.plan, manifest=snakemake.input.manifest)  # noqa: F821
+             snakemake.output.plan, manifest=snakemake.input.manifest, data=snakemake.params.data)  # noqa: F821

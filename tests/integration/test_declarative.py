@@ -21,6 +21,7 @@ from support import (
     DATA_NAME,
     SNAKEFILE,
     TINY_CONFIG,
+    data_products,
     read_jsonl,
     run_snakemake,
     scheduled_rules,
@@ -250,7 +251,8 @@ def test_continuing_from_a_sibling_export_builds_nothing_of_the_sibling(workdir,
     summary_b = json.loads((workdir / "results" / SIBLING_B / "train" / "summary.json").read_text())
     assert summary_b["init_from"]["uri"] == export and summary_b["init_from"]["path"] == export
     assert summary_b["init_from"]["loaded"]["files"], "B started from A's weights"
-    tokenizer = json.loads((workdir / "results" / SIBLING_B / "tokenizer" / "tokenizer.json").read_text())
+    plan_b = json.loads((workdir / "results" / SIBLING_B / "train" / "plan.json").read_text())
+    tokenizer = json.loads((workdir / plan_b["data"]["tokenizer"] / "tokenizer.json").read_text())
     assert tokenizer == json.loads((workdir / export / "tokenizer.json").read_text()), "A's tokenizer adopted"
     # A's export is a plain input of B now: B has nothing left to do, and still nothing of A is scheduled
     dry = run_snakemake(workdir, "-n", "--", f"results/{SIBLING_B}/train/summary.json",
@@ -296,11 +298,12 @@ def test_editing_a_local_source_file_rebuilds_the_corpus_and_what_follows(overla
     folder = workflow_dir(tmp_path / "workflow")
     source = tmp_path / "notes.txt"
     source.write_text("def alpha_function(value):\n    return value * 2\n" * 40)
-    overlay = overlays("source-edit", {**BASE, "name": SOURCE_EDIT,
-                                       "corpus": {"sources": [{"uri": f"file://{source}"},
-                                                              {"uri": "builtin://python-stdlib"}]}})
-    configfiles, index = (TINY_CONFIG, overlay), f"results/{SOURCE_EDIT}/shards/index.json"
-    corpus = folder / "results" / SOURCE_EDIT / "corpus"
+    edit = {**BASE, "name": SOURCE_EDIT,
+            "corpus": {"sources": [{"uri": f"file://{source}"}, {"uri": "builtin://python-stdlib"}]}}
+    overlay = overlays("source-edit", edit)
+    products = data_products(edit)
+    configfiles, index = (TINY_CONFIG, overlay), products.index
+    corpus = folder / "results" / products.corpus
     run_snakemake(folder, "--", index, configfiles=configfiles)
     before = json.loads((corpus / "manifest.json").read_text())
     assert before["sources"][0]["sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
@@ -338,10 +341,11 @@ def test_a_second_pipeline_on_the_same_data_job_is_refused_naming_the_holder(ove
     payload = "".join(json.dumps({"text": f"document {i}: " + "text " * 20}) + "\n" for i in range(40)).encode()
     release = threading.Event()
     route = Route(payload, hold=release)  # the first pipeline's download stays in progress until released
-    target = f"results/{CONCURRENT}/corpus/manifest.json"
     with FixtureServer({"/held.jsonl": route}) as server:
-        overlay = overlays("concurrent",
-                           {"name": CONCURRENT, "corpus": {"sources": [{"uri": server.url("/held.jsonl")}]}})
+        edit = {"name": CONCURRENT, "corpus": {"sources": [{"uri": server.url("/held.jsonl")}]}}
+        overlay = overlays("concurrent", edit)
+        products = data_products(edit)
+        target = products.manifest
         first = subprocess.Popen(snakemake_command("--", target, configfiles=(TINY_CONFIG, overlay)), cwd=folder,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
@@ -349,7 +353,7 @@ def test_a_second_pipeline_on_the_same_data_job_is_refused_naming_the_holder(ove
                 assert first.poll() is None, first.stdout.read()[-3000:]
                 release.wait(0.05)
             first_job = {p.pid for p in psutil.Process(first.pid).children(recursive=True)}
-            log = folder / "logs" / CONCURRENT / "download_corpus.log"
+            log = folder / "logs" / products.corpus / "download_corpus.log"
             first_log = log.read_text()
             second = run_snakemake(folder, "--nolock", "--", target, configfiles=(TINY_CONFIG, overlay),
                                    check=False)

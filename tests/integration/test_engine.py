@@ -137,9 +137,9 @@ def test_continue_from_export_eval_every_and_csv_monitor(data, tmp_path):
 
     def make(run_dir, model=None, **train):
         cfg = {**config, "model": {**config["model"], **(model or {})}, "train": {**config["train"], **train}}
-        plan = make_plan(cfg, index=results / "shards" / "index.json", tokenizer=results / "tokenizer",
+        plan = make_plan(cfg, index=results.shards / "index.json", tokenizer=results.tokenizer,
                          out_dir=run_dir / "out", state_dir=run_dir / "state",
-                         manifest=results / "corpus" / "manifest.json")
+                         manifest=results.corpus / "manifest.json")
         plan.to_json(run_dir / "plan.json")
         return run_dir / "plan.json"
 
@@ -203,7 +203,7 @@ def test_continue_from_export_eval_every_and_csv_monitor(data, tmp_path):
                 warmup_steps=0)
     assert run(plan, 3, tmp_path / "second.log") == 0, (tmp_path / "second.log").read_text()[-3000:]
     step_one = json.loads((second / "state" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
-    data_view = PackedTokens(results / "shards" / "index.json", "train", config["model"]["seq_len"])
+    data_view = PackedTokens(results.shards / "index.json", "train", config["model"]["seq_len"])
     rank_losses = []
     with torch.no_grad():
         for rank in range(3):

@@ -23,6 +23,7 @@ from support import (
     PIPELINE_STEPS,
     ROOT,
     TINY_CONFIG,
+    data_products,
     free_port,
     read_jsonl,
     run_snakemake,
@@ -413,7 +414,7 @@ def test_init_from_weights_and_a_small_val_split_are_refused_by_the_plan_rule(tr
                          configfiles=(TINY_CONFIG, tmp_path / "small_val.yaml"))
     log = (logs / "plan_pretrain.log").read_text()
     assert proc.returncode != 0
-    index = f"results/{PREFLIGHT_NAME}/shards/index.json"
+    index = data_products(small).index  # model.init_from's tokenizer is adopted: a data id of its own
     assert re.search(rf"train.eval_every: the val split of {re.escape(index)} holds [\d,]+ tokens, [\d,]+ sample\(s\) "
                      r"of 128\+1 tokens .* an evaluation needs 781,248 sample\(s\) .* lower train.eval_tokens to at "
                      r"most [\d,]+, or set train.eval_every: null", log), log[-2000:]

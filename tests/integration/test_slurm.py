@@ -22,6 +22,7 @@ from support import (
     LAUNCHER,
     SNAKEFILE,
     TINY_CONFIG,
+    data_folders,
     job_logs,
     read_jsonl,
     snakemake_env,
@@ -139,7 +140,7 @@ def test_single_node_training_outputs(workdir, single_node):
     assert summary["loss"]["last"] < summary["loss"]["first"] - 0.5
     assert summary["tokens_per_step"] == 24 * 128
     assert (run / "train" / "hf" / "config.json").exists()
-    index = json.loads((run / "shards" / "index.json").read_text())
+    index = json.loads((data_folders(workdir).shards / "index.json").read_text())
     assert index["splits"]["train"]["shards"] and index["splits"]["val"]["shards"]
 
 

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from support import PIPELINE_NAME, PIPELINE_STEPS, read_jsonl, run_snakemake
+from support import PIPELINE_NAME, PIPELINE_STEPS, data_products, read_jsonl, run_snakemake
 
 pytestmark = pytest.mark.pipeline
 
@@ -18,28 +18,34 @@ def run(pipeline):
     return pipeline.results
 
 
-def test_manifest_counts_match_documents(run):
-    manifest = json.loads((run / "corpus" / "manifest.json").read_text())
-    train = read_jsonl(run / "corpus" / "train.jsonl")
-    val = read_jsonl(run / "corpus" / "val.jsonl")
+@pytest.fixture(scope="module")
+def data(pipeline):
+    """The folders of the run's corpus, tokenizer and shards under results/data/."""
+    return pipeline.data
+
+
+def test_manifest_counts_match_documents(data):
+    manifest = json.loads((data.corpus / "manifest.json").read_text())
+    train = read_jsonl(data.corpus / "train.jsonl")
+    val = read_jsonl(data.corpus / "val.jsonl")
     assert manifest["documents"] == len(train) + len(val)
     assert manifest["train"]["documents"] == len(train) and len(val) > 0
     assert manifest["bytes"] == sum(len(d["text"].encode()) for d in train + val)
     assert manifest["bytes"] <= 4_000_000  # corpus.max_bytes of the tiny config
 
 
-def test_tokenizer_round_trips_and_shards_decode_to_corpus(run):
+def test_tokenizer_round_trips_and_shards_decode_to_corpus(data):
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast.from_pretrained(run / "tokenizer")
+    tok = PreTrainedTokenizerFast.from_pretrained(data.tokenizer)
     text = "def f(x):\n    return x ** 2  # ünïcödé ✓\n"
     assert tok.decode(tok.encode(text)) == text
-    index = json.loads((run / "shards" / "index.json").read_text())
+    index = json.loads((data.shards / "index.json").read_text())
     assert index["dtype"] == "uint16" and index["eos_id"] == tok.eos_token_id
     first = index["splits"]["train"]["shards"][0]
-    tokens = np.memmap(run / "shards" / first["file"], dtype=np.uint16, mode="r")
+    tokens = np.memmap(data.shards / first["file"], dtype=np.uint16, mode="r")
     assert len(tokens) == first["tokens"]
-    train_docs = read_jsonl(run / "corpus" / "train.jsonl")
+    train_docs = read_jsonl(data.corpus / "train.jsonl")
     eos_positions = np.flatnonzero(tokens == index["eos_id"])
     first_doc = tok.decode(tokens[: eos_positions[0]].tolist())
     assert first_doc == train_docs[0]["text"]
@@ -65,6 +71,10 @@ def test_training_loss_falls_and_summary_is_measured(run):
     assert summary["checkpoints"] == list(PIPELINE_STEPS)
     for field in ("git_commit", "config_sha256", "versions", "hardware"):
         assert field in summary["provenance"]
+    # the data the run read: its id names the folder under results/data/, which the plan and summary agree on
+    plan = json.loads((run / "train" / "plan.json").read_text())
+    assert summary["provenance"]["data_id"] == plan["data"]["data_id"] == data_products().data_id
+    assert plan["paths"]["index"] == f"{plan['data']['shards']}/index.json"
     ds_config = json.loads((run / "train" / "ds_config.json").read_text())
     assert ds_config["zero_optimization"]["stage"] == 2 and ds_config["train_batch_size"] == 24
 
@@ -83,7 +93,7 @@ def test_perplexity_finite_and_falls_across_checkpoints(run):
     assert evals[-1]["perplexity"] == pytest.approx(math.exp(evals[-1]["loss"]))
 
 
-def test_hf_export_loads_and_generates(run):
+def test_hf_export_loads_and_generates(run, data):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -93,11 +103,12 @@ def test_hf_export_loads_and_generates(run):
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 8
+    assert f"data id: `{data_products().data_id}`" in (run / "train" / "hf" / "README.md").read_text()
     # The export holds the final checkpoint: its held-out loss equals the evaluator's on the same tokens.
     from pretrain_bench.loader import PackedTokens
 
-    data = PackedTokens(run / "shards" / "index.json", "val", 128)
-    batch = torch.from_numpy(np.stack([data[k] for k in range(4)]))
+    val = PackedTokens(data.shards / "index.json", "val", 128)
+    batch = torch.from_numpy(np.stack([val[k] for k in range(4)]))
     logits = model(input_ids=batch[:, :-1]).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
     assert math.isfinite(loss.item()) and loss.item() < math.log(4096)
@@ -108,6 +119,7 @@ def test_report_numbers_equal_summary(run):
 
     summary = json.loads((run / "train" / "summary.json").read_text())
     md = (run / "report" / "report.md").read_text()
+    assert f"data {data_products().data_id}" in md  # the provenance lines name the data the runs read
     html = (run / "report" / "report.html").read_text()
     for text in (md, html):
         assert fmt(summary["tokens_per_s"]) in text

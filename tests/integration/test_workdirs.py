@@ -8,6 +8,7 @@ import pytest
 from support import (
     DATA_NAME,
     changed_run_outputs,
+    data_products,
     run_outputs_snapshot,
     run_snakemake,
     scheduled_rules,
@@ -15,7 +16,7 @@ from support import (
 )
 
 pytestmark = pytest.mark.pipeline
-DATA_TARGETS = (f"results/{DATA_NAME}/shards/index.json", f"results/{DATA_NAME}/tokenizer/tokenizer.json")
+DATA_TARGETS = (data_products().index, data_products().tokenizer_json)
 
 
 def test_a_copy_of_the_tiny_data_is_up_to_date_and_an_edit_of_its_settings_rebuilds_it(tiny_data, tmp_path):
@@ -23,8 +24,9 @@ def test_a_copy_of_the_tiny_data_is_up_to_date_and_an_edit_of_its_settings_rebui
     workdir = seeded_workflow_dir(tmp_path / "workflow", tiny_data)
     assert scheduled_rules(run_snakemake(workdir, "-n", "--config", f"name={DATA_NAME}", "--", *DATA_TARGETS)) == set()
     # the copy carries Snakemake's records of the jobs that built it: a changed setting reruns them
+    edited_data = data_products({"tokenizer": {"vocab_size": 3000}})
     edited = run_snakemake(workdir, "-n", "--config", f"name={DATA_NAME}", 'tokenizer={"vocab_size": 3000}', "--",
-                           *DATA_TARGETS)
+                           edited_data.index, edited_data.tokenizer_json)
     assert scheduled_rules(edited) == {"train_tokenizer", "shard_tokens", "index_shards"}
     assert (workdir / ".snakemake").is_dir() and changed_run_outputs(before) == []
 

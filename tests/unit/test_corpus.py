@@ -71,6 +71,60 @@ def test_txt_one_document_per_file_in_sorted_glob_order(tmp_path):
     assert manifest["sources"][0]["details"]["files"] == 3
 
 
+PNG_HEAD = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"
+
+
+def test_any_text_file_is_a_document_and_binary_files_are_skipped_and_counted(tmp_path):
+    """A glob over a source tree: every name that is not .jsonl/.parquet is text (.py, .md, .rst, .c, no suffix,
+    a gzipped .txt), records keep their meaning, and binaries (a NUL in the first 8 KiB, or mostly invalid UTF-8
+    without any NUL) are skipped, named and counted rather than cleaned into the corpus."""
+    tree = tmp_path / "tree"
+    texts = {"a.py": "def f():\n    return 1\n", "b.md": "# Title\n\nsome prose", "c.rst": "Section\n=======\n",
+             "d.c": "int main(void) { return 0; }\n", "Makefile": "all:\n\techo hi\n"}
+    for name, text in texts.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(text)
+    (tree / "e.txt.gz").write_bytes(gzip.compress(b"gzipped plain text"))
+    write_jsonl(tree / "f.jsonl", [{"text": "a record"}, {"text": "another record"}])
+    (tree / "image.png").write_bytes(PNG_HEAD + bytes(range(256)) * 4)
+    (tree / "blob.bin").write_bytes(bytes(b for b in os.urandom(20_000) if b))  # random bytes without a NUL
+    manifest = build(tmp_path, [{"uri": uri(tree / "*")}], val_fraction=0.3)
+    assert sorted(written(tmp_path / "out")) == sorted([*texts.values(), "gzipped plain text", "a record",
+                                                        "another record"])
+    source = manifest["sources"][0]
+    assert manifest["binary_skipped"] == source["binary_skipped"] == 2
+    assert sorted(source["details"]["binary_files"]) == [f"{tree / name} ({uri(tree / '*')})"
+                                                         for name in ("blob.bin", "image.png")]
+    assert source["details"]["files"] == 9 and len(source["details"]["file_sha256"]) == 9
+
+
+def test_latin1_text_is_text_with_replacements_not_binary(tmp_path):
+    (tmp_path / "notes.txt").write_bytes("café crème, déjà vu: naïve façade ".encode("latin-1") * 50)
+    (tmp_path / "other.txt").write_text("a second document")
+    manifest = build(tmp_path, [{"uri": uri(tmp_path / "*.txt")}], val_fraction=0.3)
+    assert manifest["binary_skipped"] == 0 and manifest["documents"] == 2 and manifest["replaced_chars"] == 50 * 6
+
+
+def test_sources_are_checked_before_reading_naming_the_uri(tmp_path):
+    from pretrain_bench.corpus_sources import local_files
+
+    (tmp_path / "fake.jsonl.gz").write_text('{"text": "not compressed"}\n')
+    with pytest.raises(CorpusError, match=rf"^file://{tmp_path}/\*\.gz: {tmp_path}/fake\.jsonl\.gz is named \.gz but "
+                                          r"does not hold \.gz data"):
+        local_files(uri(tmp_path / "*.gz"))
+    (tmp_path / "hidden.jsonl").write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "x"}\n'))
+    with pytest.raises(CorpusError, match=r"hidden\.jsonl holds \.zst compressed data but its name does not end in "
+                                          r"\.zst: rename it to hidden\.jsonl\.zst"):
+        local_files(uri(tmp_path / "hidden.jsonl"))
+    (tmp_path / "good.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(b"text"))
+    assert local_files(uri(tmp_path / "good.txt.zst")) == [str(tmp_path / "good.txt.zst")]
+    if os.geteuid() != 0:  # root reads any file
+        (tmp_path / "locked.txt").write_text("x")
+        (tmp_path / "locked.txt").chmod(0)
+        with pytest.raises(CorpusError, match=r"locked\.txt.*: cannot read .*locked\.txt: Permission denied"):
+            local_files(uri(tmp_path / "locked.txt"))
+
+
 def test_txt_paragraphs_split_on_blank_lines(tmp_path):
     text = "p1 line1\np1 line2\n\n\np2\n  \t\np3\r\n\r\np4\n\n"
     (tmp_path / "a.txt").write_text(text, newline="")
@@ -148,10 +202,7 @@ def test_missing_file_and_empty_glob_name_the_uri(tmp_path):
         build(tmp_path, [{"uri": empty_glob}])
 
 
-def test_unsupported_file_and_misplaced_keys_are_rejected(tmp_path):
-    (tmp_path / "a.csv").write_text("x,y\n")
-    with pytest.raises(CorpusError, match=r"unsupported file .*a\.csv"):
-        build(tmp_path, [{"uri": uri(tmp_path / "a.csv")}])
+def test_misplaced_keys_are_rejected(tmp_path):
     (tmp_path / "a.txt").write_text("text")
     with pytest.raises(CorpusError, match="'sha256' applies to http"):
         build(tmp_path, [{"uri": uri(tmp_path / "a.txt"), "sha256": "0" * 64}])
@@ -261,10 +312,32 @@ def test_max_bytes_keeps_a_deterministic_prefix(tmp_path):
     two = build(tmp_path, [{"uri": uri(path)}], out="two", max_bytes=cap)
     assert sorted(written(tmp_path / "one")) == sorted(expected)
     assert one["bytes"] == used <= cap
-    assert one["dropped"]["over_cap"] == len(DOCS) - len(expected)
     cut_at = {"source": uri(path), "document_index": len(expected)}
-    assert one["cap"] == {"max_bytes": cap, "reached": True, "cut_at": cut_at}
+    assert {key: one["cap"][key] for key in ("max_bytes", "reached", "cut_at")} == {
+        "max_bytes": cap, "reached": True, "cut_at": cut_at}
+    # reading stopped at the document that crossed the cap: the rest was never read
+    assert one["dropped"]["over_cap"] == 1 and one["documents_in"] == len(expected) + 1
+    assert "never read" in one["cap"]["unread"] and one["sources"][0]["details"]["stopped_at_cap"] is True
     assert (one["train"]["sha256"], one["val"]["sha256"]) == (two["train"]["sha256"], two["val"]["sha256"])
+
+
+def test_the_cap_reads_only_the_files_and_documents_it_needs(tmp_path):
+    """Ten files of 100 documents in a glob, a cap inside the second: the third file on is never opened (nor
+    hashed), and the documents read are those kept plus the one that crossed the cap."""
+    (tmp_path / "many").mkdir()
+    texts = [f"file {number} document {i} " + "x" * 80 for number in range(10) for i in range(100)]
+    for number in range(10):
+        write_jsonl(tmp_path / "many" / f"{number:02d}.jsonl", [{"text": t} for t in texts[100 * number:][:100]])
+    manifest = build(tmp_path, [{"uri": uri(tmp_path / "many" / "*.jsonl")}], max_bytes=150 * 100)
+    details = manifest["sources"][0]["details"]
+    assert details["files"] == 10 and details["files_read"] == 2 and len(details["file_sha256"]) == 2
+    assert details["stopped_at_cap"] is True and manifest["cap"]["reached"]
+    read = manifest["documents_in"]
+    assert read == manifest["documents"] + 1 < 200
+    assert manifest["bytes_in"] == sum(len(text) for text in texts[:read]), "what was read, not the unread rest"
+    # a source read to its end is not marked; one the cap stopped is
+    uncapped = build(tmp_path, [{"uri": uri(tmp_path / "many" / "00.jsonl")}], out="uncapped")
+    assert "stopped_at_cap" not in uncapped["sources"][0]["details"] and uncapped["documents_in"] == 100
 
 
 def test_empty_val_gets_the_document_nearest_the_boundary(tmp_path):
@@ -284,8 +357,8 @@ def test_empty_val_gets_the_document_nearest_the_boundary(tmp_path):
 def test_empty_result_fails_before_writing_and_says_what_was_dropped(tmp_path):
     docs = ["a long enough document", "a long enough document", "tiny", "another long document"]
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs])
-    with pytest.raises(CorpusError, match=r"no training text after cleaning.*4 documents read.*"
-                                          r"'too_short': 1, 'duplicate': 1, 'over_cap': 2"):
+    with pytest.raises(CorpusError, match=r"no training text after cleaning.*1 documents read.*"
+                                          r"'too_short': 0, 'duplicate': 0, 'over_cap': 1"):
         build(tmp_path, [{"uri": uri(path)}], min_chars=10, max_bytes=5)
     assert list((tmp_path / "out").iterdir()) == []
     with pytest.raises(CorpusError, match="only 1 document left"):
@@ -469,17 +542,20 @@ def corpus_workflow(folder: Path, sources_yaml: str):
     `snakemake ARGS` there."""
     (folder / "config.yaml").write_text(f"name: t\ncorpus:\n  sources:\n{sources_yaml}  max_bytes: 300000\n")
     (folder / "Snakefile").write_text(textwrap.dedent(f"""
-        from pretrain_bench.config_types import CorpusSettings, fill_defaults_and_validate, load_schema
+        from pretrain_bench.config_types import (CorpusSettings, ShardSettings, TokenizerSettings,
+                                                 fill_defaults_and_validate, load_schema)
         from pretrain_bench.corpus_sources import local_source_files
+        from pretrain_bench.data_products import DataProducts
         configfile: "config.yaml"
         # the corpus block validated, which fills in the defaults the rule reads (the Snakefile does this for all)
         fill_defaults_and_validate(config["corpus"],
                                    load_schema("{ROOT / 'schemas' / 'config.schema.yaml'}")["properties"]["corpus"])
         CORPUS = CorpusSettings.from_config(config["corpus"])  # as rules/common.smk sets them
         CORPUS_FILES = local_source_files(CORPUS.sources)
+        DATA = DataProducts.from_settings(CORPUS, TokenizerSettings(), ShardSettings(), None)
         include: "{ROOT / 'rules' / 'corpus.smk'}"
         rule all:
-            input: "results/t/corpus/manifest.json"
+            input: DATA.manifest
     """))
     snakemake = str(Path(sys.executable).parent / "snakemake")
 
@@ -498,10 +574,12 @@ needs_snakemake = pytest.mark.skipif(shutil.which("snakemake", path=str(Path(sys
 @needs_snakemake
 def test_rule_runs_under_snakemake(tmp_path):
     corpus_workflow(tmp_path, "    - uri: builtin://python-stdlib\n")("--quiet")
-    manifest = json.loads((tmp_path / "results/t/corpus/manifest.json").read_text())
+    (corpus,) = (tmp_path / "results").glob("data/corpus-*")  # the corpus lives under its data id
+    manifest = json.loads((corpus / "manifest.json").read_text())
     assert 0 < manifest["bytes"] <= 300000 and manifest["settings"]["val_fraction"] == 0.01
-    assert "corpus:" in (tmp_path / "logs/t/download_corpus.log").read_text()
-    assert (tmp_path / "benchmarks/t/download_corpus.tsv").exists()
+    relative = corpus.relative_to(tmp_path / "results")
+    assert "corpus:" in (tmp_path / "logs" / relative / "download_corpus.log").read_text()
+    assert (tmp_path / "benchmarks" / relative / "download_corpus.tsv").exists()
 
 
 @needs_snakemake
@@ -515,7 +593,8 @@ def test_a_new_file_matching_a_source_glob_rebuilds_the_corpus(tmp_path):
     (tmp_path / "texts" / "2.txt").write_text("a third file, added after the corpus was built")
     assert "rule download_corpus:" in run("-n")
     run("--quiet")
-    manifest = json.loads((tmp_path / "results/t/corpus/manifest.json").read_text())
+    (manifest_path,) = (tmp_path / "results").glob("data/corpus-*/manifest.json")
+    manifest = json.loads(manifest_path.read_text())
     assert manifest["documents"] == 3 and sorted(manifest["sources"][0]["details"]["file_sha256"]) == [
         "texts/0.txt", "texts/1.txt", "texts/2.txt"]
     assert "Nothing to be done" in run("-n")

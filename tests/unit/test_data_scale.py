@@ -70,7 +70,7 @@ def test_streamed_hf_dataset_stops_at_the_cap_and_records_the_revision(tmp_path)
     assert pinned["sources"][0]["details"]["revision"] == "main"
 
 
-def test_progress_lines_with_rate_and_eta_in_download_cleaning_and_sharding(tmp_path, monkeypatch, caplog):
+def test_progress_lines_with_rate_and_eta_in_download_cleaning_tokenizer_training_and_sharding(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(progress, "INTERVAL_S", 0.0)  # a line per update instead of one per 10 s
     caplog.set_level(logging.INFO, logger="pretrain_bench")
     body = b"x" * (1 << 18)
@@ -89,7 +89,12 @@ def test_progress_lines_with_rate_and_eta_in_download_cleaning_and_sharding(tmp_
     from pretrain_bench.shards import encode_shard
     from pretrain_bench.tokenizer import train_tokenizer
 
+    caplog.clear()
     train_tokenizer(tmp_path / "out" / "train.jsonl", tmp_path / "tok", vocab_size=300, train_bytes=10_000)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("BPE word counts (sample bytes): ") and "MiB/s" in line and "ETA" in line
+               for line in lines), lines
+    assert any(line.startswith("BPE training (300 tokens): done in ") for line in lines), lines
     caplog.clear()
     encode_shard(tmp_path / "out" / "train.jsonl", tmp_path / "tok", tmp_path / "s.bin", tmp_path / "s.json",
                  split="train", index=0, count=1, batch_bytes=2_000)

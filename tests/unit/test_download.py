@@ -213,8 +213,11 @@ def test_http_checksum_mismatch_fails_the_build_without_outputs(tmp_path):
     assert leftovers(tmp_path / "cache" / "http") == []
 
 
-def test_http_unsupported_extension_fails_before_downloading(tmp_path):
-    with FixtureServer({"/page.html": Route(b"<html></html>")}) as server:
-        with pytest.raises(CorpusError, match="page.html"):
-            build_corpus([{"uri": server.url("/page.html")}], tmp_path / "out", cache_dir=tmp_path / "c", **SETTINGS)
-    assert server.requests == []
+def test_http_file_of_any_other_name_is_one_text_document_and_a_binary_one_is_skipped(tmp_path):
+    routes = {"/page.html": Route(b"<html><p>hello</p></html>"), "/notes.md": Route(b"# notes\n\ntext"),
+              "/logo.png": Route(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(256))}
+    with FixtureServer(routes) as server:
+        manifest = build_corpus([{"uri": server.url(path)} for path in routes], tmp_path / "out",
+                                cache_dir=tmp_path / "c", **SETTINGS)
+    assert manifest["documents"] == 2 and manifest["binary_skipped"] == 1
+    assert [source["binary_skipped"] for source in manifest["sources"]] == [0, 0, 1]

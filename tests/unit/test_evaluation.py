@@ -58,7 +58,7 @@ def run(tmp_path_factory):
         encode_shard(source, root / "tokenizer", stem.with_suffix(".bin"), stem.with_suffix(".json"), split=split,
                      index=0, count=1)
         sidecars.append(stem.with_suffix(".json"))
-    build_index(sidecars, root / "shards" / "index.json", seq_len=SEQ_LEN)
+    build_index(sidecars, root / "shards" / "index.json")
 
     model = build_model(SHAPE, SEQ_LEN, seed=0).eval()
     folder = root / "checkpoints" / ckpt.tag_for(STEP)

@@ -26,7 +26,7 @@ def write_counting_shards(out: Path, sizes: list[int], split: str = "train") -> 
                    "vocab_size": 1 << 20, "eos_id": 0, "pad_id": 1}
         (out / f"{split}-{i:05d}.json").write_text(json.dumps(sidecar))
         sidecars.append(out / f"{split}-{i:05d}.json")
-    build_index(sidecars, out / "index.json", seq_len=SEQ_LEN)
+    build_index(sidecars, out / "index.json")
     return out / "index.json"
 
 

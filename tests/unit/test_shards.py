@@ -59,7 +59,7 @@ def sharded(tokenizer_dir, tmp_path_factory) -> Path:
     # a small batch size so the encoder's batching and the shard slicing both really happen
     sidecars = shard_split(train, tokenizer_dir, out, "train", 3, batch_bytes=20_000)
     sidecars += shard_split(val, tokenizer_dir, out, "val", 2)
-    build_index(sidecars, out / "index.json", seq_len=64)
+    build_index(sidecars, out / "index.json")
     return out / "index.json"
 
 
@@ -98,8 +98,9 @@ def test_evaluator_byte_count_matches_the_index(sharded, tokenizer_dir):
 def test_index_fields(sharded, tokenizer_dir):
     _, info = load_tokenizer(tokenizer_dir)
     index = json.loads(sharded.read_text())
-    assert {key: index[key] for key in ("dtype", "eos_id", "pad_id", "vocab_size", "seq_len")} == {
-        "dtype": "uint16", "eos_id": info["eos_id"], "pad_id": info["pad_id"], "vocab_size": 800, "seq_len": 64}
+    assert {key: index[key] for key in ("format", "dtype", "eos_id", "pad_id", "vocab_size")} == {
+        "format": 2, "dtype": "uint16", "eos_id": info["eos_id"], "pad_id": info["pad_id"], "vocab_size": 800}
+    assert "seq_len" not in index  # the token stream is shared by runs of any sample length
     train = index["splits"]["train"]
     assert [shard["file"] for shard in train["shards"]] == [f"train-{i:05d}.bin" for i in range(3)]
     assert sum(shard["tokens"] for shard in train["shards"]) == train["tokens"]
@@ -129,20 +130,20 @@ def test_shard_byte_ranges_tile_the_file():
 def test_any_shard_count_gives_the_same_stream(sharded, tokenizer_dir, tmp_path, count):
     """40 shards over 30-odd documents leaves some shards empty; the stream must not change."""
     sidecars = shard_split(sharded.parent / "train.jsonl", tokenizer_dir, tmp_path, "train", count)
-    build_index(sidecars, tmp_path / "index.json", seq_len=64)
+    build_index(sidecars, tmp_path / "index.json")
     assert np.array_equal(read_stream(tmp_path / "index.json", "train"), read_stream(sharded, "train"))
 
 
 def test_index_rejects_missing_or_damaged_shards(sharded, tmp_path):
     sidecars = sorted(sharded.parent.glob("train-*.json"))
     with pytest.raises(ValueError, match=r"split train: expected shards 0\.\.2, got \[0, 2\]"):
-        build_index([sidecars[0], sidecars[2]], tmp_path / "index.json", seq_len=64)
+        build_index([sidecars[0], sidecars[2]], tmp_path / "index.json")
     for path in sidecars:
         (tmp_path / path.name).write_text(path.read_text())
         (tmp_path / path.with_suffix(".bin").name).write_bytes(path.with_suffix(".bin").read_bytes())
     (tmp_path / "train-00001.bin").write_bytes(b"\0\0")  # truncated
     with pytest.raises(ValueError, match=r"train-00001\.bin holds 2 bytes"):
-        build_index(sorted(tmp_path.glob("train-*.json")), tmp_path / "index.json", seq_len=64)
+        build_index(sorted(tmp_path.glob("train-*.json")), tmp_path / "index.json")
 
 
 def test_large_vocabulary_writes_uint32(tmp_path):
@@ -153,7 +154,7 @@ def test_large_vocabulary_writes_uint32(tmp_path):
     texts = ["x <w65999> y <w0>", "def f(x):\n    return <w65000>\n"]
     corpus = write_jsonl(tmp_path / "val.jsonl", texts)
     sidecars = shard_split(corpus, tmp_path / "tok", tmp_path, "val", 1)
-    index = build_index(sidecars, tmp_path / "index.json", seq_len=8)
+    index = build_index(sidecars, tmp_path / "index.json")
     assert index["dtype"] == "uint32" and index["vocab_size"] > 65_536
     stream = read_stream(tmp_path / "index.json", "val")
     assert stream.max() > 65_535  # high ids survived, not wrapped

@@ -9,10 +9,11 @@ proportions; the manifest records the weights and the shares kept); every step i
 2) remove NUL characters (counted): they break C-string based tools downstream and carry no text;
 3) drop documents shorter than `min_chars` characters, surrounding whitespace not counted (`too_short`);
 4) drop exact duplicates by the sha256 of the UTF-8 text (`duplicate`, when `dedup`);
-5) cap: the first document that would take the kept text past `max_bytes`, and every document after it, is cut
-   (`over_cap`). The kept corpus is a prefix of the cleaned stream, so the same inputs always give the same cut.
-   Input after the cap is still read so that the manifest can say how much was cut, except from `streaming: true`
-   hf:// sources, which may be larger than the disk: those stop at the cap;
+5) cap: the first document that would take the kept text past `max_bytes`, and every document after it, is cut. The
+   kept corpus is a prefix of the cleaned stream (of the sources in order, or of the mixture's seeded draws), so the
+   same inputs always give the same cut, and nothing after the cut can be kept: reading stops there. That document
+   counts as `over_cap`; the rest is never read (no later file is opened, no more rows are downloaded), and the
+   manifest's `cap` says so, with `documents_in` / `bytes_in` counting what was read;
 6) split by content hash: a document goes to val when the first 8 bytes of its sha256, read as a fraction of 2**64,
    fall below `val_fraction`. The split depends on the text alone, so appending a source never moves a document.
 
@@ -133,20 +134,19 @@ def _mixture_record(weights: list[float] | None, seed: int, all_stats: list[Sour
                          "share_kept_bytes": stats.bytes_out / kept} for weight, stats in zip(weights, all_stats)]}
 
 
-def _documents(readers: list, weights: list[float] | None, seed: int, closed: set[int]):
-    """(source index, document number within it, text): sources in order, or drawn by weight (seeded)."""
+def _documents(readers: list, weights: list[float] | None, seed: int, ended: set[int]):
+    """(source index, document number within it, text): sources in order, or drawn by weight (seeded). A source read
+    to its end joins `ended`."""
     counts = [0] * len(readers)
     active = list(range(len(readers)))
     rng = random.Random(seed)
     while active:
-        active = [i for i in active if i not in closed]
-        if not active:
-            return
         i = rng.choices(active, weights=[weights[j] for j in active])[0] if weights else active[0]
         try:
             text = next(readers[i])
         except StopIteration:
             active.remove(i)
+            ended.add(i)
             continue
         yield i, counts[i], text
         counts[i] += 1
@@ -160,15 +160,14 @@ def _clean_all(sources, settings: CleaningSettings, files: _SplitFiles, cache_di
     all_stats = [SourceStats(uri=source["uri"], kind=source_kind(source["uri"])) for source in sources]
     readers = [read_source(source, stats, settings.encoding_errors, cache_dir)
                for source, stats in zip(sources, all_stats)]
-    streaming = {i for i, source in enumerate(sources) if source["streaming"]}
-    closed: set[int] = set()  # streaming sources stop being read once the cap is reached
+    ended: set[int] = set()  # sources read to their end
     progress = Progress("cleaning (kept bytes)" if settings.max_bytes else "cleaning (bytes read)", log,
                         total=settings.max_bytes)
 
     def documents_read() -> str:
         return f"{sum(s.documents_in for s in all_stats):,} documents read"
 
-    for i, number, text in _documents(readers, weights, seed, closed):
+    for i, number, text in _documents(readers, weights, seed, ended):
         source, stats = sources[i], all_stats[i]
         uri = source["uri"]
         stats.documents_in += 1
@@ -190,14 +189,10 @@ def _clean_all(sources, settings: CleaningSettings, files: _SplitFiles, cache_di
                 stats.dropped["duplicate"] += 1
                 continue
             seen.add(digest)
-        if cut_at is None and settings.max_bytes is not None and kept_bytes + len(data) > settings.max_bytes:
+        if settings.max_bytes is not None and kept_bytes + len(data) > settings.max_bytes:
             cut_at = {"source": uri, "document_index": number}
-            for j in streaming:  # a streamed dataset may not fit on disk: read no further than the cap
-                closed.add(j)
-                all_stats[j].details["stopped_at_cap"] = True
-        if cut_at is not None:
             stats.dropped["over_cap"] += 1
-            continue
+            break  # nothing after the cut can be kept
         kept_bytes += len(data)
         files.add(text, len(data), digest)
         stats.documents_out += 1
@@ -205,11 +200,20 @@ def _clean_all(sources, settings: CleaningSettings, files: _SplitFiles, cache_di
         if settings.max_bytes:
             progress.advance(len(data), documents_read)
     progress.finish()
+    for i, (reader, stats) in enumerate(zip(readers, all_stats)):
+        if i not in ended:  # stopped at the cap: release its file or stream, and say it was not read to the end
+            reader.close()
+            stats.details["stopped_at_cap"] = True
     for stats in all_stats:
         log.info("%s: %d documents in, %d kept (%d bytes); dropped %s; replaced %d chars, removed %d NULs",
                  stats.uri, stats.documents_in, stats.documents_out, stats.bytes_out, stats.dropped,
                  stats.replaced_chars, stats.nul_removed)
-    return all_stats, {"max_bytes": settings.max_bytes, "reached": cut_at is not None, "cut_at": cut_at}
+    cap = {"max_bytes": settings.max_bytes, "reached": cut_at is not None, "cut_at": cut_at}
+    if cut_at is not None:
+        cap["unread"] = ("reading stopped at the cut: the documents after it were never read (documents_in and "
+                         "bytes_in count what was), and sources marked details.stopped_at_cap were not read to "
+                         "their end")
+    return all_stats, cap
 
 
 def _encode(text: str, stats: SourceStats, errors: str, uri: str, number: int) -> tuple[str, bytes]:
@@ -328,6 +332,7 @@ def _manifest(all_stats, settings: CleaningSettings, files: _SplitFiles, cap: di
         "dropped": {reason: sum(stats.dropped[reason] for stats in all_stats) for reason in DROP_REASONS},
         "replaced_chars": sum(stats.replaced_chars for stats in all_stats),
         "nul_removed": sum(stats.nul_removed for stats in all_stats),
+        "binary_skipped": sum(stats.binary_skipped for stats in all_stats),
         "settings": asdict(settings),
         "cap": cap,
         "split": {"method": "val when int(sha256(utf8 text)[:8], big-endian) < val_fraction * 2**64",

@@ -2,13 +2,18 @@
 
 builtin://python-stdlib (the running interpreter's standard-library .py files), hf://<dataset> (datasets.load_dataset,
 optionally streamed), http(s)://… (downloaded through download.py into the cache, sha256-checked) and
-file://path-or-glob; files are .txt (whole, or `split: paragraphs`), .jsonl or .parquet, optionally .gz or .zst.
-Bytes are decoded as UTF-8 under `encoding_errors`; what each source was goes into the source's SourceStats (the
-manifest): the sha256 of every local file, a downloaded file's sha256 and HTTP validators (ETag, Last-Modified), the
-Hub commit an hf:// dataset resolved to. Cleaning, the cap and the split are corpus.py's.
+file://path-or-glob. A file is .jsonl or .parquet by its name, optionally .gz or .zst compressed; a file of any other
+name (.txt, .py, .md, .rst, .c, none ...) is one text document (or, with `split: paragraphs`, one per paragraph), as
+datatrove's and litgpt's text readers take them. A text file whose first 8 KiB hold a NUL byte, or are mostly not
+UTF-8, is binary (git's rule, plus the second test for NUL-free binaries): skipped and counted (`binary_skipped`).
+Local files are checked when the workflow builds its DAG (`local_files`): readable, and a .gz/.zst file compressed
+as its name says. Bytes are decoded as UTF-8 under `encoding_errors`; what each source was goes into the source's
+SourceStats (the manifest): the sha256 of every local file, a downloaded file's sha256 and HTTP validators (ETag,
+Last-Modified), the Hub commit an hf:// dataset resolved to. Cleaning, the cap and the split are corpus.py's.
 """
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import hashlib
@@ -28,8 +33,18 @@ from pretrain_bench.download import DownloadError, download, http_validators, sh
 
 # Why a cleaning step dropped a document; SourceStats counts each per source.
 DROP_REASONS = ("too_short", "duplicate", "over_cap")
-FORMATS = (".txt", ".jsonl", ".parquet")
-COMPRESSIONS = (".gz", ".zst")
+# Files read as records by their name's suffix; every other file is text.
+RECORD_FORMATS = (".jsonl", ".parquet")
+TEXT = "text"
+# Compressed files by suffix, and the magic bytes their data starts with (zstd: a frame, or a skippable frame).
+COMPRESSIONS = {".gz": (b"\x1f\x8b",), ".zst": (b"\x28\xb5\x2f\xfd", b"\x50\x2a\x4d\x18")}
+# How much of a text file decides whether it is binary (git looks at the first 8000 bytes).
+BINARY_SNIFF_BYTES = 8192
+# More invalid UTF-8 than this share of those bytes: binary, not text with some bad bytes (Latin-1 French is under
+# 20 % accented letters; random bytes are over half invalid).
+BINARY_INVALID_SHARE = 0.3
+# Files named as binary in the manifest, per source (the count has them all).
+BINARY_LISTED = 20
 # Test packages are left out of the builtin corpus: distributions ship them or not (Debian splits them off) and
 # their fixtures hold deliberately broken encodings, so the corpus would differ between installs of one version.
 STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
@@ -58,6 +73,7 @@ class SourceStats:
     bytes_out: int = 0
     replaced_chars: int = 0  # U+FFFD substituted for undecodable bytes or lone surrogates
     nul_removed: int = 0
+    binary_skipped: int = 0  # files of a text source skipped as binary (the first few in details["binary_files"])
     dropped: dict = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     details: dict = field(default_factory=dict)  # kind-specific provenance: files, dataset fingerprint, ...
 
@@ -150,8 +166,35 @@ def local_files(uri: str) -> list[str]:
     else:
         paths = [pattern]
     for path in paths:
-        _format_of(path, uri)  # fail on an unsupported file before reading any
+        check_local_file(path, uri)
     return paths
+
+
+def check_local_file(path: str, uri: str) -> None:
+    """A CorpusError naming `uri` unless `path` can be read and is compressed exactly when its name says so."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+    except OSError as error:
+        raise CorpusError(f"{uri}: cannot read {path}: {error.strerror}") from None
+    _, compression = _format_of(path, uri)
+    magic = next((suffix for suffix, starts in COMPRESSIONS.items() if head.startswith(starts)), None)
+    if compression and magic != compression:
+        raise CorpusError(f"{uri}: {path} is named {compression} but does not hold {compression} data (it starts "
+                          f"with {head!r})")
+    if magic and not compression:
+        raise CorpusError(f"{uri}: {path} holds {magic} compressed data but its name does not end in {magic}: "
+                          f"rename it to {os.path.basename(path)}{magic}")
+
+
+def looks_binary(data: bytes) -> bool:
+    """Whether a text file's bytes are binary: a NUL in the first BINARY_SNIFF_BYTES, or more than
+    BINARY_INVALID_SHARE of them invalid UTF-8 (a character cut at the end of the window does not count)."""
+    head = data[:BINARY_SNIFF_BYTES]
+    if b"\x00" in head:
+        return True
+    decoded = codecs.getincrementaldecoder("utf-8")("replace").decode(head, final=False)
+    return decoded.count("\ufffd") - head.count(REPLACEMENT_BYTES) > BINARY_INVALID_SHARE * len(head)
 
 
 def local_source_files(sources: list[dict]) -> list[str]:
@@ -161,25 +204,29 @@ def local_source_files(sources: list[dict]) -> list[str]:
 
 
 def _read_files(source: dict, stats: SourceStats, decode: _Decoder) -> Iterator[str]:
-    """file://path or file://glob: each file in order, its sha256 recorded before it is read."""
+    """file://path or file://glob: each file in order, its sha256 recorded before it is read. Closed early (the cap),
+    the source's sha256 covers the files read, and details.files_read counts them."""
     uri = source["uri"]
     paths = local_files(uri)
     stats.details["files"] = len(paths)
     # Hashed in a pass of their own (the read after it comes from the page cache): the decompressors and parquet's
     # random access read the bytes in no order a running hash could follow.
     digests = stats.details["file_sha256"] = {}
-    for path in paths:
-        digests[path] = sha256_file(Path(path))
-        yield from _read_file(Path(path), f"{path} ({uri})", source, decode)
-    listing = "".join(f"{digest}  {path}\n" for path, digest in digests.items())
-    stats.sha256 = digests[paths[0]] if len(paths) == 1 else hashlib.sha256(listing.encode()).hexdigest()
+    try:
+        for path in paths:
+            digests[path] = sha256_file(Path(path))
+            yield from _read_file(Path(path), f"{path} ({uri})", source, decode)
+    finally:
+        listing = "".join(f"{digest}  {path}\n" for path, digest in digests.items())
+        if digests:
+            stats.sha256 = digests[paths[0]] if len(paths) == 1 else hashlib.sha256(listing.encode()).hexdigest()
+        stats.details["files_read"] = len(digests)
 
 
 def _read_http(source: dict, stats: SourceStats, decode: _Decoder, cache_dir: Path) -> Iterator[str]:
     """Download (see download.py) into cache_dir/http, then read like a local file by the URL's extension."""
     url = source["uri"]
     name = PurePosixPath(urlsplit(url).path).name
-    _format_of(name, url)  # before downloading: a wrong extension should not cost a download
     dest = cache_dir / "http" / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{name}"
     try:
         stats.sha256 = download(url, dest, sha256=source.get("sha256"))
@@ -190,25 +237,26 @@ def _read_http(source: dict, stats: SourceStats, decode: _Decoder, cache_dir: Pa
 
 
 def _format_of(name: str, uri: str) -> tuple[str, str | None]:
-    """('.jsonl', '.gz') for 'x.jsonl.gz'; a CorpusError naming the URI for anything unsupported."""
+    """('.jsonl', '.gz') for 'x.jsonl.gz', ('text', None) for 'x.py': records by the name, else text."""
     lowered, compression = str(name).lower(), None
     for suffix in COMPRESSIONS:
         if lowered.endswith(suffix):
             lowered, compression = lowered[: -len(suffix)], suffix
-    for suffix in FORMATS:
-        if lowered.endswith(suffix):
-            return suffix, compression
-    raise CorpusError(f"{uri}: unsupported file {name!r}; expected .txt, .jsonl or .parquet, optionally .gz or .zst")
+    return next((suffix for suffix in RECORD_FORMATS if lowered.endswith(suffix)), TEXT), compression
 
 
 def _read_file(path: Path, label: str, source: dict, decode: _Decoder) -> Iterator[str]:
-    """One local file: .txt (whole file, or paragraphs), .jsonl or .parquet, optionally .gz/.zst compressed."""
+    """One local file: .jsonl or .parquet, else text (whole, or paragraphs), optionally .gz/.zst compressed."""
     fmt, compression = _format_of(path.name, source["uri"])
     field_name = source["text_field"]
     try:
         with _open_decompressed(path, compression) as stream:
-            if fmt == ".txt":
-                text = decode(stream.read(), label)
+            if fmt == TEXT:
+                data = stream.read()
+                if looks_binary(data):
+                    _skip_binary(decode.stats, label)
+                    return
+                text = decode(data, label)
                 if source.get("split") == "paragraphs":
                     yield from (block.strip("\r\n") for block in PARAGRAPH_BREAK.split(text) if block.strip())
                 else:
@@ -219,6 +267,13 @@ def _read_file(path: Path, label: str, source: dict, decode: _Decoder) -> Iterat
                 yield from _read_parquet(stream, label, field_name, compression)
     except (OSError, EOFError) as error:  # gzip/zstd corruption, truncated files
         raise CorpusError(f"{label}: cannot read: {error}") from error
+
+
+def _skip_binary(stats: SourceStats, label: str) -> None:
+    stats.binary_skipped += 1
+    listed = stats.details.setdefault("binary_files", [])
+    if len(listed) < BINARY_LISTED:
+        listed.append(label)
 
 
 def _open_decompressed(path: Path, compression: str | None) -> BinaryIO:

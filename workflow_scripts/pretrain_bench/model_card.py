@@ -43,6 +43,7 @@ def card_facts(plan, step: int, tokens: int | None) -> dict:
         "sources": manifest["sources"] if manifest else None,
         "splits": {split: manifest[split] for split in ("train", "val")} if manifest else None,
         "git_commit": git_commit(REPOSITORY),
+        "data_id": plan.data["data_id"] if plan.data else None,
     }
 
 
@@ -75,6 +76,8 @@ def render_card(shape, facts: dict, dtype: str) -> str:
         + (" (in this run, on top of the starting model's own)" if init else ""),
         f"- pretrain-bench commit: `{facts['git_commit'] or 'unknown (not a git checkout)'}`", "",
         "## Data", "",
+        f"- data id: `{facts['data_id']}` (its corpus, tokenizer and shards live in `results/data/<data id>`)"
+        if facts["data_id"] else "- data id: unknown (the plan names none)",
     ]
     if facts["sources"]:
         lines += ["| source | documents kept | bytes kept | sha256 of the fetched file |", "|---|---|---|---|"]

@@ -60,6 +60,7 @@ class Plan:
     measure_comm: bool  # run DeepSpeed's comms logger (it synchronises every collective)
     memory_fit: dict  # the pre-flight's record (memory_fit.fit_run); plan.json holds it as `preflight` too
     cell: str | None = None  # the benchmark cell this plan measures
+    data: dict | None = None  # data_products.DataProducts.record(): the data id and the folders of the run's data
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self) | {"train": self.train.as_dict(), "model": self.model.as_dict()}
@@ -153,11 +154,13 @@ def cell_train(config: dict, overrides: dict) -> dict:
 
 def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, state_dir: Path,
               role: str = "pretrain", resume: bool = True, save_checkpoints: bool = True,
-              peak: dict | None = None, manifest: Path | None = None, cell: str | None = None) -> Plan:
+              peak: dict | None = None, manifest: Path | None = None, cell: str | None = None,
+              data: dict | None = None) -> Plan:
     """Resolve a plan config (see `plan_config`) into a Plan; raises ConfigError.
 
     peak: rule measure_peak's bench/peak.json, the machine's peak that every run's MFU divides by.
-    manifest: the corpus manifest, whose sources the export's model card lists."""
+    manifest: the corpus manifest, whose sources the export's model card lists.
+    data: the data products' record (DataProducts.record()), which the summary and model card name."""
     settings, model = TrainSettings.from_config(config["train"]), ModelSettings.from_config(config["model"])
     if settings.nvme_path is None:
         settings = dataclasses.replace(settings, nvme_path=str(Path(state_dir) / "nvme"))
@@ -192,6 +195,7 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
         measure_comm=role == "bench" or device == "cpu",
         memory_fit=memory_fit,
         cell=cell,
+        data=data,
     )
 
 

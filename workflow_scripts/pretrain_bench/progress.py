@@ -6,7 +6,9 @@ unreadable line; `tail -f logs/<name>/...` shows these as they come. At most one
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 
 from .formats import fmt_duration
@@ -54,3 +56,24 @@ class Progress:
         elapsed = time.monotonic() - self.start
         self.log.info("%s: done, %s in %s (%s/s)%s", self.what, _size(self.done, self.unit), fmt_duration(elapsed),
                       _size(self.done / max(elapsed, 1e-9), self.unit), f"; {note}" if note else "")
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, log: logging.Logger):
+    """Log 'what: running, <elapsed> so far' every INTERVAL_S seconds while the with-block runs, from a thread: for
+    work that reports no progress of its own (the tokenizers library's BPE merges run in Rust, without a callback)."""
+    stop = threading.Event()
+    start = time.monotonic()
+
+    def beat() -> None:
+        while not stop.wait(INTERVAL_S):
+            log.info("%s: running, %s so far", what, fmt_duration(time.monotonic() - start))
+
+    thread = threading.Thread(target=beat, name=f"heartbeat {what}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        log.info("%s: done in %s", what, fmt_duration(time.monotonic() - start))

@@ -24,7 +24,9 @@ from pretrain_bench.tokenizer import iter_texts, load_tokenizer
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT = 1
+# 2: no seq_len (the index describes the token stream, shared by runs of any sample length; a run's seq_len is its
+# plan's)
+INDEX_FORMAT = 2
 BATCH_TEXT_BYTES = 4 << 20  # text per encode call: large enough to keep every rayon thread busy, small in memory
 
 
@@ -118,7 +120,7 @@ def encode_shard(corpus_jsonl: Path, tokenizer_dir: Path, out_bin: Path, out_jso
     return sidecar
 
 
-def build_index(sidecar_paths: list[Path], out_path: Path, *, seq_len: int) -> dict:
+def build_index(sidecar_paths: list[Path], out_path: Path) -> dict:
     """Gather shard sidecars into index.json; checks every split is complete and consistent, and each .bin's size."""
     out_path = Path(out_path)
     sidecars = []
@@ -155,7 +157,7 @@ def build_index(sidecar_paths: list[Path], out_path: Path, *, seq_len: int) -> d
                         "documents": s["documents"], "text_bytes": s["text_bytes"], "sha256": s["sha256"]}
                        for s in shards],
         }
-    index = {"format": INDEX_FORMAT, **shared, "seq_len": seq_len, "splits": splits}
+    index = {"format": INDEX_FORMAT, **shared, "splits": splits}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_path, json.dumps(index, indent=2) + "\n")
     log.info("index %s: %s", out_path, {split: entry["tokens"] for split, entry in splits.items()})

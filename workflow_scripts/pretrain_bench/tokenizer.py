@@ -22,6 +22,8 @@ from pathlib import Path
 import orjson
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from pretrain_bench.progress import Progress, heartbeat
+
 log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
@@ -67,6 +69,16 @@ def sample_windows(file_size: int, train_bytes: int, windows: int = SAMPLE_WINDO
         return [(0, file_size)]
     width = max(1, train_bytes // windows)
     return [(file_size * i // windows, file_size * i // windows + width) for i in range(windows)]
+
+
+def _counted(texts: list[str], total_bytes: int):
+    """`texts`, logging how far the trainer's first pass (pre-tokenizing and counting words) has read, with rate and
+    ETA; its merges follow, under train_tokenizer's heartbeat."""
+    progress = Progress("BPE word counts (sample bytes)", log, total=total_bytes)
+    for text in texts:
+        progress.advance(len(text.encode("utf-8", "surrogatepass")))
+        yield text
+    progress.finish()
 
 
 def train_bpe(texts, vocab_size: int) -> Tokenizer:
@@ -232,7 +244,8 @@ def train_tokenizer(train_jsonl: Path, out_dir: Path, *, vocab_size: int, train_
         sample = [text for start, stop in windows for text in iter_texts(train_jsonl, start, stop)]
         if not sample:
             raise ValueError(f"{train_jsonl} holds no documents to train the tokenizer on")
-        tokenizer = train_bpe(sample, vocab_size)
+        with heartbeat(f"BPE training ({vocab_size:,} tokens)", log):
+            tokenizer = train_bpe(_counted(sample, sum(stop - start for start, stop in windows)), vocab_size)
         specials = {"eos": EOS_TOKEN, "pad": PAD_TOKEN, "bos": None}
         extra = {"source": "trained", "train_documents": len(sample),
                  "train_text_bytes": sum(len(text.encode("utf-8", "surrogatepass")) for text in sample)}

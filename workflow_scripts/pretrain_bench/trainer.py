@@ -399,6 +399,8 @@ class Trainer:
             "provenance": provenance(plan.config,
                                      self.context.hardware | {"threads_per_rank": self.launch.threads_per_rank})
             | {"slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+               # the data products the run read (results/data/<data_id>), None for a plan made without one
+               "data_id": plan.data["data_id"] if plan.data else None,
                # 1-, 5- and 15-minute load averages at the end: busy-machine timings are traceable
                "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
         }).to_dict()

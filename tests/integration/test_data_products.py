@@ -1,0 +1,77 @@
+"""The corpus, tokenizer and shards belong to the data settings, not to a run's name: under results/data/ by the
+digest of what shapes each, shared by every run with the same data settings, through Snakemake."""
+import hashlib
+import json
+
+import pytest
+
+from support import (
+    TINY_CONFIG,
+    data_folders,
+    data_products,
+    run_snakemake,
+    scheduled_rules,
+    tree_digest,
+    workflow_dir,
+    write_yaml,
+)
+
+pytestmark = pytest.mark.pipeline
+
+DATA_RULES = {"download_corpus", "train_tokenizer", "shard_tokens", "index_shards"}
+
+
+def test_a_second_name_with_the_same_data_settings_schedules_no_data_job(workdir):
+    proc = run_snakemake(workdir, "-n", "--config", "name=itest-other-name")
+    rules = scheduled_rules(proc)
+    assert {"plan_pretrain", "pretrain"} <= rules, "the new name trains"
+    assert not rules & DATA_RULES, f"{sorted(rules & DATA_RULES)} rebuilt data another name already built"
+    assert data_products().index in proc.stdout + proc.stderr, "its plan reads the shared shards"
+
+
+def test_the_data_id_ignores_the_run_name_and_the_training_keys():
+    tiny = data_products()
+    assert data_products({"name": "another", "train": {"lr": 0.5}, "model": {"seq_len": 64}}) == tiny
+    assert tiny.data_id == f"corpus-{tiny.corpus_id}/tokenizer-{tiny.tokenizer_id}/shards-{tiny.shards_id}"
+
+
+def corpus_and_shards(folders) -> dict:
+    """Digests of the corpus's own files (its folder also holds the tokenizers made from it) and of the shards."""
+    corpus = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in folders.corpus.glob("*.json*")}
+    assert set(corpus) == {"train.jsonl", "val.jsonl", "manifest.json"}
+    return {"corpus": corpus, "shards": tree_digest(folders.shards)}
+
+
+def test_a_data_edit_builds_new_products_beside_the_old_and_only_what_it_shapes(workdir):
+    old, edited = data_products(), data_products({"shards": {"count": 3}})
+    assert edited.corpus == old.corpus and edited.tokenizer == old.tokenizer and edited.shards != old.shards
+    folders = data_folders(workdir)
+    before = corpus_and_shards(folders)
+    corpus_mtime = (folders.corpus / "train.jsonl").stat().st_mtime_ns
+    edit = ("--config", "name=itest-three-shards", 'shards={"count": 3}', "--", edited.index)
+    assert scheduled_rules(run_snakemake(workdir, "-n", *edit)) == {"shard_tokens", "index_shards"}
+    run_snakemake(workdir, *edit)
+    index = json.loads((workdir / edited.index).read_text())
+    assert [len(index["splits"][split]["shards"]) for split in ("train", "val")] == [3, 3]
+    old_index = json.loads((folders.shards / "index.json").read_text())
+    assert index["splits"]["train"]["tokens"] == old_index["splits"]["train"]["tokens"], "the same token stream"
+    # the old products stay as they were: the corpus not cleaned again, the two-shard layout kept
+    assert corpus_and_shards(folders) == before
+    assert (folders.corpus / "train.jsonl").stat().st_mtime_ns == corpus_mtime
+    # and the original settings still find everything up to date
+    assert scheduled_rules(run_snakemake(workdir, "-n", "--", old.index, old.tokenizer_json)) == set()
+
+
+def test_a_local_source_that_cannot_be_read_as_named_stops_the_dry_run_naming_it(tmp_path):
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.md").write_text("# a text file of any name is read")
+    (tmp_path / "texts" / "b.txt.gz").write_text("plain text behind a .gz name")
+    source = f"file://{tmp_path}/texts/*"
+    overlay = write_yaml(tmp_path / "overlay.yaml",
+                         {"name": "itest-bad-source", "corpus": {"sources": [{"uri": source}]}})
+    proc = run_snakemake(workflow_dir(tmp_path / "workflow"), "-n", configfiles=(TINY_CONFIG, overlay), check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert (f"corpus.sources: {source}: {tmp_path}/texts/b.txt.gz is named .gz but does not hold .gz data "
+            "(it starts with b'plai')") in out, out[-3000:]
+    assert "Traceback" not in out
