@@ -5,8 +5,9 @@ import os
 import sys
 from pathlib import Path
 
-from pretrain_bench.devices import die_with_parent, hardware_description, usable_cpu_count
+from pretrain_bench.devices import die_with_parent, hardware_description
 from pretrain_bench.logs import console_log, exit_without_teardown
+from pretrain_bench.run_context import LaunchContext, pin_rank, usable_cpus
 
 
 def main(argv=None) -> int:
@@ -14,23 +15,26 @@ def main(argv=None) -> int:
     # of the job would otherwise leave them training (and writing checkpoints) as orphans.
     die_with_parent()
     console_log()
-    from pretrain_bench.checkpoint import CheckpointError
-    from pretrain_bench.launcher import wait_out_stale_build_locks
-    from pretrain_bench.plan import Plan, RunContext
-    from pretrain_bench.rank import TrainingAborted
-    from pretrain_bench.run_context import LaunchContext
-    from pretrain_bench.trainer import run_training
-
-    wait_out_stale_build_locks()  # DeepSpeed loads its CPU op behind torch's build lock in every rank
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--plan", type=Path, required=True)
     parser.add_argument("--context", type=LaunchContext.from_json, default=None,
                         help="the launcher's LaunchContext, as JSON (started by torchrun without the launcher: CPU, "
                              "this node's usable cores shared by its LOCAL_WORLD_SIZE ranks)")
     args = parser.parse_args(argv)
-    plan = Plan.from_json(args.plan)
+    cpus = usable_cpus()
     launch = args.context or LaunchContext.for_job("cpu", int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                                                   usable_cpu_count())
+                                                   len(cpus), cpus)
+    # Pinned before torch is imported: threads started later (OpenMP's, gloo's) inherit this rank's cores.
+    pin_rank(launch, int(os.environ.get("LOCAL_RANK", 0)))
+
+    from pretrain_bench.checkpoint import CheckpointError
+    from pretrain_bench.launcher import wait_out_stale_build_locks
+    from pretrain_bench.plan import Plan, RunContext
+    from pretrain_bench.rank import TrainingAborted
+    from pretrain_bench.trainer import run_training
+
+    wait_out_stale_build_locks()  # DeepSpeed loads its CPU op behind torch's build lock in every rank
+    plan = Plan.from_json(args.plan)
     device = launch.device  # what the launcher resolved device_request to
     if device == "cuda":
         import torch

@@ -10,7 +10,8 @@ Used by every multi-rank rule (`pretrain`, benchmark cells) through workflow_scr
   puts the rendezvous on the allocation's first node (`scontrol show hostnames`).
 - CUDA: disjoint device ids per concurrent job through `devices.gpu_slots`, taken from the visible devices
   (CUDA_VISIBLE_DEVICES when set), unless a scheduler assigned them. CPU: DS_ACCELERATOR=cpu, gloo,
-  max(1, cores // ranks) threads per rank.
+  max(1, cores // ranks) threads per rank, each rank pinned to its own block of that many cores (run_context.pin_rank;
+  with more ranks than cores, one core each in turn: oversubscribed).
 - The ranks get the launcher's decisions (device, threads, oversubscription, pinning) as `pretrain.py --context`, a
   LaunchContext (run_context.py).
 - One run per state folder: the launcher takes `<state_dir>/run.lock` (state_lock.py) before anything else, so a
@@ -33,9 +34,9 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from . import state_lock
-from .devices import die_with_parent, gpu_slots, probe_peer_access, resolve_device, usable_cpu_count
+from .devices import die_with_parent, gpu_slots, probe_peer_access, resolve_device
 from .plan import Plan
-from .run_context import LaunchContext
+from .run_context import LaunchContext, usable_cpus
 from .settings import TrainSettings, check_settings
 
 logger = logging.getLogger(__name__)
@@ -395,8 +396,8 @@ def _launch_locked(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_d
         logger.info(f"node rank {node_rank} of {settings.nodes}, rendezvous {rdzv_endpoint}")
     device = resolve_device(plan.device_request)
     check_settings(settings, device)
-    cores = usable_cpu_count()
-    context = LaunchContext.for_job(device, ranks, cores)
+    cpus = usable_cpus()
+    context = LaunchContext.for_job(device, ranks, len(cpus), cpus)
     env = rank_environment(context, os.environ)
     for stale in clear_stale_extension_locks():
         logger.warning(f"removed {stale}: a torch extension build lock left by a killed process (ranks would wait "
@@ -406,7 +407,12 @@ def _launch_locked(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_d
         logger.info("nccl environment (train.nccl_env): " + " ".join(f"{k}={v}" for k, v in settings.nccl_env.items()))
     env[state_lock.HELD_ENV] = "1"  # by this launcher, or by node rank 0's in a multi-node run
     if context.oversubscribed:
-        logger.info(f"note: {ranks} ranks on {cores} cores: oversubscribed, 1 thread per rank; timings are contended")
+        logger.info(f"note: {ranks} ranks on {len(cpus)} cores: oversubscribed, 1 thread per rank; timings are "
+                    "contended")
+    if context.cpus:
+        logger.info("ranks pinned to cores: " + "; ".join(
+            f"local rank {rank}: {list(context.rank_cores(rank))}" for rank in range(ranks))
+            + f" ({context.threads_per_rank} thread(s) each)")
     slots = gpu_slots(ranks, lock_dir) if device == "cuda" else nullcontext(None)
     with slots as device_ids:
         if device_ids is not None:

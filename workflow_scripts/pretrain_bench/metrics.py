@@ -6,6 +6,7 @@ figure from metrics.jsonl.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import sys
@@ -23,6 +24,11 @@ def peak_memory_bytes(device: str) -> tuple[int, str]:
     # ru_maxrss is KiB on Linux, bytes on macOS.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024), "peak RSS of the rank process (getrusage)"
+
+
+def load_average() -> list[float] | None:
+    """The 1-, 5- and 15-minute load averages of this machine ([1m, 5m, 15m]); None where the OS has none."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
 
 def one_record_per_step(records: list[dict]) -> list[dict]:

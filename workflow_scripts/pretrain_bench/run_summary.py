@@ -71,7 +71,8 @@ class RunSummary:
     init_seed: int | None  # train.seed of a random initialisation
     lr_schedule: str
     eval_during_training: dict | None  # train.eval_every's evaluations; None when off
-    provenance: dict  # git_commit, config_sha256, versions, hardware, slurm_job_id, load_average
+    provenance: dict  # git_commit, config_sha256, versions, hardware, slurm_job_id, load_before, load_after,
+    # placement (each rank's host, cores and threads)
 
     def __post_init__(self):
         if self.version != SUMMARY_VERSION:

@@ -36,7 +36,14 @@ from .engines import Engine, EngineRun, engine_class
 from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .heldout import HeldOutSlice
 from .io import atomic_write_json, read_jsonl
-from .metrics import MetricsSink, one_record_per_step, peak_memory_bytes, peak_memory_per_rank, summarise_steps
+from .metrics import (
+    MetricsSink,
+    load_average,
+    one_record_per_step,
+    peak_memory_bytes,
+    peak_memory_per_rank,
+    summarise_steps,
+)
 from .model import ModelShape, build_model, count_parameters, load_pretrained
 from .plan import Plan, RunContext, plan_shape
 from .provenance import provenance
@@ -49,7 +56,7 @@ from .rank import (
     resume_fingerprint,
 )
 from .rank import log as rank_log
-from .run_context import LaunchContext
+from .run_context import LaunchContext, rank_placement
 from .run_state import mark_finished, plan_digest, prepare_state
 from .run_summary import RunSummary
 from .settings import check_settings
@@ -113,6 +120,9 @@ class Trainer:
         self.flops_token: float | None = None  # prepare_measures(): FLOPs per token for MFU
         self.heldout: HeldOutSlice | None = None  # prepare_measures(): train.eval_every's slice
         self.measure_comm = False  # prepare_measures(): whether each step's communication time is taken
+        self.load_before: list[float] | None = None  # run(): rank 0's load averages before the first step
+        self.load_after: list[float] | None = None  # run(): rank 0's load averages after the last step
+        self.placement: list[dict] | None = None  # run(): every rank's cores and threads (rank 0 only)
 
     def log(self, message: str) -> None:
         rank_log(self.rank, message)
@@ -124,6 +134,7 @@ class Trainer:
         self.build_engine()
         self.restore()
         self.prepare_measures()
+        self.load_before = load_average()
         self.run_start = time.perf_counter()
         with MetricsSink(self.metrics_path, self.state_dir / "tensorboard", self.start_step,
                          enabled=self.rank == 0) as sink:
@@ -145,6 +156,8 @@ class Trainer:
                 # finishes (its checkpoint is saved above): stopping there would leave a finished run without outputs.
                 if step < self.total_steps and any(rank.stop_requested for rank in gathered):
                     self.stop(step)
+        self.load_after = load_average()
+        self.placement = self.gather_placement()
         summary = self.summarise()
         self.finish(summary)
         return summary
@@ -335,6 +348,13 @@ class Trainer:
         self.checkpointer.save(step, self.engine, self.batches.state_dict(), step * self.tokens_per_step)
 
     # --- after the loop ----------------------------------------------------------------------------------------------
+    def gather_placement(self) -> list[dict] | None:
+        """Every rank's host, cores (its affinity) and torch threads as it ran, on rank 0 (None elsewhere)."""
+        placement = rank_placement(self.rank, torch.get_num_threads())
+        gathered = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(placement, gathered, dst=0)
+        return gathered
+
     def comm_fraction(self) -> tuple[float | None, str]:
         """Communication time ÷ step time over the steady-state steps, and how it was measured (or why not)."""
         if self.world == 1:
@@ -401,8 +421,11 @@ class Trainer:
             | {"slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                # the data products the run read (results/data/<data_id>), None for a plan made without one
                "data_id": plan.data["data_id"] if plan.data else None,
-               # 1-, 5- and 15-minute load averages at the end: busy-machine timings are traceable
-               "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
+               # 1-, 5- and 15-minute load averages before the first step and after the last: busy-machine timings
+               # are traceable
+               "load_before": self.load_before, "load_after": self.load_after,
+               # each rank's host, cores and torch threads (CPU ranks pinned to disjoint cores, see run_context)
+               "placement": self.placement},
         }).to_dict()
 
     def finish(self, summary: dict | None) -> None:

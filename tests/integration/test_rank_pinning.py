@@ -1,0 +1,34 @@
+"""CPU ranks through the real launcher are pinned to disjoint cores with cores ÷ ranks threads each, and summary.json
+records what each rank had (its affinity and torch threads, read inside the rank) and the load before and after."""
+import json
+
+import pytest
+
+from pretrain_bench.run_context import usable_cpus
+from support import plan_for, run
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_each_rank_runs_on_its_own_cores_with_cores_divided_by_ranks_threads(data, tmp_path, ranks):
+    plan = plan_for(data, tmp_path / "run", max_steps=2, checkpoint_every=2, warmup_steps=0, gpus=ranks)
+    assert run(plan, ranks, tmp_path / "run.log") == 0, (tmp_path / "run.log").read_text()[-3000:]
+    summary = json.loads((tmp_path / "run" / "out" / "summary.json").read_text())
+    placement = summary["provenance"]["placement"]
+    cpus = usable_cpus()
+    assert [rank["rank"] for rank in placement] == list(range(ranks))
+    if ranks <= len(cpus):
+        size = len(cpus) // ranks
+        assert not summary["oversubscribed"] and summary["threads_per_rank"] == size
+        assert all(len(rank["cores"]) == size and rank["threads"] == size for rank in placement), placement
+        taken = [core for rank in placement for core in rank["cores"]]
+        assert len(set(taken)) == len(taken) and set(taken) <= set(cpus), placement  # disjoint, of this machine
+    else:  # oversubscribed: one core and one thread each, the cores taken in turn
+        assert summary["oversubscribed"] and summary["threads_per_rank"] == 1
+        assert all(rank["threads"] == 1 and len(rank["cores"]) == 1 for rank in placement), placement
+        assert {rank["cores"][0] for rank in placement} == set(cpus), placement
+    for key in ("load_before", "load_after"):
+        load = summary["provenance"][key]
+        assert len(load) == 3 and all(value >= 0 for value in load), (key, load)
+    assert "load_average" not in summary["provenance"]
