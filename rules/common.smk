@@ -148,7 +148,7 @@ def evaluation_outputs(name):
 # out (unsupported on this device, or predicted not to fit). bench/matrix.json records the same decisions.
 from snakemake.logging import logger  # noqa: E402
 
-from pretrain_bench.bench_matrix import Cell, cost_preview, plan_matrix, planning_peak, preview_text  # noqa: E402
+from pretrain_bench.bench_matrix import Cell, cells_text, cost_preview, plan_matrix, planning_peak, preview_text  # noqa: E402
 from pretrain_bench.memory_fit import fit_run, summary_line  # noqa: E402
 from pretrain_bench.memory_model import config_vocab_size  # noqa: E402
 from pretrain_bench.plan import cell_train, plan_config  # noqa: E402
@@ -255,6 +255,13 @@ except ConfigError as error:
     MAIN_FIT = (TRAIN, None)
 logger.info(preview_text(cost_preview(BENCH_MATRIX, MAIN_FIT[0], MODEL, VOCAB_SIZE,
                                       *planning_peak(config, BENCH_MATRIX["device"], NAME))))
+logger.info(cells_text(BENCH_MATRIX))
+# An earlier benchmark of this hardware and model (any run name under results/): its fastest measured setup.
+from pretrain_bench.recommendation import previous_recommendation_text  # noqa: E402
+
+_EARLIER = previous_recommendation_text(Path("results"), BENCH_MATRIX["device"], MODEL, VOCAB_SIZE)
+if _EARLIER:
+    logger.info(_EARLIER)
 
 # Host RAM of one export or evaluation job (memory_model.export_and_evaluation_host_bytes), as mem_mb (10^6 bytes, as
 # Snakemake counts it): with `--resources mem_mb=N` Snakemake runs only as many at once as fit; SLURM gets it as --mem.
@@ -287,11 +294,6 @@ def bench_summaries(name):
                   rep=range(1, BENCH.repeats + 1))
 
 
-def bench_matrix_outputs(name):
-    """bench/matrix.json when the benchmark matrix has any cell (benchmark.enabled and non-empty axes), else none."""
-    return [f"results/{name}/bench/matrix.json"] if BENCH_ENABLED else []
-
-
 def bench_previous_round(wildcards):
     """Repeat r of a cell waits for repeat r - 1 of every cell, so that the repeats of different cells interleave
     (round 1 of every cell, then round 2 ...) and a slow spell of the machine spreads over cells instead of
@@ -301,6 +303,11 @@ def bench_previous_round(wildcards):
         return []
     return [ancient(path) for path in expand("results/{name}/bench/{cell}/rep{rep}/summary.json",
                                              name=wildcards.name, cell=sorted(BENCH_CELLS), rep=rep - 1)]
+
+
+def bench_matrix_outputs(name):
+    """bench/matrix.json when the benchmark matrix has any cell (benchmark.enabled and non-empty axes), else none."""
+    return [f"results/{name}/bench/matrix.json"] if BENCH_ENABLED else []
 
 
 def final_outputs():

@@ -140,15 +140,17 @@ def test_the_dry_run_says_how_many_cells_fit_and_why_the_others_do_not(monkeypat
     config = merged()
     line = dry_run_matrix_line(articles_box_matrix(monkeypatch), config)
     assert "benchmark matrix (12 launches): ~ " in line  # 4 cells × 3 repeats
-    assert line.endswith("; 4 of 16 cells run, left out: 12 predicted not to fit 24.0 GiB per GPU / 128.0 GiB host "
-                         "RAM (8 short of GPU memory, 4 short of host RAM) (each with its reason in bench/matrix.json)")
+    assert line.endswith("; 4 of 16 cells run, left out: 12 predicted not to fit 24.0 GiB per GPU (assumed) / 128.0 "
+                         "GiB host RAM (assumed) (8 short of GPU memory, 4 short of host RAM) (each with its reason in "
+                         "bench/matrix.json)")
     # nothing fits: never "off", but how many were declared, why none runs and how to launch them anyway
     nothing = articles_box_matrix(monkeypatch, matrix={"activation_checkpointing": [False]})
     line = dry_run_matrix_line(nothing, config)
     assert "off" not in line
     assert line.endswith("benchmark matrix (0 launches): 0 of 16 cells run: 16 predicted not to fit 24.0 GiB per "
-                         "GPU / 128.0 GiB host RAM (12 short of GPU memory, 4 short of host RAM), set "
-                         "benchmark.force: true to launch them anyway (each with its reason in bench/matrix.json)")
+                         "GPU (assumed) / 128.0 GiB host RAM (assumed) (12 short of GPU memory, 4 short of host "
+                         "RAM), set benchmark.force: true to launch them anyway (each with its reason in "
+                         "bench/matrix.json)")
     off = articles_box_matrix(monkeypatch, enabled=False)
     assert dry_run_matrix_line(off, config).endswith(
         "(0 launches): off (benchmark.enabled: false, or an empty benchmark.matrix axis)")
@@ -219,3 +221,73 @@ def test_time_estimate_is_a_lower_bound_from_the_peak():
     assert cpu["min_step_time_s"] == pytest.approx(2 * gpu["min_step_time_s"])  # CPU ranks share one peak
     assert cpu["min_cell_time_s"] == pytest.approx(8 * cpu["min_step_time_s"])
     assert time_estimate({"status": "predicted_oom"}, model, 4096, 1, {"peak_flops": 1e11}, 8) is None
+
+
+def test_search_adds_the_setups_predicted_to_fit_up_to_the_micro_batch_limit():
+    from pretrain_bench.bench_matrix import SEARCH_MICRO_BATCH_FACTOR, judge_cell
+
+    config = tiny(search=True, matrix={"comm_backend": ["gloo"]})
+    bench = BenchSettings.from_config(config)
+    budget = Budget("cpu", int(1.9 * GIB), "test", int(1.9 * GIB), "test")
+    matrix = plan_matrix(config, budget=budget)
+    declared = [e for e in matrix["cells"] if e["origin"] == "declared"]
+    found = [e for e in matrix["cells"] if e["origin"] == "search"]
+    assert len(declared) == len(plan_matrix(tiny(matrix={"comm_backend": ["gloo"]}), budget=budget)["cells"])
+    assert found and not {e["cell"] for e in found} & {e["cell"] for e in declared}
+    assert {e["engine"] for e in found} == {"deepspeed", "ddp", "fsdp"}
+    assert {e["zero_stage"] for e in found if e["engine"] == "deepspeed"} == {0, 1, 2, 3}
+    for entry in found:  # each fits, as the pre-flight predicts
+        assert entry["status"] == "run" and entry["need_bytes"] <= entry["have_bytes"]
+    main_mb = config["train"]["micro_batch_size"]
+    # per layout: the largest fitting micro-batch is there, and the next power of two would not fit
+    layouts = {}
+    for entry in found:
+        key = (entry["gpus"], entry["engine"], entry["zero_stage"], entry["activation_checkpointing"])
+        layouts[key] = max(layouts.get(key, 0), entry["micro_batch_size"])
+    assert {mb for mb in layouts.values()} - {main_mb} and all(mb <= SEARCH_MICRO_BATCH_FACTOR * main_mb
+                                                                 for mb in layouts.values())
+    for (ranks, engine, stage, checkpointing), limit in layouts.items():
+        if 2 * limit <= SEARCH_MICRO_BATCH_FACTOR * main_mb:
+            bigger = Cell(ranks, stage, "fp32", "gloo", 2 * limit, "none", engine, checkpointing)
+            assert judge_cell(config, bigger, bench, "cpu", budget, 4096, None)["status"] == "predicted_oom"
+        if checkpointing:  # checkpointing only where it lets a larger micro-batch fit
+            assert limit > layouts.get((ranks, engine, stage, False), 0)
+    # 3 ranks at the main run's micro-batch do not fit 1.9 GiB: what the search keeps there is smaller or checkpointed
+    assert all(e["status"] == "predicted_oom" for e in declared if e["gpus"] == 3)
+    assert all(e["micro_batch_size"] < main_mb or e["activation_checkpointing"] for e in found if e["gpus"] == 3)
+    # off by default: the matrix is the declared cells only
+    assert all(e["origin"] == "declared" for e in plan_matrix(tiny(), budget=budget)["cells"])
+
+
+def test_the_dry_run_lists_every_declared_cell_with_its_fate_and_reason(monkeypatch):
+    from pretrain_bench.bench_matrix import cells_text, planning_peak
+
+    matrix = articles_box_matrix(monkeypatch)
+    lines = cells_text(matrix).splitlines()
+    assert lines[0] == ("benchmark cells: 16 declared, judged against 24.0 GiB per GPU (assumed) / 128.0 GiB host RAM "
+                        "(assumed) (assumed: benchmark.device_memory_gib, no GPU detected here; host RAM: assumed: "
+                        "benchmark.host_memory_gib, no GPU detected here):")
+    listed = dict(line.strip().split(": ", 1) for line in lines[1:])
+    assert list(listed) == [e["cell"] for e in matrix["cells"]]
+    for entry in matrix["cells"]:
+        text = listed[entry["cell"]]
+        if entry["status"] == "run":
+            assert text == f"runs: predicted to fit: {entry['memory_text']}"
+        else:
+            assert text == "predicted not to fit: " + entry["reason"].removeprefix("predicted OOM: ")
+    nccl = plan_matrix(tiny(), budget=CPU_BUDGET)
+    assert "ranks2-zero1-fp32-nccl: not supported here: comm_backend nccl needs CUDA GPUs" in cells_text(nccl)
+    searched = cells_text(plan_matrix(tiny(search=True), budget=CPU_BUDGET))
+    assert "found by benchmark.search" in searched.splitlines()[0]
+    assert "ddp-ranks1-fp32-gloo [benchmark.search]: runs: predicted to fit: " in searched
+    # the peak of a GPU that is not here is a datasheet figure for benchmark.assumed_gpu: labelled assumed
+    monkeypatch.setattr(devices, "gpu_names", lambda: [])
+    config = merged()
+    flops, source = planning_peak(config, "cuda", "x")
+    assert flops and source.endswith("(benchmark.assumed_gpu, no GPU detected here)")
+    from pretrain_bench.bench_matrix import cost_preview, preview_text
+
+    text = preview_text(cost_preview(matrix, TrainSettings.from_config(config["train"]),
+                                     ModelSettings.from_config(config["model"]), 102_400, flops, source))
+    assert f"TFLOP/s per rank (assumed: {source})" in text
+    assert "not estimated: the corpus download, tokenizer training and sharding" in text

@@ -68,7 +68,7 @@ def test_the_preview_adds_the_offload_terms_and_prints_the_formula():
     assert offload["adam_s"] > compute  # host Adam over Ψ/N per rank dominates an offloaded step
     text = preview_text(preview)
     assert FORMULA in text and "DeepSpeedCPUAdam measured" in text and "GB/s" in text
-    assert "× 16 cores (benchmark.host_cores, no GPU detected here)" in text
+    assert "× 16 cores (assumed: benchmark.host_cores, no GPU detected here)" in text
     assert "main run (rule pretrain): ~ " in text and f"offload {offload['total_s']:,.1f} s per step" in text
     # without offload the 100 % MFU figure stays a hard lower bound and no offload formula is printed
     plain = preview_text(cost_preview(matrix, TrainSettings(gpus=3, device="cuda", zero_stage=3, precision="fp16",

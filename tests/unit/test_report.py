@@ -57,7 +57,8 @@ def entry(ranks, zero, backend="gloo", status="run", reason=None):
            "model_states": 300, "per_rank": 960}
     return {"cell": f"ranks{ranks}-zero{zero}-fp32-{backend}", "engine": "deepspeed", "gpus": ranks, "zero_stage": zero,
             "precision": "fp32", "comm_backend": backend, "micro_batch_size": 8, "offload_optimizer": "none",
-            "status": status, "reason": reason, "forced": False, "estimate": est if status == "run" else None,
+            "status": status, "reason": reason, "forced": False, "origin": "declared",
+            "estimate": est if status == "run" else None,
             "time_estimate": {"min_step_time_s": 0.01, "min_cell_time_s": 0.08} if status == "run" else None}
 
 
@@ -457,3 +458,31 @@ def test_the_cost_is_device_hours_times_the_price():
     unpriced = build_tables(typed(3), [], target, MATRIX, RUNS)["cost"]
     assert unpriced["price"] is None and all(r["cost_per_billion"] == "n/a" for r in unpriced["rows"])
     assert all(r["hours_per_billion"] != "n/a" for r in unpriced["rows"])
+
+
+def test_the_dry_run_recommends_from_an_earlier_benchmark_of_the_same_hardware_and_model(tmp_path):
+    from pretrain_bench.recommendation import previous_recommendation
+
+    def write(name, cell, rep, run):
+        path = tmp_path / name / "bench" / cell / f"rep{rep}" / "summary.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(run))
+
+    for rep, tps in enumerate((1000.0, 1200.0), start=1):
+        write("earlier", "ranks1-zero2-fp32-gloo", rep, summary(1, tokens_per_s=tps))
+        write("earlier", "ranks3-zero2-fp32-gloo", rep, summary(3, tokens_per_s=tps + 500))
+    other_machine = summary(3, tokens_per_s=9000.0)
+    other_machine["provenance"]["hardware"] = {**other_machine["provenance"]["hardware"], "cpu_count": 64}
+    write("elsewhere", "ranks3-zero2-fp32-gloo", 1, other_machine)
+    other_model = summary(3, tokens_per_s=8000.0)
+    other_model["model"] = {**other_model["model"], "parameters": 7_000_000_000}
+    write("bigger", "ranks3-zero2-fp32-gloo", 1, other_model)
+    here = {"device": "cpu", "cpu_count": 2, "processor": "test"}
+    model = {"preset": "tiny", "parameters": 2_557_632, "vocab_size": 4096}
+    found, names = previous_recommendation(tmp_path, here, model, 128)
+    assert names == ["earlier"] and found["cell"] == "earlier/ranks3-zero2-fp32-gloo"
+    assert found["sentence"].startswith("On this hardware the fastest setup that fits is "
+                                        "earlier/ranks3-zero2-fp32-gloo")
+    assert f"{fmt(1600.0, 0)} ({fmt(1500.0, 0)}–{fmt(1700.0, 0)}) tokens/s" in found["sentence"]
+    assert previous_recommendation(tmp_path, {**here, "cpu_count": 8}, model, 128) is None
+    assert previous_recommendation(tmp_path, here, model, 256) is None  # another sequence length

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from .config_types import AXES, BenchSettings, ConfigError, ModelSettings
 from .devices import resolve_device_cheaply
 from .formats import fmt_duration
+from .memory_fit import assumed_mark, labelled
 from .memory_model import Budget, config_vocab_size, detect_budget, estimate, gib, judge, run_shape
 from .offload_time import planned_cores
 from .plan import cell_train
@@ -83,39 +84,91 @@ def plan_matrix(config: dict, available_ranks: int | None = None, budget: Budget
     device = resolve_device_cheaply(config["train"]["device"])
     budget = budget or detect_budget(device, config["benchmark"])
     vocab_size = vocab_size or config_vocab_size(config)
-    entries = []
-    for cell in cells(bench):
-        entry = {"cell": cell.name(config["train"]), **asdict(cell), "status": "run", "reason": None,
-                 "forced": False, "estimate": None, "need_bytes": None, "have_bytes": None}
-        entries.append(entry)
-        try:
-            settings = cell_settings(config, cell, bench)
-            check_settings(settings, device)
-        except ConfigError as error:
-            entry.update(status="unsupported", reason=str(error).replace("train.", ""))
-            continue
-        if device == "cuda" and budget.gpu_count is not None and cell.gpus > budget.gpu_count:
-            entry.update(status="unsupported", reason=f"needs {cell.gpus} GPUs, {budget.gpu_count} detected")
-            continue
-        if available_ranks is not None and cell.gpus > available_ranks:
-            entry.update(status="unsupported",
-                         reason=f"needs {cell.gpus} ranks, snakemake --resources gpu={available_ranks}")
-            continue
-        run = run_shape(config, settings, device, vocab_size)
-        est = estimate(run)
-        verdict = judge(est, run, budget)
-        entry.update(estimate=est.as_dict(), need_bytes=verdict.need_bytes, have_bytes=verdict.have_bytes,
-                     parameters=run.parameters, memory_text=verdict.text, short_of=short_of(verdict, device))
-        if not verdict.fits:
-            if bench.force:
-                entry.update(forced=True, reason=f"predicted OOM ({verdict.text}), launched: benchmark.force")
-            else:
-                entry.update(status="predicted_oom", reason=f"predicted OOM: {verdict.text}")
+    entries = [judge_cell(config, cell, bench, device, budget, vocab_size, available_ranks)
+               for cell in cells(bench)]
+    if bench.enabled and bench.search:
+        declared = {entry["cell"] for entry in entries}
+        entries += [{**entry, "origin": "search"}
+                    for entry in search_entries(config, bench, device, budget, vocab_size, available_ranks)
+                    if entry["cell"] not in declared]
     cores, cores_source = planned_cores(device, budget.gpu_count is not None, bench.host_cores)
     return {"device": device, "budget": budget.as_dict(), "enabled": bool(entries), "steps": bench.steps,
             "warmup_steps": bench.warmup_steps, "host_cores": cores, "host_cores_source": cores_source,
             "repeats": bench.repeats, "allow_concurrent": bench.allow_concurrent, "force": bench.force,
             "cells": entries}
+
+
+def judge_cell(config: dict, cell: Cell, bench: BenchSettings, device: str, budget: Budget, vocab_size: int,
+               available_ranks: int | None) -> dict:
+    """A cell's matrix entry: runs, unsupported here (and why) or predicted not to fit (and short of what)."""
+    entry = {"cell": cell.name(config["train"]), **asdict(cell), "origin": "declared", "status": "run",
+             "reason": None, "forced": False, "estimate": None, "need_bytes": None, "have_bytes": None}
+    try:
+        settings = cell_settings(config, cell, bench)
+        check_settings(settings, device)
+    except ConfigError as error:
+        return {**entry, "status": "unsupported", "reason": str(error).replace("train.", "")}
+    if device == "cuda" and budget.gpu_count is not None and cell.gpus > budget.gpu_count:
+        return {**entry, "status": "unsupported", "reason": f"needs {cell.gpus} GPUs, {budget.gpu_count} detected"}
+    if available_ranks is not None and cell.gpus > available_ranks:
+        return {**entry, "status": "unsupported",
+                "reason": f"needs {cell.gpus} ranks, snakemake --resources gpu={available_ranks}"}
+    run = run_shape(config, settings, device, vocab_size)
+    est = estimate(run)
+    verdict = judge(est, run, budget)
+    entry.update(estimate=est.as_dict(), need_bytes=verdict.need_bytes, have_bytes=verdict.have_bytes,
+                 parameters=run.parameters, memory_text=verdict.text, short_of=short_of(verdict, device))
+    if not verdict.fits:
+        if bench.force:
+            entry.update(forced=True, reason=f"predicted OOM ({verdict.text}), launched: benchmark.force")
+        else:
+            entry.update(status="predicted_oom", reason=f"predicted OOM: {verdict.text}")
+    return entry
+
+
+# benchmark.search: micro-batches are tried in powers of two up to this multiple of train.micro_batch_size (a larger
+# micro-batch grows the global batch the learning rate was tuned for)
+SEARCH_MICRO_BATCH_FACTOR = 4
+
+
+def search_layouts(device: str) -> list[tuple[str, int, str]]:
+    """(engine, ZeRO stage, optimizer offload) the search tries: DeepSpeed's stages 0-3, with CPU optimizer offload
+    (stages 1-3, CUDA only: on a CPU run the states live in host RAM already), DDP and FSDP."""
+    offloaded = [("deepspeed", stage, "cpu") for stage in (1, 2, 3)] if device == "cuda" else []
+    return ([("deepspeed", stage, "none") for stage in range(4)] + offloaded
+            + [(engine, stage, "none") for engine, stage in ENGINE_STAGE.items()])
+
+
+def search_entries(config: dict, bench: BenchSettings, device: str, budget: Budget, vocab_size: int,
+                   available_ranks: int | None) -> list[dict]:
+    """benchmark.search: the setups the memory pre-flight finds feasible for the main run's model, as runnable
+    matrix entries. For each of the matrix's rank counts, precisions and backends and each layout
+    (`search_layouts`): the main run's micro-batch and the largest power of two up to the predicted limit (at most
+    SEARCH_MICRO_BATCH_FACTOR × the main run's), without activation checkpointing, and with it where it lets a
+    larger micro-batch fit; an optimizer-offload layout only where its stage does not fit without offload."""
+    main_mb = config["train"]["micro_batch_size"]
+    candidates = sorted({main_mb} | {2 ** k for k in range(12) if 2 ** k <= SEARCH_MICRO_BATCH_FACTOR * main_mb})
+    found: list[dict] = []
+    for ranks, precision, backend in itertools.product(bench.matrix["gpus"], bench.matrix["precision"],
+                                                       bench.matrix["comm_backend"]):
+        fits_without_offload: set[tuple[str, int]] = set()
+        for engine, stage, offload in search_layouts(device):
+            if offload != "none" and (engine, stage) in fits_without_offload:
+                continue
+            limit_without = None
+            for checkpointing in (False, True):
+                judged = [judge_cell(config, Cell(ranks, stage, precision, backend, mb, offload, engine, checkpointing),
+                                     bench, device, budget, vocab_size, available_ranks) for mb in candidates]
+                fitting = [e for e in judged if e["status"] == "run" and not e["forced"]]
+                limit = max((e["micro_batch_size"] for e in fitting), default=None)
+                if limit is None or (checkpointing and limit_without is not None and limit <= limit_without):
+                    continue  # nothing fits, or checkpointing buys no larger micro-batch: it only costs compute
+                if not checkpointing:
+                    limit_without = limit
+                    fits_without_offload.add((engine, stage))
+                found += [e for e in fitting if e["micro_batch_size"] in (main_mb, limit)]
+    unique = {entry["cell"]: entry for entry in found}
+    return list(unique.values())
 
 
 def short_of(verdict, device: str) -> list[str]:
@@ -254,15 +307,24 @@ def planning_peak(config: dict, device: str, name: str) -> tuple[float | None, s
         gpu = names[0] if names else config["benchmark"]["assumed_gpu"]
         table = gpu_table_peak(gpu, precision)
         where = "detected" if names else "benchmark.assumed_gpu, no GPU detected here"
-        return table if table else (None, f"no datasheet peak for {gpu} ({where}) in {precision}")
+        if not table:
+            return None, f"no datasheet peak for {gpu} ({where}) in {precision}"
+        return table if names else (table[0], f"{table[1]} ({where})")
     measured = Path("results") / name / "bench" / "peak.json"
     if measured.is_file():
         return json.loads(measured.read_text())["peak_flops"], f"measured earlier: {measured}"
     return None, "CPU peak not measured yet"
 
 
+# What the dry run's predicted wall time leaves out: the stages it does not estimate.
+NOT_ESTIMATED = ("the corpus download, tokenizer training and sharding (skipped where results/data/ has them)",
+                 "the evaluation and HF export of each kept checkpoint", "lm-eval where evaluate.lm_eval names tasks",
+                 "the final export", "rule measure_peak", "the report")
+
+
 def preview_text(preview: dict) -> str:
-    """The lines `snakemake -n` prints: predicted, with the formula and its figures named."""
+    """The lines `snakemake -n` prints: predicted, with the formula and its figures named, what it leaves out, and
+    every hardware figure the pre-flight assumed (rather than measured here) marked as assumed."""
     from .offload_time import FORMULA, figures_text
 
     bound = "~" if preview["offloaded"] else "≥"  # with offload terms from stated figures it is an estimate
@@ -273,7 +335,7 @@ def preview_text(preview: dict) -> str:
         return (f"{bound} {fmt_duration(part['min_s'])} at 100 % MFU, ~{fmt_duration(part['typical_s'])} at "
                 f"{preview['mfu']:.0%} MFU")
 
-    peak = (f"{preview['peak_flops'] / 1e12:,.3g} TFLOP/s per rank ({preview['peak_source']})"
+    peak = (f"{preview['peak_flops'] / 1e12:,.3g} TFLOP/s per rank ({labelled(preview['peak_source'])})"
             if preview["peak_flops"] else preview["peak_source"])
     main = span(preview["main"])
     step = preview["main_offload"]
@@ -285,9 +347,32 @@ def preview_text(preview: dict) -> str:
     lines = [f"predicted wall time (steps × (tokens × FLOPs per token{recompute} ÷ peak ÷ MFU + offload) + "
              f"{preview['startup_s']:.0f} s start-up per launch; peak {peak}):"]
     if preview["offloaded"]:
-        lines.append(f"  {FORMULA}; {figures_text(preview['host_cores'], preview['host_cores_source'])}")
+        lines.append(f"  {FORMULA}; {figures_text(preview['host_cores'], labelled(preview['host_cores_source']))}")
     lines.append(f"  main run (rule pretrain): {main}")
     lines.append(f"  benchmark matrix ({preview['launches']} launches): {matrix_text(preview, span)}")
+    lines.append(f"  not estimated: {'; '.join(NOT_ESTIMATED)}")
+    return "\n".join(lines)
+
+
+FATES = {"run": "runs", "predicted_oom": "predicted not to fit", "unsupported": "not supported here"}
+
+
+def cells_text(matrix: dict) -> str:
+    """Every declared cell (and every cell benchmark.search added) with its fate and the reason, for the dry run."""
+    entries = matrix["cells"]
+    if not entries:
+        return "benchmark cells: none (benchmark.enabled: false, or an empty benchmark.matrix axis)"
+    searched = sum(entry["origin"] == "search" for entry in entries)
+    budget = matrix["budget"]
+    lines = [f"benchmark cells: {len(entries) - searched} declared"
+             + (f" + {searched} found by benchmark.search" if searched else "")
+             + f", judged against {budget_text(budget)} ({labelled(budget['device_source'])}"
+             + (f"; host RAM: {labelled(budget['host_source'])}" if budget["device"] == "cuda" else "") + "):"]
+    for entry in entries:
+        fate = FATES[entry["status"]] + (" (benchmark.force)" if entry["forced"] else "")
+        origin = " [benchmark.search]" if entry["origin"] == "search" else ""
+        reason = (entry["reason"] or f"predicted to fit: {entry['memory_text']}").removeprefix("predicted OOM: ")
+        lines.append(f"  {entry['cell']}{origin}: {fate}: {reason}")
     return "\n".join(lines)
 
 
@@ -313,9 +398,9 @@ def matrix_text(preview: dict, span) -> str:
 
 
 def budget_text(budget: dict) -> str:
-    """'24.0 GiB per GPU / 128.0 GiB host RAM' (a CPU run: the host RAM its ranks share)."""
-    host = (f"{gib(budget['host_bytes'])} GiB host RAM" if budget["host_bytes"] is not None
-            else "host RAM not checked")
+    """'24.0 GiB per GPU (assumed) / 128.0 GiB host RAM (assumed)' (a CPU run: the host RAM its ranks share)."""
+    host = (f"{gib(budget['host_bytes'])} GiB host RAM{assumed_mark(budget['host_source'])}"
+            if budget["host_bytes"] is not None else "host RAM not checked")
     if budget["device"] == "cpu":
         return host
-    return f"{gib(budget['device_bytes'])} GiB per GPU / {host}"
+    return f"{gib(budget['device_bytes'])} GiB per GPU{assumed_mark(budget['device_source'])} / {host}"

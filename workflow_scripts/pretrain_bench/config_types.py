@@ -192,6 +192,8 @@ class BenchSettings:
     allow_concurrent: bool = default_field("benchmark", "allow_concurrent")
     # launch cells (and the main run) predicted not to fit
     force: bool = default_field("benchmark", "force", plan=True)
+    # add the setups the pre-flight finds feasible for the main run's model (bench_matrix.search_entries)
+    search: bool = default_field("benchmark", "search")
     # memory per GPU when none can be detected
     device_memory_gib: float = default_field("benchmark", "device_memory_gib", plan=True)
     # host RAM of the GPU machine planned for when none is detected

@@ -208,4 +208,23 @@ def fit_run(config: dict, settings: TrainSettings, vocab_size: int | None = None
 def summary_line(record: dict) -> str:
     """One line for logs: the choice, or the settings asked for with their predicted peak."""
     per_rank = gib(record["estimate"]["per_rank"])
-    return f"memory fit: {record['summary']} (predicted {per_rank} GiB per rank)"
+    budget = record["budget"]
+    assumed = [labelled(source) for source in (budget["device_source"], budget["host_source"]) if is_assumed(source)]
+    return (f"memory fit: {record['summary']} (predicted {per_rank} GiB per rank)"
+            + (f"; the budget it was judged against is {'; '.join(dict.fromkeys(assumed))}" if assumed else ""))
+
+
+def is_assumed(source: str) -> bool:
+    """Whether a hardware figure comes from the config (benchmark.*, report.*) standing in for a machine that is
+    not measured here, rather than from this machine."""
+    return source.startswith(("benchmark.", "report.")) or "no GPU detected here" in source
+
+
+def labelled(source: str) -> str:
+    """A figure's source, prefixed 'assumed: ' where the pre-flight assumed it (`is_assumed`)."""
+    return f"assumed: {source}" if is_assumed(source) else source
+
+
+def assumed_mark(source: str) -> str:
+    """' (assumed)' after a figure the pre-flight assumed (`is_assumed`), else nothing."""
+    return " (assumed)" if is_assumed(source) else ""

@@ -2,6 +2,7 @@
 
 CUDA: the datasheet figure for a known GPU (16-bit tensor cores, fp32 accumulate) and a measured bf16 matmul on
 one GPU. CPU: a matmul measured on all cores at once in one process (the ceiling every CPU cell shares).
+The 1-minute load before and after the measurement is recorded beside it (`load_before`, `load_after`).
 Each run's own MFU still uses the peak its summary.json names; this file is the reference beside it.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from .devices import GPU_LOCK_DIR, usable_cpu_count
 from .evaluation import evaluation_device
+from .metrics import load_average
 
 
 def measure_hardware_peak(requested_device: str, precision: str, lock_dir: Path = GPU_LOCK_DIR) -> dict:
@@ -26,7 +28,8 @@ def _measure(run_device: str, precision: str) -> dict:
 
     device = torch.device(run_device).type
     started = time.perf_counter()
-    result: dict = {"device": device, "hardware": hardware_description(device)}
+    # the load around the measurement (physical_checks.peak_flag): a peak measured on a busy machine is too low
+    result: dict = {"device": device, "hardware": hardware_description(device), "load_before": load_average()}
     if device == "cuda":
         name = torch.cuda.get_device_name()
         measured = measure_matmul_peak("bf16", size=8192, repeats=20, device=run_device)
@@ -45,4 +48,5 @@ def _measure(run_device: str, precision: str) -> dict:
                       peak_flops=measured, peak_source="measured: " + method)
     result["precision"] = precision
     result["seconds"] = time.perf_counter() - started
+    result["load_after"] = load_average()
     return result

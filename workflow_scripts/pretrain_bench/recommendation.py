@@ -83,10 +83,11 @@ def same_hardware(hardware: dict, here: dict) -> bool:
                                                                "gpu_name"))
 
 
-def previous_recommendation(results: Path, here: dict, model: dict) -> tuple[dict, list[str]] | None:
+def previous_recommendation(results: Path, here: dict, model: dict, seq_len: int) -> tuple[dict, list[str]] | None:
     """The recommendation from earlier benchmark runs under `results`/<name>/bench/ on this hardware (`here`, as
-    devices.hardware_description would describe it) for this model (`model`: the summary's model keys to match),
-    and the run names it came from; None when there is none. Unreadable summaries are passed over."""
+    devices.hardware_description would describe it) for this model (`model`: the summary's model keys to match) at
+    this sequence length, and the run names it came from; None when there is none. Unreadable summaries are passed
+    over."""
     runs_by_cell: dict[str, list[RunSummary]] = {}
     names = set()
     for path in sorted(results.glob("*/bench/*/rep*/summary.json")):
@@ -94,10 +95,44 @@ def previous_recommendation(results: Path, here: dict, model: dict) -> tuple[dic
             run = RunSummary.read(path)
         except (SummaryError, ValueError, OSError):
             continue  # another version of the file: the dry run names only what it can read
-        if not same_hardware(run.provenance["hardware"], here) or any(run.model.get(k) != v for k, v in model.items()):
+        if (not same_hardware(run.provenance["hardware"], here) or run.seq_len != seq_len
+                or any(run.model.get(key) != value for key, value in model.items())):
             continue
         name = path.parents[3].name
         names.add(name)
         runs_by_cell.setdefault(f"{name}/{path.parents[1].name}", []).append(run)
     found = recommend(runs_by_cell)
     return (found, sorted(names)) if found else None
+
+
+def this_machine(device: str) -> dict:
+    """This machine as a run's hardware provenance describes it (devices.hardware_description), without importing
+    torch: the GPU's name from nvidia-smi."""
+    from .devices import gpu_names, hardware_description
+
+    here = {**hardware_description("cpu"), "device": device}
+    if device == "cuda":
+        names = gpu_names()
+        here["gpu_name"] = names[0] if names else None
+    return here
+
+
+def model_identity(model, vocab_size: int) -> dict:
+    """The summary.json model keys that make two runs' models the same: preset, parameters, vocabulary, layers and
+    width (`model`: ModelSettings)."""
+    from .model import count_parameters, model_shape
+
+    shape = model_shape(model, vocab_size)
+    return {"preset": model.preset, "parameters": count_parameters(shape)["total"], "vocab_size": vocab_size,
+            "layers": shape.num_hidden_layers, "hidden_size": shape.hidden_size}
+
+
+def previous_recommendation_text(results: Path, device: str, model, vocab_size: int) -> str | None:
+    """What the dry run prints when an earlier benchmark of this hardware and model (`model`: ModelSettings) exists:
+    the recommendation and the runs it came from; None when there is none."""
+    found = previous_recommendation(results, this_machine(device), model_identity(model, vocab_size), model.seq_len)
+    if found is None:
+        return None
+    recommendation, names = found
+    return (f"recommended from the earlier benchmark of this hardware and model ({', '.join(names)} under "
+            f"{results}/): {recommendation['sentence']}")

@@ -545,17 +545,20 @@ def matrix_frame(matrix: dict, cells: pd.DataFrame) -> pd.DataFrame:
         estimate = entry.get("time_estimate")
         rows.append({
             "cell": entry["cell"], "status": entry["status"], "forced": bool(entry.get("forced")),
+            "searched": entry["origin"] == "search",
             "reason": entry.get("reason"), "predicted_bytes": est["per_rank"] if est else None,
             "min_step_time_s": estimate["min_step_time_s"] if estimate else None,
             "measured_step_time_s": _number(cells.at[entry["cell"], "step_time_s"]) if ran else None,
             "repeats": _number(cells.at[entry["cell"], "repeats"]) if ran else 0,
         })
-    return frame(rows, ("cell", "status", "forced", "reason", "predicted_bytes", "min_step_time_s",
+    return frame(rows, ("cell", "status", "forced", "searched", "reason", "predicted_bytes", "min_step_time_s",
                         "measured_step_time_s", "repeats"))
 
 
 MATRIX_COLUMNS = {
-    "cell": lambda r: r["cell"], "status": lambda r: STATUS_LABELS[r["status"]] + (" (forced)" if r["forced"] else ""),
+    "cell": lambda r: r["cell"],
+    "status": lambda r: (STATUS_LABELS[r["status"]] + (" (forced)" if r["forced"] else "")
+                         + (" (found by benchmark.search)" if r["searched"] else "")),
     "reason": lambda r: r["reason"] or "",
     "predicted_gib": lambda r: fmt(r["predicted_bytes"] / GIB, 2) if r["predicted_bytes"] is not None else "n/a",
     "min_step_s": lambda r: fmt(r["min_step_time_s"], 4),
