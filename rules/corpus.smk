@@ -1,14 +1,49 @@
-# download_corpus: read corpus.sources, clean, de-duplicate, cap and split them into train/val jsonl + manifest.
-# The corpus lives under results/data/corpus-<id>/, the id a digest of the corpus settings (DATA, rules/common.smk):
-# every run with the same corpus settings shares it. Downloads and the datasets cache live in resources/corpus-cache,
-# outside results/, so that a re-run with other cleaning settings does not fetch again. See
-# workflow_scripts/pretrain_bench/corpus.py for each cleaning step.
+# The corpus: read corpus.sources, clean, de-duplicate, cap and split them into train/val jsonl + manifest.
+# It lives under results/data/corpus-<id>/, the id a digest of the corpus settings (DATA, rules/common.smk): every run
+# with the same corpus settings shares it. With CORPUS_PARTS > 1 (corpus.jobs; null: this machine's CPUs) the
+# cleaning runs as that many clean_corpus_part jobs over contiguous slices of the sources' files, and
+# download_corpus merges them into the corpus one job writes (pretrain_bench/corpus_parts.py); the parts are
+# temporary. Downloads and the datasets cache live in resources/corpus-cache, outside results/, so that a re-run with
+# other cleaning settings does not fetch again. See workflow_scripts/pretrain_bench/corpus.py for each cleaning step.
+from pretrain_bench.corpus_parts import corpus_parts, machine_cpus
+
+CORPUS_PARTS = corpus_parts(list(CORPUS.sources), CORPUS.jobs, machine_cpus())
+
+
+rule clean_corpus_part:
+    input:
+        files=CORPUS_FILES,
+    output:
+        lines=temp(f"results/{DATA.corpus}/parts/part-{{part}}.jsonl"),
+        records=temp(f"results/{DATA.corpus}/parts/part-{{part}}.records"),
+        stats=temp(f"results/{DATA.corpus}/parts/part-{{part}}.json"),
+    log:
+        f"logs/{DATA.corpus}/clean_corpus_part/part-{{part}}.log",
+    benchmark:
+        f"benchmarks/{DATA.corpus}/clean_corpus_part/part-{{part}}.tsv"
+    wildcard_constraints:
+        part=r"\d{5}",
+    conda:
+        "../envs/pretrain.yaml"
+    params:
+        corpus=CORPUS.as_dict(),
+        cache_dir="resources/corpus-cache",
+        parts=CORPUS_PARTS,
+    script:
+        "../workflow_scripts/clean_corpus_part.py"
 
 
 rule download_corpus:
     input:
         # the local files of file:// sources (globs expanded when the DAG is built): editing one rebuilds the corpus
         files=CORPUS_FILES,
+        # every file of every part: Snakemake deletes a temporary file once no job left needs it
+        parts=expand(
+            "results/{corpus}/parts/part-{part:05d}.{ext}",
+            corpus=DATA.corpus,
+            part=range(CORPUS_PARTS) if CORPUS_PARTS > 1 else [],
+            ext=["json", "jsonl", "records"],
+        ),
     output:
         train=f"results/{DATA.corpus}/train.jsonl",
         val=f"results/{DATA.corpus}/val.jsonl",
@@ -22,5 +57,6 @@ rule download_corpus:
     params:
         corpus=CORPUS.as_dict(),
         cache_dir="resources/corpus-cache",
+        parts=CORPUS_PARTS,
     script:
         "../workflow_scripts/download_corpus.py"

@@ -1,4 +1,5 @@
-"""Snakemake adapter for rule download_corpus: the corpus: block -> pretrain_bench.corpus.build_corpus.
+"""Snakemake adapter for rule download_corpus: the corpus: block -> pretrain_bench.corpus.build_corpus, or, when
+the cleaning ran as part jobs, pretrain_bench.corpus_parts.merge_parts.
 
 The pretrain_bench library is installed into the environment (make install).
 """
@@ -6,17 +7,25 @@ from pathlib import Path
 
 from pretrain_bench.config_types import CorpusSettings
 from pretrain_bench.corpus import build_corpus
+from pretrain_bench.corpus_parts import merge_parts
+from pretrain_bench.data_products import CORPUS_EXECUTION_KEYS
 from pretrain_bench.state_lock import stage_job_log
 
 
-def main(log_path: str, out_dir: str, corpus: dict, cache_dir: str) -> dict:
-    """Build the corpus the corpus: block describes into out_dir, logging (stderr included) to log_path; returns the
-    manifest. Refused, naming the holder, while another pipeline builds the same corpus (state_lock.stage_job_log)."""
-    settings = CorpusSettings.from_config(corpus)
+def main(log_path: str, out_dir: str, corpus: dict, cache_dir: str, parts: int = 1, part_folder: str | None = None
+         ) -> dict:
+    """Build the corpus the corpus: block describes into out_dir (from `parts` part jobs' files in part_folder when
+    more than one), logging (stderr included) to log_path; returns the manifest. Refused, naming the holder, while
+    another pipeline builds the same corpus (state_lock.stage_job_log)."""
+    settings = CorpusSettings.from_config(corpus).as_dict()
+    cleaning = {key: value for key, value in settings.items() if key not in CORPUS_EXECUTION_KEYS}
     with stage_job_log(log_path, "download_corpus"):
-        return build_corpus(out_dir=Path(out_dir), cache_dir=Path(cache_dir), **settings.as_dict())
+        if parts > 1:
+            return merge_parts(folder=Path(part_folder), out_dir=Path(out_dir), parts=parts, **cleaning)
+        return build_corpus(out_dir=Path(out_dir), cache_dir=Path(cache_dir), **cleaning)
 
 
 if "snakemake" in globals():
     main(snakemake.log[0], str(Path(snakemake.output.manifest).parent), snakemake.params.corpus,  # noqa: F821
-         snakemake.params.cache_dir)  # noqa: F821
+         snakemake.params.cache_dir, snakemake.params.parts,  # noqa: F821
+         str(Path(snakemake.input.parts[0]).parent) if snakemake.input.parts else None)  # noqa: F821

@@ -106,6 +106,8 @@ def _md_table(md: str, heading: str) -> list[list[str]]:
 
 
 def test_report_tables_equal_a_recomputation_from_the_summaries(run):
+    from pretrain_bench.formats import fmt_spread
+    from pretrain_bench.physical_checks import load_text
     from pretrain_bench.report import GIB, fmt
     from pretrain_bench.tables import fmt_duration
 
@@ -114,12 +116,17 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
     runs = runs_of(run)
     target = yaml.safe_load((ROOT / TINY_CONFIG).read_text())["report"]["target_corpus_tokens"]
 
-    def span(values, digits):
-        return f"{fmt(statistics.median(values), digits)} ({fmt(min(values), digits)}–{fmt(max(values), digits)})"
+    def span(values, digits):  # median (min–max), at most 4 significant digits
+        return fmt_spread(values, digits)
+
+    one_rank = {cell: statistics.median(s["tokens_per_s"] for s in reps) for cell, reps in runs.items()
+                if reps[0]["world_size"] == 1}
+    fastest_one = max(one_rank, key=one_rank.get)
 
     seeds = _md_table(md, "## 1. The source articles' table")
     assert len(seeds) == len(RANKS) * SERIES
-    for series, ranks, batch, repeats, tps, speedup, efficiency, mem, epoch, oversubscribed in seeds:
+    for (series, ranks, batch, repeats, tps, speedup, efficiency, speedup_best, efficiency_best, mem, epoch, load,
+         oversubscribed, _flags) in seeds:
         if series.startswith("DDP"):
             reps, base_cell = runs[f"ddp-ranks{ranks}-fp32-gloo"], "ddp-ranks1-fp32-gloo"
         else:
@@ -131,6 +138,10 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
         assert tps == span(values, 0)
         assert speedup == f"{fmt(med / base, 2)}×"
         assert efficiency == fmt(med / base / int(ranks) * 100, 0)
+        assert speedup_best == f"{fmt(med / one_rank[fastest_one], 2)}×"  # over the fastest 1-rank cell
+        assert efficiency_best == fmt(med / one_rank[fastest_one] / int(ranks) * 100, 0)
+        assert load == "; ".join(load_text(s["provenance"]["load_before"], s["provenance"]["load_after"])
+                                 for s in reps)
         assert mem == span([max(s["peak_mem_bytes"]) / GIB for s in reps], 2)
         assert epoch == fmt_duration(target / med)
         assert batch == fmt(8 * int(ranks)) and repeats == "2"
@@ -139,7 +150,7 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
 
     mfu = _md_table(md, "## 5. MFU per cell")
     assert len(mfu) == len(RANKS) * SERIES
-    for cell, _ranks, mfu_pct, peak, source, flops in mfu:
+    for cell, _ranks, mfu_pct, peak, source, flops, _flags in mfu:
         reps = runs[cell]
         # a repeat that beat the peak it was given (a peak measured on a busy machine) reports no MFU, and says why
         notes = [s["mfu_note"] for s in reps if s["mfu_note"]]

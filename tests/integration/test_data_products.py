@@ -18,7 +18,7 @@ from support import (
 
 pytestmark = pytest.mark.pipeline
 
-DATA_RULES = {"download_corpus", "train_tokenizer", "shard_tokens", "index_shards"}
+DATA_RULES = {"clean_corpus_part", "download_corpus", "train_tokenizer", "shard_tokens", "index_shards"}
 
 
 def test_a_second_name_with_the_same_data_settings_schedules_no_data_job(workdir):
@@ -75,3 +75,29 @@ def test_a_local_source_that_cannot_be_read_as_named_stops_the_dry_run_naming_it
     assert (f"corpus.sources: {source}: {tmp_path}/texts/b.txt.gz is named .gz but does not hold .gz data "
             "(it starts with b'plai')") in out, out[-3000:]
     assert "Traceback" not in out
+
+
+def test_cleaning_in_three_part_jobs_writes_the_corpus_one_job_writes(tmp_path):
+    (tmp_path / "texts").mkdir()
+    for number in range(6):
+        (tmp_path / "texts" / f"{number}.py").write_text(f"def function_{number}():\n    return {number}\n" * 20)
+    (tmp_path / "texts" / "6.py").write_text((tmp_path / "texts" / "0.py").read_text())  # a duplicate, parts apart
+    outputs = {}
+    for jobs in (1, 3):
+        edit = {"name": f"itest-jobs{jobs}", "corpus": {"sources": [{"uri": f"file://{tmp_path}/texts/*.py"}],
+                                                        "jobs": jobs, "val_fraction": 0.3}}
+        products = data_products(edit)
+        folder = workflow_dir(tmp_path / f"jobs{jobs}")
+        overlay = write_yaml(tmp_path / f"jobs{jobs}.yaml", edit)
+        dry = run_snakemake(folder, "-n", "--", products.manifest, configfiles=(TINY_CONFIG, overlay))
+        assert scheduled_rules(dry) == ({"download_corpus"} if jobs == 1 else {"clean_corpus_part",
+                                                                                "download_corpus"})
+        assert (dry.stdout + dry.stderr).count("rule clean_corpus_part:") == (0 if jobs == 1 else 3)
+        run_snakemake(folder, "--", products.manifest, configfiles=(TINY_CONFIG, overlay))
+        corpus = folder / "results" / products.corpus
+        outputs[jobs] = {name: (corpus / name).read_bytes() for name in ("train.jsonl", "val.jsonl")}
+        manifest = json.loads((corpus / "manifest.json").read_text())
+        assert manifest["documents"] == 6 and manifest["dropped"]["duplicate"] == 1
+        assert not (corpus / "parts").exists() or not any((corpus / "parts").iterdir()), "the parts are temporary"
+    assert data_products({"corpus": {"jobs": 1}}) == data_products({"corpus": {"jobs": 3}}), "jobs is no data key"
+    assert outputs[3] == outputs[1]

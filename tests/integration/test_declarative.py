@@ -180,7 +180,7 @@ def test_evaluation_benchmark_and_report_edits_show_in_their_outputs(edits, fini
     assert [g["prompt"] for g in generations if g["mode"] == "greedy"] == ["def main(", "class Queue:"]
     cell = json.loads((results / "bench" / "ranks1-zero2-fp32-gloo" / "rep1" / "summary.json").read_text())
     assert cell["steps"] == 5
-    assert "report.target_corpus_tokens = 2,000,000,000,000 tokens" in (results / "report" / "report.md").read_text()
+    assert "report.target_corpus_tokens = 2e12 tokens" in (results / "report" / "report.md").read_text()
 
 
 def dry_run_default(folder: Path, *args) -> subprocess.CompletedProcess:

@@ -486,3 +486,51 @@ def test_the_dry_run_recommends_from_an_earlier_benchmark_of_the_same_hardware_a
     assert f"{fmt(1600.0, 0)} ({fmt(1500.0, 0)}–{fmt(1700.0, 0)}) tokens/s" in found["sentence"]
     assert previous_recommendation(tmp_path, {**here, "cpu_count": 8}, model, 128) is None
     assert previous_recommendation(tmp_path, here, model, 256) is None  # another sequence length
+
+
+def test_numbers_read_by_magnitude():
+    from pretrain_bench.formats import fmt_spread
+
+    assert fmt(1_033_970_070.3378, 4) == "1.034e9" and fmt(12_412_313_741_367_280.0, 4) == "1.241e16"
+    assert fmt(1e12, 0) == "1e12" and fmt(2_557_632) == "2.558e6" and fmt(-3.5e7, 1) == "-3.5e7"
+    assert fmt(999_999.04, 1) == "999,999.0" and fmt(12_345) == "12,345" and fmt(0.0, 2) == "0.00"
+    assert fmt(0.00004, 2) == "4e-5" and fmt(0.004, 2) == "4e-3" and fmt(0.006, 2) == "0.01"
+    # a spread: one precision for its three numbers, at most 4 significant digits
+    assert fmt_spread([12_345.6, 12_000.0, 13_000.0], 0) == "12,350 (12,000–13,000)"
+    assert fmt_spread([2757.3, 2700.1], 1) == "2,729 (2,700–2,757)"
+    assert fmt_spread([20.123, 19.5, 21.0], 2) == "20.12 (19.50–21.00)"
+    assert fmt_spread([0.91234, 0.9], 3) == "0.906 (0.900–0.912)"
+    assert fmt_spread([3.2e9, 3.1e9], 0) == "3.15e9 (3.1e9–3.2e9)"
+    for text in (fmt_spread(v, d) for v, d in (([12_345.6, 9_999.9], 1), ([123.456, 99.9], 3), ([1.23456], 4))):
+        for number in re.findall(r"[\d,.]+", text):
+            digits = number.replace(",", "")
+            digits = digits.replace(".", "") if "." in digits else digits.rstrip("0")  # 12,350: 4 significant
+            assert len(digits.lstrip("0")) <= 4, text
+
+
+def test_lm_eval_figures_and_babbling_generations_read_plainly(tmp_path):
+    from pretrain_bench.tables import BABBLE_PERPLEXITY
+
+    (tmp_path / "summary.json").write_text(json.dumps(summary(1)))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 8.0, "tokens_per_s": 900.0,
+                                                        "step_time_s": 1.0, "after_resume": False}) + "\n")
+    evals = []
+    for step, perplexity in ((4, 580.0), (8, 12.5)):
+        path = tmp_path / f"step{step}.json"
+        path.write_text(json.dumps({"step": step, "train_tokens": step * 1024, "loss": 6.0, "perplexity": perplexity,
+                                    "bits_per_byte": 2.0, "tokens": 4096, "eval_tokens_per_s": 5000.0,
+                                    "generations": [{"prompt": "def f(x):\n", "mode": "greedy", "text": " , ,"}]}))
+        evals.append(path)
+    lm_eval = tmp_path / "lm_eval-step8.json"
+    lm_eval.write_text(json.dumps({"step": 8, "samples": {"doc": 4}, "tasks": {"doc": {
+        "name": "doc", "perplexity": 1_033_970_070.3378, "perplexity_stderr": 12_412_313_741_367_280.0}}}))
+    out = tmp_path / "report"
+    build_report(tmp_path / "summary.json", tmp_path / "metrics.jsonl", evals, out / "report.md", out / "report.html",
+                 out / "plots", target_corpus_tokens=1e12, lm_eval_paths=[lm_eval])
+    md = (out / "report.md").read_text()
+    assert "| 8 | doc | perplexity | 1.034e9 | 1.241e16 | 4 |" in md
+    assert "1,033,970,070" not in md and "12,412,313" not in md
+    note = next(line for line in md.splitlines() if "No structure expected yet" in line)
+    assert f"step 4 is at held-out perplexity 580.0, above {fmt(BABBLE_PERPLEXITY, 0)}" in note
+    assert "step 8" not in note  # 12.5: structure may be expected
+    assert "| 4 | 580.0 | ` def f(x):⏎ ` | `  , , ` |" in md

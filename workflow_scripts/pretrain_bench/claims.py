@@ -247,8 +247,8 @@ def claim_epoch_time(scaling: list[dict], target_corpus_tokens: float) -> dict:
         "claim": "time per epoch",
         "claimed": f"{fmt(one['epoch_days'])} days on 1 GPU, {fmt(three['epoch_days'])} days on 3, "
                    f"for a {SETUP['corpus']}",
-        "physics": (f"{fmt(one['epoch_days'])} days at {fmt(one['tokens_per_s'])} tokens/s is {implied:,.3g} tokens; "
-                    f"an epoch of {target_corpus_tokens:,.3g} tokens (report.target_corpus_tokens) at that rate takes "
+        "physics": (f"{fmt(one['epoch_days'])} days at {fmt(one['tokens_per_s'])} tokens/s is {fmt(implied)} tokens; "
+                    f"an epoch of {fmt(target_corpus_tokens)} tokens (report.target_corpus_tokens) at that rate takes "
                     f"{fmt_duration(target_corpus_tokens / one['tokens_per_s'])}"),
         "measured": "; ".join(flagged(f"{r['cell']}: {r['epoch']} (extrapolated)", scaling_flags(scaling, r["cell"]))
                               for r in shown) or "no cell ran",

@@ -97,7 +97,7 @@ def keys_with(settings_class, tag: str, value=True) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class CorpusSettings:
     """The `corpus:` block of the config (corpus.<key> in schemas/config.schema.yaml). Its field names are
-    corpus.build_corpus's parameters."""
+    corpus.build_corpus's parameters, but for `jobs` (data_products.CORPUS_EXECUTION_KEYS)."""
 
     sources: tuple  # mappings: a uri and its kind's keys (pretrain_bench.corpus_sources)
     max_bytes: int | None = default_field("corpus", "max_bytes")
@@ -106,6 +106,7 @@ class CorpusSettings:
     val_fraction: float = default_field("corpus", "val_fraction")
     encoding_errors: str = default_field("corpus", "encoding_errors")
     seed: int = default_field("corpus", "seed")
+    jobs: int | None = default_field("corpus", "jobs")  # how many part jobs clean it (corpus_parts.py), not a parameter
 
     @classmethod
     def from_config(cls, corpus: dict) -> CorpusSettings:

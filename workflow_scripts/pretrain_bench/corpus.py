@@ -21,6 +21,9 @@ Because that split is a per-document coin toss, a small corpus can end with an e
 one document whose hash lies nearest the boundary moves into the empty split (`split.fallback` in the manifest);
 fewer than two documents is an error, as is an empty corpus. The tiny CPU run needs a non-empty val.
 
+With corpus.jobs above 1 the workflow runs steps 1-4 as part jobs over slices of the sources and merges them
+(corpus_parts.py); the merge gives this single pass's train.jsonl and val.jsonl byte for byte.
+
 Outputs in out_dir: train.jsonl and val.jsonl (one compact `{"text":...}` object per line, documents in input order) and
 manifest.json. Everything is written to `*.tmp` first and moved into place with os.replace only after every source
 was read, so a failed build leaves no partial file; the old manifest is removed before the new files move in, so a
@@ -79,31 +82,44 @@ def build_corpus(sources: list[dict], out_dir: Path, *, max_bytes: int | None, m
 
     `seed` orders a weighted mixture (sources with `weight`); it is unused when no source has one."""
     settings = CleaningSettings(max_bytes, min_chars, dedup, val_fraction, encoding_errors)
-    if not sources:
-        raise CorpusError("corpus.sources is empty: name at least one source")
-    for number, source in enumerate(sources):
-        if not isinstance(source, dict) or not isinstance(source.get("uri"), str):
-            raise CorpusError(f"corpus.sources[{number}] needs a 'uri' string, got {source!r}")
-    sources = [corpus_source(source) for source in sources]
+    sources = checked_sources(sources)
     weights = _mixture_weights(sources)
     out_dir, cache_dir = Path(out_dir), Path(cache_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = _SplitFiles(out_dir, val_fraction)
     try:
         all_stats, cap = _clean_all(sources, settings, files, cache_dir, weights, seed)
-        fallback = _fill_empty_split(files, all_stats)
-        files.close()
-        manifest = _manifest(all_stats, settings, files, cap, fallback)
-        manifest["mixture"] = _mixture_record(weights, seed, all_stats)
-        (out_dir / "manifest.json").unlink(missing_ok=True)
-        for split in SPLITS:
-            os.replace(files.tmp[split], out_dir / f"{split}.jsonl")
-        atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
+        manifest = finish_corpus(files, out_dir, all_stats, settings, cap, _mixture_record(weights, seed, all_stats))
     except BaseException:
         files.discard()
         raise
     log.info("corpus: %d documents, %d bytes (train %d, val %d) in %s", manifest["documents"], manifest["bytes"],
              manifest["train"]["documents"], manifest["val"]["documents"], out_dir)
+    return manifest
+
+
+def checked_sources(sources: list[dict]) -> list[dict]:
+    """corpus.sources with the schema's defaults filled in; a CorpusError for an empty list or an entry without uri."""
+    if not sources:
+        raise CorpusError("corpus.sources is empty: name at least one source")
+    for number, source in enumerate(sources):
+        if not isinstance(source, dict) or not isinstance(source.get("uri"), str):
+            raise CorpusError(f"corpus.sources[{number}] needs a 'uri' string, got {source!r}")
+    return [corpus_source(source) for source in sources]
+
+
+def finish_corpus(files: _SplitFiles, out_dir: Path, all_stats: list[SourceStats], settings: CleaningSettings,
+                  cap: dict, mixture: dict | None, parts: dict | None = None) -> dict:
+    """Fill an empty split, close the files, move them into place and write the manifest; returns it."""
+    fallback = _fill_empty_split(files, all_stats)
+    files.close()
+    manifest = _manifest(all_stats, settings, files, cap, fallback)
+    manifest["mixture"] = mixture
+    manifest["parts"] = parts
+    (out_dir / "manifest.json").unlink(missing_ok=True)
+    for split in SPLITS:
+        os.replace(files.tmp[split], out_dir / f"{split}.jsonl")
+    atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
     return manifest
 
 
@@ -170,20 +186,12 @@ def _clean_all(sources, settings: CleaningSettings, files: _SplitFiles, cache_di
     for i, number, text in _documents(readers, weights, seed, ended):
         source, stats = sources[i], all_stats[i]
         uri = source["uri"]
-        stats.documents_in += 1
-        if "\x00" in text:
-            nuls = text.count("\x00")
-            stats.nul_removed += nuls
-            stats.bytes_in += nuls  # NUL is one UTF-8 byte
-            text = text.replace("\x00", "")
-        text, data = _encode(text, stats, settings.encoding_errors, uri, number)
-        stats.bytes_in += len(data)
+        read_bytes, document = clean_document(text, stats, settings, uri, number)
         if not settings.max_bytes:
-            progress.advance(len(data), documents_read)
-        if len(text.strip()) < settings.min_chars:
-            stats.dropped["too_short"] += 1
+            progress.advance(read_bytes, documents_read)
+        if document is None:
             continue
-        digest = hashlib.sha256(data).digest()
+        text, data, digest = document
         if settings.dedup:
             if digest in seen:
                 stats.dropped["duplicate"] += 1
@@ -216,6 +224,25 @@ def _clean_all(sources, settings: CleaningSettings, files: _SplitFiles, cache_di
     return all_stats, cap
 
 
+def clean_document(text: str, stats: SourceStats, settings: CleaningSettings, uri: str,
+                   number: int) -> tuple[int, tuple[str, bytes, bytes] | None]:
+    """Steps 2-3 of the module docstring on one document read from `uri` (its `number` there), counted into `stats`:
+    (its UTF-8 bytes as read, then (text, its UTF-8 bytes, their sha256), or None when too short)."""
+    stats.documents_in += 1
+    nuls = 0
+    if "\x00" in text:
+        nuls = text.count("\x00")
+        stats.nul_removed += nuls
+        text = text.replace("\x00", "")
+    text, data = _encode(text, stats, settings.encoding_errors, uri, number)
+    read_bytes = len(data) + nuls  # NUL is one UTF-8 byte
+    stats.bytes_in += read_bytes
+    if len(text.strip()) < settings.min_chars:
+        stats.dropped["too_short"] += 1
+        return read_bytes, None
+    return read_bytes, (text, data, hashlib.sha256(data).digest())
+
+
 def _encode(text: str, stats: SourceStats, errors: str, uri: str, number: int) -> tuple[str, bytes]:
     """UTF-8 bytes of `text`; lone surrogates (JSON \\ud800 escapes) are an encoding error like invalid bytes."""
     try:
@@ -245,10 +272,13 @@ class _SplitFiles:
         self.file_digests = {split: hashlib.sha256() for split in SPLITS}
 
     def add(self, text: str, text_bytes: int, digest: bytes) -> None:
+        self.add_line(jsonl_line(text), text_bytes, digest)
+
+    def add_line(self, line: bytes, text_bytes: int, digest: bytes) -> None:
+        """A document as its jsonl line (jsonl_line), its text's UTF-8 bytes and their sha256."""
         score = int.from_bytes(digest[:8], "big")
         split = "val" if score < self.threshold else "train"
         distance = self.threshold - score if split == "val" else score - self.threshold
-        line = jsonl_line(text)
         nearest = self.nearest[split]
         if nearest is None or distance < nearest[0]:
             self.nearest[split] = (distance, self.documents[split], line, text_bytes, digest)

@@ -103,14 +103,16 @@ def source_kind(uri: str) -> str:
     return uri.split("://", 1)[0] if "://" in uri else "unknown"
 
 
-def read_source(source: dict, stats: SourceStats, errors: str, cache_dir: Path) -> Iterator[str]:
-    """Documents of one source, in a deterministic order."""
+def read_source(source: dict, stats: SourceStats, errors: str, cache_dir: Path,
+                select: slice | None = None) -> Iterator[str]:
+    """Documents of one source, in a deterministic order; `select`: of a source of several files (builtin://,
+    file:// globs, see source_units), only the files in that slice of its list."""
     uri, kind = source["uri"], stats.kind
     decode = _Decoder(errors, stats)
     if source.get("sha256") and kind not in ("http", "https"):
         raise CorpusError(f"{uri}: 'sha256' applies to http(s) sources only")
     if kind == "builtin":
-        return _read_builtin(uri, stats, decode)
+        return _read_builtin(uri, stats, decode, select)
     if kind == "hf":
         return _read_hf(source, stats, cache_dir)
     if source.get("split") not in (None, "paragraphs"):
@@ -118,7 +120,7 @@ def read_source(source: dict, stats: SourceStats, errors: str, cache_dir: Path) 
     if kind in ("http", "https"):
         return _read_http(source, stats, decode, cache_dir)
     if kind == "file":
-        return _read_files(source, stats, decode)
+        return _read_files(source, stats, decode, select)
     raise CorpusError(f"{uri}: unknown source kind; use builtin://python-stdlib, hf://, http(s):// or file://")
 
 
@@ -136,19 +138,36 @@ def stdlib_files() -> tuple[str, list[str]]:
     return root, sorted(relative)
 
 
-def _read_builtin(uri: str, stats: SourceStats, decode: _Decoder) -> Iterator[str]:
+def _read_builtin(uri: str, stats: SourceStats, decode: _Decoder, select: slice | None = None) -> Iterator[str]:
     """builtin://python-stdlib: one document per standard-library .py file, in sorted relative-path order."""
+    root, relative = _builtin_files(uri)
+    stats.details.update(root=root, python=platform.python_version(), files=len(relative))
+    for name in relative[select or slice(None)]:
+        path = os.path.join(root, name)
+        with open(path, "rb") as handle:
+            data = handle.read()
+        yield decode(data, f"{path} ({uri})")
+
+
+def _builtin_files(uri: str) -> tuple[str, list[str]]:
     if uri != "builtin://python-stdlib":
         raise CorpusError(f"{uri}: unknown builtin corpus; the one builtin is builtin://python-stdlib")
     root, relative = stdlib_files()
     if not relative:
         raise CorpusError(f"{uri}: no .py files under the standard library folder {root}")
-    stats.details.update(root=root, python=platform.python_version(), files=len(relative))
-    for name in relative:
-        path = os.path.join(root, name)
-        with open(path, "rb") as handle:
-            data = handle.read()
-        yield decode(data, f"{path} ({uri})")
+    return root, relative
+
+
+def source_units(source: dict) -> list[int]:
+    """The sizes in bytes of the files a source reads in order, for sources of several files (builtin://, file://),
+    which parallel cleaning may divide; [0] (one unit of unknown size) for a dataset or a download."""
+    kind = source_kind(source["uri"])
+    if kind == "builtin":
+        root, relative = _builtin_files(source["uri"])
+        return [os.path.getsize(os.path.join(root, name)) for name in relative]
+    if kind == "file":
+        return [os.path.getsize(path) for path in local_files(source["uri"])]
+    return [0]
 
 
 def local_files(uri: str) -> list[str]:
@@ -203,7 +222,7 @@ def local_source_files(sources: list[dict]) -> list[str]:
     return [path for source in sources if source_kind(source["uri"]) == "file" for path in local_files(source["uri"])]
 
 
-def _read_files(source: dict, stats: SourceStats, decode: _Decoder) -> Iterator[str]:
+def _read_files(source: dict, stats: SourceStats, decode: _Decoder, select: slice | None = None) -> Iterator[str]:
     """file://path or file://glob: each file in order, its sha256 recorded before it is read. Closed early (the cap),
     the source's sha256 covers the files read, and details.files_read counts them."""
     uri = source["uri"]
@@ -213,14 +232,18 @@ def _read_files(source: dict, stats: SourceStats, decode: _Decoder) -> Iterator[
     # random access read the bytes in no order a running hash could follow.
     digests = stats.details["file_sha256"] = {}
     try:
-        for path in paths:
+        for path in paths[select or slice(None)]:
             digests[path] = sha256_file(Path(path))
             yield from _read_file(Path(path), f"{path} ({uri})", source, decode)
     finally:
-        listing = "".join(f"{digest}  {path}\n" for path, digest in digests.items())
         if digests:
-            stats.sha256 = digests[paths[0]] if len(paths) == 1 else hashlib.sha256(listing.encode()).hexdigest()
+            stats.sha256 = digests[paths[0]] if len(paths) == 1 else listing_sha256(digests)
         stats.details["files_read"] = len(digests)
+
+
+def listing_sha256(digests: dict[str, str]) -> str:
+    """A glob's sha256: of its files' `sha256  path` lines, as sha256sum prints them, in the order read."""
+    return hashlib.sha256("".join(f"{digest}  {path}\n" for path, digest in digests.items()).encode()).hexdigest()
 
 
 def _read_http(source: dict, stats: SourceStats, decode: _Decoder, cache_dir: Path) -> Iterator[str]:

@@ -76,6 +76,7 @@ def format_tables(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]
         "throughput": format_frame(frames.throughput, t.THROUGHPUT_COLUMNS),
         "evaluation": format_frame(frames.evaluation, t.EVALUATION_COLUMNS),
         "generations": format_frame(frames.generations, t.GENERATION_COLUMNS),
+        "babbling": t.babbling_steps(frames.generations), "babble_perplexity": fmt(t.BABBLE_PERPLEXITY, 0),
         "epoch": {"target_tokens": fmt(float(frames.target_corpus_tokens), 0), "seconds": frames.epoch_s,
                   "text": fmt_duration(frames.epoch_s)},
         "matrix": format_frame(frames.matrix, t.MATRIX_COLUMNS),

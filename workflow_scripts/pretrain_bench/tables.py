@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from .formats import fmt, fmt_duration
+from .formats import fmt, fmt_duration, fmt_spread
 from .physical_checks import efficiency_flag, flagged, load_text, peak_flag, run_load_flag
 from .run_summary import RunSummary
 
@@ -25,13 +25,8 @@ NOISY_SPREAD = 0.25  # (max - min) / median of a cell's tokens/s over repeats ab
 
 
 def spread(values: list[float], digits: int = 1, scale: float = 1.0) -> str:
-    """'median (min–max)' over repeats; just the value when there is one."""
-    values = [v * scale for v in values if v is not None]
-    if not values:
-        return "n/a"
-    if len(values) == 1:
-        return fmt(values[0], digits)
-    return f"{fmt(statistics.median(values), digits)} ({fmt(min(values), digits)}–{fmt(max(values), digits)})"
+    """'median (min–max)' over repeats (formats.fmt_spread) of the values × scale; just the value when there is one."""
+    return fmt_spread([v * scale for v in values if v is not None], digits)
 
 
 def median(values):
@@ -170,13 +165,27 @@ def generations_frame(evals: list[dict]) -> pd.DataFrame:
         by_prompt: dict[str, dict] = {}
         for g in e["generations"]:
             by_prompt.setdefault(g["prompt"], {})[g["mode"]] = g["text"]
-        rows += [{"step": e["step"], "prompt": prompt, "greedy": texts.get("greedy", ""),
-                  "sampled": texts.get("sampled", "")} for prompt, texts in by_prompt.items()]
-    return frame(rows, ("step", "prompt", "greedy", "sampled")).astype({"step": object})
+        rows += [{"step": e["step"], "perplexity": e.get("perplexity"), "prompt": prompt,
+                  "greedy": texts.get("greedy", ""), "sampled": texts.get("sampled", "")}
+                 for prompt, texts in by_prompt.items()]
+    return frame(rows, ("step", "perplexity", "prompt", "greedy", "sampled")).astype({"step": object})
 
 
-GENERATION_COLUMNS = {"step": lambda r: fmt(r["step"]), "prompt": lambda r: r["prompt"],
-                      "greedy": lambda r: r["greedy"], "sampled": lambda r: r["sampled"]}
+# Held-out perplexity above which a checkpoint's continuations are not expected to show structure: its next-token
+# choice is as uncertain as a uniform pick among this many tokens, so it emits the most frequent ones (whitespace,
+# punctuation, common identifiers) rather than code.
+BABBLE_PERPLEXITY = 100.0
+
+GENERATION_COLUMNS = {"step": lambda r: fmt(r["step"]), "perplexity": lambda r: fmt(r["perplexity"], 1),
+                      "prompt": lambda r: r["prompt"], "greedy": lambda r: r["greedy"],
+                      "sampled": lambda r: r["sampled"]}
+
+
+def babbling_steps(generations: pd.DataFrame) -> list[dict]:
+    """The checkpoints shown in the generation table whose held-out perplexity is above BABBLE_PERPLEXITY."""
+    shown = generations.drop_duplicates("step")
+    return [{"step": fmt(row["step"]), "perplexity": fmt(row["perplexity"], 1)} for row in records(shown)
+            if row["perplexity"] is not None and row["perplexity"] > BABBLE_PERPLEXITY]
 
 
 def lm_eval_frame(results: list[dict]) -> pd.DataFrame:

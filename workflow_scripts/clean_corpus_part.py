@@ -1,0 +1,20 @@
+"""Snakemake adapter for rule clean_corpus_part: one slice of the sources -> pretrain_bench.corpus_parts.clean_part."""
+from pathlib import Path
+
+from pretrain_bench.config_types import CorpusSettings
+from pretrain_bench.corpus_parts import clean_part
+from pretrain_bench.data_products import CORPUS_EXECUTION_KEYS
+from pretrain_bench.state_lock import stage_job_log
+
+
+def main(log_path: str, folder: str, corpus: dict, cache_dir: str, *, part: int, parts: int) -> dict:
+    """Clean part `part` of `parts` of the corpus: block's sources into folder, logging to log_path."""
+    settings = CorpusSettings.from_config(corpus).as_dict()
+    cleaning = {key: value for key, value in settings.items() if key not in CORPUS_EXECUTION_KEYS}
+    with stage_job_log(log_path, "clean_corpus_part"):
+        return clean_part(folder=Path(folder), part=part, parts=parts, cache_dir=Path(cache_dir), **cleaning)
+
+
+if "snakemake" in globals():
+    main(snakemake.log[0], str(Path(snakemake.output.stats).parent), snakemake.params.corpus,  # noqa: F821
+         snakemake.params.cache_dir, part=int(snakemake.wildcards.part), parts=snakemake.params.parts)  # noqa: F821
