@@ -70,7 +70,7 @@ def test_streamed_hf_dataset_stops_at_the_cap_and_records_the_revision(tmp_path)
     assert pinned["sources"][0]["details"]["revision"] == "main"
 
 
-def test_progress_lines_with_rate_and_eta_in_download_cleaning_tokenizer_training_and_sharding(tmp_path, monkeypatch, caplog):
+def test_progress_lines_with_rate_and_eta_in_every_data_stage(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(progress, "INTERVAL_S", 0.0)  # a line per update instead of one per 10 s
     caplog.set_level(logging.INFO, logger="pretrain_bench")
     body = b"x" * (1 << 18)
