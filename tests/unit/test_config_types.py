@@ -88,7 +88,7 @@ def test_settings_built_in_code_take_the_schemas_defaults():
 # Keys config.yaml sets to their schema default on purpose: they define the source articles' experiment, so a reader
 # of config.yaml sees them. Every other key it sets departs from the schema's default (or has none).
 DEFINES_THE_EXPERIMENT = {
-    "model.seq_len", "train.engine", "train.comm_backend", "train.zero_stage", "train.memory_fit",
+    "model.seq_len", "train.engine", "train.comm_backend", "train.memory_fit",
     "train.micro_batch_size", "train.grad_accum_steps", "train.global_batch_size", "train.max_steps",
     "benchmark.device_memory_gib", "benchmark.assumed_gpu", "report.target_corpus_tokens"}
 

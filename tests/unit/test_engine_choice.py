@@ -9,7 +9,7 @@ from pretrain_bench.memory_model import GIB, checkpoint_bytes, estimate, run_sha
 from pretrain_bench.run_summary import RunSummary
 from pretrain_bench.settings import ConfigError, TrainSettings, check_settings
 from pretrain_bench.tables import ENGINE_COLUMNS, cell_table, engine_frame, format_frame
-from support import tiny_config
+from support import ROOT, tiny_config
 
 
 def settings(**train) -> TrainSettings:
@@ -18,9 +18,9 @@ def settings(**train) -> TrainSettings:
 
 @pytest.mark.parametrize("train, message", [
     ({"engine": "ddp", "zero_stage": 2}, r"train.zero_stage 2 means nothing under train.engine ddp: DDP replicates "
-                                         r".*Set train.zero_stage: 0"),
+                                         r".*Leave train.zero_stage out \(or null: the engine's 0\)"),
     ({"engine": "fsdp", "zero_stage": 2}, r"train.zero_stage 2 means nothing under train.engine fsdp: FSDP shards "
-                                          r".*Set train.zero_stage: 3"),
+                                          r".*Leave train.zero_stage out \(or null: the engine's 3\)"),
     ({"engine": "ddp", "zero_stage": 0, "offload_optimizer": "cpu"},
      r"train.offload_optimizer cpu means nothing under train.engine ddp"),
     ({"engine": "fsdp", "zero_stage": 3, "offload_param": "cpu"},
@@ -37,6 +37,45 @@ def test_keys_an_engine_cannot_honour_are_refused_with_the_reason(train, message
 def test_each_engine_accepts_its_own_layout():
     for train in ({"engine": "ddp", "zero_stage": 0}, {"engine": "fsdp", "zero_stage": 3}, {"zero_stage": 1}):
         check_settings(settings(**train), "cpu")  # no error
+
+
+def test_an_unset_zero_stage_follows_the_engine():
+    assert settings(engine="ddp").zero_stage == 0 and settings(engine="fsdp").zero_stage == 3
+    assert settings().zero_stage == 2 and settings(zero_stage=None).zero_stage == 2  # DeepSpeed: the articles' ZeRO-2
+    assert settings(engine="deepspeed", zero_stage=3).zero_stage == 3  # a stage set is kept
+    for engine in ("ddp", "fsdp"):
+        check_settings(settings(engine=engine), "cpu")  # no error
+
+
+def test_the_validated_config_says_the_stage_the_engine_implies():
+    from pretrain_bench.config import Config
+    from pretrain_bench.config_types import load_config
+
+    config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
+    for engine, stage in (("ddp", 0), ("fsdp", 3), ("deepspeed", 2)):
+        raw = {**config, "train": {**config["train"], "engine": engine, "zero_stage": None}}
+        typed = Config.from_config(raw)
+        assert typed.train.zero_stage == raw["train"]["zero_stage"] == stage, engine
+        # the matrix's zero_stage axis, left out, is the main run's resolved stage
+        bench_config = {**raw, "benchmark": {**raw["benchmark"], "matrix": {**raw["benchmark"]["matrix"]}}}
+        del bench_config["benchmark"]["matrix"]["zero_stage"]
+        assert BenchSettings.from_config(bench_config).matrix["zero_stage"] == [stage]
+
+
+def test_a_deepspeed_run_without_zero_stage_plans_and_fingerprints_as_zero_2_did():
+    """What the resume fingerprint (the typed train block) and the plan digest (the plan config) are made of is the
+    same whether a DeepSpeed config sets zero_stage: 2 or leaves it to the default."""
+    from pretrain_bench.config import Config
+    from pretrain_bench.config_types import load_config
+    from pretrain_bench.plan import plan_config
+
+    config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
+    explicit = {**config, "train": {**config["train"], "zero_stage": 2}}
+    unset = {**config, "train": {**config["train"], "zero_stage": None}}
+    typed = {name: Config.from_config(c) for name, c in (("explicit", explicit), ("unset", unset))}
+    assert typed["explicit"].train.as_dict() == typed["unset"].train.as_dict()
+    assert plan_config(explicit) == plan_config(unset)
+    assert plan_config(unset)["train"]["zero_stage"] == 2
 
 
 def shape_of(engine: str, stage: int, ranks: int = 4, precision: str = "bf16"):
@@ -99,7 +138,7 @@ def summary(engine: str, tps: float, comm: float | None = None) -> RunSummary:
     unread = {name: None for name in RunSummary.__dataclass_fields__ if name != "version"}
     return RunSummary(**{**unread, "tokens_per_s": tps, "step_time_s": {"median": 1.0}, "peak_mem_bytes": [GIB],
                          "comm_fraction": comm, "global_batch_size": 8, "tokens_per_step": 1024, "engine": engine,
-                         "oversubscribed": False})
+                         "oversubscribed": False, "provenance": {}})
 
 
 def engine_rows(matrix: dict, runs: dict) -> list[dict]:

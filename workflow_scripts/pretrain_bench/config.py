@@ -17,7 +17,7 @@ from .config_types import (
     ShardSettings,
     TokenizerSettings,
 )
-from .settings import TrainSettings, check_settings
+from .settings import TrainSettings, check_settings, fill_resolved_defaults
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,9 @@ class Config:
 
     @classmethod
     def from_config(cls, config: dict) -> Config:
-        """From a validated config (the schema's defaults filled in); raises ConfigError."""
+        """From a validated config (the schema's defaults filled in); raises ConfigError. Writes into `config` the
+        defaults that depend on other keys (settings.fill_resolved_defaults), so the dict says what the settings do."""
+        fill_resolved_defaults(config)
         model, train = ModelSettings.from_config(config["model"]), TrainSettings.from_config(config["train"])
         check_settings(train, seq_len=model.seq_len)
         return cls(name=config["name"], corpus=CorpusSettings.from_config(config["corpus"]),

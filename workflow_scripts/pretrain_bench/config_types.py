@@ -247,14 +247,17 @@ class ModelSettings:
 def load_config(*paths: Path | str) -> dict:
     """The config of `snakemake --configfile <paths...>` after validation: the files merged in order, mapping into
     mapping as Snakemake merges them (snakemake.utils.update_config), with the schema's defaults filled in.
-    For code outside the workflow (tests, tools) that needs the config the workflow sees."""
+    For code outside the workflow (tests, tools) that needs the config the workflow sees (defaults that depend on
+    other keys resolved as Config.from_config resolves them)."""
     from snakemake.utils import update_config
+
+    from .settings import fill_resolved_defaults
 
     config: dict = {}
     for path in paths:
         update_config(config, yaml.safe_load(Path(path).read_text()) or {})
     schema = _project_schema()
-    return fill_defaults_and_validate(coerce_command_line_types(config, schema), schema)
+    return fill_resolved_defaults(fill_defaults_and_validate(coerce_command_line_types(config, schema), schema))
 
 
 def coerce_command_line_types(config: dict, schema: dict | Path | str) -> dict:

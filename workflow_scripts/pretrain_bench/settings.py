@@ -35,7 +35,7 @@ class TrainSettings:
     device: str = default_field("train", "device")
     engine: str = default_field("train", "engine")
     comm_backend: str = default_field("train", "comm_backend")
-    zero_stage: int = default_field("train", "zero_stage", fit=True)
+    zero_stage: int = default_field("train", "zero_stage", fit=True)  # null: the engine's (resolve_zero_stage)
     precision: str = default_field("train", "precision")
     offload_optimizer: str = default_field("train", "offload_optimizer", fit=True)
     offload_param: str = default_field("train", "offload_param", fit=True)
@@ -69,6 +69,11 @@ class TrainSettings:
     eval_every: int | None = default_field("train", "eval_every", fingerprint=False, cell=False)
     eval_tokens: int = default_field("train", "eval_tokens", fingerprint=False, cell=False)
     deepspeed: dict = default_field("train", "deepspeed", fingerprint=False)
+
+    def __post_init__(self):
+        # train.zero_stage null (the schema's default) is the engine's layout: resolved once, here, so every reader,
+        # the resume fingerprint and the plan see a stage number
+        object.__setattr__(self, "zero_stage", resolve_zero_stage(self.engine, self.zero_stage))
 
     @classmethod
     def from_config(cls, train: dict) -> TrainSettings:
@@ -276,6 +281,29 @@ ENGINES = schema_enum("train", "engine")
 # optimizer states on every rank (ZeRO-0's layout); FSDP shards all three (ZeRO-3's). The memory model, the pre-flight
 # and the tables read train.zero_stage that way.
 ENGINE_STAGE = {"ddp": 0, "fsdp": 3}
+# train.zero_stage's value under DeepSpeed when the config leaves it null: ZeRO-2, the source articles' setup.
+DEEPSPEED_DEFAULT_STAGE = 2
+
+
+def resolve_zero_stage(engine: str, zero_stage: int | None) -> int | None:
+    """train.zero_stage as a run uses it: the stage set, or where it is null the engine's layout (ENGINE_STAGE: ddp
+    0, fsdp 3) or DeepSpeed's default (DEEPSPEED_DEFAULT_STAGE). An unknown engine keeps null (check_engine names
+    it)."""
+    if zero_stage is not None:
+        return zero_stage
+    return ENGINE_STAGE.get(engine, DEEPSPEED_DEFAULT_STAGE if engine == "deepspeed" else None)
+
+
+def fill_resolved_defaults(config: dict) -> dict:
+    """In place, right after validation: a null train.zero_stage becomes the stage its engine implies
+    (resolve_zero_stage); returns config. Every reader of the validated config (the plan config, the benchmark
+    matrix's axes, the cells) then sees what TrainSettings sees, and a DeepSpeed run that leaves the key out plans,
+    fingerprints and digests as it did when the schema's default was 2."""
+    train = config["train"]
+    train["zero_stage"] = resolve_zero_stage(train["engine"], train["zero_stage"])
+    return config
+
+
 ENGINE_LAYOUT = {"ddp": "DDP replicates parameters, gradients and optimizer states on every rank (ZeRO-0's layout)",
                  "fsdp": "FSDP shards parameters, gradients and optimizer states across the ranks (ZeRO-3's layout)"}
 
@@ -289,8 +317,8 @@ def check_engine(s: TrainSettings) -> None:
     stage = ENGINE_STAGE[s.engine]
     if s.zero_stage != stage:
         raise ConfigError(f"train.zero_stage {s.zero_stage} means nothing under train.engine {s.engine}: "
-                          f"{ENGINE_LAYOUT[s.engine]}. Set train.zero_stage: {stage}, or train.engine: deepspeed "
-                          f"for ZeRO-{s.zero_stage}")
+                          f"{ENGINE_LAYOUT[s.engine]}. Leave train.zero_stage out (or null: the engine's "
+                          f"{stage}), or set train.engine: deepspeed for ZeRO-{s.zero_stage}")
     for key in ("offload_optimizer", "offload_param"):
         if getattr(s, key) != "none":
             raise ConfigError(f"train.{key} {getattr(s, key)} means nothing under train.engine {s.engine}: "
