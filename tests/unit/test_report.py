@@ -534,3 +534,13 @@ def test_lm_eval_figures_and_babbling_generations_read_plainly(tmp_path):
     assert f"step 4 is at held-out perplexity 580.0, above {fmt(BABBLE_PERPLEXITY, 0)}" in note
     assert "step 8" not in note  # 12.5: structure may be expected
     assert "| 4 | 580.0 | ` def f(x):⏎ ` | `  , , ` |" in md
+
+
+def test_a_backend_comparison_under_load_is_flagged_at_a_glance():
+    matrix = {**MATRIX, "cells": [entry(2, 2, "nccl"), entry(2, 2, "gloo")]}
+    runs = {"ranks2-zero2-fp32-nccl": [typed(2, tokens_per_s=1300.0, comm=0.2, backend="nccl")],
+            "ranks2-zero2-fp32-gloo": [busy(typed(2, tokens_per_s=1000.0, comm=0.3), 0.5, 4.2)]}
+    line = next(text for text in build_tables(typed(2), [], 1e12, matrix, runs)["headline"]["lines"]
+                if text.startswith("NCCL vs Gloo"))
+    assert line == ("NCCL vs Gloo at 2 ranks, ZeRO-2: NCCL 30.0% faster [⚠ load above the 2 cores (1-min 0.50 before, "
+                    "4.20 after)]")

@@ -435,9 +435,11 @@ def backend_frame(matrix: dict, cells: pd.DataFrame) -> pd.DataFrame:
             gloo = _tokens_per_s(cells, pair["gloo"]["cell"])
             rows.append({"ranks": key[0], "engine": engine_label(pair["nccl"]), "zero_stage": key[2],
                          "precision": key[3], "nccl_tokens_per_s": nccl, "gloo_tokens_per_s": gloo,
-                         "nccl_faster_pct": (nccl / gloo - 1) * 100, "ratio": nccl / gloo})
+                         "nccl_faster_pct": (nccl / gloo - 1) * 100, "ratio": nccl / gloo,
+                         "flags": list(dict.fromkeys(cells.at[pair["nccl"]["cell"], "load_flags"]
+                                                     + cells.at[pair["gloo"]["cell"], "load_flags"]))})
     return frame(rows, ("ranks", "engine", "zero_stage", "precision", "nccl_tokens_per_s", "gloo_tokens_per_s",
-                        "nccl_faster_pct", "ratio"))
+                        "nccl_faster_pct", "ratio", "flags"))
 
 
 BACKEND_COLUMNS = {
@@ -601,9 +603,9 @@ def headline(frames: ReportFrames) -> dict:
         top = max(rows, key=lambda r: r["ranks"])
         if one and top is not one:
             lines.append(scaling_line(label, one, top))
-    for row in format_frame(frames.backends, BACKEND_COLUMNS):
-        lines.append(f"NCCL vs Gloo at {row['ranks']} ranks, ZeRO-{row['zero_stage']}: NCCL "
-                     f"{row['nccl_faster_pct']}% faster")
+    for row, text in zip(records(frames.backends), format_frame(frames.backends, BACKEND_COLUMNS)):
+        lines.append(flagged(f"NCCL vs Gloo at {text['ranks']} ranks, ZeRO-{text['zero_stage']}: NCCL "
+                             f"{text['nccl_faster_pct']}% faster", row["flags"]))
     if frames.left_out:
         lines.append("left out: " + "; ".join(f"{count} cell(s): {reason}"
                                               for reason, count in frames.left_out.items()))
