@@ -15,11 +15,11 @@ def test_cores_are_split_into_disjoint_blocks_of_cores_divided_by_ranks():
     assert core_blocks([4, 9], 1) == [(4, 9)]  # a taskset's share keeps its own ids
 
 
-def test_more_ranks_than_cores_take_the_cores_in_turn():
-    assert core_blocks([0, 1], 3) == [(0,), (1,), (0,)]
+def test_more_ranks_than_cores_share_all_of_them_with_one_thread_each():
+    assert core_blocks([0, 1], 3) == [(0, 1)] * 3
     context = LaunchContext.for_job("cpu", ranks=3, cores=2, cpus=(0, 1))
     assert context.oversubscribed and context.threads_per_rank == 1
-    assert [context.rank_cores(rank) for rank in range(3)] == [(0,), (1,), (0,)]
+    assert [context.rank_cores(rank) for rank in range(3)] == [(0, 1)] * 3
 
 
 def test_threads_per_rank_is_the_size_of_each_block_and_reaches_openmp():
@@ -37,7 +37,7 @@ def test_cuda_ranks_are_not_pinned():
 def test_the_cores_reach_the_rank_as_decided():
     context = LaunchContext.for_job("cpu", ranks=3, cores=4, cpus=(2, 3, 5, 7))
     again = LaunchContext.from_json(context.to_json())
-    assert again == context and again.rank_cores(2) == (5,)
+    assert again == context and again.rank_cores(2) == (5,)  # core 7 stays idle
 
 
 def _pinned_child(context, local_rank, queue):

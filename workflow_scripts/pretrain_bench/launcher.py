@@ -11,7 +11,7 @@ Used by every multi-rank rule (`pretrain`, benchmark cells) through workflow_scr
 - CUDA: disjoint device ids per concurrent job through `devices.gpu_slots`, taken from the visible devices
   (CUDA_VISIBLE_DEVICES when set), unless a scheduler assigned them. CPU: DS_ACCELERATOR=cpu, gloo,
   max(1, cores // ranks) threads per rank, each rank pinned to its own block of that many cores (run_context.pin_rank;
-  with more ranks than cores, one core each in turn: oversubscribed).
+  with more ranks than cores, every rank one thread on all of them: oversubscribed).
 - The ranks get the launcher's decisions (device, threads, oversubscription, pinning) as `pretrain.py --context`, a
   LaunchContext (run_context.py).
 - One run per state folder: the launcher takes `<state_dir>/run.lock` (state_lock.py) before anything else, so a

@@ -6,8 +6,8 @@ own GPU slot; pretrain.py reads the result back with `--context` into the same f
 CPU ranks are pinned to disjoint cores (`pin_rank`, first thing in each rank): rank k of the node runs on the k-th
 block of `threads_per_rank` cores of the node's usable cores, with as many torch/OpenMP threads. Unpinned, each
 rank's OpenMP threads spread over every core and collapse under contention (a 1-rank cell on a busy 2-core machine
-ran 15× slower unpinned than pinned to one core). With more ranks than cores the ranks take the cores in turn, one
-thread each, and the run is recorded as oversubscribed.
+ran 15× slower unpinned than pinned to one core). With more ranks than cores there are no disjoint blocks: every
+rank runs one thread on all the cores, which the OS balances, and the run is recorded as oversubscribed.
 """
 from __future__ import annotations
 
@@ -25,11 +25,12 @@ def usable_cpus() -> tuple[int, ...]:
 
 
 def core_blocks(cpus: Sequence[int], ranks: int) -> list[tuple[int, ...]]:
-    """The cores of each of `ranks` ranks: disjoint blocks of len(cpus) // ranks cores (cores left over stay idle);
-    with more ranks than cores, one core each, taken in turn (shared: oversubscribed)."""
+    """The cores of each of `ranks` ranks: disjoint blocks of len(cpus) // ranks cores (cores left over stay idle).
+    With more ranks than cores, every rank gets all of them (oversubscribed): pinned in turn, two ranks sharing one
+    core would each get half of it while another core ran one rank, and the step waits for the slowest rank."""
     cpus = tuple(cpus)
     if ranks > len(cpus):
-        return [(cpus[rank % len(cpus)],) for rank in range(ranks)]
+        return [cpus] * ranks
     size = len(cpus) // ranks
     return [cpus[rank * size:(rank + 1) * size] for rank in range(ranks)]
 
