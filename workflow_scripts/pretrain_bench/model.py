@@ -88,20 +88,45 @@ def count_parameters(shape: ModelShape) -> dict[str, int]:
             "matmul": matmul}
 
 
-def llama_config(shape: ModelShape, seq_len: int):
-    """A `transformers.LlamaConfig` for this shape."""
+def llama_config(shape: ModelShape, seq_len: int, attn_implementation: str | None = None):
+    """A `transformers.LlamaConfig` for this shape; `attn_implementation` (model.attn_implementation) picks the
+    attention kernel (None: transformers' own choice, which the saved config.json never records)."""
     from transformers import LlamaConfig
 
     kwargs = {k: v for k, v in asdict(shape).items() if k != "extra"}
     kwargs.update(shape.extra)
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
     return LlamaConfig(max_position_embeddings=max(seq_len, 2048), use_cache=False, **kwargs)
+
+
+FLASH_ATTENTION = "flash_attention_2"
+FLASH_INSTALL_HINT = "pip install flash-attn --no-build-isolation (needs CUDA and a CUDA toolkit)"
+
+
+def check_attention(attn_implementation: str, precision: str) -> None:
+    """Refuse model.attn_implementation flash_attention_2 where it cannot run: without the flash_attn package (checked
+    when the workflow is planned, so `snakemake -n` shows it) or in fp32, which its kernels do not take."""
+    import importlib.util
+
+    if attn_implementation != FLASH_ATTENTION:
+        return
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError(f"model.attn_implementation {FLASH_ATTENTION} needs the flash_attn package, which is not "
+                          f"installed in this environment: {FLASH_INSTALL_HINT}; or set model.attn_implementation: "
+                          "sdpa")
+    if precision == "fp32":
+        raise ConfigError(f"model.attn_implementation {FLASH_ATTENTION} runs in bf16 or fp16, not train.precision "
+                          "fp32: set train.precision: bf16, or model.attn_implementation: sdpa")
 
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def build_model(shape: ModelShape, seq_len: int, seed: int, precision: str = "fp32", device: str = "cpu"):
-    """A freshly initialised `LlamaForCausalLM`, built directly on `device` in the training precision.
+def build_model(shape: ModelShape, seq_len: int, seed: int, precision: str = "fp32", device: str = "cpu",
+                attn_implementation: str | None = None):
+    """A freshly initialised `LlamaForCausalLM`, built directly on `device` in the training precision, with the
+    attention kernel of model.attn_implementation (None: transformers' default).
 
     One copy of the weights in the dtype training uses, where training uses it: a 7B model on 3 CUDA ranks needs no
     host RAM to be built (an fp32 build on the host first took 4Ψ bytes per rank), and a CPU rank holds 2Ψ in
@@ -116,7 +141,7 @@ def build_model(shape: ModelShape, seq_len: int, seed: int, precision: str = "fp
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(llama_config(shape, seq_len))
+            model = LlamaForCausalLM(llama_config(shape, seq_len, attn_implementation))
     finally:
         torch.set_default_dtype(previous)
     return model

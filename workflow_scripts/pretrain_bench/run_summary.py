@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Raised whenever the fields below change (a key added, renamed or given another meaning).
-SUMMARY_VERSION = 1
+SUMMARY_VERSION = 2
 
 
 class SummaryError(ValueError):
@@ -50,7 +50,8 @@ class RunSummary:
     warmup_timing_steps: int
     peak_mem_bytes: list  # per rank (None for a rank no record has)
     peak_mem_kind: str  # what was measured (allocator peak or peak RSS)
-    model: dict  # preset, parameters, non_embedding_parameters, matmul_parameters, layers, hidden_size, heads, vocab
+    model: dict  # preset, parameters, non_embedding_parameters, matmul_parameters, layers, hidden_size, heads, vocab,
+    # attn_implementation (the attention kernel it ran)
     flops_per_token: float
     flops_formula: str
     peak_flops_per_rank: float | None
@@ -70,6 +71,9 @@ class RunSummary:
     init_from: dict | None  # model.init_from (uri, revision, path, loaded); None for a random initialisation
     init_seed: int | None  # train.seed of a random initialisation
     lr_schedule: str
+    # train.compile: {scope, time_s (wall seconds compiling, inside the warm-up steps that tokens_per_s excludes),
+    # compilations}; None when off
+    compile: dict | None
     eval_during_training: dict | None  # train.eval_every's evaluations; None when off
     provenance: dict  # git_commit, config_sha256, versions, hardware, slurm_job_id, load_before, load_after,
     # placement (each rank's host, cores and threads)

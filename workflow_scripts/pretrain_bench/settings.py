@@ -42,6 +42,7 @@ class TrainSettings:
     nvme_path: str | None = default_field("train", "nvme_path", fingerprint=False)
     memory_fit: str = default_field("train", "memory_fit", fingerprint=False)
     activation_checkpointing: bool = default_field("train", "activation_checkpointing", fit=True)
+    compile: bool = default_field("train", "compile", fingerprint=False)
     micro_batch_size: int = default_field("train", "micro_batch_size", fit=True)
     grad_accum_steps: int = default_field("train", "grad_accum_steps", fit=True)
     global_batch_size: int | None = default_field("train", "global_batch_size", fingerprint=False)

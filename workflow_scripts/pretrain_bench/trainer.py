@@ -32,6 +32,7 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from . import state_lock
 from .checkpointer import Checkpointer, ResumePoint
+from .compiling import CompileClock, compile_blocks
 from .engines import Engine, EngineRun, engine_class
 from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .heldout import HeldOutSlice
@@ -120,6 +121,7 @@ class Trainer:
         self.flops_token: float | None = None  # prepare_measures(): FLOPs per token for MFU
         self.heldout: HeldOutSlice | None = None  # prepare_measures(): train.eval_every's slice
         self.measure_comm = False  # prepare_measures(): whether each step's communication time is taken
+        self.compile_clock: CompileClock | None = None  # build_model(), under train.compile
         self.load_before: list[float] | None = None  # run(): rank 0's load averages before the first step
         self.load_after: list[float] | None = None  # run(): rank 0's load averages after the last step
         self.placement: list[dict] | None = None  # run(): every rank's cores and threads (rank 0 only)
@@ -233,7 +235,7 @@ class Trainer:
 
         self.log(summary_line(plan.memory_fit))
         self.model = build_model(self.shape, self.seq_len, settings.seed, self.engine_class.build_precision(settings),
-                                 self.run_device)
+                                 self.run_device, plan.model.attn_implementation)
         if init_from:
             # Every rank loads the whole model before DeepSpeed partitions it, so this holds under every ZeRO stage;
             # a resumed run then overwrites these weights with its checkpoint's.
@@ -244,6 +246,8 @@ class Trainer:
         if settings.activation_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs=self.engine_class.gradient_checkpointing_kwargs)
+        if settings.compile:  # in place, before the engine wraps the model: the state dict keeps its names
+            self.compile_clock = compile_blocks(self.model)
 
     def resume_point(self) -> None:
         """The checkpoint to resume from (Checkpointer.resume_point), chosen before the engine starts."""
@@ -399,7 +403,7 @@ class Trainer:
                       "non_embedding_parameters": params["non_embedding"],
                       "matmul_parameters": params["matmul"], "layers": shape.num_hidden_layers,
                       "hidden_size": shape.hidden_size, "heads": shape.num_attention_heads,
-                      "vocab_size": shape.vocab_size},
+                      "vocab_size": shape.vocab_size, "attn_implementation": plan.model.attn_implementation},
             "flops_per_token": self.flops_token, "flops_formula": FLOPS_FORMULA,
             "peak_flops_per_rank": peak_flops, "peak_flops_source": peak_source,
             **dict(zip(("mfu", "mfu_note"), model_flops_utilisation(tokens_per_s, self.flops_token, peak_flops, world,
@@ -415,6 +419,7 @@ class Trainer:
             "init_from": {**self.init_from, "loaded": self.loaded} if self.init_from else None,
             "init_seed": None if self.init_from else settings.seed,
             "lr_schedule": settings.lr_schedule,
+            "compile": self.compile_clock.summary() if self.compile_clock else None,
             "eval_during_training": heldout_summary(records, settings, self.heldout),
             "provenance": provenance(plan.config,
                                      self.context.hardware | {"threads_per_rank": self.launch.threads_per_rank})

@@ -1,0 +1,101 @@
+"""train.compile (per decoder block, in place) and model.attn_implementation (the kernel, and flash's refusal)."""
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pretrain_bench.compiling import COMPILE_SCOPE, CompileClock, compile_blocks
+from pretrain_bench.config import Config
+from pretrain_bench.config_types import ConfigError, ModelSettings
+from pretrain_bench.model import FLASH_INSTALL_HINT, build_model, check_attention, resolve_shape
+from pretrain_bench.settings import TrainSettings
+from support import tiny_config
+
+SHAPE = resolve_shape("tiny", {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                               "num_key_value_heads": 4, "intermediate_size": 128}, 97)
+T = 16
+
+
+def test_the_schema_defaults_keep_eager_training_with_torchs_sdpa_kernel():
+    assert TrainSettings().compile is False
+    assert ModelSettings(preset="tiny").attn_implementation == "sdpa"
+
+
+def test_each_attention_kernel_builds_the_model_it_names_with_the_same_logits():
+    batch = torch.randint(0, 97, (2, T))
+    logits = {}
+    for kernel in ("sdpa", "eager"):
+        model = build_model(SHAPE, T, seed=5, attn_implementation=kernel).eval()
+        assert model.config._attn_implementation == kernel
+        with torch.no_grad():
+            logits[kernel] = model(input_ids=batch).logits  # (B, T, vocab)
+    assert torch.allclose(logits["sdpa"], logits["eager"], atol=1e-5), "same weights, same maths"
+
+
+def test_flash_attention_without_its_package_is_refused_naming_the_key_and_the_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    with pytest.raises(ConfigError) as caught:
+        check_attention("flash_attention_2", "bf16")
+    message = str(caught.value)
+    assert "model.attn_implementation flash_attention_2" in message and FLASH_INSTALL_HINT in message
+    assert "\n" not in message
+    check_attention("sdpa", "fp32")  # the others need nothing
+    check_attention("eager", "fp32")
+    # at plan time: the typed config the workflow builds once refuses it, so `snakemake -n` shows the error
+    config = tiny_config("unit-flash")
+    config["model"] = {**config["model"], "attn_implementation": "flash_attention_2"}
+    with pytest.raises(ConfigError, match="model.attn_implementation flash_attention_2 needs the flash_attn package"):
+        Config.from_config(config)
+
+
+def test_flash_attention_in_fp32_is_refused(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # as if installed
+    with pytest.raises(ConfigError, match="runs in bf16 or fp16, not train.precision fp32"):
+        check_attention("flash_attention_2", "fp32")
+    check_attention("flash_attention_2", "bf16")
+
+
+def test_compiled_blocks_keep_the_state_dict_names_and_train_to_eagers_losses():
+    """Compiled in place: checkpoints and the HF export see the same keys. Same weights and batches give eager's
+    losses within 1e-4 (the tolerance README states; the bench measures the actual difference)."""
+    eager, compiled = build_model(SHAPE, T, seed=3), build_model(SHAPE, T, seed=3)
+    keys = list(compiled.state_dict())
+    clock = compile_blocks(compiled)
+    try:
+        assert list(compiled.state_dict()) == keys and all("_orig_mod" not in k for k in keys)
+        generator = torch.Generator().manual_seed(0)
+        batches = torch.randint(0, 97, (1, 2, T + 1), generator=generator).expand(3, -1, -1)  # one batch, learnt
+        losses = {}
+        for name, model in (("eager", eager), ("compiled", compiled)):
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses[name] = []
+            for batch in batches:
+                logits = model(input_ids=batch[:, :-1]).logits  # (B, T, vocab)
+                loss = F.cross_entropy(logits.reshape(-1, 97), batch[:, 1:].reshape(-1))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses[name].append(loss.item())
+        assert max(abs(a - b) for a, b in zip(losses["eager"], losses["compiled"])) < 1e-4, losses
+        assert losses["compiled"][-1] < losses["compiled"][0], "it trains"
+        summary = clock.summary()
+        assert summary["scope"] == COMPILE_SCOPE and summary["compilations"] >= 1 and summary["time_s"] > 0
+    finally:
+        clock.close()
+
+
+def test_the_compile_clock_sums_the_time_between_each_start_and_end(monkeypatch):
+    import pretrain_bench.compiling as compiling
+
+    ticks = iter([10.0, 12.5, 20.0, 20.25])
+    monkeypatch.setattr(compiling.time, "perf_counter", lambda: next(ticks))
+    clock = CompileClock()
+    try:
+        clock._start(), clock._end()  # 2.5 s
+        clock._end()  # an end without a start counts nothing
+        clock._start(), clock._end()  # 0.25 s
+        assert clock.compilations == 2 and clock.seconds == 2.75
+    finally:
+        clock.close()
