@@ -1,6 +1,8 @@
-"""Cleaning throughput of the download_corpus stage on the builtin corpus, next to a bare read of the same files.
+"""Cleaning throughput of the download_corpus stage on the builtin corpus, next to a bare read of the same files;
+then the data stages at scale: cleaning as 1 job against 2 part jobs, tokenizer training, a shard job.
 
-    python bench/bench_corpus.py [out.json]        (default bench-results/corpus.json)
+    python bench/bench_corpus.py [out.json] [--sizes-mb 60,600] [--rounds 2] [--bpe-mb 20]
+                                                   (default bench-results/corpus.json)
 
 Three timings over the whole builtin corpus (every standard-library .py file that builtin://python-stdlib reads),
 each the best of REPEATS runs after one warm-up pass, so all read from the page cache and the figures compare CPU
@@ -14,11 +16,23 @@ work, not disk speed:
 Throughput is input bytes / seconds in MB/s (10**6 bytes). The target is cleaning <= 2x the bare read.
 `floors` times the unavoidable per-byte steps of cleaning alone, on texts already in memory (JSON escaping of the
 jsonl lines, sha256 of every document and of the written lines): they show how close cleaning is to its own floor.
+
+`scale`: a local corpus of each size in --sizes-mb is generated under the system's temporary folder
+(never in the checkout), then cleaned alternately (A B A B ..., --rounds pairs) by one job (build_corpus in its own
+process: the corpus stage with corpus.jobs 1) and by two part jobs running at once followed by the merge (corpus.jobs
+2), each a fresh process as Snakemake starts it, start-up included; the wall time of the whole stage and each job's
+peak RSS and CPU seconds (user + system) are recorded. On a shared machine wall times stretch with the other work;
+the CPU seconds do not, and give the stage's critical path on idle cores: one job's CPU time against the slowest part
+plus the merge (`speedup_2_jobs_on_idle_cores`, process start-up included, waiting for a core excluded). Then the BPE
+is trained on --bpe-mb of that corpus with the default config's vocabulary, and one shard job encodes a slice of it.
 """
 import hashlib
 import json
 import os
 import platform
+import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -109,5 +123,146 @@ def main(out_path: Path) -> dict:
     return result
 
 
+# --- the data stages at scale ---
+DOCUMENT_FILE_BYTES = 6_000_000  # each generated jsonl file (a part job divides the sources by files)
+CLEANING = {"min_chars": 1, "dedup": True, "val_fraction": 0.01, "encoding_errors": "replace", "max_bytes": None}
+BPE_VOCAB = 102400  # config.yaml's tokenizer.vocab_size
+
+
+def generate_corpus(folder: Path, size: int) -> list[dict]:
+    """`size` bytes of jsonl under `folder` (kept between runs): the standard library's sources, each copy headed by
+    a line of its own so that no two documents are equal; returns the corpus.sources naming it."""
+    marker = folder / f"complete-{size}"
+    if not marker.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        root, names = stdlib_files()
+        texts = [Path(root, name).read_bytes().decode("utf-8", "replace") for name in names]
+        written, number, copy = 0, 0, 0
+        while written < size:
+            with open(folder / f"{number:05d}.jsonl", "wb") as handle:
+                file_bytes = 0
+                while file_bytes < DOCUMENT_FILE_BYTES and written < size:
+                    for text in texts[copy % 7::7]:
+                        line = jsonl_line(f"# copy {copy} of a standard-library module\n{text}")
+                        handle.write(line)
+                        file_bytes += len(line)
+                    copy += 1
+                written += file_bytes
+            number += 1
+        marker.touch()
+    return [{"uri": f"file://{folder}/*.jsonl"}]
+
+
+def start_job(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def wait_job(process: subprocess.Popen) -> dict:
+    """Wait for `process`: its peak RSS in bytes and CPU seconds (user + system), from os.wait4's usage of that
+    child alone. CPU seconds hold on a loaded machine, where wall times stretch with the other work."""
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise RuntimeError(f"job failed ({process.returncode}): {process.args[-1][:200]}")
+    return {"peak_rss_bytes": usage.ru_maxrss * 1024, "cpu_seconds": usage.ru_utime + usage.ru_stime}
+
+
+def run_job(code: str) -> tuple[float, dict]:
+    """A fresh Python process running `code`: (wall seconds, wait_job's figures), start-up included."""
+    start = time.perf_counter()
+    figures = wait_job(start_job(code))
+    return time.perf_counter() - start, figures
+
+
+def one_job(sources: list[dict], out: Path) -> dict:
+    code = (f"from pathlib import Path; from pretrain_bench.corpus import build_corpus; build_corpus({sources!r}, "
+            f"Path({str(out)!r}), cache_dir=Path({str(out / 'cache')!r}), **{CLEANING!r})")
+    seconds, figures = run_job(code)
+    return {"seconds": seconds, "jobs": {"build_corpus": figures}, "critical_path_cpu_seconds": figures["cpu_seconds"]}
+
+
+def two_jobs(sources: list[dict], out: Path) -> dict:
+    parts = 2
+    start = time.perf_counter()
+    jobs = [start_job(f"from pathlib import Path; from pretrain_bench.corpus_parts import clean_part; clean_part("
+                      f"{sources!r}, Path({str(out / 'parts')!r}), part={part}, parts={parts}, "
+                      f"cache_dir=Path({str(out / 'cache')!r}), **{CLEANING!r})") for part in range(parts)]
+    figures = {f"clean_part {part}": wait_job(job) for part, job in enumerate(jobs)}
+    _, figures["merge"] = run_job(f"from pathlib import Path; from pretrain_bench.corpus_parts import merge_parts; "
+                                  f"merge_parts({sources!r}, Path({str(out / 'parts')!r}), Path({str(out)!r}), "
+                                  f"parts={parts}, **{CLEANING!r})")
+    # on idle cores the parts run side by side: the stage takes the slowest part, then the merge
+    path = max(figures[f"clean_part {part}"]["cpu_seconds"] for part in range(parts)) + figures["merge"]["cpu_seconds"]
+    return {"seconds": time.perf_counter() - start, "jobs": figures, "critical_path_cpu_seconds": path}
+
+
+def cleaning_at(size: int, rounds: int, scratch: Path) -> dict:
+    sources = generate_corpus(Path(tempfile.gettempdir()) / f"pretrain-bench-corpus-{size}", size)
+    runs = {"1 job": [], "2 jobs": []}
+    for round_number in range(rounds):  # A B A B: a slow spell of the machine falls on both
+        for name, clean in (("1 job", one_job), ("2 jobs", two_jobs)):
+            out = scratch / f"{size}-{name.replace(' ', '')}-{round_number}"
+            runs[name].append(clean(sources, out))
+            shutil.rmtree(out)
+    median = {name: statistics.median(run["seconds"] for run in values) for name, values in runs.items()}
+    cpu_path = {name: statistics.median(run["critical_path_cpu_seconds"] for run in values)
+                for name, values in runs.items()}
+    corpus_bytes = sum(path.stat().st_size for path in Path(sources[0]["uri"][7:]).parent.glob("*.jsonl"))
+    return {"bytes": corpus_bytes, "runs": runs, "median_seconds": median,
+            "mb_per_s": {name: corpus_bytes / seconds / 1e6 for name, seconds in median.items()},
+            "speedup_2_jobs": median["1 job"] / median["2 jobs"],
+            "critical_path_cpu_seconds": cpu_path,
+            "speedup_2_jobs_on_idle_cores": cpu_path["1 job"] / cpu_path["2 jobs"],
+            "peak_rss_bytes": {name: max(job["peak_rss_bytes"] for run in values for job in run["jobs"].values())
+                               for name, values in runs.items()}}
+
+
+def tokenizer_and_shard(size: int, bpe_bytes: int, scratch: Path) -> dict:
+    """BPE training on `bpe_bytes` of the generated corpus (one process, all cores), and one shard job encoding a
+    slice of about 50 MB of it."""
+    sources = generate_corpus(Path(tempfile.gettempdir()) / f"pretrain-bench-corpus-{size}", size)
+    corpus = scratch / "bpe-corpus"
+    build_corpus(sources, corpus, cache_dir=scratch / "cache", **CLEANING)
+    train = corpus / "train.jsonl"
+    tokenizer_seconds, tokenizer = run_job(
+        f"from pathlib import Path; from pretrain_bench.tokenizer import train_tokenizer; train_tokenizer("
+        f"Path({str(train)!r}), Path({str(scratch / 'tok')!r}), vocab_size={BPE_VOCAB}, train_bytes={bpe_bytes})")
+    count = max(1, round(train.stat().st_size / 50e6))
+    shard_seconds, shard_job = run_job(
+        f"from pathlib import Path; from pretrain_bench.shards import encode_shard; encode_shard(Path({str(train)!r}), "
+        f"Path({str(scratch / 'tok')!r}), Path({str(scratch / 's.bin')!r}), Path({str(scratch / 's.json')!r}), "
+        f"split='train', index=0, count={count})")
+    shard = json.loads((scratch / "s.json").read_text())
+    return {"tokenizer": {"train_bytes": bpe_bytes, "vocab_size": BPE_VOCAB, "seconds": tokenizer_seconds,
+                          "mb_per_s": bpe_bytes / tokenizer_seconds / 1e6, **tokenizer},
+            "shard_job": {"text_bytes": shard["text_bytes"], "tokens": shard["tokens"], "seconds": shard_seconds,
+                          "mb_per_s": shard["text_bytes"] / shard_seconds / 1e6, **shard_job,
+                          "threads": os.cpu_count()}}
+
+
+def scale(sizes: list[int], rounds: int, bpe_bytes: int) -> dict:
+    with tempfile.TemporaryDirectory() as scratch:
+        result = {"cores": os.cpu_count(), "load_average_before": os.getloadavg(),
+                  "cleaning": {str(size): cleaning_at(size, rounds, Path(scratch)) for size in sizes}}
+        result.update(tokenizer_and_shard(max(sizes), bpe_bytes, Path(scratch)))
+        result["load_average_after"] = os.getloadavg()
+    return result
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(Path(sys.argv[1] if len(sys.argv) > 1 else "bench-results/corpus.json")), indent=2))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", nargs="?", default="bench-results/corpus.json")
+    parser.add_argument("--sizes-mb", default="60,600", help="sizes of the generated corpora, MB (10**6 bytes)")
+    parser.add_argument("--rounds", type=int, default=2, help="A B pairs per size (1 job, 2 jobs)")
+    parser.add_argument("--bpe-mb", type=float, default=20.0, help="MB of the corpus the BPE is trained on")
+    parser.add_argument("--skip-builtin", action="store_true", help="only the scale section")
+    args = parser.parse_args()
+    out = Path(args.out)
+    result = {} if args.skip_builtin else main(out)
+    result["scale"] = scale([int(float(mb) * 1e6) for mb in args.sizes_mb.split(",")], args.rounds,
+                            int(args.bpe_mb * 1e6))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))

@@ -23,8 +23,6 @@ import struct
 from dataclasses import asdict, fields
 from pathlib import Path
 
-import numpy as np
-
 from pretrain_bench.corpus import (
     CleaningSettings,
     _mixture_weights,
@@ -41,9 +39,8 @@ from pretrain_bench.progress import Progress
 log = logging.getLogger(__name__)
 
 # One record per document a part keeps: its sha256, text bytes, source index and number within that source, written
-# as it goes (a part's memory stays flat) and read back as a numpy array of PART_DTYPE.
+# as it goes (a part's memory stays flat).
 PART_RECORD = struct.Struct("<32sQIQ")
-PART_DTYPE = np.dtype([("digest", np.uint8, (32,)), ("text_bytes", "<u8"), ("source", "<u4"), ("number", "<u8")])
 MIXTURE_REASON = ("a weighted mixture draws every document from all sources in one seeded sequence, which slices of "
                   "the sources cannot reproduce: cleaned as one part")
 CAP_REASON = ("the parts read their whole slices: where the cap falls is known only once they are merged "
@@ -157,17 +154,16 @@ def _merge_documents(folder: Path, parts: int, part_stats: list[dict], all_stats
     progress = Progress("merging parts (kept bytes)", log, total=settings.max_bytes)
     for part in range(parts):
         paths = part_paths(folder, part)
-        records = np.fromfile(paths["records"], dtype=PART_DTYPE)
+        records = PART_RECORD.iter_unpack(paths["records"].read_bytes())
         with open(paths["lines"], "rb") as lines:
-            for record, line in zip(records, lines):
-                digest, text_bytes, index = record["digest"].tobytes(), int(record["text_bytes"]), record["source"]
+            for (digest, text_bytes, index, number), line in zip(records, lines, strict=True):
                 stats = all_stats[index]
                 if settings.dedup and digest in seen:
                     stats.dropped["duplicate"] += 1
                     continue
                 seen.add(digest)
                 if settings.max_bytes is not None and kept_bytes + text_bytes > settings.max_bytes:
-                    cut_at = {"source": stats.uri, "document_index": offsets[index] + int(record["number"])}
+                    cut_at = {"source": stats.uri, "document_index": offsets[index] + number}
                     stats.dropped["over_cap"] += 1
                     break
                 kept_bytes += text_bytes
