@@ -1,12 +1,10 @@
 """Fixtures shared by test modules (pytest finds this file; helpers live in support.py), and how `make test`
 spreads the modules over its pytest-xdist workers."""
 import os
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from filelock import FileLock  # a dependency of torch
 
 from pretrain_bench.launcher import extension_build_environment
 from support import (
@@ -14,6 +12,7 @@ from support import (
     PIPELINE_OVERLAY,
     PIPELINE_STEPS,
     TINY_CONFIG,
+    built_once,
     changed_run_outputs,
     data_folders,
     data_products,
@@ -100,21 +99,15 @@ def process_group(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A working directory holding the tiny data (config/tiny-cpu.yaml's corpus, tokenizer and shards under
-    results/data/), built by Snakemake once per session: under pytest-xdist the first worker to ask builds it in the
-    session's shared temporary folder, the other waits for it and reuses it. Read it, never write to it: runs start
-    from a copy (support.seeded_workflow_dir, the `workdir` fixture)."""
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # pytest-<N>/popen-gw<K>: pytest-<N> is this session's, common to its workers
-    folder, built = shared / "tiny-data", shared / "tiny-data.built"
-    with FileLock(shared / "tiny-data.lock"):
-        if not built.exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            products = data_products()
-            targets = [products.index, products.tokenizer_json]
-            run_snakemake(workflow_dir(folder), "--config", f"name={DATA_NAME}", "--", *targets, timeout=900)
-            built.touch()
-    return folder
+    results/data/), built by Snakemake once per session (support.built_once: under pytest-xdist by the first worker to
+    ask; the other waits for it and reuses it). Read it, never write to it: runs start from a copy
+    (support.seeded_workflow_dir, the `workdir` fixture)."""
+    def build(folder: Path) -> None:
+        products = data_products()
+        targets = [products.index, products.tokenizer_json]
+        run_snakemake(workflow_dir(folder), "--config", f"name={DATA_NAME}", "--", *targets, timeout=900)
+
+    return built_once(tmp_path_factory, "tiny-data", build)
 
 
 @pytest.fixture(scope="session")

@@ -313,3 +313,22 @@ class RandomBatches:
         import torch
 
         return torch.randint(0, self.vocab_size, self.shape, generator=self.generator)
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """Folder `name` in the session's temporary folder, made by `build(folder)` once per session: under pytest-xdist
+    the first worker to ask builds it, the others wait for it and reuse it. Read it, never write to it: copy it first.
+    """
+    from filelock import FileLock  # a dependency of torch
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # pytest-<N>/popen-gw<K>: pytest-<N> is this session's, common to its workers
+    folder, built = shared / name, shared / f"{name}.built"
+    with FileLock(shared / f"{name}.lock"):
+        if not built.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            built.touch()
+    return folder

@@ -1,8 +1,10 @@
 """Faults on the real engine (CPU, gloo, through the launcher): a second run while one trains, a full disk during a
 save, damaged checkpoints, and a resume point beyond the run's last step. Each asserts the message, the exit status
-and that nothing committed was lost."""
+and that nothing committed was lost. The tests that damage or resume a finished run start from a copy of one shared
+run (`six_steps`) instead of training their own."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from support import (  # data: the tiny data (tests/conftest.py)
     ROOT,
     SNAKEFILE,
     TINY_CONFIG,
+    built_once,
     mounted_tmpfs,
     plan_for,
     read_jsonl,
@@ -31,6 +34,27 @@ from support import (  # data: the tiny data (tests/conftest.py)
 
 pytestmark = pytest.mark.engine
 RANK_SCRIPT = ROOT / "workflow_scripts" / "pretrain.py"
+TWO_RANKS = {"gpus": 2, "global_batch_size": None}
+
+
+@pytest.fixture(scope="session")
+def six_steps(data, tmp_path_factory) -> Path:
+    """The state folder of a DeepSpeed run on 2 ranks, 6 steps with a checkpoint every 2 (committed: 2, 4, 6),
+    trained once per session (under pytest-xdist, by the first worker to ask). Tests resume copies of it
+    (copy_state), never it."""
+    def train(folder: Path) -> None:
+        plan = plan_for(data, folder / "run", **TWO_RANKS, max_steps=6, checkpoint_every=2)
+        assert run(plan, 2, folder / "train.log") == 0, (folder / "train.log").read_text()[-3000:]
+        assert ckpt.committed_steps(folder / "run" / "state" / "checkpoints") == [2, 4, 6]
+
+    return built_once(tmp_path_factory, "faults-six-steps", train) / "run" / "state"
+
+
+def copy_state(state: Path, run_dir: Path) -> Path:
+    """`state` (six_steps) copied, every file as it is, to `run_dir`/state: the run's state of a finished run, without
+    its outputs; returns its checkpoints folder."""
+    shutil.copytree(state, run_dir / "state", symlinks=True)
+    return run_dir / "state" / "checkpoints"
 
 
 def start_logged(plan: Path, ranks: int, log: Path, stderr: Path) -> subprocess.Popen:
@@ -93,17 +117,22 @@ def state_on_tmpfs(tmp_path):
 
 
 @pytest.mark.parametrize("disk", ["simulated", "tmpfs"])
-def test_full_disk_during_a_save_fails_naming_it_and_keeps_the_committed_checkpoint(data, tmp_path, disk, request):
+def test_full_disk_during_a_save_fails_naming_it_and_keeps_the_committed_checkpoints(data, six_steps, tmp_path,
+                                                                                       disk, request):
+    """The finished 6-step run trained on to step 10, whose checkpoint does not fit: on a real tmpfs left with 2 MiB
+    free, or with the save's ENOSPC simulated."""
     run_dir = tmp_path / "run"
-    plan = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=10, checkpoint_every=5)
     terminal = tmp_path / "terminal.log"
     if disk == "tmpfs":
         mount = request.getfixturevalue("state_on_tmpfs")
+        shutil.copytree(six_steps, mount, symlinks=True, dirs_exist_ok=True)
+        run_dir.mkdir()
         (run_dir / "state").symlink_to(mount)
+        plan = plan_for(data, run_dir, **TWO_RANKS, max_steps=10, checkpoint_every=5)
         proc = subprocess.Popen([sys.executable, str(LAUNCHER), "--ranks", "2", "--plan", str(plan)], cwd=ROOT,
                                 stdout=open(terminal, "w"), stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            wait_for(lambda: ckpt.committed_steps(mount / "checkpoints") == [5], proc, terminal)
+            wait_for(lambda: len(recorded_losses(run_dir)) >= 7, proc, terminal)  # resumed, trained step 7
             # Leave 2 MiB: room for metrics and TensorBoard, not for the next ~20 MB checkpoint.
             used = int(subprocess.run(["df", "--output=used", "-B1", str(mount)], capture_output=True, text=True,
                                       check=True).stdout.split()[-1])
@@ -113,25 +142,25 @@ def test_full_disk_during_a_save_fails_naming_it_and_keeps_the_committed_checkpo
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     else:
+        copy_state(six_steps, run_dir)
+        plan = plan_for(data, run_dir, **TWO_RANKS, max_steps=10, checkpoint_every=5)
         code = run(plan, 2, terminal, env={"PRETRAIN_BENCH_INJECT_ENOSPC_AT_STEP": "10"})
     output = terminal.read_text()
     root = run_dir / "state" / "checkpoints"
     folder = root / "step10"
     assert code != 0
+    assert f"resumed from {root / 'step6'} (step 6)" in output, output[-3000:]
     assert f"saving checkpoint step 10 to {folder} failed: no space left on device (" in output, output[-3000:]
     assert "bytes free on the file system of" in output
     assert not folder.exists(), "the partial checkpoint folder is removed"
-    assert ckpt.committed_steps(root) == [5]
-    assert ckpt.verify(root, 5, "full")["step"] == 5, "the committed checkpoint is intact, every byte"
+    assert ckpt.committed_steps(root) == [2, 4, 6]
+    assert ckpt.verify(root, 6, "full")["step"] == 6, "the committed checkpoint is intact, every byte"
     assert not (run_dir / "out" / "summary.json").exists()
 
 
-def test_damaged_checkpoints_fall_back_and_steps_never_go_backwards(data, tmp_path):
+def test_damaged_checkpoints_fall_back_and_steps_never_go_backwards(data, six_steps, tmp_path):
     run_dir = tmp_path / "run"
-    root = run_dir / "state" / "checkpoints"
-    assert run(plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=6, checkpoint_every=2), 2,
-               tmp_path / "a.log") == 0, (tmp_path / "a.log").read_text()[-3000:]
-    assert ckpt.committed_steps(root) == [2, 4, 6]
+    root = copy_state(six_steps, run_dir)
     good = tree_digest(root / "step2")
     shard = root / "step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     with open(shard, "r+b") as handle:
@@ -420,45 +449,42 @@ def fp32_weights_span(shard: Path) -> tuple[int, int]:
     raise AssertionError(f"no entry of {shard} holds its fp32 weights")
 
 
-def test_same_size_overwrite_of_a_checkpoint_is_found_by_default_and_never_loaded(data, tmp_path):
+def test_same_size_overwrite_of_a_checkpoint_is_found_by_default_and_never_loaded(data, six_steps, tmp_path):
     run_dir = tmp_path / "run"
-    root = run_dir / "state" / "checkpoints"
-    assert run(plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=4, checkpoint_every=2), 2,
-               tmp_path / "a.log") == 0, (tmp_path / "a.log").read_text()[-3000:]
-    shard = root / "step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    root = copy_state(six_steps, run_dir)
+    shard = root / "step6" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     start, stop = fp32_weights_span(shard)
     damaged_at = max(start, ckpt.SAMPLE_BYTES)  # beyond the sampled window: only a full check sees it
     assert damaged_at + 4096 <= min(stop, ckpt.SAMPLE_STRIDE)
     garbage = os.urandom(4096)
     overwrite_in_place(shard, damaged_at, garbage)
-    assert ckpt.verify(root, 4, "sampled"), "the fault is one the sampled opt-out misses"
-    good = tree_digest(root / "step2")
+    assert ckpt.verify(root, 6, "sampled"), "the fault is one the sampled opt-out misses"
+    good = tree_digest(root / "step4")
     # No train.verify_checkpoints in the plan: the default finds it before anything is loaded.
-    assert run(plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=6, checkpoint_every=2), 2,
+    assert run(plan_for(data, run_dir, **TWO_RANKS, max_steps=8, checkpoint_every=2), 2,
                tmp_path / "b.log") == 0, (tmp_path / "b.log").read_text()[-3000:]
     log = (tmp_path / "b.log").read_text()
-    assert (f"warning: checkpoint {root / 'step4'} is damaged: {shard} does not match the sha256 recorded when it "
+    assert (f"warning: checkpoint {root / 'step6'} is damaged: {shard} does not match the sha256 recorded when it "
             "was saved" in log), log[-3000:]
-    assert f"Moved it aside to {root / 'step4.damaged'}; falling back to checkpoint step 2" in log
-    assert f"resumed from {root / 'step2'} (step 2)" in log and f"resumed from {root / 'step4'}" not in log
-    assert (root / "step4.damaged" / shard.name).read_bytes()[damaged_at:damaged_at + 4096] == garbage, "kept aside"
-    assert ckpt.committed_steps(root) == [2, 4, 6] and tree_digest(root / "step2") == good
+    assert f"Moved it aside to {root / 'step6.damaged'}; falling back to checkpoint step 4" in log
+    assert f"resumed from {root / 'step4'} (step 4)" in log and f"resumed from {root / 'step6'}" not in log
+    assert (root / "step6.damaged" / shard.name).read_bytes()[damaged_at:damaged_at + 4096] == garbage, "kept aside"
+    assert ckpt.committed_steps(root) == [2, 4, 6, 8] and tree_digest(root / "step4") == good
     summary = json.loads((run_dir / "out" / "summary.json").read_text())
-    assert summary["resumed_from_step"] == 2 and summary["steps"] == 6
+    assert summary["resumed_from_step"] == 4 and summary["steps"] == 8
 
 
-def test_non_finite_loss_right_after_a_resume_names_the_checkpoint_and_falls_back_once(data, tmp_path):
+def test_non_finite_loss_right_after_a_resume_names_the_checkpoint_and_falls_back_once(data, six_steps, tmp_path):
     import math
     import re
 
     run_dir = tmp_path / "run"
-    root = run_dir / "state" / "checkpoints"
+    root = copy_state(six_steps, run_dir)  # trained to step 6
 
     def plan(max_steps):  # the sampled opt-out: the weights below pass it, as damage before saving would pass any
-        return plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=max_steps, checkpoint_every=2,
+        return plan_for(data, run_dir, **TWO_RANKS, max_steps=max_steps, checkpoint_every=2,
                         verify_checkpoints="sampled")
 
-    assert run(plan(6), 2, tmp_path / "a.log") == 0, (tmp_path / "a.log").read_text()[-3000:]
     # Garbage that still loads as a tensor: float32 +inf over the weights past the sampled first MiB.
     shard = root / "step6" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
     start, stop = fp32_weights_span(shard)
