@@ -16,9 +16,11 @@ from support import (
     changed_run_outputs,
     data_folders,
     data_products,
+    plan_for,
     run_outputs_snapshot,
     run_snakemake,
     seeded_workflow_dir,
+    start,
     tiny_config,
     tree_digest,
     workflow_dir,
@@ -108,6 +110,26 @@ def tiny_data(tmp_path_factory) -> Path:
         run_snakemake(workflow_dir(folder), "--config", f"name={DATA_NAME}", "--", *targets, timeout=900)
 
     return built_once(tmp_path_factory, "tiny-data", build)
+
+
+@pytest.fixture(scope="session")
+def zero_stage_runs(data, tmp_path_factory) -> Path:
+    """DeepSpeed runs on 2 ranks at ZeRO stages 0 to 3 (stage 2 with its optimizer offloaded: DeepSpeedCPUAdam), 3
+    steps each with a checkpoint at step 3, in <folder>/z<stage> (launcher output in z<stage>.log): launched once per
+    session (support.built_once), two at a time, which also proves their rendezvous ports cannot collide (torchrun
+    --standalone binds port 0). Each must exit 0. Read them, never write to them."""
+    def train(folder: Path) -> None:
+        for pair in ((0, 1), (2, 3)):
+            procs = []
+            for stage in pair:
+                offload = {"offload_optimizer": "cpu"} if stage == 2 else {}
+                plan = plan_for(data, folder / f"z{stage}", gpus=2, global_batch_size=None, zero_stage=stage,
+                                max_steps=3, checkpoint_every=3, **offload)
+                procs.append((stage, start(plan, 2, folder / f"z{stage}.log")))
+            for stage, proc in procs:
+                assert proc.wait(600) == 0, (folder / f"z{stage}.log").read_text()[-3000:]
+
+    return built_once(tmp_path_factory, "zero-stages", train)
 
 
 @pytest.fixture(scope="session")

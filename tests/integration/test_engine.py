@@ -25,26 +25,18 @@ from support import (
 pytestmark = pytest.mark.engine
 
 
-def test_zero_stages_0_to_3_train_concurrently_and_shut_down(data, tmp_path):
-    # Two launches at once also proves the rendezvous ports cannot collide (torchrun --standalone binds port 0).
-    for pair in ((0, 1), (2, 3)):
-        procs = []
-        for stage in pair:
-            offload = {"offload_optimizer": "cpu"} if stage == 2 else {}  # ZeRO-Offload (DeepSpeedCPUAdam)
-            plan = plan_for(data, tmp_path / f"z{stage}", gpus=2, global_batch_size=None, zero_stage=stage,
-                            max_steps=3, checkpoint_every=3, **offload)
-            procs.append((stage, start(plan, 2, tmp_path / f"z{stage}.log")))
-        for stage, proc in procs:
-            assert proc.wait(600) == 0, (tmp_path / f"z{stage}.log").read_text()[-3000:]
+def test_zero_stages_0_to_3_train_concurrently_and_shut_down(zero_stage_runs):
+    # Launched two at a time, each exited 0 (tests/conftest.py zero_stage_runs, shared with test_export_zero.py).
+    runs = zero_stage_runs
     for stage in range(4):
-        summary = json.loads((tmp_path / f"z{stage}" / "out" / "summary.json").read_text())
+        summary = json.loads((runs / f"z{stage}" / "out" / "summary.json").read_text())
         assert summary["zero_stage"] == stage and summary["world_size"] == 2
-        assert committed_steps(tmp_path / f"z{stage}" / "state" / "checkpoints") == [3]
-        ds = json.loads((tmp_path / f"z{stage}" / "out" / "ds_config.json").read_text())
+        assert committed_steps(runs / f"z{stage}" / "state" / "checkpoints") == [3]
+        ds = json.loads((runs / f"z{stage}" / "out" / "ds_config.json").read_text())
         assert ds["zero_optimization"]["stage"] == stage
         assert ("offload_optimizer" in ds["zero_optimization"]) == (stage == 2)
     # The same data and seed give the same first loss whatever the stage: only the partitioning differs.
-    first = {s: losses(tmp_path / f"z{s}")[0] for s in range(4)}
+    first = {s: losses(runs / f"z{s}")[0] for s in range(4)}
     assert max(first.values()) - min(first.values()) < 1e-4, first
 
 

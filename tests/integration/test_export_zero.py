@@ -6,19 +6,18 @@ import torch
 from pretrain_bench.checkpointer import load_fp32_state_dict
 from pretrain_bench.export import export_checkpoint
 from pretrain_bench.plan import Plan
-from support import plan_for, run
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_a_bf16_export_of_a_zero_checkpoint_equals_its_fp32_weights_cast(data, tmp_path, stage):
+def test_a_bf16_export_of_a_zero_checkpoint_equals_its_fp32_weights_cast(zero_stage_runs, tmp_path, stage):
+    """The 2-rank runs of tests/conftest.py zero_stage_runs (ZeRO-2 with its optimizer offloaded, ZeRO-3), exported
+    from their checkpoints at step 3."""
     from safetensors.torch import load_file
 
-    plan = plan_for(data, tmp_path / "run", gpus=2, global_batch_size=None, zero_stage=stage, max_steps=3,
-                    checkpoint_every=3)
-    assert run(plan, 2, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-3000:]
-    checkpoints = tmp_path / "run" / "state" / "checkpoints"
+    plan = zero_stage_runs / f"z{stage}" / "plan.json"
+    checkpoints = zero_stage_runs / f"z{stage}" / "state" / "checkpoints"
     export_checkpoint(Plan.from_json(plan), 3, tmp_path / "hf", dtype="bf16")
     weights = load_file(tmp_path / "hf" / "model.safetensors")
     expected = load_fp32_state_dict(checkpoints, 3)
