@@ -1,4 +1,5 @@
-"""Files written whole or not at all, and JSON-lines files read back.
+"""Files written whole or not at all, JSON-lines files read back, and the keys of a record read back checked against
+the dataclass it becomes.
 
 `atomic_write_text` writes to a temporary file in the target's folder, named per writer (pid and a random part), so
 two processes writing the same path never share a temporary file; it is flushed to disk (fsync) and then renamed
@@ -7,6 +8,7 @@ it: `pretrain_bench.checkpoint` adds its own sizes, hashes and commit marker.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -60,3 +62,11 @@ def read_jsonl(path: Path) -> list[dict]:
             raise ValueError(f"{path} line {number} is not JSON ({error}): {line[:60]!r}; a record cut short can only "
                              "be the last line, so this file was edited or damaged") from error
     return records
+
+
+def key_differences(record_type, data: dict, *, defaults_optional: bool = True) -> tuple[list[str], list[str]]:
+    """(missing, unknown), each sorted: the fields of dataclass `record_type` that `data` lacks (a field with a default
+    may be absent unless `defaults_optional` is false) and the keys of `data` that name no field of it."""
+    fields = dataclasses.fields(record_type)
+    required = {f.name for f in fields if not defaults_optional or f.default is dataclasses.MISSING}
+    return sorted(required - set(data)), sorted(set(data) - {f.name for f in fields})

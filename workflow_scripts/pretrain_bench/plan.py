@@ -16,7 +16,7 @@ from pathlib import Path
 from .config_types import BenchSettings, ModelSettings, ReportSettings, TokenizerSettings, keys_with
 from .devices import resolve_device_cheaply
 from .flops import plan_peak
-from .io import atomic_write_json
+from .io import atomic_write_json, key_differences
 from .memory_fit import fit_run
 from .settings import CELL_IRRELEVANT_KEYS, TRAINS_FURTHER_KEYS, ConfigError, TrainSettings, check_settings
 
@@ -72,11 +72,9 @@ class Plan:
     @classmethod
     def from_dict(cls, data: dict, source: str = "plan") -> Plan:
         data = {key: value for key, value in data.items() if key != PREFLIGHT_KEY}
-        fields = {field.name: field for field in dataclasses.fields(cls)}
-        required = {name for name, field in fields.items() if field.default is dataclasses.MISSING}
-        missing, unknown = sorted(required - set(data)), sorted(set(data) - set(fields))
+        missing, unknown = key_differences(cls, data)
         path_fields = {field.name for field in dataclasses.fields(RunPaths)}
-        missing_paths = sorted(path_fields - set(data.get("paths") or {}))
+        missing_paths, _ = key_differences(RunPaths, data.get("paths") or {}, defaults_optional=False)
         missing += [f"paths.{key}" for key in missing_paths]
         if missing or unknown:
             raise ConfigError(f"{source} is not a plan this version writes (missing {missing}, unknown {unknown}): "

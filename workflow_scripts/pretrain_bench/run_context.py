@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
+
+from .io import key_differences
 
 
 def usable_cpus() -> tuple[int, ...]:
@@ -65,11 +67,9 @@ class LaunchContext:
     def from_json(cls, text: str) -> LaunchContext:
         """The context `to_json` wrote; a missing (required) or unknown field is refused by name."""
         values = json.loads(text)
-        names = {field.name for field in fields(cls)}
-        required = {field.name for field in fields(cls) if field.default is MISSING}
-        if not required <= set(values) or set(values) - names:
-            raise ValueError(f"launch context {text!r}: missing {sorted(required - set(values))}, "
-                             f"unknown {sorted(set(values) - names)}")
+        missing, unknown = key_differences(cls, values)
+        if missing or unknown:
+            raise ValueError(f"launch context {text!r}: missing {missing}, unknown {unknown}")
         return cls(**{**values, "cpus": tuple(values.get("cpus", ()))})
 
 

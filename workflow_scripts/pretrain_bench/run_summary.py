@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .io import key_differences
+
 # Raised whenever the fields below change (a key added, renamed or given another meaning).
 SUMMARY_VERSION = 2
 
@@ -92,13 +94,12 @@ class RunSummary:
     @classmethod
     def from_dict(cls, data: dict, source: Path | str = "summary.json") -> RunSummary:
         """The summary in `data` (read from `source`); refused unless it is this version with exactly these keys."""
-        names = {field.name for field in dataclasses.fields(cls)}
         found = data.get("version")  # a file written before the version key has none
+        missing, unknown = key_differences(cls, data, defaults_optional=False)
         problem = None
         if found != SUMMARY_VERSION:
             problem = f"it is version {found!r}, this pretrain-bench reads version {SUMMARY_VERSION}"
-        elif set(data) != names:
-            missing, unknown = sorted(names - set(data)), sorted(set(data) - names)
+        elif missing or unknown:
             problem = f"its keys differ from version {SUMMARY_VERSION}'s (missing {missing}, unknown {unknown})"
         if problem is None:
             try:
