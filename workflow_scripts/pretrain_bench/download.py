@@ -29,10 +29,12 @@ import logging
 import os
 import time
 from pathlib import Path
-
-import requests
+from typing import TYPE_CHECKING
 
 from pretrain_bench.progress import Progress
+
+if TYPE_CHECKING:
+    import requests
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +150,8 @@ def _download_locked(url: str, dest: Path, part: Path, expected: str | None, ses
         log.warning("cached %s has sha256 %s, expected %s: downloading again", dest, actual, expected)
         dest.unlink()
     own_session = session is None
+    import requests  # here, not at the top: every cleaning process imports this module, few download (0.4 s)
+
     session = session or requests.Session()
     try:
         _fetch_with_retries(session, url, part, timeout, retries, backoff_s)
@@ -167,6 +171,8 @@ def _download_locked(url: str, dest: Path, part: Path, expected: str | None, ses
 
 def _fetch_with_retries(session, url, part: Path, timeout, retries: int, backoff_s: float) -> None:
     """Run `_fetch_once` until the .part file is complete; transient failures sleep and resume."""
+    import requests
+
     attempts = retries + 1
     for attempt in range(attempts):
         try:
