@@ -13,6 +13,8 @@ Runs, each at world size 1 over the device's collective backend (nccl on CUDA, g
 4. zero2-loss-scaling: DeepSpeed ZeRO-2 in fp16 with dynamic loss scaling (loss scale and skipped steps).
 5. ddp: PyTorch DDP with fp16 autocast and GradScaler.
 6. fsdp: PyTorch FSDP2 with a bf16 mixed-precision policy.
+7. zero2-large-compile: zero2-large with train.compile (torch.compile per decoder block, inductor): the JSON's
+   `compile` compares its steady-state tokens/s with zero2-large's and gives its compile time and break-even steps.
 On CPU fp16 has no loss scaling (DeepSpeed's CPU accelerator lacks it), so those runs use bf16; everything else is
 the same steps. Every run goes through the launcher with a plan file, exactly as rule pretrain starts it, on a small
 corpus built from the Python standard library (no network).
@@ -76,7 +78,10 @@ RUNS = [
     ("zero2-loss-scaling", "small", {"engine": "deepspeed", "zero_stage": 2, "precision": "fp16"}),
     ("ddp", "small", {"engine": "ddp", "zero_stage": 0, "precision": "fp16"}),
     ("fsdp", "small", {"engine": "fsdp", "zero_stage": 3, "precision": "bf16"}),
+    ("zero2-large-compile", "large", {"engine": "deepspeed", "zero_stage": 2, "precision": "bf16", "compile": True}),
 ]
+# (compile off, compile on): the pair of runs the JSON's `compile` compares
+COMPILE_PAIR = ("zero2-large", "zero2-large-compile")
 
 
 # What default-setup takes from the default config's choice; the micro-batch and accumulation are the smoke's own.
@@ -174,7 +179,7 @@ def run_one(name: str, preset: str, train: dict, size: Size, device: str, peak: 
     result = {"name": name, "preset": preset, "engine": settings.engine, "zero_stage": settings.zero_stage,
               "offload_optimizer": settings.offload_optimizer, "offload_param": settings.offload_param,
               "activation_checkpointing": settings.activation_checkpointing, "precision": settings.precision,
-              "comm_backend": settings.comm_backend, "device": device}
+              "comm_backend": settings.comm_backend, "device": device, "compile": settings.compile}
     started = time.perf_counter()
     log = run_dir / "train.log"
     with open(log, "w") as out:
@@ -198,8 +203,24 @@ def run_one(name: str, preset: str, train: dict, size: Size, device: str, peak: 
         memory_terms={k: estimate[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "init",
                                                "runtime", "host_states")},
         skipped_steps=summary.skipped_steps, loss_scale=[r.get("loss_scale") for r in records][:10],
+        compile_time_s=summary.compile["time_s"] if summary.compile else None,
+        attn_implementation=summary.model["attn_implementation"],
     )
     return result
+
+
+def compile_comparison(runs: list[dict]) -> dict | None:
+    """Steady-state tokens/s with train.compile off and on (COMPILE_PAIR), the speedup, the compile time, and the
+    steps after which compiling has paid for itself (compile seconds ÷ seconds saved per step); None unless both
+    ran."""
+    by_name = {run["name"]: run for run in runs}
+    off, on = (by_name.get(name) for name in COMPILE_PAIR)
+    if not (off and on and off.get("tokens_per_s") and on.get("tokens_per_s")):
+        return None
+    saved = off["step_time_s"]["median"] - on["step_time_s"]["median"]
+    return {"runs": list(COMPILE_PAIR), "tokens_per_s_off": off["tokens_per_s"], "tokens_per_s_on": on["tokens_per_s"],
+            "speedup": on["tokens_per_s"] / off["tokens_per_s"], "compile_time_s": on["compile_time_s"],
+            "break_even_steps": on["compile_time_s"] / saved if saved > 0 else None}
 
 
 def result_line(run: dict) -> str:
@@ -246,7 +267,8 @@ def smoke(out: Path, device: str, size: Size, work: Path) -> int:
     facts = machine_facts(device, work)
     peak = facts["peak"]
     print(f"gpu-smoke on {device}: peak {peak['peak_flops'] / 1e12:,.3g} TFLOP/s ({peak['peak_source']})")
-    report = {"device": device, "hardware": facts["hardware"], "peak": peak, "size": vars(size), "runs": []}
+    report = {"device": device, "hardware": facts["hardware"], "peak": peak, "size": vars(size), "runs": [],
+              "compile": None}
     try:
         layout, why = default_setup(default_config())
         report["default_setup"] = {"layout": layout, "pre_flight": why}
@@ -260,8 +282,15 @@ def smoke(out: Path, device: str, size: Size, work: Path) -> int:
         preset = size.large if model == "large" else size.small
         run = run_or_record(name, preset, device_settings(train, device), size, device, peak, index, tokenizer, work)
         report["runs"].append(run)
+        report["compile"] = compile_comparison(report["runs"])
         out.write_text(json.dumps(report, indent=2))
         print(result_line(run), flush=True)
+    if report["compile"]:
+        c = report["compile"]
+        print(f"gpu-smoke compile: {c['tokens_per_s_off']:,.0f} tokens/s off, {c['tokens_per_s_on']:,.0f} on "
+              f"(×{c['speedup']:.2f}), {c['compile_time_s']:.1f} s compiling"
+              + (f", paid back after {c['break_even_steps']:,.0f} steps" if c["break_even_steps"] else
+                 ", never paid back"))
     ran = report["default_setup"]["layout"] is not None and all(run["exit_code"] == 0 for run in report["runs"])
     return 0 if ran else 1
 

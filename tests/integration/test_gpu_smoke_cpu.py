@@ -23,7 +23,8 @@ def test_gpu_smoke_cpu_twin_runs_every_section_and_reports_each(tmp_path):
     assert report["device"] == "cpu"
     assert report["peak"]["peak_source"].startswith("measured: best bf16 square matmul")
     runs = {run["name"]: run for run in report["runs"]}
-    assert list(runs) == ["default-setup", "zero3-offload", "zero2-large", "zero2-loss-scaling", "ddp", "fsdp"]
+    assert list(runs) == ["default-setup", "zero3-offload", "zero2-large", "zero2-loss-scaling", "ddp", "fsdp",
+                          "zero2-large-compile"]
     layouts = {name: (run["engine"], run["zero_stage"], run["offload_optimizer"], run["activation_checkpointing"])
                for name, run in runs.items()}
     # default-setup: config.yaml's pre-flight choice for the source articles' box (ZeRO-2 + CPU optimizer offload
@@ -33,7 +34,15 @@ def test_gpu_smoke_cpu_twin_runs_every_section_and_reports_each(tmp_path):
     assert layouts == {"default-setup": ("deepspeed", 2, "cpu", True), "zero3-offload": ("deepspeed", 3, "cpu", False),
                        "zero2-large": ("deepspeed", 2, "none", False),
                        "zero2-loss-scaling": ("deepspeed", 2, "none", False), "ddp": ("ddp", 0, "none", False),
-                       "fsdp": ("fsdp", 3, "none", False)}
+                       "fsdp": ("fsdp", 3, "none", False), "zero2-large-compile": ("deepspeed", 2, "none", False)}
+    # tokens/s with train.compile off and on, the same run otherwise; the compile time apart
+    assert [run["compile"] for run in runs.values()] == [False] * 6 + [True]
+    assert runs["zero2-large-compile"]["compile_time_s"] > 0 and runs["zero2-large"]["compile_time_s"] is None
+    compiled = report["compile"]
+    assert compiled["runs"] == ["zero2-large", "zero2-large-compile"]
+    assert compiled["tokens_per_s_on"] == runs["zero2-large-compile"]["tokens_per_s"]
+    assert compiled["speedup"] == compiled["tokens_per_s_on"] / compiled["tokens_per_s_off"]
+    assert "gpu-smoke compile: " in proc.stdout
     for name, run in runs.items():
         # fp16 is CUDA's: on CPU every run is bf16 over gloo at world size 1
         assert (run["device"], run["precision"], run["comm_backend"]) == ("cpu", "bf16", "gloo"), name
