@@ -41,15 +41,15 @@ def record(step):
 def test_metrics_sink_closes_on_an_exception(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     with pytest.raises(RuntimeError):
-        with MetricsSink(metrics, tmp_path / "tensorboard", start_step=0) as sink:
+        with MetricsSink(metrics, tmp_path, start_step=0) as sink:
             sink.write(record(1))
             raise RuntimeError("aborted")
-    assert sink.file is None and sink.board is None
+    assert sink.file is None and sink.trackers == []
     assert read_jsonl(metrics) == [record(1)] and list((tmp_path / "tensorboard").iterdir())
 
 
 def test_metrics_sink_does_nothing_when_disabled(tmp_path):
-    with MetricsSink(tmp_path / "metrics.jsonl", tmp_path / "tensorboard", start_step=0, enabled=False) as sink:
+    with MetricsSink(tmp_path / "metrics.jsonl", tmp_path, start_step=0, enabled=False) as sink:
         sink.write(record(1))
     assert not list(tmp_path.iterdir())
 

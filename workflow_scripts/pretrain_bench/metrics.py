@@ -79,49 +79,53 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
 
 
 class MetricsSink:
-    """Rank 0's per-step outputs: metrics.jsonl (appended, flushed per record) and TensorBoard scalars. A context
-    manager, so both are closed on every exit path; on the other ranks (enabled=False) it does nothing."""
+    """Rank 0's per-step outputs: metrics.jsonl (appended, flushed per record) and the trackers of train.loggers
+    (pretrain_bench.trackers: TensorBoard, CSV, W&B, MLflow), each under its own folder of `tracker_root`. A context
+    manager, so all are closed on every exit path; on the other ranks (enabled=False) it does nothing.
 
-    BOARD_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "comm_s")
+    run: what W&B and MLflow name the run by (name, project, id, config); None for a run without them."""
 
-    def __init__(self, metrics_path: Path, board_dir: Path, start_step: int, enabled: bool = True):
-        self.metrics_path, self.board_dir, self.start_step, self.enabled = metrics_path, board_dir, start_step, enabled
-        self.file = self.board = None
+    def __init__(self, metrics_path: Path, tracker_root: Path, start_step: int, enabled: bool = True,
+                 loggers: tuple = ("tensorboard",), run: dict | None = None):
+        self.metrics_path, self.tracker_root, self.start_step = metrics_path, tracker_root, start_step
+        self.enabled, self.loggers = enabled, tuple(loggers)
+        self.run = run or {"name": Path(tracker_root).name, "project": "pretrain-bench", "id": None, "config": {}}
+        self.file = None
+        self.trackers: list = []
 
     def __enter__(self) -> MetricsSink:
         if self.enabled:
-            from tensorboardX import SummaryWriter
+            from .trackers import open_trackers
 
             # Records past the step this run starts from belong to an attempt that died before a checkpoint covered
             # them (or are a record cut short): this run writes those steps again, each once.
             truncate_jsonl(self.metrics_path, self.start_step)
             self.file = open(self.metrics_path, "a")
-            # purge_step drops events past a resumed checkpoint, like truncate_jsonl does for metrics.jsonl
-            self.board = SummaryWriter(str(self.board_dir), purge_step=self.start_step + 1)
+            try:
+                self.trackers = open_trackers(self.loggers, Path(self.tracker_root), self.start_step, self.run)
+            except BaseException:
+                self.close()
+                raise
         return self
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        step = record["step"]
+        from .trackers import step_series
+
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        for key in self.BOARD_KEYS:
-            if record[key] is not None:
-                self.board.add_scalar(f"train/{key}", record[key], step)
-        self.board.add_scalar("train/peak_mem_gib_max", max(record["peak_mem_bytes"]) / 2**30, step)
-        if "val_loss" in record:
-            self.board.add_scalar("val/loss", record["val_loss"], step)
-            self.board.add_scalar("val/perplexity", record["val_perplexity"], step)
-            self.board.add_scalar("val/eval_time_s", record["eval_time_s"], step)
+        series = step_series(record)
+        for tracker in self.trackers:
+            tracker.log(series, record["step"])
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
             self.file = None
-        if self.board is not None:
-            self.board.close()
-            self.board = None
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()
 
     def __exit__(self, *exc_info) -> None:
         self.close()

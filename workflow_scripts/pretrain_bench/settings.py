@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields
 
 from .checkpoint import VERIFY_MODES
 from .config_types import ConfigError, default_field, keys_with, schema_enum
+from .trackers import missing_trackers
 
 LR_SCHEDULES = schema_enum("train", "lr_schedule")
 
@@ -69,6 +70,8 @@ class TrainSettings:
     verify_checkpoints: str = default_field("train", "verify_checkpoints", fingerprint=False)
     eval_every: int | None = default_field("train", "eval_every", fingerprint=False, cell=False)
     eval_tokens: int = default_field("train", "eval_tokens", fingerprint=False, cell=False)
+    loggers: tuple = default_field("train", "loggers", fingerprint=False, cell=False)
+    tracker_project: str | None = default_field("train", "tracker_project", fingerprint=False, cell=False)
     deepspeed: dict = default_field("train", "deepspeed", fingerprint=False)
 
     def __post_init__(self):
@@ -85,6 +88,8 @@ class TrainSettings:
         train = dict(train)
         if train.get("adam_betas") is not None:
             train["adam_betas"] = tuple(train["adam_betas"])  # YAML/JSON give a list; frozen settings hash a tuple
+        if train.get("loggers") is not None:
+            train["loggers"] = tuple(train["loggers"])
         if train.get("deepspeed") is None:
             train["deepspeed"] = {}
         return cls(**train)
@@ -113,6 +118,7 @@ class TrainSettings:
     def as_dict(self) -> dict:
         values = asdict(self)
         values["adam_betas"] = list(self.adam_betas)
+        values["loggers"] = list(self.loggers)
         return values
 
 
@@ -260,6 +266,9 @@ def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | N
         raise ConfigError(f"train.lr_schedule {s.lr_schedule!r} is not one of {list(LR_SCHEDULES)}")
     if len(s.adam_betas) != 2 or not all(0 <= beta < 1 for beta in s.adam_betas):
         raise ConfigError(f"train.adam_betas {list(s.adam_betas)} must be two numbers in [0, 1)")
+    missing = missing_trackers(s.loggers)
+    if missing:
+        raise ConfigError("; ".join(missing))
     owned = owned_deepspeed_keys(s.deepspeed)
     if owned:
         raise ConfigError("train.deepspeed sets what the pipeline owns: " + "; ".join(owned))

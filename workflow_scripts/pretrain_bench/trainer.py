@@ -58,7 +58,7 @@ from .rank import (
 )
 from .rank import log as rank_log
 from .run_context import LaunchContext, rank_placement
-from .run_state import mark_finished, plan_digest, prepare_state
+from .run_state import fingerprint_id, mark_finished, plan_digest, prepare_state
 from .run_summary import RunSummary
 from .settings import check_settings
 from .step import PhaseTimer, train_step
@@ -138,8 +138,8 @@ class Trainer:
         self.prepare_measures()
         self.load_before = load_average()
         self.run_start = time.perf_counter()
-        with MetricsSink(self.metrics_path, self.state_dir / "tensorboard", self.start_step,
-                         enabled=self.rank == 0) as sink:
+        with MetricsSink(self.metrics_path, self.state_dir, self.start_step, enabled=self.rank == 0,
+                         loggers=self.settings.loggers, run=self.tracked_run()) as sink:
             for step in range(self.start_step + 1, self.total_steps + 1):
                 skipped_before = self.engine.skipped_steps
                 comm_before = self.engine.comm_ms() if self.measure_comm else None
@@ -285,6 +285,14 @@ class Trainer:
         self.measure_comm = ((self.plan.measure_comm or self.engine.comm_timing_is_free)
                              and self.engine.comm_method is not None)
 
+    def tracked_run(self) -> dict:
+        """What W&B and MLflow name this run by: the run (and cell), train.tracker_project (else the config's name),
+        an id that resumed attempts share (the state folder and fingerprint), and the plan's config."""
+        plan = self.plan
+        name = "-".join(filter(None, (plan.name, plan.role, plan.cell)))
+        return {"name": name, "project": self.settings.tracker_project or plan.name, "config": plan.config,
+                "id": fingerprint_id({"state": str(self.state_dir.resolve()), "run": self.fingerprint})}
+
     # --- each step ---------------------------------------------------------------------------------------------------
     def gather_step(self, step: int, local_loss) -> list[StepFigures]:
         """Every rank's StepFigures (loss, peak memory, stop flag, gradient norm), gathered on the device and read to
@@ -321,6 +329,9 @@ class Trainer:
             "skipped_steps": engine.skipped_steps, "overflow": engine.skipped_steps > skipped_before,
             "loss_scale": engine.loss_scale(),
             "after_resume": self.checkpointer.resumed_from is not None and step == self.start_step + 1,
+            # the step's MFU against the plan's peak (None without one), for the trackers
+            "mfu": model_flops_utilisation(tokens_per_step / step_time, self.flops_token, self.peak["flops_per_rank"],
+                                           self.world, self.peak["source"])[0],
         }
         if self.heldout and (step % settings.eval_every == 0 or step == self.total_steps):
             # after the step's timing and before its checkpoint; its wall time is recorded apart (eval_time_s)
@@ -439,7 +450,9 @@ class Trainer:
         dist.barrier()
         if self.rank == 0:
             shutil.copyfile(self.metrics_path, self.out_dir / "metrics.jsonl")
-            shutil.copytree(self.state_dir / "tensorboard", self.out_dir / "tensorboard", dirs_exist_ok=True)
+            for tracker_folder in ("tensorboard", "csv"):  # train.loggers' files (W&B and MLflow keep their own)
+                if (self.state_dir / tracker_folder).is_dir():
+                    shutil.copytree(self.state_dir / tracker_folder, self.out_dir / tracker_folder, dirs_exist_ok=True)
             atomic_write_json(self.out_dir / "summary.json", summary)
             if self.plan.save_checkpoints:
                 mark_finished(self.state_dir, self.total_steps, self.digest)
