@@ -47,7 +47,7 @@ demo: $(INSTALLED)
 	@echo "Curves: tensorboard --logdir results/$(TINY_NAME)/train/tensorboard"
 
 # pytest-xdist workers: the integration modules spend much of their time waiting (process start-up, collectives,
-# the SLURM test's scheduler), which a second worker fills; tests/conftest.py keeps each module on one worker.
+# the SLURM test's scheduler), which a second worker fills; tests/conftest.py decides which tests share a worker.
 TEST_WORKERS ?= 2
 
 test: $(INSTALLED) lint

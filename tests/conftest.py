@@ -1,5 +1,5 @@
 """Fixtures shared by test modules (pytest finds this file; helpers live in support.py), and how `make test`
-spreads the modules over its pytest-xdist workers."""
+spreads the tests over its pytest-xdist workers."""
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,36 +31,71 @@ from support import (
 # does: from where `make install` built them, with the same ninja; not from a second build in torch's shared cache.
 os.environ.update(extension_build_environment())
 
-# `make test` runs two pytest-xdist workers. A group of tests stays on one worker, so module fixtures are built once:
-# each module is a group, and the three modules that share the `pipeline` run are one. On 2 cores two workers overlap
-# one module's waits (process start-up, collectives, the SLURM test's scheduler) with another's compute. Groups start
-# longest first (their time under `make test`, measured), so that no long one is left for the end.
+# `make test` runs two pytest-xdist workers, each taking whole units of tests, so that a module's fixtures are built
+# once. A unit is a module, and the three modules that share the `pipeline` run are one; in the modules of
+# ONE_TEST_UNITS, whose tests share no fixture but the session's (which both workers share through a file lock, as
+# tiny_data does), each test is a unit of its own. Units start longest first, by UNIT_SECONDS (their time under
+# `make test` on 2 cores, measured on a loaded machine: what counts is their order; an integration test not listed
+# counts as UNLISTED_SECONDS, a unit test as 0), so no long unit is left for the end while the other worker idles.
 SHARED_GROUPS = {"test_benchmark_report": "pipeline", "test_evaluate": "pipeline", "test_tiny_pipeline": "pipeline"}
-LONGEST_FIRST = ("test_engine", "pipeline", "test_declarative", "test_faults", "test_slurm", "test_engines",
-                 "test_gpu_smoke_cpu", "test_memory_measured", "test_export_zero", "test_multinode")
+ONE_TEST_UNITS = {"test_engine", "test_faults", "test_multinode", "test_export_zero", "test_memory_measured"}
+UNIT_SECONDS = {
+    "pipeline": 1200, "test_declarative": 1400, "test_evaluate_reruns": 550, "test_engines": 600, "test_slurm": 500,
+    "test_gpu_smoke_cpu": 300, "test_data_products": 150, "test_rank_pinning": 100, "test_workdirs": 30,
+    "test_engine::test_zero_stages_0_to_3_train_concurrently_and_shut_down": 85,
+    "test_engine::test_kill_9_then_rerun_resumes_with_identical_losses": 80,
+    "test_engine::test_other_config_or_world_size_start_fresh_beside_the_old_run_or_resume_reshaped": 175,
+    "test_engine::test_sigterm_saves_a_checkpoint_and_exits_nonzero": 80,
+    "test_engine::test_non_finite_loss_aborts_and_keeps_last_good_checkpoint": 40,
+    "test_engine::test_continue_from_export_eval_every_and_csv_monitor": 105,
+    "test_faults::test_second_run_is_refused_while_the_first_trains_and_every_attempt_log_is_kept": 105,
+    "test_faults::test_full_disk_during_a_save_fails_naming_it_and_keeps_the_committed_checkpoints": 60,
+    "test_faults::test_damaged_checkpoints_fall_back_and_steps_never_go_backwards": 60,
+    "test_faults::test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_finished_run_is_never_"
+    "retrained": 300,
+    "test_faults::test_pruned_checkpoints_free_their_disk_while_a_resumed_run_continues": 100,
+    "test_faults::test_a_world_size_edit_starts_fresh_keeping_the_old_run_or_resumes_reshaped_where_allowed": 100,
+    "test_faults::test_a_crash_before_the_first_checkpoint_and_a_cut_last_line_leave_each_step_once": 70,
+    "test_faults::test_same_size_overwrite_of_a_checkpoint_is_found_by_default_and_never_loaded": 50,
+    "test_faults::test_non_finite_loss_right_after_a_resume_names_the_checkpoint_and_falls_back_once": 130,
+    "test_memory_measured::test_offloaded_run_rss_matches_the_memory_model": 100,
+    "test_multinode::test_two_nodes_on_one_machine_match_one_node_of_the_same_world_size": 60,
+    "test_export_zero::test_a_bf16_export_of_a_zero_checkpoint_equals_its_fp32_weights_cast": 20,
+}
+UNLISTED_SECONDS = 60
 
 
-def module_group(nodeid: str) -> str:
-    stem = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
-    return SHARED_GROUPS.get(stem, stem)
+def scheduling_unit(nodeid: str) -> str:
+    """The unit of tests (see above) the test with this pytest node id belongs to: `<module>`, or
+    `<module>::<test>[<parameters>]` in the modules of ONE_TEST_UNITS."""
+    path, _, test = nodeid.partition("::")
+    module = path.rsplit("/", 1)[-1].removesuffix(".py")
+    if module in ONE_TEST_UNITS:
+        return f"{module}::{test}"
+    return SHARED_GROUPS.get(module, module)
+
+
+def expected_seconds(nodeid: str) -> int:
+    """UNIT_SECONDS of the test's unit (each parameter set of a parametrized test in ONE_TEST_UNITS: its test's)."""
+    default = UNLISTED_SECONDS if nodeid.startswith("tests/integration/") else 0
+    return UNIT_SECONDS.get(scheduling_unit(nodeid).split("[", 1)[0], default)
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(module_group(item.nodeid), len(rank)))  # stable: a module keeps its order
+    items.sort(key=lambda item: -expected_seconds(item.nodeid))  # stable: a unit keeps its tests' order
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling with module_group as the scope, in collection order (written here because xdist's own
+    """xdist's scope scheduling with scheduling_unit as the scope, in collection order (written here because xdist's own
     --dist loadgroup marks node ids in a way pytest 9 no longer reads)."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class ModuleGroups(LoadScopeScheduling):
+    class Units(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return module_group(nodeid)
+            return scheduling_unit(nodeid)
 
     config.option.loadscopereorder = False  # keep the longest-first order above
-    return ModuleGroups(config, log)
+    return Units(config, log)
 
 
 RUN_OUTPUTS_BEFORE = pytest.StashKey[dict]()
