@@ -241,10 +241,12 @@ def tokenizer_and_shard(size: int, bpe_bytes: int, scratch: Path) -> dict:
 
 
 def scale(sizes: list[int], rounds: int, bpe_bytes: int) -> dict:
+    """The data stages at scale (the module docstring); bpe_bytes 0 leaves out the tokenizer and the shard job."""
     with tempfile.TemporaryDirectory() as scratch:
         result = {"cores": os.cpu_count(), "load_average_before": os.getloadavg(),
                   "cleaning": {str(size): cleaning_at(size, rounds, Path(scratch)) for size in sizes}}
-        result.update(tokenizer_and_shard(max(sizes), bpe_bytes, Path(scratch)))
+        if bpe_bytes:
+            result.update(tokenizer_and_shard(max(sizes), bpe_bytes, Path(scratch)))
         result["load_average_after"] = os.getloadavg()
     return result
 
@@ -256,7 +258,8 @@ if __name__ == "__main__":
     parser.add_argument("out", nargs="?", default="bench-results/corpus.json")
     parser.add_argument("--sizes-mb", default="60,600", help="sizes of the generated corpora, MB (10**6 bytes)")
     parser.add_argument("--rounds", type=int, default=2, help="A B pairs per size (1 job, 2 jobs)")
-    parser.add_argument("--bpe-mb", type=float, default=20.0, help="MB of the corpus the BPE is trained on")
+    parser.add_argument("--bpe-mb", type=float, default=20.0,
+                        help="MB of the corpus the BPE is trained on (0: no tokenizer or shard job)")
     parser.add_argument("--skip-builtin", action="store_true", help="only the scale section")
     args = parser.parse_args()
     out = Path(args.out)
