@@ -81,7 +81,7 @@ def scheduled(workdir, *overlays) -> set[str]:
 EDITS = {  # section: (edit, rules that must rerun, rules that must not)
     "corpus": ({"corpus": {"min_chars": 40}}, DATA | TRAINING | BENCH, set()),
     "tokenizer": ({"tokenizer": {"vocab_size": 3000}}, DATA - {"download_corpus"} | TRAINING | BENCH,
-                  {"download_corpus"}),
+                  {"clean_corpus_part", "download_corpus"}),
     "model": ({"model": {"overrides": {"num_hidden_layers": 3}}}, TRAINING | BENCH | {"bench_matrix"}, DATA),
     "train": ({"train": {"lr": 1.0e-3}}, TRAINING | BENCH, DATA | {"bench_matrix", "measure_peak"}),
     "evaluate": ({"evaluate": {"prompts": ["def main(", "class Queue:"]}}, {"evaluate", "report"},
@@ -299,7 +299,7 @@ def test_editing_a_local_source_file_rebuilds_the_corpus_and_what_follows(overla
     source = tmp_path / "notes.txt"
     source.write_text("def alpha_function(value):\n    return value * 2\n" * 40)
     edit = {**BASE, "name": SOURCE_EDIT,
-            "corpus": {"sources": [{"uri": f"file://{source}"}, {"uri": "builtin://python-stdlib"}]}}
+            "corpus": {"sources": [{"uri": f"file://{source}"}, {"uri": "builtin://python-stdlib"}], "jobs": 2}}
     overlay = overlays("source-edit", edit)
     products = data_products(edit)
     configfiles, index = (TINY_CONFIG, overlay), products.index
@@ -313,8 +313,9 @@ def test_editing_a_local_source_file_rebuilds_the_corpus_and_what_follows(overla
     size = source.stat().st_size
     source.write_text(source.read_text().replace("alpha", "omega"))  # the same path, the same size
     assert source.stat().st_size == size
-    assert rules_scheduled(folder, configfiles, index) == {"download_corpus", "train_tokenizer", "shard_tokens",
-                                                           "index_shards"}
+    # the corpus is cleaned in two part jobs (corpus.jobs) and merged
+    assert rules_scheduled(folder, configfiles, index) == {"clean_corpus_part", "download_corpus", "train_tokenizer",
+                                                           "shard_tokens", "index_shards"}
     run_snakemake(folder, "--", index, configfiles=configfiles)
     after = json.loads((corpus / "manifest.json").read_text())
     text = (corpus / "train.jsonl").read_text() + (corpus / "val.jsonl").read_text()
