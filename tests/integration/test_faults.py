@@ -194,7 +194,7 @@ def test_damaged_checkpoints_fall_back_and_steps_never_go_backwards(data, six_st
 
 # --- Interrupts through Snakemake, and the reruns after them -------------------------------------------------------
 INTERRUPT_NAME = DATA_NAME  # in a working directory of its own, from a copy of the tiny data
-INTERRUPT_STEPS = 40
+INTERRUPT_STEPS = 20  # an interrupt after step 3 stops it well before its end (within 5 steps)
 INTERRUPT_OVERLAY = {"name": INTERRUPT_NAME, "train": {"gpus": 2, "max_steps": INTERRUPT_STEPS,
                                                        "checkpoint_every": 1000, "eval_every": None}}
 
