@@ -27,9 +27,9 @@ pytestmark = pytest.mark.pipeline
 TINY = yaml.safe_load((ROOT / TINY_CONFIG).read_text())
 
 RERUN_NAME = DATA_NAME
-RERUN_OVERLAY = {
+RERUN_OVERLAY = {  # one rank: what these tests prove does not depend on the number of ranks
     "name": RERUN_NAME,
-    "train": {"max_steps": 10, "checkpoint_every": 5, "warmup_steps": 2, "warmup_timing_steps": 1,
+    "train": {"gpus": 1, "max_steps": 10, "checkpoint_every": 5, "warmup_steps": 2, "warmup_timing_steps": 1,
               "eval_every": None},
     "evaluate": {"max_tokens": 1024, "prompts": ["def main("], "generation": {"max_new_tokens": 4},
                  "lm_eval": {"tasks": []}},
@@ -166,7 +166,9 @@ def test_init_from_weights_and_a_small_val_split_are_refused_by_the_plan_rule(tr
     shutil.copytree(trained_further.results / "export" / "step5", model)
     config_json = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config_json, "intermediate_size": 640}))
-    overlay = {**RERUN_OVERLAY, "name": PREFLIGHT_NAME, "model": {"init_from": str(model)}}
+    # 3 ranks, as in the tiny config: the samples an evaluation needs are a multiple of the ranks
+    overlay = {**RERUN_OVERLAY, "name": PREFLIGHT_NAME, "model": {"init_from": str(model)},
+               "train": {**RERUN_OVERLAY["train"], "gpus": 3}}
     write_yaml(tmp_path / "init_from.yaml", overlay)
     target = f"results/{PREFLIGHT_NAME}/train/summary.json"
     proc = run_snakemake(workdir, "--", target, check=False, timeout=1800,
