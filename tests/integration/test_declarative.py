@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,9 +64,16 @@ def edits(tiny_data, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def finished(edits, overlays):
+def finished_copy(tmp_path_factory) -> Path:
+    """Where `finished` copies the finished run's working directory, before any test edits it."""
+    return tmp_path_factory.mktemp("finished") / "workflow"
+
+
+@pytest.fixture(scope="module")
+def finished(edits, overlays, finished_copy):
     base = overlays("base", BASE)
     snakemake(edits, base)
+    shutil.copytree(edits, finished_copy, symlinks=True)
     return base
 
 
@@ -240,9 +248,10 @@ def test_dry_run_of_a_matrix_that_does_not_fit_says_so_and_how_to_launch_it(tmp_
 SIBLING_A, SIBLING_B = DATA_NAME, "itest-sibling-b"
 
 
-def test_continuing_from_a_sibling_export_builds_nothing_of_the_sibling(workdir, overlays):
-    base, export = overlays("base", BASE), f"results/{SIBLING_A}/train/hf"
-    run_snakemake(workdir, "--", export, configfiles=(TINY_CONFIG, base, overlays("a", {"name": SIBLING_A})))
+def test_continuing_from_a_sibling_export_builds_nothing_of_the_sibling(finished, finished_copy, overlays):
+    """Run A is the finished run (BASE, named SIBLING_A), in a copy of its own working directory."""
+    workdir, base, export = finished_copy, finished, f"results/{SIBLING_A}/train/hf"
+    assert (workdir / export / "model.safetensors").is_file()
     sibling = {top: tree_digest(workdir / top / SIBLING_A) for top in ("results", "logs", "benchmarks")}
     continued = overlays("b", {"name": SIBLING_B, "model": {"init_from": export}})
     run_snakemake(workdir, "--", f"results/{SIBLING_B}/train/summary.json",
