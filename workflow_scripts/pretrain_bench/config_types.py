@@ -234,7 +234,7 @@ class ModelSettings:
     seq_len: int = default_field("model", "seq_len")
     overrides: dict = default_field("model", "overrides")
     init_from: str | None = default_field("model", "init_from")
-    attn_implementation: str = default_field("model", "attn_implementation")
+    attn_implementation: str = default_field("model", "attn_implementation", fingerprint=False)
 
     @classmethod
     def from_config(cls, model: dict) -> ModelSettings:

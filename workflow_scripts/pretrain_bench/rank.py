@@ -10,6 +10,7 @@ import signal
 import torch
 import torch.distributed as dist
 
+from .config_types import ModelSettings, keys_with
 from .settings import RESUMABLE_KEYS, TrainSettings
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,9 @@ def gather_floats(values: list, device: str) -> list[list[float]]:
 def resume_fingerprint(plan) -> dict:
     """What must not change between a checkpoint and the run that resumes it."""
     train = {k: v for k, v in plan.train.as_dict().items() if k not in RESUMABLE_KEYS}
-    fingerprint = {"model": plan.model.as_dict(), "train": train, "data": plan.data_sha256}
+    # the attention kernel may change on resume, as train.compile may: the same maths through another kernel
+    model = {k: v for k, v in plan.model.as_dict().items() if k not in keys_with(ModelSettings, "fingerprint", False)}
+    fingerprint = {"model": model, "train": train, "data": plan.data_sha256}
     if plan.init_from:  # other weights at the same path or hf:// revision are another run
         fingerprint["init_from"] = plan.init_from["identity"]
     return fingerprint
