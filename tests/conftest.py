@@ -194,10 +194,12 @@ def pipeline(tiny_data, tmp_path_factory):
     overlay = write_yaml(tmp_path_factory.mktemp("pipeline-config") / "overlay.yaml", PIPELINE_OVERLAY)
     configfiles = (TINY_CONFIG, overlay)
     results = workdir / "results" / PIPELINE_OVERLAY["name"]
+    products = data_products()  # of the config as the run starts, whatever edits it later
     run_snakemake(workdir, "--", f"results/{PIPELINE_OVERLAY['name']}/train/summary.json", configfiles=configfiles)
     checkpoints = results / "state" / "checkpoints"
     before = {step: tree_digest(checkpoints / f"step{step}") for step in PIPELINE_STEPS}
     run_snakemake(workdir, configfiles=configfiles)
     after = {step: tree_digest(checkpoints / f"step{step}") for step in PIPELINE_STEPS}
-    return SimpleNamespace(workdir=workdir, results=results, data=data_folders(workdir), overlay=overlay,
-                           configfiles=configfiles, before=before, after=after)
+    return SimpleNamespace(workdir=workdir, results=results, products=products,
+                           data=data_folders(workdir, products), overlay=overlay, configfiles=configfiles,
+                           before=before, after=after)

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from support import PIPELINE_NAME, PIPELINE_STEPS, data_products, read_jsonl, run_snakemake
+from support import PIPELINE_NAME, PIPELINE_STEPS, read_jsonl, run_snakemake
 
 pytestmark = pytest.mark.pipeline
 
@@ -53,7 +53,7 @@ def test_tokenizer_round_trips_and_shards_decode_to_corpus(data):
     assert second_doc == train_docs[1]["text"]
 
 
-def test_training_loss_falls_and_summary_is_measured(run):
+def test_training_loss_falls_and_summary_is_measured(run, pipeline):
     summary = json.loads((run / "train" / "summary.json").read_text())
     records = read_jsonl(run / "train" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, summary["steps"] + 1))
@@ -73,7 +73,7 @@ def test_training_loss_falls_and_summary_is_measured(run):
         assert field in summary["provenance"]
     # the data the run read: its id names the folder under results/data/, which the plan and summary agree on
     plan = json.loads((run / "train" / "plan.json").read_text())
-    assert summary["provenance"]["data_id"] == plan["data"]["data_id"] == data_products().data_id
+    assert summary["provenance"]["data_id"] == plan["data"]["data_id"] == pipeline.products.data_id
     assert plan["paths"]["index"] == f"{plan['data']['shards']}/index.json"
     ds_config = json.loads((run / "train" / "ds_config.json").read_text())
     assert ds_config["zero_optimization"]["stage"] == 2 and ds_config["train_batch_size"] == 24
@@ -93,7 +93,7 @@ def test_perplexity_finite_and_falls_across_checkpoints(run):
     assert evals[-1]["perplexity"] == pytest.approx(math.exp(evals[-1]["loss"]))
 
 
-def test_hf_export_loads_and_generates(run, data):
+def test_hf_export_loads_and_generates(run, data, pipeline):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -103,7 +103,7 @@ def test_hf_export_loads_and_generates(run, data):
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 8
-    assert f"data id: `{data_products().data_id}`" in (run / "train" / "hf" / "README.md").read_text()
+    assert f"data id: `{pipeline.products.data_id}`" in (run / "train" / "hf" / "README.md").read_text()
     # The export holds the final checkpoint: its held-out loss equals the evaluator's on the same tokens.
     from pretrain_bench.loader import PackedTokens
 
@@ -114,12 +114,12 @@ def test_hf_export_loads_and_generates(run, data):
     assert math.isfinite(loss.item()) and loss.item() < math.log(4096)
 
 
-def test_report_numbers_equal_summary(run):
+def test_report_numbers_equal_summary(run, pipeline):
     from pretrain_bench.report import GIB, fmt
 
     summary = json.loads((run / "train" / "summary.json").read_text())
     md = (run / "report" / "report.md").read_text()
-    assert f"data {data_products().data_id}" in md  # the provenance lines name the data the runs read
+    assert f"data {pipeline.products.data_id}" in md  # the provenance lines name the data the runs read
     html = (run / "report" / "report.html").read_text()
     for text in (md, html):
         assert fmt(summary["tokens_per_s"]) in text
