@@ -43,7 +43,8 @@ PIPELINE_NAME = DATA_NAME
 PIPELINE_STEPS = (10, 20)
 PIPELINE_OVERLAY = {
     "name": PIPELINE_NAME,
-    "train": {"max_steps": 20, "checkpoint_every": 10, "warmup_timing_steps": 2},
+    # micro batch 8: the benchmark matrix below declares 8, so its cells are named as the main run's (no -mb8)
+    "train": {"max_steps": 20, "checkpoint_every": 10, "warmup_timing_steps": 2, "micro_batch_size": 8},
     "evaluate": {"max_tokens": 4096, "lm_eval": {"limit": 4, "tasks": ["pretrain_bench_last_word",
                                                                        "pretrain_bench_doc_perplexity"]}},
     # DDP beside DeepSpeed ZeRO-2: its cells collapse the ZeRO axis (one layout), see bench_matrix.cells

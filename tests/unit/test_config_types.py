@@ -122,8 +122,8 @@ def test_the_config_becomes_every_blocks_settings_once_and_is_checked_then():
     assert settings.corpus.as_dict() == config["corpus"]  # what rule download_corpus hands its script
     assert list(settings.evaluate.prompts) == config["evaluate"]["prompts"]
     assert settings.benchmark.matrix["gpus"] == [1, 2, 3] and settings.report.peak_tflops is None
-    with pytest.raises(ConfigError, match="train.warmup_steps 60 is not below train.max_steps 60"):
-        Config.from_config({**config, "train": {**config["train"], "warmup_steps": 60}})
+    with pytest.raises(ConfigError, match="train.warmup_steps 160 is not below train.max_steps 160"):
+        Config.from_config({**config, "train": {**config["train"], "warmup_steps": 160}})
     with pytest.raises(ConfigError, match="benchmark.warmup_steps 8 leaves no timed step"):
         Config.from_config({**config, "benchmark": {**config["benchmark"], "warmup_steps": 8}})
 
@@ -148,9 +148,9 @@ def test_key_groups_are_the_fields_metadata():
         "max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "max_restarts", "warmup_timing_steps",
         "allow_reshape", "gpus", "nodes", "global_batch_size", "rdzv_endpoint", "memory_fit", "nvme_path",
         "collective_timeout_min", "nccl_env", "verify_checkpoints", "phase_timing", "eval_every", "eval_tokens",
-        "deepspeed", "compile"}
+        "deepspeed", "compile", "loggers", "tracker_project"}
     assert CELL_IRRELEVANT_KEYS == ("checkpoint_every", "keep_checkpoints", "max_restarts", "allow_reshape",
-                                    "eval_every", "eval_tokens")
+                                    "eval_every", "eval_tokens", "loggers", "tracker_project")
     assert TRAINS_FURTHER_KEYS == ("max_steps", "max_tokens")
     assert FIT_KEYS == ("zero_stage", "offload_optimizer", "offload_param", "activation_checkpointing",
                         "micro_batch_size", "grad_accum_steps")  # the order of plan.json's memory_fit.asked

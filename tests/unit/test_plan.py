@@ -164,11 +164,11 @@ def test_only_a_raised_step_count_counts_as_training_further(tmp_path):
         return {**config, "train": {**config["train"], **train}}
 
     assert only_trains_further(path, config)
-    assert only_trains_further(path, edited(max_steps=90))
+    assert only_trains_further(path, edited(max_steps=200))
     assert only_trains_further(path, edited(max_tokens=10**9))
     assert not only_trains_further(path, edited(max_steps=30)), "fewer steps"
-    assert not only_trains_further(path, edited(max_steps=90, lr=1e-3)), "a fresh run"
-    assert not only_trains_further(path, edited(max_steps=90, checkpoint_every=10)), "any other edit"
+    assert not only_trains_further(path, edited(max_steps=200, lr=1e-3)), "a fresh run"
+    assert not only_trains_further(path, edited(max_steps=200, checkpoint_every=10)), "any other edit"
     assert not only_trains_further(path, {**config, "model": {**config["model"], "seq_len": 64}})
     path.write_text("{")
     assert not only_trains_further(path, config)
