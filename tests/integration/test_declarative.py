@@ -222,10 +222,11 @@ def test_dry_run_prints_the_memory_choice_and_the_cost_of_the_matrix(tmp_path):
     assert main and float(main.group(3)) > 0 and float(main.group(4)) > 0 and float(main.group(5)) == 0
     assert "offload per step = host Adam Ψ ÷ (R × cores)" in out
     # the host Adam runs on the articles' box's 16 cores (benchmark.host_cores), not on this machine's
-    assert "× 16 cores (benchmark.host_cores, no GPU detected here)" in out
+    assert "× 16 cores (assumed: benchmark.host_cores, no GPU detected here)" in out
     # the cells the main run's choice can run (ZeRO-2 + offload + checkpointing on 1 and 3 cards, NCCL and Gloo)
     # launch; the others are counted with what they lack
-    assert ("; 4 of 16 cells run, left out: 12 predicted not to fit 24.0 GiB per GPU / 128.0 GiB host RAM (8 short "
+    assert ("; 4 of 16 cells run, left out: 12 predicted not to fit 24.0 GiB per GPU (assumed) / 128.0 GiB host RAM "
+            "(assumed) (8 short "
             "of GPU memory, 4 short of host RAM)") in out
     assert "benchmark matrix (12 launches): ~ " in out and out.count("rule bench_cell:") == 12
     assert all(f"results/deepseek7b-3gpu/bench/ranks{g}-zero2-fp16-{b}-offload-ckpt/rep{r}/summary.json" in out
@@ -237,8 +238,8 @@ def test_dry_run_of_a_matrix_that_does_not_fit_says_so_and_how_to_launch_it(tmp_
                            'benchmark={"matrix": {"activation_checkpointing": [false]}}')
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
-    assert ("benchmark matrix (0 launches): 0 of 16 cells run: 16 predicted not to fit 24.0 GiB per GPU / 128.0 GiB "
-            "host RAM (12 short of GPU memory, 4 short of host RAM), set benchmark.force: true to launch them anyway "
+    assert ("benchmark matrix (0 launches): 0 of 16 cells run: 16 predicted not to fit 24.0 GiB per GPU (assumed) / "
+            "128.0 GiB host RAM (assumed) (12 short of GPU memory, 4 short of host RAM), set benchmark.force: true to launch them anyway "
             "(each with its reason in bench/matrix.json)") in out
     assert out.count("rule bench_cell:") == 0 and "rule bench_matrix:" in out  # matrix.json lists the 16 and why
 
