@@ -91,7 +91,7 @@ EDITS = {  # section: (edit, rules that must rerun, rules that must not)
     "tokenizer": ({"tokenizer": {"vocab_size": 3000}}, DATA - {"download_corpus"} | TRAINING | BENCH,
                   {"clean_corpus_part", "download_corpus"}),
     "model": ({"model": {"overrides": {"num_hidden_layers": 3}}}, TRAINING | BENCH | {"bench_matrix"}, DATA),
-    "train": ({"train": {"lr": 1.0e-3}}, TRAINING | BENCH, DATA | {"bench_matrix", "measure_peak"}),
+    "train": ({"train": {"lr": 5.0e-3}}, TRAINING | BENCH, DATA | {"bench_matrix", "measure_peak"}),
     "evaluate": ({"evaluate": {"prompts": ["def main(", "class Queue:"]}}, {"evaluate", "report"},
                  DATA | BENCH | {"plan_pretrain", "pretrain"}),
     "benchmark": ({"benchmark": {"steps": 5}}, BENCH | {"bench_matrix", "report"},
@@ -146,7 +146,7 @@ def test_new_learning_rate_and_shape_start_fresh_and_keep_the_old_run(edits, fin
     results = edits / "results" / NAME
     more = overlays("more-steps", {"train": {"max_steps": 30}})
     old_losses = losses(edits)
-    changed = overlays("changed", {"train": {"lr": 1.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
+    changed = overlays("changed", {"train": {"lr": 5.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
     snakemake(edits, finished, more, changed)
     log = pretrain_log(edits)
     assert "the settings changed since the run in" in log and "train.lr" in log and "model" in log
@@ -157,13 +157,13 @@ def test_new_learning_rate_and_shape_start_fresh_and_keep_the_old_run(edits, fin
     new_losses = losses(edits)
     assert len(new_losses) == 30 and new_losses != old_losses
     plan = json.loads((results / "train" / "plan.json").read_text())
-    assert plan["train"]["lr"] == 1.0e-3 and plan["model"]["overrides"] == {"num_hidden_layers": 3}
+    assert plan["train"]["lr"] == 5.0e-3 and plan["model"]["overrides"] == {"num_hidden_layers": 3}
 
 
 def test_forcerun_pretrain_rewrites_the_outputs_without_training_again(edits, finished, overlays):
     results = edits / "results" / NAME
     more = overlays("more-steps", {"train": {"max_steps": 30}})
-    changed = overlays("changed", {"train": {"lr": 1.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
+    changed = overlays("changed", {"train": {"lr": 5.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
     before = set((results / "state" / "runs").iterdir())
     metrics = (results / "train" / "metrics.jsonl").read_text()
     snakemake(edits, finished, more, changed, args=("--forcerun", "pretrain"))
@@ -178,7 +178,7 @@ def test_forcerun_pretrain_rewrites_the_outputs_without_training_again(edits, fi
 def test_evaluation_benchmark_and_report_edits_show_in_their_outputs(edits, finished, overlays):
     results = edits / "results" / NAME
     more = overlays("more-steps", {"train": {"max_steps": 30}})
-    changed = overlays("changed", {"train": {"lr": 1.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
+    changed = overlays("changed", {"train": {"lr": 5.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
     trained = (results / "train" / "summary.json").stat().st_mtime
     outputs = overlays("outputs", {"evaluate": {"prompts": ["def main(", "class Queue:"]},
                                    "benchmark": {"steps": 5}, "report": {"target_corpus_tokens": 2.0e+12}})

@@ -84,7 +84,7 @@ def test_eval_loss_is_the_exports_loss_on_the_evenly_spaced_samples(run):
 
     result = load_eval(run, 20)
     model, _ = load_export(run, 20)
-    data = PackedTokens(run["results"] / "shards" / "index.json", "val", SEQ_LEN)
+    data = PackedTokens(run["pipeline"].data.shards / "index.json", "val", SEQ_LEN)
     indices = eval_sample_indices(data.num_samples, SEQ_LEN, 4096)
     assert len(set(indices.tolist())) == 32 and indices[-1] > data.num_samples * 0.9, "spread over the whole split"
     batch = torch.from_numpy(np.stack([data[int(k)] for k in indices]))  # (32, T+1)
