@@ -239,8 +239,8 @@ def test_dry_run_of_a_matrix_that_does_not_fit_says_so_and_how_to_launch_it(tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert ("benchmark matrix (0 launches): 0 of 16 cells run: 16 predicted not to fit 24.0 GiB per GPU (assumed) / "
-            "128.0 GiB host RAM (assumed) (12 short of GPU memory, 4 short of host RAM), set benchmark.force: true to launch them anyway "
-            "(each with its reason in bench/matrix.json)") in out
+            "128.0 GiB host RAM (assumed) (12 short of GPU memory, 4 short of host RAM), set benchmark.force: true "
+            "to launch them anyway (each with its reason in bench/matrix.json)") in out
     assert out.count("rule bench_cell:") == 0 and "rule bench_matrix:" in out  # matrix.json lists the 16 and why
 
 

@@ -66,7 +66,7 @@ def results(workdir: Path) -> Path:
 def snakemake(cluster, workdir, tmp_path, train: dict, *args) -> str:
     """Run the tiny pipeline up to training with the SLURM profile; returns Snakemake's output."""
     overlay = write_yaml(tmp_path / "overlay.yaml", {"name": NAME, "train": {
-        "max_steps": STEPS, "checkpoint_every": 10, "warmup_timing_steps": 2, **train}})
+        "max_steps": STEPS, "checkpoint_every": 10, "warmup_timing_steps": 2, "micro_batch_size": 8, **train}})
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), f"results/{NAME}/train/summary.json",
            f"results/{NAME}/train/hf", "--profile", "profiles/slurm", "--configfile", TINY_CONFIG, str(overlay),
            # The test nodes: 2 CPUs and 16 GB each; status checks soon after submission (squeue stays reliable
@@ -109,8 +109,9 @@ def two_nodes(cluster, workdir, single_node, tmp_path_factory):
 def test_every_job_ran_as_a_slurm_job(cluster, single_node):
     output, _ = single_node
     jobs = submitted_jobs(output)
-    assert set(jobs) == {"download_corpus", "train_tokenizer", "shard_tokens", "index_shards", "measure_peak",
-                         "plan_pretrain", "pretrain", "export_final"}, output[-3000:]
+    # corpus.jobs follows this machine's CPUs: part jobs clean slices of the sources, download_corpus merges them
+    assert set(jobs) == {"clean_corpus_part", "download_corpus", "train_tokenizer", "shard_tokens", "index_shards",
+                         "measure_peak", "plan_pretrain", "pretrain", "export_final"}, output[-3000:]
     assert len(jobs["shard_tokens"]) == 4  # 2 shards × train/val
     run_names = set()
     for rule, ids in jobs.items():
