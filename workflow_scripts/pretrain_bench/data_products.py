@@ -81,7 +81,7 @@ class DataProducts:
     @property
     def data_id(self) -> str:
         """The shards folder relative to results/data: names the corpus, tokenizer and shards a run reads."""
-        return f"corpus-{self.corpus_id}/tokenizer-{self.tokenizer_id}/shards-{self.shards_id}"
+        return self.shards.removeprefix("data/")
 
     # Each product's folder relative to results/ (and to logs/ and benchmarks/, which mirror it).
     @property
