@@ -1,5 +1,6 @@
 """The benchmark matrix: cells, device filtering with reasons, predicted OOM, and plans for cells."""
 import json
+import re
 import time
 from pathlib import Path
 
@@ -275,6 +276,14 @@ def test_the_dry_run_lists_every_declared_cell_with_its_fate_and_reason(monkeypa
             assert text == f"runs: predicted to fit: {entry['memory_text']}"
         else:
             assert text == "predicted not to fit: " + entry["reason"].removeprefix("predicted OOM: ")
+    # every figure of the articles' box a cell's line quotes (GPU memory, host RAM) is assumed, and says so there
+    figures = re.findall(r"has ([\d.,]+) GiB( \(assumed\))?", "\n".join(lines[1:]))
+    assert len(figures) >= len(matrix["cells"]) and all(assumed for _, assumed in figures), figures
+    assert {size for size, _ in figures} == {"24.0", "128.0"}  # the GPU's memory and the host's RAM
+    # a budget measured on this machine is not marked
+    here = Budget("cpu", 16 * GIB, "physical RAM of this machine", 16 * GIB, "physical RAM of this machine")
+    measured = cells_text(plan_matrix(tiny(), budget=here))
+    assert "has 16.0 GiB host RAM" in measured and "assumed" not in measured
     nccl = plan_matrix(tiny(), budget=CPU_BUDGET)
     assert "ranks2-zero1-fp32-nccl: not supported here: comm_backend nccl needs CUDA GPUs" in cells_text(nccl)
     searched = cells_text(plan_matrix(tiny(search=True), budget=CPU_BUDGET))

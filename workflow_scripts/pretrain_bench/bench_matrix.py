@@ -13,8 +13,17 @@ from dataclasses import asdict, dataclass
 from .config_types import AXES, BenchSettings, ConfigError, ModelSettings
 from .devices import resolve_device_cheaply
 from .formats import fmt_duration
-from .memory_fit import assumed_mark, labelled
-from .memory_model import Budget, config_vocab_size, detect_budget, estimate, gib, judge, run_shape
+from .memory_model import (
+    Budget,
+    assumed_mark,
+    config_vocab_size,
+    detect_budget,
+    estimate,
+    gib,
+    judge,
+    labelled,
+    run_shape,
+)
 from .offload_time import planned_cores
 from .plan import cell_train
 from .settings import ENGINE_STAGE, TrainSettings, check_settings

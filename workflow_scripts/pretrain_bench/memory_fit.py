@@ -33,7 +33,9 @@ from .memory_model import (
     explain,
     free_disk_bytes,
     gib,
+    is_assumed,
     judge,
+    labelled,
     run_shape,
 )
 from .settings import FIT_KEYS, ConfigError, TrainSettings
@@ -212,19 +214,3 @@ def summary_line(record: dict) -> str:
     assumed = [labelled(source) for source in (budget["device_source"], budget["host_source"]) if is_assumed(source)]
     return (f"memory fit: {record['summary']} (predicted {per_rank} GiB per rank)"
             + (f"; the budget it was judged against is {'; '.join(dict.fromkeys(assumed))}" if assumed else ""))
-
-
-def is_assumed(source: str) -> bool:
-    """Whether a hardware figure comes from the config (benchmark.*, report.*) standing in for a machine that is
-    not measured here, rather than from this machine."""
-    return source.startswith(("benchmark.", "report.")) or "no GPU detected here" in source
-
-
-def labelled(source: str) -> str:
-    """A figure's source, prefixed 'assumed: ' where the pre-flight assumed it (`is_assumed`)."""
-    return f"assumed: {source}" if is_assumed(source) else source
-
-
-def assumed_mark(source: str) -> str:
-    """' (assumed)' after a figure the pre-flight assumed (`is_assumed`), else nothing."""
-    return " (assumed)" if is_assumed(source) else ""

@@ -441,6 +441,24 @@ def estimate(run: RunShape) -> Estimate:
                     buffer_formula=buffer_formula, disk_states=states["disk"])
 
 
+# ---- figures the pre-flight assumed ------------------------------------------------------------------------------
+
+def is_assumed(source: str) -> bool:
+    """Whether a hardware figure comes from the config (benchmark.*, report.*) standing in for a machine that is
+    not measured here, rather than from this machine."""
+    return source.startswith(("benchmark.", "report.")) or "no GPU detected here" in source
+
+
+def labelled(source: str) -> str:
+    """A figure's source, prefixed 'assumed: ' where the pre-flight assumed it (`is_assumed`)."""
+    return f"assumed: {source}" if is_assumed(source) else source
+
+
+def assumed_mark(source: str) -> str:
+    """' (assumed)' after a figure the pre-flight assumed (`is_assumed`), else nothing."""
+    return " (assumed)" if is_assumed(source) else ""
+
+
 def judge(est: Estimate, run: RunShape, budget: Budget) -> Verdict:
     """Does the estimate fit the budget? On CUDA per GPU, host RAM and NVMe disk for all ranks; on CPU all ranks
     share RAM."""
@@ -449,24 +467,28 @@ def judge(est: Estimate, run: RunShape, budget: Budget) -> Verdict:
     disk_fits = not disk_need or budget.disk_bytes is None or disk_need <= budget.disk_bytes
     disk_text = ""
     if disk_need:
-        have = f"has {gib(budget.disk_bytes)} GiB free" if budget.disk_bytes is not None else budget.disk_source
+        have = budget.disk_source
+        if budget.disk_bytes is not None:
+            have = f"has {gib(budget.disk_bytes)} GiB free{assumed_mark(budget.disk_source)}"
         disk_text = f"; NVMe {gib(disk_need)} GiB for {n} rank{'s' * (n > 1)}, {have}"
     if run.device == "cpu":
         need = n * (est.per_rank + est.host_states)
         fits = need <= budget.host_bytes and disk_fits
         text = (f"needs {gib(need)} GiB ({n} rank{'s' * (n > 1)} × {gib(est.per_rank + est.host_states)} GiB), "
-                f"has {gib(budget.host_bytes)} GiB host RAM{disk_text}")
+                f"has {gib(budget.host_bytes)} GiB host RAM{assumed_mark(budget.host_source)}{disk_text}")
         return Verdict(fits, need, budget.host_bytes, need, need <= budget.host_bytes, text, disk_need, disk_fits)
     # Host RAM: each rank process (CUDA libraries, staging) plus what it offloaded; the model is built on the GPU.
     host_need = n * (est.host_states + CUDA_RANK_HOST_BYTES)
     host_fits = budget.host_bytes is None or host_need <= budget.host_bytes
     fits = est.per_rank <= budget.device_bytes and host_fits and disk_fits
-    text = f"needs {gib(est.per_rank)} GiB per GPU, has {gib(budget.device_bytes)} GiB"
+    text = (f"needs {gib(est.per_rank)} GiB per GPU, has {gib(budget.device_bytes)} GiB"
+            f"{assumed_mark(budget.device_source)}")
     if budget.host_bytes is None:
         if est.host_states:
             text += f"; host RAM {gib(host_need)} GiB for {n} rank{'s' * (n > 1)} (not checked: {budget.host_source})"
     elif not host_fits or est.host_states:
-        text += f"; host RAM {gib(host_need)} GiB for {n} rank{'s' * (n > 1)}, has {gib(budget.host_bytes)} GiB"
+        text += (f"; host RAM {gib(host_need)} GiB for {n} rank{'s' * (n > 1)}, has {gib(budget.host_bytes)} GiB"
+                 f"{assumed_mark(budget.host_source)}")
     return Verdict(fits, est.per_rank, budget.device_bytes, host_need, host_fits, text + disk_text, disk_need,
                    disk_fits)
 
@@ -637,7 +659,7 @@ def explain(run: RunShape, est: Estimate, verdict: Verdict, budget: Budget, what
     """The pre-flight message: the figures, then what would fit."""
     where = "per GPU" if run.device == "cuda" else "per rank"
     lines = [
-        f"pre-flight: {what} is predicted not to fit: {verdict.text} ({budget.device_source}).",
+        f"pre-flight: {what} is predicted not to fit: {verdict.text} ({labelled(budget.device_source)}).",
         f"  model states alone need {est.model_states / GB:,.1f} GB ({gib(est.model_states)} GiB) {where} "
         f"for Ψ = {run.parameters / 1e9:,.2f}e9 parameters, "
         f"{'ZeRO-' + str(run.zero_stage) if run.engine == 'deepspeed' else run.engine.upper()}, {run.precision}, "
