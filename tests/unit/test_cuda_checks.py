@@ -202,20 +202,31 @@ def test_the_pinning_probe_names_the_real_failure():
 
 
 OPS_PROBE = """
-import json, os
+import json, os, sys
 import torch, torch.utils.cpp_extension
 torch.cuda.is_available = lambda: True  # torch sees a GPU ...
 torch.version.cuda = "12.8"
 torch.utils.cpp_extension.CUDA_HOME = None  # ... and no CUDA toolkit is installed
 os.environ["DS_ACCELERATOR"] = "cuda"
 from deepspeed.ops.op_builder.all_ops import ALL_OPS  # the builders DeepSpeed's setup.py asks, one by one
-answers = {}
-for name, builder in ALL_OPS.items():
-    try:
-        answers[name] = bool(builder.is_compatible())
-    except Exception as error:
-        answers[name] = type(error).__name__
-print(json.dumps(answers))
+
+
+def answers():
+    found = {}
+    for name, builder in ALL_OPS.items():
+        try:
+            found[name] = bool(builder.is_compatible())
+        except Exception as error:
+            found[name] = type(error).__name__
+    return found
+
+
+# each environment in turn, added to this one (the builders read it when asked)
+rounds = []
+for added in json.loads(sys.argv[1]):
+    os.environ.update(added)
+    rounds.append(answers())
+print(json.dumps(rounds))
 """
 
 
@@ -235,13 +246,12 @@ def test_make_install_asks_deepspeeds_op_builders_nothing_that_needs_a_cuda_tool
     install_env = dict(word.split("=", 1) for word in words[:words.index(".venv/bin/python")])
     assert install_env == {"DS_BUILD_OPS": "0", "DS_IGNORE_CUDA_DETECTION": "1"}
     bare = {k: v for k, v in os.environ.items() if k not in install_env}
-
-    def answers(env):
-        proc = subprocess.run([sys.executable, "-c", OPS_PROBE], env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-
+    # the builders asked without the install's environment, then with it, in one interpreter started without it
+    proc = subprocess.run([sys.executable, "-c", OPS_PROBE, json.dumps([{}, install_env])], env=bare,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    without, with_install_env = json.loads(proc.stdout.strip().splitlines()[-1])
     # without the install's environment the probe that setup.py runs raises on a GPU machine without a toolkit
-    assert answers(bare)["fp_quantizer"] == "MissingCUDAException"
-    raised = {name: answer for name, answer in answers({**bare, **install_env}).items() if isinstance(answer, str)}
+    assert without["fp_quantizer"] == "MissingCUDAException"
+    raised = {name: answer for name, answer in with_install_env.items() if isinstance(answer, str)}
     assert raised == {}

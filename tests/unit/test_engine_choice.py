@@ -181,58 +181,52 @@ def test_the_claims_ddp_row_uses_the_ddp_formula():
 
 ALONE_SCRIPT = """
 import json, os, sys
-stage, mode = int(sys.argv[1]), sys.argv[2]
 os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=sys.argv[3])
+                  MASTER_PORT=sys.argv[1])
 import torch, torch.nn.functional as F, deepspeed
 from pretrain_bench.engines import DeepSpeedEngine, EngineRun, deepspeed_engine
-if mode == "real muon":
-    deepspeed_engine.skip_muon_import = lambda: None
 from pretrain_bench.model import build_model, resolve_shape
 from pretrain_bench.settings import TrainSettings
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
-settings = TrainSettings.from_config({"zero_stage": stage, "micro_batch_size": 2, "gpus": 1, "device": "cpu",
-                                      "comm_backend": "gloo", "precision": "fp32", "max_steps": 4, "warmup_steps": 1})
-engine = DeepSpeedEngine(build_model(resolve_shape("tiny", {}, 512), 32, 1234), settings,
-                         EngineRun(device="cpu", total_steps=4, measure_comm=True, pin_memory=True, reshape=False))
-skipped = not engine.engine.enable_backward_allreduce
-if mode == "reduce":
-    engine.engine.enable_backward_allreduce = True
-batches = torch.randint(0, 512, (4, 2, 33), generator=torch.Generator().manual_seed(0))
-losses = []
-for batch in batches:
-    loss = F.cross_entropy(engine(input_ids=batch[:, :-1]).logits.reshape(-1, 512), batch[:, 1:].reshape(-1))
-    engine.backward(loss)
-    engine.step()
-    losses.append(loss.item())
-adamw = engine.engine.basic_optimizer  # the torch optimizer under DeepSpeed's wrapper
-print(json.dumps({"skipped": skipped, "losses": losses, "compile_fx": "torch._inductor.compile_fx" in sys.modules,
-                  "optimizer": [type(adamw).__name__, adamw.defaults["fused"], adamw.defaults["foreach"]]}))
+
+
+def train(stage, mode):
+    if mode == "real muon":  # DeepSpeed's own modules, in place of the stand-ins an earlier engine here installed
+        for name in deepspeed_engine.MUON_MODULES:
+            sys.modules.pop(name, None)
+        deepspeed_engine.skip_muon_import = lambda: None
+    settings = TrainSettings.from_config({"zero_stage": stage, "micro_batch_size": 2, "gpus": 1, "device": "cpu",
+                                          "comm_backend": "gloo", "precision": "fp32", "max_steps": 4,
+                                          "warmup_steps": 1})
+    engine = DeepSpeedEngine(build_model(resolve_shape("tiny", {}, 512), 32, 1234), settings,
+                             EngineRun(device="cpu", total_steps=4, measure_comm=True, pin_memory=True, reshape=False))
+    skipped = not engine.engine.enable_backward_allreduce
+    if mode == "reduce":
+        engine.engine.enable_backward_allreduce = True
+    batches = torch.randint(0, 512, (4, 2, 33), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for batch in batches:
+        loss = F.cross_entropy(engine(input_ids=batch[:, :-1]).logits.reshape(-1, 512), batch[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    adamw = engine.engine.basic_optimizer  # the torch optimizer under DeepSpeed's wrapper
+    return {"skipped": skipped, "losses": losses, "compile_fx": "torch._inductor.compile_fx" in sys.modules,
+            "optimizer": [type(adamw).__name__, adamw.defaults["fused"], adamw.defaults["foreach"]]}
+
+
+# in this order: the real Muon modules (which load inductor's compiler) come last
+runs = [(0, "as built"), (0, "reduce"), (2, "as built"), (2, "real muon")]
+print(json.dumps({f"{stage} {mode}": train(stage, mode) for stage, mode in runs}))
 """
 
 
-def test_zero0_alone_skips_deepspeeds_self_all_reduce_and_trains_the_same():
-    """At world size 1 the all-reduce of ZeRO-0's backward is off (bench/bench_trainer.py measures the gain), and the
-    losses are those of the same steps with it on, bit for bit."""
-    runs = {mode: train_alone(0, mode, port) for port, mode in ((29711, "as built"), (29712, "reduce"))}
-    assert runs["as built"]["skipped"] is True
-    assert runs["as built"]["optimizer"] == ["AdamW", True, None]  # torch's fused kernel (TORCH_ADAMW_KWARGS)
-    assert runs["as built"]["losses"] == runs["reduce"]["losses"] and len(set(runs["reduce"]["losses"])) == 4
-
-
-def test_zero2_runs_without_deepspeeds_muon_modules_and_trains_the_same():
-    """DeepSpeed's ZeRO-1/2 reduction imports its Muon modules, whose torch.compile loads inductor's compiler (about
-    0.9 s per rank); an AdamW run gets stand-ins (engines.deepspeed_engine.skip_muon_import), and its losses are
-    those with the real modules, bit for bit."""
-    runs = {mode: train_alone(2, mode, port) for port, mode in ((29713, "as built"), (29714, "real muon"))}
-    assert runs["as built"]["compile_fx"] is False and runs["real muon"]["compile_fx"] is True
-    assert runs["as built"]["optimizer"] == ["AdamW", True, None]  # fused, on ZeRO-2's flat fp32 partition too
-    assert runs["as built"]["losses"] == runs["real muon"]["losses"] and len(set(runs["as built"]["losses"])) == 4
-
-
-def train_alone(stage: int, mode: str, port: int) -> dict:
-    """4 steps of the tiny model on one rank in a fresh interpreter (ALONE_SCRIPT): its losses and what it loaded."""
+@pytest.fixture(scope="module")
+def alone():
+    """4 steps of the tiny model on one rank, DeepSpeed ZeRO-0 as built and with its backward all-reduce forced on,
+    then ZeRO-2 as built and with DeepSpeed's real Muon modules, one engine after the other in one fresh interpreter
+    (ALONE_SCRIPT): each one's losses and what the interpreter had loaded by its end, by "<stage> <mode>"."""
     import json
     import os
     import subprocess
@@ -240,7 +234,27 @@ def train_alone(stage: int, mode: str, port: int) -> dict:
     from pathlib import Path
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "workflow_scripts")}
-    proc = subprocess.run([sys.executable, "-c", ALONE_SCRIPT, str(stage), mode, str(port)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", ALONE_SCRIPT, "29711"], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_zero0_alone_skips_deepspeeds_self_all_reduce_and_trains_the_same(alone):
+    """At world size 1 the all-reduce of ZeRO-0's backward is off (bench/bench_trainer.py measures the gain), and the
+    losses are those of the same steps with it on, bit for bit."""
+    runs = {mode: alone[f"0 {mode}"] for mode in ("as built", "reduce")}
+    assert runs["as built"]["skipped"] is True
+    assert runs["as built"]["optimizer"] == ["AdamW", True, None]  # torch's fused kernel (TORCH_ADAMW_KWARGS)
+    assert runs["as built"]["losses"] == runs["reduce"]["losses"] and len(set(runs["reduce"]["losses"])) == 4
+
+
+def test_zero2_runs_without_deepspeeds_muon_modules_and_trains_the_same(alone):
+    """DeepSpeed's ZeRO-1/2 reduction imports its Muon modules, whose torch.compile loads inductor's compiler (about
+    0.9 s per rank); an AdamW run gets stand-ins (engines.deepspeed_engine.skip_muon_import), and its losses are
+    those with the real modules, bit for bit. Inductor's compiler is not loaded until the real modules are (the
+    ZeRO-0 engines before them in the interpreter load it neither)."""
+    runs = {mode: alone[f"2 {mode}"] for mode in ("as built", "real muon")}
+    assert runs["as built"]["compile_fx"] is False and runs["real muon"]["compile_fx"] is True
+    assert runs["as built"]["optimizer"] == ["AdamW", True, None]  # fused, on ZeRO-2's flat fp32 partition too
+    assert runs["as built"]["losses"] == runs["real muon"]["losses"] and len(set(runs["as built"]["losses"])) == 4

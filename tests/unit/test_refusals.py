@@ -279,27 +279,34 @@ from pretrain_bench.engines import DeepSpeedEngine, EngineRun
 from pretrain_bench.model import build_model, resolve_shape
 from pretrain_bench.settings import TrainSettings
 deepspeed.init_distributed(dist_backend="gloo")
-# what the refusals stop at plan time (train.deepspeed), forced past them here by building the settings directly:
-# the engine merges it into its ds_config and reports what DeepSpeed parsed
-settings = TrainSettings.from_config({"zero_stage": 2, "micro_batch_size": 2, "grad_accum_steps": 3, "gpus": 1,
-                                      "device": "cpu", "comm_backend": "gloo", "precision": "fp32", "max_steps": 4,
-                                      "warmup_steps": 1, "deepspeed": json.loads(sys.argv[2])})
-engine = DeepSpeedEngine(build_model(resolve_shape("tiny", {}, 512), 32, 1234), settings,
-                         EngineRun(device="cpu", total_steps=4, measure_comm=True, pin_memory=True, reshape=False))
-print(json.dumps(engine.ran()))
+
+
+def ran(extra):
+    # what the refusals stop at plan time (train.deepspeed), forced past them here by building the settings
+    # directly: the engine merges it into its ds_config and reports what DeepSpeed parsed
+    settings = TrainSettings.from_config({"zero_stage": 2, "micro_batch_size": 2, "grad_accum_steps": 3, "gpus": 1,
+                                          "device": "cpu", "comm_backend": "gloo", "precision": "fp32",
+                                          "max_steps": 4, "warmup_steps": 1, "deepspeed": extra})
+    engine = DeepSpeedEngine(build_model(resolve_shape("tiny", {}, 512), 32, 1234), settings,
+                             EngineRun(device="cpu", total_steps=4, measure_comm=True, pin_memory=True,
+                                       reshape=False))
+    return engine.ran()
+
+
+print(json.dumps([ran(extra) for extra in json.loads(sys.argv[2])]))
 """
 
 
 def test_the_summary_fields_are_read_back_from_the_engine_that_ran():
     """summary.json's precision, zero_stage and batch come from DeepSpeed's parsed config (DeepSpeedEngine.ran),
-    so a key that got past the refusals shows as it ran, not as train.* says."""
+    so a key that got past the refusals shows as it ran, not as train.* says. Both engines are built one after the
+    other in one fresh interpreter (RAN_SCRIPT)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "workflow_scripts")}
-    runs = {}
-    for port, extra in ((29721, {}), (29722, {"bfloat16": {"enabled": True}, "zero_optimization": True})):
-        proc = subprocess.run([sys.executable, "-c", RAN_SCRIPT, str(port), json.dumps(extra)], env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[port] = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert runs[29721] == {"precision": "fp32", "zero_stage": 2, "micro_batch_size": 2, "grad_accum_steps": 3,
-                           "global_batch_size": 6}
-    assert runs[29722]["precision"] == "bf16" and runs[29722]["zero_stage"] == 1
+    extras = [{}, {"bfloat16": {"enabled": True}, "zero_optimization": True}]
+    proc = subprocess.run([sys.executable, "-c", RAN_SCRIPT, "29721", json.dumps(extras)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    as_asked, forced = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert as_asked == {"precision": "fp32", "zero_stage": 2, "micro_batch_size": 2, "grad_accum_steps": 3,
+                        "global_batch_size": 6}
+    assert forced["precision"] == "bf16" and forced["zero_stage"] == 1
