@@ -42,12 +42,14 @@ ONE_TEST_UNITS = {"test_engine", "test_faults", "test_multinode", "test_export_z
 UNIT_SECONDS = {
     "pipeline": 1200, "test_declarative": 1400, "test_evaluate_reruns": 550, "test_engines": 600, "test_slurm": 500,
     "test_gpu_smoke_cpu": 300, "test_data_products": 150, "test_pinned_ranks_run": 100, "test_workdirs": 30,
+    "test_demo_learns": 200, "test_trackers_every_engine": 80,
     "test_engine::test_zero_stages_0_to_3_train_concurrently_and_shut_down": 85,
     "test_engine::test_kill_9_then_rerun_resumes_with_identical_losses": 80,
     "test_engine::test_other_config_or_world_size_start_fresh_beside_the_old_run_or_resume_reshaped": 175,
-    "test_engine::test_sigterm_saves_a_checkpoint_and_exits_nonzero": 80,
     "test_engine::test_non_finite_loss_aborts_and_keeps_last_good_checkpoint": 40,
     "test_engine::test_continue_from_export_eval_every_and_csv_monitor": 105,
+    "test_engine::test_compile_under_every_engine_trains_to_eagers_losses": 180,
+    "test_engine::test_compiled_run_killed_then_rerun_resumes_with_identical_losses": 110,
     "test_faults::test_second_run_is_refused_while_the_first_trains_and_every_attempt_log_is_kept": 105,
     "test_faults::test_full_disk_during_a_save_fails_naming_it_and_keeps_the_committed_checkpoints": 60,
     "test_faults::test_damaged_checkpoints_fall_back_and_steps_never_go_backwards": 60,
@@ -152,7 +154,8 @@ def zero_stage_runs(data, tmp_path_factory) -> Path:
     """DeepSpeed runs on 2 ranks at ZeRO stages 0 to 3 (stage 2 with its optimizer offloaded: DeepSpeedCPUAdam), 3
     steps each with a checkpoint at step 3, in <folder>/z<stage> (launcher output in z<stage>.log): launched once per
     session (support.built_once), two at a time, which also proves their rendezvous ports cannot collide (torchrun
-    --standalone binds port 0). Each must exit 0. Read them, never write to them."""
+    --standalone binds port 0). Each must exit 0. Read them, never write to them: test_engine.py's compile test takes
+    z0 as its eager reference, test_pinned_ranks_run.py reads z0's rank placement."""
     def train(folder: Path) -> None:
         for pair in ((0, 1), (2, 3)):
             procs = []

@@ -30,8 +30,6 @@ NAME = PIPELINE_NAME  # the shared run of the whole tiny pipeline (tests/conftes
 STEPS = PIPELINE_STEPS
 SEQ_LEN, GLOBAL_BATCH = 128, 24  # config/tiny-cpu.yaml
 TINY = yaml.safe_load((ROOT / TINY_CONFIG).read_text())
-TARGETS = [f"results/{NAME}/{kind}/step{step}{suffix}" for step in STEPS
-           for kind, suffix in (("export", ""), ("eval", ".json"), ("lm_eval", ".json"))]
 
 
 def snakemake(pipeline, *targets, options=(), check=True):
@@ -240,7 +238,3 @@ def test_an_incomplete_zero_checkpoint_fails_naming_its_path(run, tmp_path, monk
     with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {folder} is incomplete or unreadable")):
         export_checkpoint(plan, 10, tmp_path / "export")
 
-
-def test_rerun_has_nothing_to_do(run):
-    proc = snakemake(run["pipeline"], *TARGETS, options=["-n"])
-    assert "Nothing to be done" in proc.stdout + proc.stderr

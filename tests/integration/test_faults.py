@@ -1,7 +1,7 @@
-"""Faults on the real engine (CPU, gloo, through the launcher): a second run while one trains, a full disk during a
-save, damaged checkpoints, and a resume point beyond the run's last step. Each asserts the message, the exit status
-and that nothing committed was lost. The tests that damage or resume a finished run start from a copy of one shared
-run (`six_steps`) instead of training their own."""
+"""Faults on the real engine (CPU, gloo, through the launcher): a second run while one trains, pre-emption by SIGTERM,
+a full disk during a save, damaged checkpoints, and a resume point beyond the run's last step. Each asserts the
+message, the exit status and that nothing committed was lost. The tests that damage or resume a finished run start
+from a copy of one shared run (`six_steps`) instead of training their own."""
 import json
 import os
 import shutil
@@ -78,7 +78,7 @@ def test_second_run_is_refused_while_the_first_trains_and_every_attempt_log_is_k
     first = start_logged(plan, 1, log, tmp_path / "first.terminal")
     try:
         metrics = run_dir / "state" / "metrics.jsonl"
-        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, first, log)
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, first, log)
         first_attempt = log.resolve() if log.is_symlink() else next((tmp_path / "logs" / "pretrain.attempts").iterdir())
         log.unlink()  # what Snakemake does to a job's declared log before it starts the job
         started = time.monotonic()
@@ -88,13 +88,14 @@ def test_second_run_is_refused_while_the_first_trains_and_every_attempt_log_is_k
         assert (f"another training run (pid {first.pid}, started at " in second.stderr
                 and f"holds {run_dir / 'state'}" in second.stderr), second.stderr
         assert first.poll() is None, "the first run goes on"
-        first.send_signal(signal.SIGTERM)  # stop it early: it saves a checkpoint and exits non-zero
+        # pre-emption, as a scheduler sends it to the launcher: the step in flight is saved, the exit is non-zero
+        first.send_signal(signal.SIGTERM)
         assert first.wait(300) != 0
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
     saved = ckpt.committed_steps(run_dir / "state" / "checkpoints")
-    assert len(saved) == 1
+    assert len(saved) == 1 and 3 <= saved[0] < 200, saved  # no checkpoint was due before step 1000
     record = first_attempt.read_text()
     assert record.startswith("=== pretrain-bench launcher: attempt started")
     assert "step 1/200" in record and "SIGTERM received: checkpoint step" in record and "exit status" in record

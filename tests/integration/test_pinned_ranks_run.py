@@ -1,6 +1,7 @@
 """CPU ranks through the real launcher are pinned to disjoint cores with cores ÷ ranks threads each, and summary.json
 records what each rank had (its affinity and torch threads, read inside the rank) and the load before and after."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,11 +11,20 @@ from support import plan_for, run
 pytestmark = pytest.mark.engine
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_each_rank_runs_on_its_own_cores_with_cores_divided_by_ranks_threads(data, tmp_path, ranks):
+def launched_run(request, data, tmp_path, ranks: int) -> Path:
+    """The output folder of a run on `ranks` ranks: 2 ranks are the session's ZeRO-0 run (conftest zero_stage_runs,
+    launched like any other), the others a 2-step run of their own."""
+    if ranks == 2:
+        return request.getfixturevalue("zero_stage_runs") / "z0" / "out"
     plan = plan_for(data, tmp_path / "run", max_steps=2, checkpoint_every=2, warmup_steps=0, gpus=ranks)
     assert run(plan, ranks, tmp_path / "run.log") == 0, (tmp_path / "run.log").read_text()[-3000:]
-    summary = json.loads((tmp_path / "run" / "out" / "summary.json").read_text())
+    return tmp_path / "run" / "out"
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_each_rank_runs_on_its_own_cores_with_cores_divided_by_ranks_threads(request, data, tmp_path, ranks):
+    summary = json.loads((launched_run(request, data, tmp_path, ranks) / "summary.json").read_text())
+    assert summary["world_size"] == ranks
     placement = summary["provenance"]["placement"]
     cpus = usable_cpus()
     assert [rank["rank"] for rank in placement] == list(range(ranks))

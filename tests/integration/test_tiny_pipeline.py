@@ -138,5 +138,7 @@ def test_report_numbers_equal_summary(run, pipeline):
 
 
 def test_rerun_has_nothing_to_do(pipeline):
+    """The whole workflow (rule all: every export, evaluation, lm-eval run, benchmark cell and the report) is up to
+    date after the shared run, so is any part of it."""
     proc = run_snakemake(pipeline.workdir, "-n", configfiles=pipeline.configfiles)
     assert "Nothing to be done" in proc.stdout + proc.stderr

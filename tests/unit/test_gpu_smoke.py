@@ -83,8 +83,7 @@ def test_a_failed_peak_measurement_stops_the_smoke_with_the_childs_error(tmp_pat
     smoke = _smoke_module()
     with pytest.raises(SystemExit, match=r"(?s)measuring the cuda's peak failed:.*no CUDA device is visible"):
         smoke.machine_facts("cuda", tmp_path)
-    facts = smoke.machine_facts("cpu", tmp_path)
-    assert facts["hardware"]["device"] == "cpu" and facts["peak"]["peak_source"].startswith("measured: ")
+    # where the measurement succeeds (on CPU): tests/integration/test_gpu_smoke_cpu.py, whose smoke measures it
 
 
 def test_a_run_that_cannot_be_planned_is_recorded_and_the_smoke_goes_on(monkeypatch, tmp_path):
