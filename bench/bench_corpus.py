@@ -1,8 +1,12 @@
 """Cleaning throughput of the download_corpus stage on the builtin corpus, next to a bare read of the same files;
 then the data stages at scale: cleaning as 1 job against 2 part jobs, tokenizer training, a shard job.
 
-    python bench/bench_corpus.py [out.json] [--sizes-mb 60,600] [--rounds 2] [--bpe-mb 20]
+    python bench/bench_corpus.py [out.json] [--sizes-mb 60,600] [--rounds 3] [--bpe-mb N] [--skip-builtin]
                                                    (default bench-results/corpus.json)
+
+Each section can run alone, so that a measurement fits a short quiet spell of a shared machine: `--skip-builtin
+--bpe-mb 0 --sizes-mb 600` only cleans, `--skip-builtin --sizes-mb ""` only trains the tokenizer and runs the shard
+job.
 
 Three timings over the whole builtin corpus (every standard-library .py file that builtin://python-stdlib reads),
 each the best of REPEATS runs after one warm-up pass, so all read from the page cache and the figures compare CPU
@@ -20,11 +24,14 @@ jsonl lines, sha256 of every document and of the written lines): they show how c
 `scale`: a local corpus of each size in --sizes-mb is generated under the system's temporary folder
 (never in the checkout), then cleaned alternately (A B A B ..., --rounds pairs) by one job (build_corpus in its own
 process: the corpus stage with corpus.jobs 1) and by two part jobs running at once followed by the merge (corpus.jobs
-2), each a fresh process as Snakemake starts it, start-up included; the wall time of the whole stage and each job's
-peak RSS and CPU seconds (user + system) are recorded. On a shared machine wall times stretch with the other work;
-the CPU seconds do not, and give the stage's critical path on idle cores: one job's CPU time against the slowest part
-plus the merge (`speedup_2_jobs_on_idle_cores`, process start-up included, waiting for a core excluded). Then the BPE
-is trained on --bpe-mb of that corpus with the default config's vocabulary, and one shard job encodes a slice of it.
+2). Each job is a fresh process that first imports what Snakemake's script preamble imports, as a `script:` job
+starts, so start-up is included; the wall time of the whole stage and each job's peak RSS and CPU seconds (user +
+system) are recorded. The speedup is the median of the per-round ratios (1 job's seconds / 2 jobs' seconds of the
+same round), so a slow spell of the machine falls on both sides of a ratio. The CPU seconds do not stretch with
+other work: `critical_path_cpu_seconds` is one job's CPU time against the slowest part plus the merge (an upper
+bound for the merge, whose copy and hash run in two threads at once). Then the BPE is trained on --bpe-mb of that
+corpus (default: config.yaml's tokenizer.train_bytes) with config.yaml's vocabulary, and one shard job encodes a
+slice of it.
 """
 import hashlib
 import json
@@ -37,6 +44,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import yaml
 
 from pretrain_bench.corpus import build_corpus, jsonl_line
 from pretrain_bench.corpus_sources import stdlib_files
@@ -126,7 +135,11 @@ def main(out_path: Path) -> dict:
 # --- the data stages at scale ---
 DOCUMENT_FILE_BYTES = 6_000_000  # each generated jsonl file (a part job divides the sources by files)
 CLEANING = {"min_chars": 1, "dedup": True, "val_fraction": 0.01, "encoding_errors": "replace", "max_bytes": None}
-BPE_VOCAB = 102400  # config.yaml's tokenizer.vocab_size
+# the default experiment's tokenizer (vocab_size, train_bytes)
+DEFAULT_TOKENIZER = yaml.safe_load((Path(__file__).parents[1] / "config.yaml").read_text())["tokenizer"]
+BPE_VOCAB = DEFAULT_TOKENIZER["vocab_size"]
+# What Snakemake's preamble imports before a `script:` runs (snakemake/script/__init__.py): part of each job's start.
+SNAKEMAKE_PREAMBLE = "from snakemake.logging import logger; from snakemake.iocontainers import Snakemake; "
 
 
 def generate_corpus(folder: Path, size: int) -> list[dict]:
@@ -154,7 +167,7 @@ def generate_corpus(folder: Path, size: int) -> list[dict]:
 
 
 def start_job(code: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code])
+    return subprocess.Popen([sys.executable, "-c", SNAKEMAKE_PREAMBLE + code])
 
 
 def wait_job(process: subprocess.Popen) -> dict:
@@ -207,10 +220,12 @@ def cleaning_at(size: int, rounds: int, scratch: Path) -> dict:
     median = {name: statistics.median(run["seconds"] for run in values) for name, values in runs.items()}
     cpu_path = {name: statistics.median(run["critical_path_cpu_seconds"] for run in values)
                 for name, values in runs.items()}
+    ratios = [one["seconds"] / two["seconds"] for one, two in zip(runs["1 job"], runs["2 jobs"])]
     corpus_bytes = sum(path.stat().st_size for path in Path(sources[0]["uri"][7:]).parent.glob("*.jsonl"))
     return {"bytes": corpus_bytes, "runs": runs, "median_seconds": median,
             "mb_per_s": {name: corpus_bytes / seconds / 1e6 for name, seconds in median.items()},
-            "speedup_2_jobs": median["1 job"] / median["2 jobs"],
+            "speedup_2_jobs_per_round": ratios,
+            "speedup_2_jobs": statistics.median(ratios), "target_speedup_2_jobs": 1.6,
             "critical_path_cpu_seconds": cpu_path,
             "speedup_2_jobs_on_idle_cores": cpu_path["1 job"] / cpu_path["2 jobs"],
             "peak_rss_bytes": {name: max(job["peak_rss_bytes"] for run in values for job in run["jobs"].values())
@@ -240,13 +255,16 @@ def tokenizer_and_shard(size: int, bpe_bytes: int, scratch: Path) -> dict:
                           "threads": os.cpu_count()}}
 
 
+BPE_CORPUS_BYTES = 600_000_000  # the corpus the tokenizer and the shard job read when no --sizes-mb is given
+
+
 def scale(sizes: list[int], rounds: int, bpe_bytes: int) -> dict:
     """The data stages at scale (the module docstring); bpe_bytes 0 leaves out the tokenizer and the shard job."""
     with tempfile.TemporaryDirectory() as scratch:
         result = {"cores": os.cpu_count(), "load_average_before": os.getloadavg(),
                   "cleaning": {str(size): cleaning_at(size, rounds, Path(scratch)) for size in sizes}}
         if bpe_bytes:
-            result.update(tokenizer_and_shard(max(sizes), bpe_bytes, Path(scratch)))
+            result.update(tokenizer_and_shard(max(sizes, default=BPE_CORPUS_BYTES), bpe_bytes, Path(scratch)))
         result["load_average_after"] = os.getloadavg()
     return result
 
@@ -257,14 +275,15 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", nargs="?", default="bench-results/corpus.json")
     parser.add_argument("--sizes-mb", default="60,600", help="sizes of the generated corpora, MB (10**6 bytes)")
-    parser.add_argument("--rounds", type=int, default=2, help="A B pairs per size (1 job, 2 jobs)")
-    parser.add_argument("--bpe-mb", type=float, default=20.0,
-                        help="MB of the corpus the BPE is trained on (0: no tokenizer or shard job)")
+    parser.add_argument("--rounds", type=int, default=3, help="A B pairs per size (1 job, 2 jobs)")
+    parser.add_argument("--bpe-mb", type=float, default=DEFAULT_TOKENIZER["train_bytes"] / 1e6,
+                        help="MB of the corpus the BPE is trained on (default: config.yaml's tokenizer.train_bytes; "
+                             "0: no tokenizer or shard job)")
     parser.add_argument("--skip-builtin", action="store_true", help="only the scale section")
     args = parser.parse_args()
     out = Path(args.out)
     result = {} if args.skip_builtin else main(out)
-    result["scale"] = scale([int(float(mb) * 1e6) for mb in args.sizes_mb.split(",")], args.rounds,
+    result["scale"] = scale([int(float(mb) * 1e6) for mb in args.sizes_mb.split(",") if mb], args.rounds,
                             int(args.bpe_mb * 1e6))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,8 +1,9 @@
 # The corpus: read corpus.sources, clean, de-duplicate, cap and split them into train/val jsonl + manifest.
 # It lives under results/data/corpus-<id>/, the id a digest of the corpus settings (DATA, rules/common.smk): every run
 # with the same corpus settings shares it. With CORPUS_PARTS > 1 (corpus.jobs; null: this machine's CPUs) the
-# cleaning runs as that many clean_corpus_part jobs over contiguous slices of the sources' files, and
-# download_corpus merges them into the corpus one job writes (pretrain_bench/corpus_parts.py); the parts are
+# cleaning runs as that many clean_corpus_part jobs over contiguous slices of the sources' files, each writing its
+# documents' lines per split with a small record per document, and download_corpus merges them into the corpus one
+# job writes, deciding from the records and copying byte ranges (pretrain_bench/corpus_parts.py); the parts are
 # temporary. Downloads and the datasets cache live in resources/corpus-cache, outside results/, so that a re-run with
 # other cleaning settings does not fetch again. See workflow_scripts/pretrain_bench/corpus.py for each cleaning step.
 from pretrain_bench.corpus_parts import corpus_parts, machine_cpus
@@ -14,7 +15,8 @@ rule clean_corpus_part:
     input:
         files=CORPUS_FILES,
     output:
-        lines=temp(f"results/{DATA.corpus}/parts/part-{{part}}.jsonl"),
+        train=temp(f"results/{DATA.corpus}/parts/part-{{part}}.train.jsonl"),
+        val=temp(f"results/{DATA.corpus}/parts/part-{{part}}.val.jsonl"),
         records=temp(f"results/{DATA.corpus}/parts/part-{{part}}.records"),
         stats=temp(f"results/{DATA.corpus}/parts/part-{{part}}.json"),
     log:
@@ -42,7 +44,7 @@ rule download_corpus:
             "results/{corpus}/parts/part-{part:05d}.{ext}",
             corpus=DATA.corpus,
             part=range(CORPUS_PARTS) if CORPUS_PARTS > 1 else [],
-            ext=["json", "jsonl", "records"],
+            ext=["json", "train.jsonl", "val.jsonl", "records"],
         ),
     output:
         train=f"results/{DATA.corpus}/train.jsonl",

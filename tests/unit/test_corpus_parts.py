@@ -1,11 +1,12 @@
 """pretrain_bench.corpus_parts: the corpus cleaned as part jobs and merged equals the one a single job writes."""
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
 from pretrain_bench.corpus import build_corpus
-from pretrain_bench.corpus_parts import clean_part, corpus_parts, merge_parts, part_plan
+from pretrain_bench.corpus_parts import clean_part, corpus_parts, merge_parts, part_paths, part_plan
 
 SETTINGS = {"min_chars": 5, "dedup": True, "val_fraction": 0.2, "encoding_errors": "replace"}
 COUNTS = ("documents", "bytes", "train", "val", "replaced_chars", "nul_removed", "binary_skipped", "split")
@@ -68,3 +69,54 @@ def test_how_many_parts(tmp_path):
     assert corpus_parts(sources[:1], None, 64) == 14, "at most one part per file"
     weighted = [{**source, "weight": 1} for source in sources]
     assert corpus_parts(weighted, 8, 16) == 1, "a weighted mixture is one seeded sequence"
+
+
+def texts_in(split: str, val_fraction: float, count: int) -> list[str]:
+    """`count` distinct documents whose content hash puts them all in `split`."""
+    threshold, texts, number = int(val_fraction * 2**64), [], 0
+    while len(texts) < count:
+        text = f"document {number} of a corpus with one split only"
+        score = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+        if (score < threshold) == (split == "val"):
+            texts.append(text)
+        number += 1
+    return texts
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_an_empty_split_gets_the_same_document_from_the_parts_and_one_job(tmp_path, split):
+    """Every document falls into one split by hash: the one nearest the boundary moves to the other, wherever it lies
+    in the parts' pieces, and the files equal the single job's."""
+    texts = texts_in(split, 0.5, 24)
+    folder = tmp_path / "tree"
+    folder.mkdir()
+    for number in range(4):
+        (folder / f"{number}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[number::4]))
+    sources = [{"uri": f"file://{folder}/*.jsonl"}]
+    settings = {**SETTINGS, "val_fraction": 0.5, "max_bytes": None}
+    one = build_corpus(sources, tmp_path / "one", cache_dir=tmp_path / "cache", **settings)
+    assert one["split"]["fallback"]["moved"] == f"{split}->{'val' if split == 'train' else 'train'}"
+    for parts in (2, 3):
+        out, merged = in_parts(sources, tmp_path, parts, f"merged{parts}", **settings)
+        for name in ("train", "val"):
+            assert (out / f"{name}.jsonl").read_bytes() == (tmp_path / "one" / f"{name}.jsonl").read_bytes()
+            assert merged[name] == one[name]
+        assert merged["split"] == one["split"]
+
+
+def test_the_merge_copies_the_parts_lines_as_bytes_and_hashes_what_it_wrote(tmp_path):
+    """The merge decides from the parts' records alone and copies byte ranges of their pieces: lines it never
+    parses (here upper-cased after the parts wrote them, lengths unchanged) come out as the pieces hold them."""
+    sources = source_tree(tmp_path)
+    folder = tmp_path / "parts"
+    for part in range(2):
+        clean_part(sources, folder, part=part, parts=2, cache_dir=tmp_path / "cache", max_bytes=None, **SETTINGS)
+        for split in ("train", "val"):
+            piece = part_paths(folder, part)[split]
+            piece.write_bytes(piece.read_bytes().upper())
+    build_corpus(sources, tmp_path / "one", cache_dir=tmp_path / "cache", max_bytes=None, **SETTINGS)
+    merged = merge_parts(sources, folder, tmp_path / "merged", parts=2, max_bytes=None, **SETTINGS)
+    for split in ("train", "val"):
+        written = (tmp_path / "merged" / f"{split}.jsonl").read_bytes()
+        assert written == (tmp_path / "one" / f"{split}.jsonl").read_bytes().upper()
+        assert merged[split]["sha256"] == hashlib.sha256(written).hexdigest()

@@ -38,6 +38,7 @@ import os
 import platform
 import random
 import re
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -257,14 +258,27 @@ def _encode(text: str, stats: SourceStats, errors: str, uri: str, number: int) -
     return text, text.encode("utf-8")
 
 
+def val_threshold(val_fraction: float) -> int:
+    """Step 6's boundary: a document whose split score (split_place) is below it goes to val."""
+    return int(val_fraction * 2**64)
+
+
+def split_place(digest: bytes, threshold: int) -> tuple[str, int]:
+    """Step 6 for a document's sha256: its split, and how far its score (the first 8 bytes, big-endian) lies from
+    the boundary (the document nearest it moves when a split would be empty)."""
+    score = int.from_bytes(digest[:8], "big")
+    return ("val", threshold - score) if score < threshold else ("train", score - threshold)
+
+
 class _SplitFiles:
     """The two temporary jsonl files, their counts, and per split the document nearest the train/val boundary."""
 
     def __init__(self, out_dir: Path, val_fraction: float):
-        self.threshold = int(val_fraction * 2**64)
+        self.threshold = val_threshold(val_fraction)
         self.tmp = {split: out_dir / f"{split}.jsonl.tmp" for split in SPLITS}
         self.rewrite = {split: out_dir / f"{split}.jsonl.tmp.rewrite" for split in SPLITS}  # see move_nearest
         self.handles = {split: open(self.tmp[split], "wb") for split in SPLITS}
+        self.writeback = Writeback([handle.fileno() for handle in self.handles.values()])
         self.documents = dict.fromkeys(SPLITS, 0)
         self.bytes = dict.fromkeys(SPLITS, 0)
         self.nearest = dict.fromkeys(SPLITS)  # split -> (distance, line index, jsonl line, text bytes, digest)
@@ -276,9 +290,7 @@ class _SplitFiles:
 
     def add_line(self, line: bytes, text_bytes: int, digest: bytes) -> None:
         """A document as its jsonl line (jsonl_line), its text's UTF-8 bytes and their sha256."""
-        score = int.from_bytes(digest[:8], "big")
-        split = "val" if score < self.threshold else "train"
-        distance = self.threshold - score if split == "val" else score - self.threshold
+        split, distance = split_place(digest, self.threshold)
         nearest = self.nearest[split]
         if nearest is None or distance < nearest[0]:
             self.nearest[split] = (distance, self.documents[split], line, text_bytes, digest)
@@ -290,6 +302,7 @@ class _SplitFiles:
     def move_nearest(self, source: str, target: str) -> dict:
         """Move `source`'s document nearest the boundary to the end of `target` (rewrites `source`'s file)."""
         _, index, line, text_bytes, digest = self.nearest[source]
+        self.writeback.stop()  # it holds the descriptor this closes
         for handle in self.handles.values():
             handle.flush()
         rewritten = self.rewrite[source]
@@ -311,16 +324,45 @@ class _SplitFiles:
                 "reason": f"no document fell into {target} by hash"}
 
     def close(self) -> None:
+        self.writeback.stop()
         for handle in self.handles.values():
             handle.flush()
             os.fsync(handle.fileno())  # durable before the rename makes it visible
             handle.close()
 
     def discard(self) -> None:
+        self.writeback.stop()
         for handle in self.handles.values():
             handle.close()
         for path in (*self.tmp.values(), *self.rewrite.values()):
             path.unlink(missing_ok=True)
+
+
+class Writeback(threading.Thread):
+    """Writes the pages of files being written to disk every INTERVAL_S seconds from a thread of its own, so that
+    the fsync that makes them durable before the rename finds little left to write: the disk works while the
+    cleaning goes on instead of after it (on a 600 MB corpus the final fsync otherwise waits about 0.4 s)."""
+
+    INTERVAL_S = 0.25
+
+    def __init__(self, descriptors: list[int]):
+        super().__init__(name="corpus writeback", daemon=True)
+        self.descriptors, self.done = descriptors, threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self.done.wait(self.INTERVAL_S):
+            for descriptor in self.descriptors:
+                try:
+                    os.fdatasync(descriptor)
+                except OSError:  # the final fsync reports what matters, from the writing thread
+                    return
+
+    def stop(self) -> None:
+        """Stop before the descriptors are closed (idempotent)."""
+        self.done.set()
+        if self.is_alive():
+            self.join()
 
 
 def _fill_empty_split(files: _SplitFiles, all_stats: list[SourceStats]) -> dict | None:

@@ -2,12 +2,19 @@
 
 The sources' files (builtin://, file:// globs; a dataset or a download is one indivisible unit) are cut into
 contiguous slices of about equal bytes, in source order, one per part (`part_plan`). Each part job reads its slice
-and does the per-document steps of corpus.py (NUL removal, encoding, min_chars, the sha256, exact duplicates within
-the part), writing the surviving documents as jsonl lines plus, per document, its sha256, text bytes, source and
-number within the source (`clean_part`). The merge reads the parts in order, which is the order one job reads the
-sources in, and does what needs every document before it: exact de-duplication across parts (a duplicate inside a
-part is one across parts too, so dropping it early changes nothing), the cap, and the content-hash split; it copies
-the kept lines without decoding them again (`merge_parts`).
+and does every per-document step of corpus.py that needs the text: NUL removal, encoding, min_chars, the sha256,
+exact duplicates within the part, the content-hash split and the JSON encoding. It writes its surviving documents'
+jsonl lines into two pieces, one per split, in the order read, and per document a small record: the sha256, the
+text's bytes, the line's bytes, the source and the number within it (`clean_part`).
+
+The merge decides from the records alone, in part order, which is the order one job reads the sources in: exact
+de-duplication across parts (the first copy in source order is kept; a duplicate inside a part is one across parts
+too, so dropping it early changes nothing), the cap (the first document past it and everything after), and an
+empty split's fallback. What it keeps is, per split, a list of byte ranges of the parts' pieces, usually one whole
+piece per part; it assembles train.jsonl and val.jsonl by copying those ranges in order (os.copy_file_range: the
+kernel copies, nothing is parsed again), while a second thread hashes the same ranges for the manifest
+(`merge_parts`). Its work per byte is a copy and the manifest's sha256, the one step that cannot be split (a sha256
+runs from the first byte to the last).
 
 So the result is the single job's, byte for byte: the same documents in the same order in train.jsonl and
 val.jsonl, the same split and manifest counts, except that the parts read their whole slices (where the cap falls is
@@ -16,21 +23,27 @@ sources in one seeded sequence, which slices cannot reproduce: it is cleaned as 
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import logging
 import os
 import struct
+import threading
 from dataclasses import asdict, fields
 from pathlib import Path
 
 from pretrain_bench.corpus import (
+    SPLITS,
     CleaningSettings,
+    Writeback,
     _mixture_weights,
-    _SplitFiles,
     checked_sources,
     clean_document,
     finish_corpus,
     jsonl_line,
+    split_place,
+    val_threshold,
 )
 from pretrain_bench.corpus_sources import SourceStats, listing_sha256, read_source, source_kind, source_units
 from pretrain_bench.io import atomic_write_text
@@ -38,9 +51,12 @@ from pretrain_bench.progress import Progress
 
 log = logging.getLogger(__name__)
 
-# One record per document a part keeps: its sha256, text bytes, source index and number within that source, written
-# as it goes (a part's memory stays flat).
-PART_RECORD = struct.Struct("<32sQIQ")
+# One record per document a part keeps, in the order read: its text's sha256, the text's UTF-8 bytes, its jsonl
+# line's bytes, the source index and its number within that source. Written as the part goes (its memory stays
+# flat); the merge needs nothing else to decide what it keeps.
+PART_RECORD = struct.Struct("<32sQQIQ")
+# The merge hashes the ranges it copies in pieces of this size (hashlib releases the GIL on each).
+HASH_CHUNK_BYTES = 4 << 20
 MIXTURE_REASON = ("a weighted mixture draws every document from all sources in one seeded sequence, which slices of "
                   "the sources cannot reproduce: cleaned as one part")
 CAP_REASON = ("the parts read their whole slices: where the cap falls is known only once they are merged "
@@ -76,29 +92,32 @@ def part_plan(sources: list[dict], parts: int) -> list[dict[int, slice]]:
 
 
 def part_paths(folder: Path, part: int) -> dict[str, Path]:
-    """The three files part `part` writes in `folder`."""
+    """The four files part `part` writes in `folder`: its train and val pieces, its records and its stats."""
     stem = Path(folder) / f"part-{part:05d}"
-    return {"lines": stem.with_suffix(".jsonl"), "records": stem.with_suffix(".records"),
-            "stats": stem.with_suffix(".json")}
+    return {"train": stem.with_suffix(".train.jsonl"), "val": stem.with_suffix(".val.jsonl"),
+            "records": stem.with_suffix(".records"), "stats": stem.with_suffix(".json")}
 
 
 def clean_part(sources: list[dict], folder: Path, *, part: int, parts: int, min_chars: int, dedup: bool,
-               encoding_errors: str, cache_dir: Path, **_unused) -> dict:
+               val_fraction: float, encoding_errors: str, cache_dir: Path, **_unused) -> dict:
     """Clean part `part` of `parts` of the sources into `folder` (see part_paths); returns its stats record.
 
-    `_unused`: the corpus keys the merge applies (max_bytes, val_fraction, seed)."""
-    settings = CleaningSettings(None, min_chars, dedup, 0.5, encoding_errors)
+    `_unused`: the corpus keys the merge applies (max_bytes) or that order only a mixture (seed)."""
+    settings = CleaningSettings(None, min_chars, dedup, val_fraction, encoding_errors)
+    threshold = val_threshold(val_fraction)
     sources = checked_sources(sources)
     selection = part_plan(sources, parts)[part]
     sizes = {index: source_units(sources[index])[select] for index, select in selection.items()}
     paths = part_paths(folder, part)
-    paths["lines"].parent.mkdir(parents=True, exist_ok=True)
+    paths["records"].parent.mkdir(parents=True, exist_ok=True)
     all_stats = [SourceStats(uri=source["uri"], kind=source_kind(source["uri"])) for source in sources]
     kept, seen = 0, set()
     # file bytes as the total: of compressed or record files they differ from the text read, so the ETA is rough
     progress = Progress(f"cleaning part {part + 1}/{parts} (bytes read)", log,
                         total=sum(sum(units) for units in sizes.values()) or None)
-    with open(paths["lines"], "wb") as lines, open(paths["records"], "wb") as records:
+    with (open(paths["train"], "wb") as train, open(paths["val"], "wb") as val,
+          open(paths["records"], "wb") as records):
+        pieces = {"train": train, "val": val}
         for index, select in sorted(selection.items()):
             stats = all_stats[index]
             reader = read_source(sources[index], stats, encoding_errors, Path(cache_dir), select)
@@ -112,8 +131,9 @@ def clean_part(sources: list[dict], folder: Path, *, part: int, parts: int, min_
                     stats.dropped["duplicate"] += 1
                     continue
                 seen.add(digest)
-                lines.write(jsonl_line(text))
-                records.write(PART_RECORD.pack(digest, len(data), index, number))
+                line = jsonl_line(text)
+                pieces[split_place(digest, threshold)[0]].write(line)
+                records.write(PART_RECORD.pack(digest, len(data), len(line), index, number))
                 kept += 1
     progress.finish(f"{kept:,} documents kept")
     record = {"part": part, "parts": parts, "read": sorted(selection), "selection": {
@@ -132,9 +152,9 @@ def merge_parts(sources: list[dict], folder: Path, out_dir: Path, *, parts: int,
     out_dir.mkdir(parents=True, exist_ok=True)
     part_stats = [json.loads(part_paths(folder, part)["stats"].read_text()) for part in range(parts)]
     all_stats = _merged_stats(sources, part_stats)
-    files = _SplitFiles(out_dir, val_fraction)
+    files = _Assembly(out_dir, Path(folder), parts, val_fraction)
     try:
-        cap = _merge_documents(folder, parts, part_stats, all_stats, settings, files)
+        cap = _merge_documents(files, part_stats, all_stats, settings)
         record = {"jobs": parts, "unread": CAP_REASON if max_bytes is not None else None}
         manifest = finish_corpus(files, out_dir, all_stats, settings, cap, None, record)
     except BaseException:
@@ -145,38 +165,184 @@ def merge_parts(sources: list[dict], folder: Path, out_dir: Path, *, parts: int,
     return manifest
 
 
-def _merge_documents(folder: Path, parts: int, part_stats: list[dict], all_stats: list[SourceStats],
-                     settings: CleaningSettings, files: _SplitFiles) -> dict:
-    """Every part's documents in order: duplicates across parts, the cap, the split. Returns the manifest's cap."""
+def _merge_documents(files: _Assembly, part_stats: list[dict], all_stats: list[SourceStats],
+                     settings: CleaningSettings) -> dict:
+    """Every part's records in order: duplicates across parts, the cap, the split, each kept document's byte range
+    in its part's piece. Returns the manifest's cap."""
     seen: set[bytes] = set()
     kept_bytes, cut_at = 0, None
     offsets = [0] * len(all_stats)  # documents of each source read by the parts before this one
-    progress = Progress("merging parts (kept bytes)", log, total=settings.max_bytes)
-    for part in range(parts):
-        paths = part_paths(folder, part)
-        records = PART_RECORD.iter_unpack(paths["records"].read_bytes())
-        with open(paths["lines"], "rb") as lines:
-            for (digest, text_bytes, index, number), line in zip(records, lines, strict=True):
-                stats = all_stats[index]
-                if settings.dedup and digest in seen:
-                    stats.dropped["duplicate"] += 1
-                    continue
-                seen.add(digest)
-                if settings.max_bytes is not None and kept_bytes + text_bytes > settings.max_bytes:
-                    cut_at = {"source": stats.uri, "document_index": offsets[index] + number}
-                    stats.dropped["over_cap"] += 1
-                    break
-                kept_bytes += text_bytes
-                files.add_line(line, text_bytes, digest)
-                stats.documents_out += 1
-                stats.bytes_out += text_bytes
-                progress.advance(text_bytes)
+    for part in range(len(part_stats)):
+        position = dict.fromkeys(SPLITS, 0)  # where the next line of each piece starts
+        for digest, text_bytes, line_bytes, index, number in PART_RECORD.iter_unpack(
+                part_paths(files.folder, part)["records"].read_bytes()):
+            split, distance = split_place(digest, files.threshold)
+            start = position[split]
+            position[split] += line_bytes
+            stats = all_stats[index]
+            if settings.dedup and digest in seen:
+                stats.dropped["duplicate"] += 1
+                continue
+            seen.add(digest)
+            if settings.max_bytes is not None and kept_bytes + text_bytes > settings.max_bytes:
+                cut_at = {"source": stats.uri, "document_index": offsets[index] + number}
+                stats.dropped["over_cap"] += 1
+                break
+            kept_bytes += text_bytes
+            files.add(split, distance, files.piece_of[split][part], start, start + line_bytes, text_bytes, digest)
+            stats.documents_out += 1
+            stats.bytes_out += text_bytes
         if cut_at is not None:
             break
         for index, source in enumerate(part_stats[part]["sources"]):
             offsets[index] += source["documents_in"]
-    progress.finish()
     return {"max_bytes": settings.max_bytes, "reached": cut_at is not None, "cut_at": cut_at}
+
+
+class _Assembly:
+    """train.jsonl and val.jsonl as the merge builds them: per split, the byte ranges [piece, start, stop] of the
+    parts' pieces to copy, in order (a piece is a number into `pieces`), with the counts and the document nearest
+    the train/val boundary; the files are written on close(). finish_corpus treats it as corpus._SplitFiles."""
+
+    def __init__(self, out_dir: Path, folder: Path, parts: int, val_fraction: float):
+        self.folder, self.threshold = folder, val_threshold(val_fraction)
+        self.pieces = [part_paths(folder, part)[split] for split in SPLITS for part in range(parts)]
+        self.piece_of = {split: [number * parts + part for part in range(parts)] for number, split in enumerate(SPLITS)}
+        self.tmp = {split: out_dir / f"{split}.jsonl.tmp" for split in SPLITS}
+        self.ranges: dict[str, list[list[int]]] = {split: [] for split in SPLITS}
+        self.documents = dict.fromkeys(SPLITS, 0)
+        self.bytes = dict.fromkeys(SPLITS, 0)
+        self.nearest = dict.fromkeys(SPLITS)  # split -> (distance, line index, (piece, start, stop), text bytes, sha)
+        self.file_digests: dict[str, hashlib._Hash] = {}
+
+    def add(self, split: str, distance: int, piece: int, start: int, stop: int, text_bytes: int,
+            digest: bytes) -> None:
+        """A kept document: its split, its distance from the boundary, its line's range, text bytes and sha256."""
+        nearest = self.nearest[split]
+        if nearest is None or distance < nearest[0]:  # the first of equals, as _SplitFiles keeps it
+            self.nearest[split] = (distance, self.documents[split], (piece, start, stop), text_bytes, digest)
+        ranges = self.ranges[split]
+        if ranges and ranges[-1][0] == piece and ranges[-1][2] == start:
+            ranges[-1][2] = stop  # the next line of the same piece: one longer copy
+        else:
+            ranges.append([piece, start, stop])
+        self.documents[split] += 1
+        self.bytes[split] += text_bytes
+
+    def move_nearest(self, source: str, target: str) -> dict:
+        """Move `source`'s document nearest the boundary to the end of `target` (corpus._SplitFiles.move_nearest)."""
+        _, _, (moved, start, stop), text_bytes, digest = self.nearest[source]
+        kept = []
+        for piece, first, last in self.ranges[source]:
+            if piece == moved and first <= start and stop <= last:  # cut the line out of its range
+                kept += [[piece, first, start]] * (first < start) + [[piece, stop, last]] * (stop < last)
+            else:
+                kept.append([piece, first, last])
+        self.ranges[source] = kept
+        self.ranges[target].append([moved, start, stop])
+        self.documents[source] -= 1
+        self.bytes[source] -= text_bytes
+        self.documents[target] += 1
+        self.bytes[target] += text_bytes
+        return {"moved": f"{source}->{target}", "document_sha256": digest.hex(),
+                "reason": f"no document fell into {target} by hash"}
+
+    def close(self) -> None:
+        """Write both files: a thread copies the ranges and syncs the files while this one hashes the same bytes."""
+        total = sum(stop - start for ranges in self.ranges.values() for _, start, stop in ranges)
+        progress = Progress("assembling train.jsonl and val.jsonl (bytes hashed)", log, total=total or None)
+        handles = {}
+        try:
+            sources = {split: [_opened(self.pieces[piece], handles) for piece, _, _ in self.ranges[split]]
+                       for split in SPLITS}
+            copier = _Copier(self.tmp, sources, self.ranges)
+            copier.start()
+            for split in SPLITS:
+                self.file_digests[split] = _hash_ranges(sources[split], self.ranges[split], progress)
+            copier.join()
+            copier.check()
+        finally:
+            for handle in handles.values():
+                os.close(handle)
+        progress.finish()
+
+    def discard(self) -> None:
+        for path in self.tmp.values():
+            path.unlink(missing_ok=True)
+
+
+def _opened(path: Path, handles: dict[Path, int]) -> int:
+    """A read descriptor on `path`, opened once."""
+    if path not in handles:
+        handles[path] = os.open(path, os.O_RDONLY)
+    return handles[path]
+
+
+class _Copier(threading.Thread):
+    """Copies each split's ranges into its temporary file, its pages written to disk as it goes (Writeback), then
+    syncs it (durable before the rename)."""
+
+    def __init__(self, targets: dict[str, Path], sources: dict[str, list[int]], ranges: dict[str, list[list]]):
+        super().__init__(name="corpus merge copier", daemon=True)
+        self.targets, self.sources, self.ranges = targets, sources, ranges
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for split, target in self.targets.items():
+                with open(target, "wb") as out:
+                    writeback = Writeback([out.fileno()])
+                    try:
+                        for source, (_, start, stop) in zip(self.sources[split], self.ranges[split]):
+                            _copy_range(source, out.fileno(), start, stop - start)
+                    finally:
+                        writeback.stop()
+                    os.fsync(out.fileno())
+        except BaseException as error:  # raised again in the merging thread
+            self.error = error
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def _copy_range(source: int, target: int, start: int, length: int) -> None:
+    """Append `length` bytes of `source` from `start` to `target`: os.copy_file_range (the kernel copies, or
+    shares the blocks where the file system can), else read and write where it is not available."""
+    try:
+        while length:
+            copied = os.copy_file_range(source, target, length, start)
+            if copied == 0:
+                raise OSError(errno.EIO, f"a part's piece ended {length} bytes early")
+            start, length = start + copied, length - copied
+        return
+    except AttributeError:  # not Linux
+        pass
+    except OSError as error:
+        if error.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+    while length:
+        data = os.pread(source, min(length, HASH_CHUNK_BYTES), start)
+        if not data:
+            raise OSError(errno.EIO, f"a part's piece ended {length} bytes early")
+        os.write(target, data)
+        start, length = start + len(data), length - len(data)
+
+
+def _hash_ranges(sources: list[int], ranges: list[list], progress: Progress):
+    """The sha256 of the bytes `ranges` of `sources` hold, in order: the file the copier writes."""
+    digest = hashlib.sha256()
+    buffer = bytearray(HASH_CHUNK_BYTES)
+    view = memoryview(buffer)
+    for source, (_, start, stop) in zip(sources, ranges):
+        while start < stop:
+            count = os.preadv(source, [view[:min(stop - start, HASH_CHUNK_BYTES)]], start)
+            if count == 0:
+                raise OSError(errno.EIO, f"a part's piece ended {stop - start} bytes early")
+            digest.update(view[:count])
+            start += count
+            progress.advance(count)
+    return digest
 
 
 def _merged_stats(sources: list[dict], part_stats: list[dict]) -> list[SourceStats]:
