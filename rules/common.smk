@@ -68,6 +68,13 @@ def check_other_run_input(key, path, name, marker):
 
 
 check_other_run_input("model.init_from", MODEL.init_from, NAME, "config.json")
+# A tokenizer.path where tokenizers are data products (results/data/..., or results/<run>/tokenizer, where runs kept
+# theirs before) that is not there yet: the error names the target that builds it.
+from pretrain_bench.data_products import DataProducts, missing_tokenizer_problem  # noqa: E402
+
+if TOKENIZER_PROBLEM := missing_tokenizer_problem(TOKENIZER.path,
+                                                  DataProducts.from_settings(CORPUS, TOKENIZER, SHARDS, None)):
+    raise WorkflowError(TOKENIZER_PROBLEM)
 check_other_run_input("tokenizer.path", TOKENIZER.path, NAME, None)
 # The local files of corpus.sources (file://, globs expanded here, at DAG time): inputs of the corpus.
 from pretrain_bench.corpus_sources import CorpusError, local_source_files  # noqa: E402

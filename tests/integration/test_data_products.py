@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from pretrain_bench.data_products import missing_tokenizer_problem
 from support import (
     TINY_CONFIG,
     data_folders,
@@ -101,3 +102,41 @@ def test_cleaning_in_three_part_jobs_writes_the_corpus_one_job_writes(tmp_path):
         assert not (corpus / "parts").exists() or not any((corpus / "parts").iterdir()), "the parts are temporary"
     assert data_products({"corpus": {"jobs": 1}}) == data_products({"corpus": {"jobs": 3}}), "jobs is no data key"
     assert outputs[3] == outputs[1]
+
+
+def test_a_missing_tokenizer_path_names_the_data_product_target_that_builds_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trained = data_products()  # the tiny config trains its tokenizer: tokenizer.path is null
+    own = f"results/{trained.tokenizer}"
+    # where a run kept its tokenizer before tokenizers were data products: the folder this config's settings train
+    problem = missing_tokenizer_problem("results/other-run/tokenizer", trained)
+    assert problem.startswith("tokenizer.path results/other-run/tokenizer: run 'other-run' keeps no tokenizer there")
+    assert f"its tokenizer is {own}, built by: snakemake --cores all --configfile <this config's files> -- " \
+           f"{own}/tokenizer.json" in problem
+    assert "--config name=other-run --until train_tokenizer" in problem
+    assert "-- results/other-run/tokenizer" not in problem, "the old layout is never a target"
+    # once that run has planned, its plan names the tokenizer it reads
+    plan = tmp_path / "results" / "other-run" / "train" / "plan.json"
+    plan.parent.mkdir(parents=True)
+    plan.write_text(json.dumps({"data": {"tokenizer": "results/data/corpus-a/tokenizer-b"}}))
+    assert missing_tokenizer_problem("results/other-run/tokenizer", trained).endswith(
+        "Run 'other-run' reads results/data/corpus-a/tokenizer-b: set tokenizer.path to that folder")
+    # a data product no run has built: its own target; this config's own tokenizer: leave the key out
+    problem = missing_tokenizer_problem("results/data/corpus-a/tokenizer-b", trained)
+    assert problem.endswith("-- results/data/corpus-a/tokenizer-b/tokenizer.json")
+    assert "leave tokenizer.path out" in missing_tokenizer_problem(own, trained)
+    # what exists, lies outside results/, or is another run's export is not this check's
+    (tmp_path / own).mkdir(parents=True)
+    assert missing_tokenizer_problem(own, trained) is None
+    assert missing_tokenizer_problem(str(tmp_path / "elsewhere"), trained) is None
+    assert missing_tokenizer_problem("results/other-run/train/hf", trained) is None
+
+
+def test_the_dry_run_stops_on_a_tokenizer_path_under_results_data_that_is_not_built(tmp_path):
+    overlay = write_yaml(tmp_path / "overlay.yaml", {"name": "itest-missing-tokenizer",
+                                                      "tokenizer": {"path": "results/data/corpus-x/tokenizer-y"}})
+    proc = run_snakemake(workflow_dir(tmp_path / "workflow"), "-n", configfiles=(TINY_CONFIG, overlay), check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "tokenizer.path results/data/corpus-x/tokenizer-y: no run has built that tokenizer yet" in out, out[-3000:]
+    assert "-- results/data/corpus-x/tokenizer-y/tokenizer.json" in out and "run 'data'" not in out

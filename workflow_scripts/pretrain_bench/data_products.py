@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from .config_types import CorpusSettings, ShardSettings, TokenizerSettings
 
@@ -112,3 +113,53 @@ class DataProducts:
         """What a run's plan, summary and model card say of its data: the id and each product's folder."""
         return {"data_id": self.data_id, "corpus": f"results/{self.corpus}", "tokenizer": f"results/{self.tokenizer}",
                 "shards": f"results/{self.shards}"}
+
+
+def missing_tokenizer_problem(path: str | None, trained: DataProducts) -> str | None:
+    """Why tokenizer.path cannot be adopted yet when it names a missing folder under results/ where a tokenizer is a
+    data product, with the target that builds it; None otherwise (it exists, lies outside results/, or names another
+    run's output, such as its HF export, which the workflow checks as such). `trained`: the data products of this
+    config with tokenizer.path left out, whose tokenizer is the one its own corpus and tokenizer settings train.
+
+    Two such places: a tokenizer folder under results/data/ that no run has built yet, and results/<run>/tokenizer,
+    where a run kept its tokenizer before tokenizers became data products."""
+    if not path or path.startswith("hf://"):
+        return None
+    folder = Path(path.removeprefix("file://"))
+    try:
+        parts = folder.resolve().relative_to(Path("results").resolve()).parts
+    except ValueError:
+        return None
+    if folder.exists() or len(parts) < 2:
+        return None
+    own = f"results/{trained.tokenizer}"
+    if parts[0] == "data":
+        product = "/".join(parts[:3])
+        build = ("leave tokenizer.path out: this config's own corpus and tokenizer settings train it"
+                 if f"results/{product}" == own else
+                 "build it with the config files whose corpus and tokenizer settings give that id:\n  snakemake "
+                 f"--cores all --configfile <those config files> -- results/{product}/tokenizer.json")
+        return f"tokenizer.path {path}: no run has built that tokenizer yet (no {folder}); {build}"
+    if parts[1] != "tokenizer":
+        return None
+    run = parts[0]
+    where = (f"tokenizer.path {path}: run {run!r} keeps no tokenizer there; a tokenizer is a data product, under "
+             "results/data/corpus-<c>/tokenizer-<t>/ by the digest of the settings that shape it, shared by every "
+             "run with the same data settings")
+    recorded = _planned_tokenizer(Path("results", run, "train", "plan.json"))
+    if recorded:
+        return f"{where}. Run {run!r} reads {recorded}: set tokenizer.path to that folder"
+    build = "" if Path(own).exists() else (
+        f", built by: snakemake --cores all --configfile <this config's files> -- {own}/tokenizer.json")
+    return (f"{where}. If run {run!r} has this config's corpus and tokenizer settings, its tokenizer is {own}{build}; "
+            f"otherwise build run {run!r}'s with its config files and set tokenizer.path to the folder Snakemake "
+            f"names:\n  snakemake --cores all --configfile <its config files> --config name={run} --until "
+            "train_tokenizer")
+
+
+def _planned_tokenizer(plan: Path) -> str | None:
+    """The tokenizer folder a run's plan.json names (its data record), None without one."""
+    try:
+        return json.loads(plan.read_text())["data"]["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
