@@ -7,8 +7,10 @@ log = logging.getLogger("pretrain_bench.build_report")
 
 def main(summary, metrics, evals, matrix, bench, out_md, out_html, plot_dir, target_corpus_tokens, lm_eval=(),
          peak=None, gpu_hour_price=None):
+    from pretrain_bench.logs import log_startup
     from pretrain_bench.report import build_report
 
+    log_startup("first work")
     build_report(Path(summary), Path(metrics), [Path(p) for p in evals], Path(out_md), Path(out_html),
                  Path(plot_dir), target_corpus_tokens=target_corpus_tokens, matrix_path=_single(matrix),
                  bench_paths=[Path(p) for p in bench], lm_eval_paths=[Path(p) for p in lm_eval],

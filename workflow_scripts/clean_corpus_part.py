@@ -4,6 +4,7 @@ from pathlib import Path
 from pretrain_bench.config_types import CorpusSettings
 from pretrain_bench.corpus_parts import clean_part
 from pretrain_bench.data_products import CORPUS_EXECUTION_KEYS
+from pretrain_bench.logs import log_startup
 from pretrain_bench.state_lock import stage_job_log
 
 
@@ -12,6 +13,7 @@ def main(log_path: str, folder: str, corpus: dict, cache_dir: str, *, part: int,
     settings = CorpusSettings.from_config(corpus).as_dict()
     cleaning = {key: value for key, value in settings.items() if key not in CORPUS_EXECUTION_KEYS}
     with stage_job_log(log_path, "clean_corpus_part"):
+        log_startup("first work")
         return clean_part(folder=Path(folder), part=part, parts=parts, cache_dir=Path(cache_dir), **cleaning)
 
 

@@ -9,6 +9,7 @@ from pretrain_bench.config_types import CorpusSettings
 from pretrain_bench.corpus import build_corpus
 from pretrain_bench.corpus_parts import merge_parts
 from pretrain_bench.data_products import CORPUS_EXECUTION_KEYS
+from pretrain_bench.logs import log_startup
 from pretrain_bench.state_lock import stage_job_log
 
 
@@ -20,6 +21,7 @@ def main(log_path: str, out_dir: str, corpus: dict, cache_dir: str, parts: int =
     settings = CorpusSettings.from_config(corpus).as_dict()
     cleaning = {key: value for key, value in settings.items() if key not in CORPUS_EXECUTION_KEYS}
     with stage_job_log(log_path, "download_corpus"):
+        log_startup("first work")
         if parts > 1:
             return merge_parts(folder=Path(part_folder), out_dir=Path(out_dir), parts=parts, **cleaning)
         return build_corpus(out_dir=Path(out_dir), cache_dir=Path(cache_dir), **cleaning)

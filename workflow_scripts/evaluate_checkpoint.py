@@ -47,7 +47,10 @@ def main(plan_path, index_path, step, export_dir, eval_path, *, settings, lock_d
 
 
 if "snakemake" in globals():
+    from pretrain_bench.launcher import skip_unchosen_trackers
     from pretrain_bench.logs import exit_without_teardown, job_log
+
+    skip_unchosen_trackers(())  # this job logs to no tracker; DeepSpeed's checkpoint reader would import mlflow
 
     with job_log(snakemake.log[0], "evaluate_checkpoint"):  # noqa: F821
         params, inputs, outputs = snakemake.params, snakemake.input, snakemake.output  # noqa: F821

@@ -20,7 +20,10 @@ def main(plan_path, step, out_dir, dtype, threads):
 
 
 if "snakemake" in globals():
+    from pretrain_bench.launcher import skip_unchosen_trackers
     from pretrain_bench.logs import exit_without_teardown, job_log
+
+    skip_unchosen_trackers(())  # this job logs to no tracker; DeepSpeed's checkpoint reader would import mlflow
 
     with job_log(snakemake.log[0], "export_final"):  # noqa: F821
         main(snakemake.input.plan, snakemake.params.step, snakemake.output[0],  # noqa: F821

@@ -2,10 +2,12 @@
 
 from pathlib import Path
 
+from pretrain_bench.logs import log_startup
 from pretrain_bench.shards import build_index
 
 
 def main(sidecars: list[str], index_json: str) -> None:
+    log_startup("first work")
     build_index([Path(path) for path in sidecars], Path(index_json))
 
 

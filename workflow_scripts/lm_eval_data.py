@@ -8,7 +8,9 @@ log = logging.getLogger("pretrain_bench.lm_eval_data")
 
 def main(val_path, out_dir):
     from pretrain_bench.harness import build_task_data
+    from pretrain_bench.logs import log_startup
 
+    log_startup("first work")
     counts = build_task_data(Path(val_path), Path(out_dir))
     log.info("%s", json.dumps(counts, indent=2))
 

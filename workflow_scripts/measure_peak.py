@@ -7,8 +7,10 @@ log = logging.getLogger("pretrain_bench.measure_peak")
 
 
 def main(device, precision, lock_dir, out_path):
+    from pretrain_bench.logs import log_startup
     from pretrain_bench.peak import measure_hardware_peak
 
+    log_startup("first work")
     result = measure_hardware_peak(device, precision, Path(lock_dir))
     Path(out_path).write_text(json.dumps(result, indent=2))
     log.info("%s", json.dumps(result, indent=2))

@@ -4,8 +4,10 @@ from pathlib import Path
 
 
 def main(config, cell, index, tokenizer, peak, out_dir, state_dir, plan_path, data=None):
+    from pretrain_bench.logs import log_startup
     from pretrain_bench.plan import make_plan
 
+    log_startup("first work")
     plan = make_plan(config, index=Path(index), tokenizer=Path(tokenizer).parent, out_dir=Path(out_dir),
                      state_dir=Path(state_dir), role="bench", resume=False, save_checkpoints=False,
                      peak=json.loads(Path(peak).read_text()), cell=cell, data=data)

@@ -7,9 +7,11 @@ log = logging.getLogger("pretrain_bench.plan_pretrain")
 
 
 def main(config, index, tokenizer, peak, out_dir, state_dir, plan_path, manifest=None, data=None):
+    from pretrain_bench.logs import log_startup
     from pretrain_bench.memory_fit import summary_line
     from pretrain_bench.plan import make_plan
 
+    log_startup("first work")
     plan = make_plan(config, index=Path(index), tokenizer=Path(tokenizer).parent, out_dir=Path(out_dir),
                      state_dir=Path(state_dir), peak=json.loads(Path(peak).read_text()),
                      manifest=Path(manifest) if manifest else None, data=data)

@@ -27,14 +27,17 @@ def main(argv=None) -> int:
     # Pinned before torch is imported: threads started later (OpenMP's, gloo's) inherit this rank's cores.
     pin_rank(launch, int(os.environ.get("LOCAL_RANK", 0)))
 
-    from pretrain_bench.checkpoint import CheckpointError
-    from pretrain_bench.launcher import wait_out_stale_build_locks
+    from pretrain_bench.launcher import skip_unchosen_trackers, wait_out_stale_build_locks
     from pretrain_bench.plan import Plan, RunContext
+
+    plan = Plan.from_json(args.plan)
+    skip_unchosen_trackers(plan.train.loggers)  # before anything imports DeepSpeed
+
+    from pretrain_bench.checkpoint import CheckpointError
     from pretrain_bench.rank import TrainingAborted
     from pretrain_bench.trainer import run_training
 
     wait_out_stale_build_locks()  # DeepSpeed loads its CPU op behind torch's build lock in every rank
-    plan = Plan.from_json(args.plan)
     device = launch.device  # what the launcher resolved device_request to
     if device == "cuda":
         import torch

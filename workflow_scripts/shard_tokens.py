@@ -3,6 +3,7 @@
 import os
 from pathlib import Path
 
+from pretrain_bench.logs import log_startup
 from pretrain_bench.shards import encode_shard
 
 
@@ -10,6 +11,7 @@ def main(corpus_jsonl: str, tokenizer_json: str, out_bin: str, out_json: str, *,
          count: int, threads: int) -> None:
     # The tokenizer's Rust thread pool sizes itself from this on first use: stay within the job's cores.
     os.environ["RAYON_NUM_THREADS"] = str(threads)
+    log_startup("first work")
     encode_shard(Path(corpus_jsonl), Path(tokenizer_json).parent, Path(out_bin), Path(out_json), split=split,
                  index=int(shard), count=count)
 

@@ -3,6 +3,7 @@
 import os
 from pathlib import Path
 
+from pretrain_bench.logs import log_startup
 from pretrain_bench.tokenizer import train_tokenizer
 
 
@@ -10,6 +11,7 @@ def main(train_jsonl: str, tokenizer_json: str, *, vocab_size: int, train_bytes:
          threads: int) -> None:
     # The Rust trainer sizes its thread pool from this on first use: stay within the job's cores.
     os.environ["RAYON_NUM_THREADS"] = str(threads)
+    log_startup("first work")
     train_tokenizer(Path(train_jsonl), Path(tokenizer_json).parent, vocab_size=vocab_size, train_bytes=train_bytes,
                     path=path)
 

@@ -9,7 +9,9 @@ log = logging.getLogger("pretrain_bench.write_bench_matrix")
 def main(matrix, model, vocab_size, grad_accum_steps, peak_path, out_path):
     from pretrain_bench.bench_matrix import time_estimate
     from pretrain_bench.config_types import ModelSettings
+    from pretrain_bench.logs import log_startup
 
+    log_startup("first work")
     model = ModelSettings.from_config(model)
     peak = json.loads(Path(peak_path).read_text())
     matrix = {**matrix, "peak": peak, "cells": [

@@ -5,6 +5,7 @@ The graph is read from the source with ast: an edge for every import of a packag
 at module level, in class bodies and under module-level if/try/with, not inside functions (a deferred import runs
 when the function is first called, after every module has finished importing)."""
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +127,87 @@ def test_every_module_imports_in_a_fresh_interpreter():
     proc = subprocess.run([sys.executable, "-c", script, *sorted(import_graph(PACKAGE_DIR))], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# What starting a process costs: most of it is importing torch, DeepSpeed and transformers (seconds each on 2 cores),
+# so a process imports them only where it uses them.
+HEAVY = ("torch", "deepspeed", "transformers", "lm_eval", "mlflow", "wandb")
+SCRIPTS_DIR = PACKAGE_DIR.parent
+# The rule scripts of the data, plan, matrix and report jobs and the launcher: no model, so none of HEAVY.
+LIGHT_SCRIPTS = ("download_corpus", "clean_corpus_part", "train_tokenizer", "shard_tokens", "index_shards",
+                 "lm_eval_data", "plan_pretrain", "plan_bench_cell", "write_bench_matrix", "build_report", "launch")
+# Library modules that such processes (and every process, for logging and files) import: none of HEAVY at import.
+LIGHT_MODULES = ("logs", "io", "progress", "plan", "config", "config_types", "settings", "launcher", "run_context",
+                 "devices", "state_lock", "export", "harness", "model", "metrics", "trackers", "eval_inputs",
+                 "memory_fit", "memory_model", "bench_matrix", "data_products", "corpus", "corpus_parts", "shards",
+                 "tokenizer", "report", "model_card", "flops")
+
+
+def script_imports(path: Path) -> set[str]:
+    """The package modules (dotted, from `pretrain_bench.`) a rule script imports anywhere: at module level and in
+    its functions (what its work imports when it runs)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == PACKAGE:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == PACKAGE}
+    return found
+
+
+def heavy_after(code: str) -> list[str]:
+    """The HEAVY libraries loaded after a fresh interpreter runs `code` (None in sys.modules counts as not loaded)."""
+    script = code + f"\nimport sys\nprint(' '.join(n for n in {HEAVY!r} if sys.modules.get(n) is not None))\n"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split()
+
+
+def test_light_scripts_and_modules_import_no_model_library():
+    """A data, plan, matrix or report job, and the launcher, imports no torch, DeepSpeed, transformers or lm-eval:
+    neither at the top of its script nor in what its work imports, nor does any light library module at import."""
+    lines = ["import importlib.util"]
+    for name in LIGHT_SCRIPTS:
+        path = SCRIPTS_DIR / f"{name}.py"
+        lines.append(f"spec = importlib.util.spec_from_file_location({name!r}, {str(path)!r})")
+        lines.append("spec.loader.exec_module(importlib.util.module_from_spec(spec))")
+        lines += [f"import {module}" for module in sorted(script_imports(path))]
+    lines += [f"import pretrain_bench.{module}" for module in LIGHT_MODULES]
+    assert heavy_after("\n".join(lines)) == []
+    assert {"pretrain_bench.plan", "pretrain_bench.report"} <= set().union(
+        *(script_imports(SCRIPTS_DIR / f"{name}.py") for name in LIGHT_SCRIPTS)), "the scripts' imports were read"
+
+
+def test_a_heavy_import_is_seen():
+    """The check above fails where a module does import one of them."""
+    assert heavy_after("import pretrain_bench.loader") == ["torch"]
+
+
+def test_a_rank_imports_no_unchosen_tracker():
+    """DeepSpeed's import tries mlflow (its autotuner); a rank whose train.loggers leave it out never loads it (nor
+    wandb), and one that chooses it keeps it importable."""
+    skip = "from pretrain_bench.launcher import skip_unchosen_trackers\nskip_unchosen_trackers({!r})\n"
+    assert heavy_after(skip.format(("tensorboard",)) + "import deepspeed") == ["torch", "deepspeed"]
+    assert heavy_after(skip.format(("mlflow",)) + "import mlflow") == ["mlflow"]
+
+
+def test_a_startup_record_is_logged_once_and_read_back(caplog):
+    """log_startup: one record per `what` and process, launched before reached, its parents' launches before its
+    own; read_startups finds it in a job log's formatted line."""
+    import logging
+
+    import psutil
+
+    from pretrain_bench.logs import FORMAT, HEAVY_LIBRARIES, log_startup, read_startups
+
+    with caplog.at_level(logging.INFO, logger="pretrain_bench.logs"):
+        record = log_startup("a test's first work", parents=1, rank=2)
+        assert log_startup("a test's first work") is None, "a second call of the same mark logs nothing"
+    assert record["rank"] == 2 and record["pid"] == os.getpid()
+    assert record["launched"] == psutil.Process().create_time() <= record["reached"]
+    assert record["startup_s"] == round(record["reached"] - record["launched"], 3)
+    assert record["parents_launched"] == [psutil.Process().parent().create_time()] <= [record["launched"]]
+    assert record["imported"] == [name for name in HEAVY_LIBRARIES if sys.modules.get(name) is not None]
+    lines = [logging.Formatter(FORMAT).format(entry) for entry in caplog.records]
+    assert len(lines) == 1 and read_startups("other line\n" + "\n".join(lines) + "\n") == [record]

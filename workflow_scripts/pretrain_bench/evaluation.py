@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from .config_types import default_field
 from .devices import GPU_LOCK_DIR
 from .io import atomic_write_json
+from .logs import log_startup
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +266,7 @@ def evaluate_export(export_dir: Path, index_path: Path, out_path: Path, settings
           else loaded_export(export_dir, settings.device, settings.precision, lock_dir)) as loaded:
         model, tokenizer = loaded.model, loaded.tokenizer
         byte_lengths, exact = _token_byte_lengths(Path(export_dir), model.config.vocab_size)
+        log_startup("first token evaluated")
         result = evaluate_model(model, data, byte_lengths, max_tokens=settings.max_tokens,
                                 batch_size=settings.batch_size)
         generations = generate_continuations(model, tokenizer, settings.prompts, settings.generation,

@@ -118,7 +118,10 @@ def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Pa
 
 def export_checkpoint(plan, step: int, target: Path, *, dtype: str = "fp32") -> dict:
     """Export checkpoint `step` of the run described by plan (plan.json) to `target`; returns its description."""
+    from .logs import log_startup
     from .plan import plan_shape
+
+    log_startup("first work")
 
     index = json.loads(Path(plan.paths.index).read_text())
     shape = plan_shape(plan, index["vocab_size"])

@@ -203,6 +203,21 @@ def wait_out_stale_build_locks(max_age_s: float = STALE_EXTENSION_LOCK_S) -> Non
     file_baton.FileBaton.wait = wait
 
 
+def skip_unchosen_trackers(loggers) -> list[str]:
+    """In a rank, before DeepSpeed is imported: make the optional tracker packages (trackers.OPTIONAL_PACKAGES) the
+    run does not log to unimportable (None in sys.modules), so that a library's `try: import mlflow` fails at once.
+    Every `import deepspeed` loads its autotuner, which tries mlflow that way only to log autotuning, which the
+    pipeline never runs: where mlflow-skinny is installed (the trackers extra) that import was most of DeepSpeed's
+    and about 2 s of every rank's start on 2 cores. Hand-written because DeepSpeed has no switch for it. A package
+    already imported, or chosen in train.loggers, is left alone. Returns the packages so marked."""
+    from .trackers import OPTIONAL_PACKAGES
+
+    skipped = [module for name, (module, _) in OPTIONAL_PACKAGES.items()
+               if name not in loggers and module not in sys.modules]
+    sys.modules.update(dict.fromkeys(skipped))
+    return skipped
+
+
 def rank_environment(context: LaunchContext, base: dict) -> dict:
     """Environment for the ranks of one job: what the libraries they load read (OpenMP, tokenizers, DeepSpeed). The
     launcher's own decisions reach the ranks as their --context (LaunchContext), not through the environment."""

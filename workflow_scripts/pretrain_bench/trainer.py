@@ -37,6 +37,7 @@ from .engines import Engine, EngineRun, engine_class
 from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .heldout import HeldOutSlice
 from .io import atomic_write_json, read_jsonl
+from .logs import log_startup
 from .metrics import (
     MetricsSink,
     load_average,
@@ -140,6 +141,7 @@ class Trainer:
         self.run_start = time.perf_counter()
         with MetricsSink(self.metrics_path, self.state_dir, self.start_step, enabled=self.rank == 0,
                          loggers=self.settings.loggers, run=self.tracked_run()) as sink:
+            log_startup("first training step", parents=2, rank=self.rank)  # and its torchrun agent's and launcher's
             for step in range(self.start_step + 1, self.total_steps + 1):
                 skipped_before = self.engine.skipped_steps
                 comm_before = self.engine.comm_ms() if self.measure_comm else None
