@@ -1,6 +1,7 @@
 """train.engine on CPU through the real launcher: DeepSpeed, DDP and FSDP train the same work, DDP reproduces
 DeepSpeed ZeRO-0's losses, DDP and FSDP resume exactly after kill -9, and every engine's checkpoint exports."""
 import json
+import shutil
 
 import pytest
 
@@ -86,17 +87,20 @@ def test_kill_9_then_rerun_resumes_with_identical_losses(data, trained, tmp_path
     assert losses(crashed) == losses(reference), "every per-step loss equals the uninterrupted run, bit for bit"
 
 
-def test_ddp_resumes_at_another_world_size_without_conversion(data, tmp_path):
-    """DDP's checkpoint is world-size independent: train.allow_reshape resumes it directly (no universal copy)."""
+def test_ddp_resumes_at_another_world_size_without_conversion(data, trained, tmp_path):
+    """DDP's checkpoint is world-size independent: train.allow_reshape resumes it directly (no universal copy). The
+    3-rank run resumed is a copy of the module's finished DDP run (12 steps)."""
     run_dir = tmp_path / "run"
-    assert run(plan_for(data, run_dir, max_steps=4, **ENGINES["ddp"]), 3, tmp_path / "a.log") == 0
-    plan = plan_for(data, run_dir, max_steps=8, gpus=2, global_batch_size=None, allow_reshape=True,
+    shutil.copytree(trained / "ddp" / "state", run_dir / "state", symlinks=True)
+    plan = plan_for(data, run_dir, max_steps=STEPS + 4, gpus=2, global_batch_size=None, allow_reshape=True,
                     **ENGINES["ddp"])
     assert run(plan, 2, tmp_path / "b.log") == 0, (tmp_path / "b.log").read_text()[-3000:]
+    assert "saved at world size 3, now 2" in (tmp_path / "b.log").read_text()
     summary = json.loads((run_dir / "out" / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["resumed_from_step"] == 4
-    assert not (run_dir / "state" / "checkpoints" / "step4-universal").exists()
-    assert len(losses(run_dir)) == 8
+    assert summary["world_size"] == 2 and summary["resumed_from_step"] == STEPS
+    assert not list((run_dir / "state" / "checkpoints").glob("*-universal"))
+    assert len(losses(run_dir)) == STEPS + 4
+    assert losses(run_dir)[:STEPS] == losses(trained / "ddp"), "the 3-rank steps are kept as they were"
 
 
 def test_keys_an_engine_cannot_honour_are_refused_before_launch(data, tmp_path):
