@@ -59,7 +59,10 @@ def test_cpu_leaves_out_nccl_and_fp16_with_the_reason():
     assert by_name["ranks2-zero1-fp32-nccl"]["status"] == "unsupported"
     assert "nccl needs CUDA" in by_name["ranks2-zero1-fp32-nccl"]["reason"]
     assert "fp16 is not supported on a CPU run" in by_name["ranks2-zero1-fp16-gloo"]["reason"]
-    assert sorted(runnable(matrix)) == sorted(f"ranks{g}-zero{z}-fp32-gloo" for g in (1, 2, 3) for z in (1, 2))
+    # the plain single-device baseline of each precision, fp16's left out like the other fp16 cells
+    assert "fp16 is not supported on a CPU run" in by_name["ddp-ranks1-fp16-gloo"]["reason"]
+    assert sorted(runnable(matrix)) == sorted([f"ranks{g}-zero{z}-fp32-gloo" for g in (1, 2, 3) for z in (1, 2)]
+                                              + ["ddp-ranks1-fp32-gloo"])
     for entry in matrix["cells"]:
         assert (entry["estimate"] is not None) == (entry["status"] == "run")
 
@@ -99,7 +102,11 @@ def articles_box_matrix(monkeypatch, **bench):
 def test_default_matrix_runs_zero2_offload_with_checkpointing_on_the_articles_box(monkeypatch):
     matrix = articles_box_matrix(monkeypatch)
     assert matrix["budget"]["device_bytes"] == 24 * GIB and matrix["budget"]["host_bytes"] == 128 * GIB
-    assert len(matrix["cells"]) == 16  # 1/3 GPUs × ZeRO-2/3 × nccl/gloo × offload or not, all checkpointed
+    # 1/3 GPUs × ZeRO-2/3 × nccl/gloo × offload or not, all checkpointed, and the plain single-device baseline
+    assert len(matrix["cells"]) == 16 + 1
+    baseline = matrix["cells"][16]
+    assert (baseline["cell"], baseline["origin"], baseline["status"]) == ("ddp-ranks1-fp16-nccl-ckpt", "baseline",
+                                                                          "predicted_oom")
     # what the main run's memory_fit: auto chooses (ZeRO-2 + CPU optimizer offload + activation checkpointing),
     # compared on 1 vs 3 cards and over NCCL vs Gloo
     assert sorted(runnable(matrix)) == sorted(f"ranks{g}-zero2-fp16-{b}-offload-ckpt" for g in (1, 3)
@@ -141,15 +148,15 @@ def test_the_dry_run_says_how_many_cells_fit_and_why_the_others_do_not(monkeypat
     config = merged()
     line = dry_run_matrix_line(articles_box_matrix(monkeypatch), config)
     assert "benchmark matrix (12 launches): ~ " in line  # 4 cells × 3 repeats
-    assert line.endswith("; 4 of 16 cells run, left out: 12 predicted not to fit 24.0 GiB per GPU (assumed) / 128.0 "
-                         "GiB host RAM (assumed) (8 short of GPU memory, 4 short of host RAM) (each with its reason in "
+    assert line.endswith("; 4 of 17 cells run, left out: 13 predicted not to fit 24.0 GiB per GPU (assumed) / 128.0 "
+                         "GiB host RAM (assumed) (9 short of GPU memory, 4 short of host RAM) (each with its reason in "
                          "bench/matrix.json)")
     # nothing fits: never "off", but how many were declared, why none runs and how to launch them anyway
     nothing = articles_box_matrix(monkeypatch, matrix={"activation_checkpointing": [False]})
     line = dry_run_matrix_line(nothing, config)
     assert "off" not in line
-    assert line.endswith("benchmark matrix (0 launches): 0 of 16 cells run: 16 predicted not to fit 24.0 GiB per "
-                         "GPU (assumed) / 128.0 GiB host RAM (assumed) (12 short of GPU memory, 4 short of host "
+    assert line.endswith("benchmark matrix (0 launches): 0 of 17 cells run: 17 predicted not to fit 24.0 GiB per "
+                         "GPU (assumed) / 128.0 GiB host RAM (assumed) (13 short of GPU memory, 4 short of host "
                          "RAM), set benchmark.force: true to launch them anyway (each with its reason in "
                          "bench/matrix.json)")
     off = articles_box_matrix(monkeypatch, enabled=False)
@@ -190,7 +197,8 @@ def test_forty_eight_cells_are_planned_in_milliseconds():
                           "comm_backend": ["gloo", "nccl"]})
     started = time.perf_counter()
     matrix = plan_matrix(config, budget=CPU_BUDGET)
-    assert len(matrix["cells"]) == 48 and time.perf_counter() - started < 0.5
+    # 48 declared and a plain single-device baseline per precision
+    assert len(matrix["cells"]) == 48 + 2 and time.perf_counter() - started < 0.5
 
 
 def test_cell_plan_rederives_the_batch_and_keeps_no_state(tmp_path):
@@ -233,7 +241,8 @@ def test_search_adds_the_setups_predicted_to_fit_up_to_the_micro_batch_limit():
     matrix = plan_matrix(config, budget=budget)
     declared = [e for e in matrix["cells"] if e["origin"] == "declared"]
     found = [e for e in matrix["cells"] if e["origin"] == "search"]
-    assert len(declared) == len(plan_matrix(tiny(matrix={"comm_backend": ["gloo"]}), budget=budget)["cells"])
+    unsearched = plan_matrix(tiny(matrix={"comm_backend": ["gloo"]}), budget=budget)["cells"]
+    assert len(declared) == len([e for e in unsearched if e["origin"] == "declared"])
     assert found and not {e["cell"] for e in found} & {e["cell"] for e in declared}
     assert {e["engine"] for e in found} == {"deepspeed", "ddp", "fsdp"}
     assert {e["zero_stage"] for e in found if e["engine"] == "deepspeed"} == {0, 1, 2, 3}
@@ -256,8 +265,8 @@ def test_search_adds_the_setups_predicted_to_fit_up_to_the_micro_batch_limit():
     # 3 ranks at the main run's micro-batch do not fit 1.9 GiB: what the search keeps there is smaller or checkpointed
     assert all(e["status"] == "predicted_oom" for e in declared if e["gpus"] == 3)
     assert all(e["micro_batch_size"] < main_mb or e["activation_checkpointing"] for e in found if e["gpus"] == 3)
-    # off by default: the matrix is the declared cells only
-    assert all(e["origin"] == "declared" for e in plan_matrix(tiny(), budget=budget)["cells"])
+    # off by default: the matrix is the declared cells (and the plain single-device baseline) only
+    assert all(e["origin"] != "search" for e in plan_matrix(tiny(), budget=budget)["cells"])
 
 
 def test_the_dry_run_lists_every_declared_cell_with_its_fate_and_reason(monkeypatch):
@@ -265,11 +274,14 @@ def test_the_dry_run_lists_every_declared_cell_with_its_fate_and_reason(monkeypa
 
     matrix = articles_box_matrix(monkeypatch)
     lines = cells_text(matrix).splitlines()
-    assert lines[0] == ("benchmark cells: 16 declared, judged against 24.0 GiB per GPU (assumed) / 128.0 GiB host RAM "
-                        "(assumed) (assumed: benchmark.device_memory_gib, no GPU detected here; host RAM: assumed: "
+    assert lines[0] == ("benchmark cells: 16 declared + 1 plain single-device baseline (DDP on one rank), judged "
+                        "against 24.0 GiB per GPU (assumed) / 128.0 GiB host RAM (assumed) (assumed: "
+                        "benchmark.device_memory_gib, no GPU detected here; host RAM: assumed: "
                         "benchmark.host_memory_gib, no GPU detected here):")
     listed = dict(line.strip().split(": ", 1) for line in lines[1:])
-    assert list(listed) == [e["cell"] for e in matrix["cells"]]
+    baseline = "ddp-ranks1-fp16-nccl-ckpt [plain single-device baseline]"
+    assert list(listed) == [e["cell"] for e in matrix["cells"][:-1]] + [baseline]
+    listed[matrix["cells"][-1]["cell"]] = listed.pop(baseline)
     for entry in matrix["cells"]:
         text = listed[entry["cell"]]
         if entry["status"] == "run":
@@ -288,7 +300,10 @@ def test_the_dry_run_lists_every_declared_cell_with_its_fate_and_reason(monkeypa
     assert "ranks2-zero1-fp32-nccl: not supported here: comm_backend nccl needs CUDA GPUs" in cells_text(nccl)
     searched = cells_text(plan_matrix(tiny(search=True), budget=CPU_BUDGET))
     assert "found by benchmark.search" in searched.splitlines()[0]
-    assert "ddp-ranks1-fp32-gloo [benchmark.search]: runs: predicted to fit: " in searched
+    assert "fsdp-ranks1-fp32-gloo [benchmark.search]: runs: predicted to fit: " in searched
+    # the search adds no second copy of the plain single-device baseline
+    assert "ddp-ranks1-fp32-gloo [plain single-device baseline]: runs: predicted to fit: " in searched
+    assert searched.count("ddp-ranks1-fp32-gloo ") == 1
     # the peak of a GPU that is not here is a datasheet figure for benchmark.assumed_gpu: labelled assumed
     monkeypatch.setattr(devices, "gpu_names", lambda: [])
     config = merged()
@@ -300,3 +315,30 @@ def test_the_dry_run_lists_every_declared_cell_with_its_fate_and_reason(monkeypa
                                      ModelSettings.from_config(config["model"]), 102_400, flops, source))
     assert f"TFLOP/s per rank (assumed: {source})" in text
     assert "not estimated: the corpus download, tokenizer training and sharding" in text
+
+
+def test_a_matrix_that_measures_scaling_gets_a_plain_single_device_baseline(monkeypatch):
+    # the tiny matrix (1-3 ranks, DeepSpeed only): DDP on one rank, at its precision, micro-batch and checkpointing
+    matrix = plan_matrix(tiny(), budget=CPU_BUDGET)
+    baselines = [e for e in matrix["cells"] if e["origin"] == "baseline"]
+    assert [(e["cell"], e["engine"], e["gpus"], e["zero_stage"], e["status"]) for e in baselines] == [
+        ("ddp-ranks1-fp32-gloo", "ddp", 1, 0, "run")]
+    assert "ddp-ranks1-fp32-gloo" in runnable(matrix)
+    # none where the matrix declares one (any backend or micro-batch), or measures no scaling (one rank only)
+    declared = plan_matrix(tiny(matrix={"engine": ["deepspeed", "ddp"], "comm_backend": ["gloo"]}), budget=CPU_BUDGET)
+    assert all(e["origin"] == "declared" for e in declared["cells"])
+    assert all(e["origin"] == "declared" for e in plan_matrix(tiny(matrix={"gpus": [1]}), budget=CPU_BUDGET)["cells"])
+    # only many-rank cells: the baseline is the only 1-rank cell; on CUDA over the matrix's first backend
+    config = tiny(matrix={"gpus": [2], "precision": ["bf16"], "comm_backend": ["nccl", "gloo"]})
+    config["train"]["device"] = "cuda"
+    gpus = Budget("cuda", 24 * GIB, "test", 128 * GIB, "test", gpu_count=3)
+    cuda = plan_matrix(config, budget=gpus)
+    assert [e["cell"] for e in cuda["cells"] if e["origin"] == "baseline"] == ["ddp-ranks1-bf16-nccl"]
+    # the articles' box: 7B's replicated 16Ψ does not fit one 24 GiB card, and the dry run says so
+    box = articles_box_matrix(monkeypatch)
+    (plain,) = [e for e in box["cells"] if e["origin"] == "baseline"]
+    assert plain["status"] == "predicted_oom" and plain["short_of"] == ["GPU memory"]
+    from pretrain_bench.bench_matrix import cells_text
+
+    assert (f"  {plain['cell']} [plain single-device baseline]: predicted not to fit: needs "
+            in cells_text(box))

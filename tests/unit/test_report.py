@@ -546,3 +546,19 @@ def test_a_backend_comparison_under_load_is_flagged_at_a_glance():
                 if text.startswith("NCCL vs Gloo"))
     assert line == ("NCCL vs Gloo at 2 ranks, ZeRO-2: NCCL 30.0% faster [⚠ load above the 2 cores (1-min 0.50 before, "
                     "4.20 after)]")
+
+
+def test_the_report_says_whether_the_plain_single_device_run_was_measured():
+    from pretrain_bench.report import plain_baseline_text
+
+    plain = {**entry(1, 0), "cell": "ddp-ranks1-fp32-gloo", "engine": "ddp", "origin": "baseline"}
+    matrix = {**MATRIX, "cells": MATRIX["cells"] + [plain]}
+    assert plain_baseline_text(matrix, set(RUNS) | {plain["cell"]}).endswith(
+        "is among the measured 1-rank cells: ddp-ranks1-fp32-gloo.")
+    left_out = {**plain, "status": "predicted_oom", "reason": "predicted OOM: needs 104.3 GiB per GPU, has 24.0 GiB"}
+    text = plain_baseline_text({**MATRIX, "cells": MATRIX["cells"] + [left_out]}, set(RUNS))
+    assert text == ("The plain single-device run (DDP on one rank) was not measured (ddp-ranks1-fp32-gloo: predicted "
+                    "OOM: needs 104.3 GiB per GPU, has 24.0 GiB): the fastest 1-rank cell is the fastest of the other "
+                    "setups.")
+    assert plain_baseline_text(MATRIX, set(RUNS)).startswith("No plain single-device run (DDP on one rank)")
+    assert plain_baseline_text({**MATRIX, "cells": [entry(1, 2)]}, set(RUNS)) is None  # no scaling measured

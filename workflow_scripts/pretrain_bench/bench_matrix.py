@@ -95,6 +95,8 @@ def plan_matrix(config: dict, available_ranks: int | None = None, budget: Budget
     vocab_size = vocab_size or config_vocab_size(config)
     entries = [judge_cell(config, cell, bench, device, budget, vocab_size, available_ranks)
                for cell in cells(bench)]
+    entries += [{**judge_cell(config, cell, bench, device, budget, vocab_size, available_ranks), "origin": "baseline"}
+                for cell in baseline_cells(config, bench, device, entries)]
     if bench.enabled and bench.search:
         declared = {entry["cell"] for entry in entries}
         entries += [{**entry, "origin": "search"}
@@ -105,6 +107,24 @@ def plan_matrix(config: dict, available_ranks: int | None = None, budget: Budget
             "warmup_steps": bench.warmup_steps, "host_cores": cores, "host_cores_source": cores_source,
             "repeats": bench.repeats, "allow_concurrent": bench.allow_concurrent, "force": bench.force,
             "cells": entries}
+
+
+def baseline_cells(config: dict, bench: BenchSettings, device: str, declared: list[dict]) -> list[Cell]:
+    """A plain single-device run for each precision of a matrix that measures scaling (declares a cell of more than
+    one rank) but no 1-rank DDP cell in that precision: DDP on one rank, whose all-reduce over a single rank moves
+    nothing, so it is the plain training loop the source articles compare N cards against. The report gives every
+    speedup over the fastest measured 1-rank setup, this one among them, as well as over the engine's own 1-rank
+    cell. At the matrix's first micro-batch and activation-checkpointing values (as its other cells), over gloo on
+    CPU and the matrix's first backend on CUDA."""
+    if not any(entry["gpus"] > 1 for entry in declared):
+        return []
+    backend = "gloo" if device == "cpu" else bench.matrix["comm_backend"][0]
+    plain = {entry["precision"] for entry in declared if entry["engine"] == "ddp" and entry["gpus"] == 1}
+    names = {entry["cell"] for entry in declared}
+    found = [Cell(1, ENGINE_STAGE["ddp"], precision, backend, bench.matrix["micro_batch_size"][0], "none", "ddp",
+                  bench.matrix["activation_checkpointing"][0])
+             for precision in bench.matrix["precision"] if precision not in plain]
+    return [cell for cell in found if cell.name(config["train"]) not in names]
 
 
 def judge_cell(config: dict, cell: Cell, bench: BenchSettings, device: str, budget: Budget, vocab_size: int,
@@ -364,22 +384,28 @@ def preview_text(preview: dict) -> str:
 
 
 FATES = {"run": "runs", "predicted_oom": "predicted not to fit", "unsupported": "not supported here"}
+# How the dry run marks a cell the config did not declare: the plain single-device baseline, or one the search added.
+ORIGIN_MARKS = {"declared": "", "baseline": " [plain single-device baseline]", "search": " [benchmark.search]"}
 
 
 def cells_text(matrix: dict) -> str:
-    """Every declared cell (and every cell benchmark.search added) with its fate and the reason, for the dry run."""
+    """Every declared cell (and the plain single-device baseline and every cell benchmark.search added) with its fate
+    and the reason, for the dry run."""
     entries = matrix["cells"]
     if not entries:
         return "benchmark cells: none (benchmark.enabled: false, or an empty benchmark.matrix axis)"
     searched = sum(entry["origin"] == "search" for entry in entries)
+    baselines = sum(entry["origin"] == "baseline" for entry in entries)
     budget = matrix["budget"]
-    lines = [f"benchmark cells: {len(entries) - searched} declared"
+    lines = [f"benchmark cells: {len(entries) - searched - baselines} declared"
+             + (f" + {baselines} plain single-device baseline{'s' * (baselines > 1)} (DDP on one rank)"
+                if baselines else "")
              + (f" + {searched} found by benchmark.search" if searched else "")
              + f", judged against {budget_text(budget)} ({labelled(budget['device_source'])}"
              + (f"; host RAM: {labelled(budget['host_source'])}" if budget["device"] == "cuda" else "") + "):"]
     for entry in entries:
         fate = FATES[entry["status"]] + (" (benchmark.force)" if entry["forced"] else "")
-        origin = " [benchmark.search]" if entry["origin"] == "search" else ""
+        origin = ORIGIN_MARKS[entry["origin"]]
         reason = (entry["reason"] or f"predicted to fit: {entry['memory_text']}").removeprefix("predicted OOM: ")
         lines.append(f"  {entry['cell']}{origin}: {fate}: {reason}")
     return "\n".join(lines)

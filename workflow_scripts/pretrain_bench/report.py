@@ -152,6 +152,25 @@ def eval_during_training(summary: RunSummary) -> str | None:
                    "timings and tokens/s above.")
 
 
+def plain_baseline_text(matrix: dict | None, measured: set[str]) -> str | None:
+    """Whether the matrix measured a plain single-device run (DDP on one rank, bench_matrix.baseline_cells) among
+    the 1-rank cells the speedups divide by, and if not, why; None without a matrix that measures scaling."""
+    if not matrix or not any(entry["gpus"] > 1 for entry in matrix["cells"]):
+        return None
+    plain = [entry for entry in matrix["cells"] if entry["engine"] == "ddp" and entry["gpus"] == 1]
+    ran = [entry["cell"] for entry in plain if entry["cell"] in measured]
+    if ran:
+        return (f"The plain single-device run (DDP on one rank, whose all-reduce over one rank moves nothing: the "
+                f"loop the source articles compare N cards against) is among the measured 1-rank cells: "
+                f"{', '.join(ran)}.")
+    if not plain:
+        return ("No plain single-device run (DDP on one rank) is in the matrix: the fastest 1-rank cell is the "
+                "fastest of the engines measured.")
+    why = "; ".join(f"{entry['cell']}: {entry['reason'] or 'no repeat measured it'}" for entry in plain)
+    return (f"The plain single-device run (DDP on one rank) was not measured ({why}): the fastest 1-rank cell is the "
+            "fastest of the other setups.")
+
+
 def draw_plots(frames: ReportFrames, records: list[dict], evals: list[dict], plot_dir: Path) -> dict:
     """The report's PNGs under plot_dir, each as {name, rel (the Markdown link), data (base64, for the HTML)}."""
     plot_dir.mkdir(parents=True, exist_ok=True)
@@ -199,6 +218,7 @@ def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path],
         "weights_origin": weights_origin(summary), "eval_during": eval_during_training(summary),
         "flops_formula": (bench[0] if bench else summary).flops_formula,
         "main_engine": engine_label(vars(summary)),
+        "plain_baseline": plain_baseline_text(matrix, set(runs_by_cell)),
     }
     out_md, out_html = Path(out_md), Path(out_html)
     out_md.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,112 @@
+"""benchmark.search end to end: the setups the memory pre-flight finds feasible join the matrix, run through Snakemake,
+and the report recommends the fastest measured cell; a later dry run names that recommendation.
+
+It continues from a copy of the shared pipeline run (tests/conftest.py `pipeline`), whose main run, evaluations and
+1-rank cells (DeepSpeed ZeRO-2 and DDP) are reused as they are: the search overlay keeps the benchmark's steps, so
+those cells' plans do not change, and asks for one repeat of 1-rank cells only. What it adds are the searched cells:
+DeepSpeed ZeRO 0-3, DDP and FSDP at the main run's micro-batch and at the largest power of two up to 4 × it.
+"""
+import json
+import re
+import shutil
+import statistics
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from support import PIPELINE_NAME as NAME
+from support import run_snakemake, write_yaml
+
+pytestmark = pytest.mark.pipeline
+
+SEARCH = {"benchmark": {"search": True, "repeats": 1,
+                        "matrix": {"gpus": [1], "micro_batch_size": [8], "comm_backend": ["gloo"]}}}
+MAIN_MICRO_BATCH = 8  # support.PIPELINE_OVERLAY's train.micro_batch_size
+
+
+@pytest.fixture(scope="module")
+def searched(pipeline, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("search") / "workflow"
+    shutil.copytree(pipeline.workdir, workdir, symlinks=True)
+    configfiles = (*pipeline.configfiles, write_yaml(workdir.parent / "search.yaml", SEARCH))
+    results = workdir / "results" / NAME
+    trained = (results / "train" / "summary.json").stat().st_mtime
+    started = time.time()
+    proc = run_snakemake(workdir, configfiles=configfiles)
+    return SimpleNamespace(workdir=workdir, results=results, configfiles=configfiles, started=started,
+                           trained=trained, log=proc.stdout + proc.stderr)
+
+
+def summaries(results, cells):
+    """{cell: [summary.json of each repeat, in repeat order]} for the cells named."""
+    return {cell: [json.loads(path.read_text())
+                   for path in sorted((results / "bench" / cell).glob("rep*/summary.json"))] for cell in cells}
+
+
+def test_the_searched_cells_ran_and_nothing_else_did(searched):
+    matrix = json.loads((searched.results / "bench" / "matrix.json").read_text())
+    found = [e for e in matrix["cells"] if e["origin"] == "search"]
+    declared = [e for e in matrix["cells"] if e["origin"] == "declared"]
+    assert found and all(e["status"] == "run" and e["gpus"] == 1 for e in found)
+    # every layout the search tries on CPU fits the tiny model, at the main run's micro-batch and at 4 × it
+    layouts = {(e["engine"], e["zero_stage"]) for e in found + declared if e["status"] == "run"}
+    assert layouts == {("deepspeed", 0), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3), ("ddp", 0),
+                       ("fsdp", 3)}
+    assert {e["micro_batch_size"] for e in found} == {MAIN_MICRO_BATCH, 4 * MAIN_MICRO_BATCH}
+    for entry in found:
+        (summary,) = summaries(searched.results, [entry["cell"]])[entry["cell"]]
+        assert (summary["engine"], summary["zero_stage"], summary["world_size"]) == (
+            entry["engine"], entry["zero_stage"], 1)
+        assert summary["micro_batch_size"] == entry["micro_batch_size"] and summary["tokens_per_s"] > 0
+        summary_path = searched.results / "bench" / entry["cell"] / "rep1" / "summary.json"
+        assert summary_path.stat().st_mtime > searched.started, f"{entry['cell']} ran in this run"
+    # the declared 1-rank cells and the main run were reused, not run again
+    for entry in declared:
+        if entry["status"] == "run":
+            assert (searched.results / "bench" / entry["cell"] / "rep1" / "summary.json").stat().st_mtime \
+                < searched.started
+    assert (searched.results / "train" / "summary.json").stat().st_mtime == searched.trained
+    assert "rule pretrain:" not in searched.log
+
+
+def test_the_recommendation_equals_a_recomputation_from_the_cells_summaries(searched):
+    from pretrain_bench.formats import fmt, fmt_spread
+
+    matrix = json.loads((searched.results / "bench" / "matrix.json").read_text())
+    runnable = [e["cell"] for e in matrix["cells"] if e["status"] == "run"]
+    runs = summaries(searched.results, runnable)
+    runs = {cell: reps[:1] for cell, reps in runs.items()}  # the report reads benchmark.repeats (1) of each cell
+    medians = {cell: statistics.median(s["tokens_per_s"] for s in reps) for cell, reps in runs.items()}
+    best = max(medians, key=medians.get)
+    tokens = [s["tokens_per_s"] for s in runs[best]]
+    memory = [max(s["peak_mem_bytes"]) / 1024**3 for s in runs[best]]
+    md = (searched.results / "report" / "report.md").read_text()
+    section = md[md.index("What to run on this hardware"):md.index("### Cost")]
+    assert (f"On this hardware the fastest setup that fits is {best} (1 rank(s), " in section), section[:2000]
+    assert f": {fmt_spread(tokens, 0)} tokens/s, {fmt_spread(memory, 2)} GiB per rank, MFU " in section
+    main = json.loads((searched.results / "train" / "summary.json").read_text())
+    assert (f"{fmt(main['tokens_per_s'], 0)} tokens/s (the main run, measured), at "
+            f"{fmt(main['tokens_per_s'] / medians[best] * 100, 0)} % of that.") in section
+    # every measured cell ranked, fastest first
+    ranked = [line.split(" | ")[0].strip("| `") for line in section.splitlines()
+              if line.startswith("| ") and line.split(" | ")[0].strip("| `") in medians]
+    assert ranked == sorted(medians, key=medians.get, reverse=True)
+    # and each is priced
+    cost = md[md.index("### Cost"):]
+    assert all(f"| {cell} |" in cost or f"| `{cell}` |" in cost for cell in medians)
+
+
+def test_a_later_dry_run_names_the_recommended_setup(searched):
+    """Another run name on the same machine and model: `snakemake -n` prints the earlier benchmark's recommendation,
+    the fastest median over every summary under results/ (this run's, and the pipeline's second repeats and 2-rank
+    cells beside them)."""
+    runs: dict[str, list[float]] = {}
+    for path in (searched.workdir / "results").glob("*/bench/*/rep*/summary.json"):
+        runs.setdefault(path.parents[1].name, []).append(json.loads(path.read_text())["tokens_per_s"])
+    best = max(runs, key=lambda cell: statistics.median(runs[cell]))
+    proc = run_snakemake(searched.workdir, "-n", "--config", "name=itest-later", configfiles=searched.configfiles)
+    out = proc.stdout + proc.stderr
+    line = next(line for line in out.splitlines() if "recommended from the earlier benchmark" in line)
+    assert re.search(rf"\({NAME} under results/\): On this hardware the fastest setup that fits is "
+                     rf"{NAME}/{re.escape(best)} \(", line), line
