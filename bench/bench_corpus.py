@@ -201,12 +201,14 @@ def two_jobs(sources: list[dict], out: Path) -> dict:
                       f"{sources!r}, Path({str(out / 'parts')!r}), part={part}, parts={parts}, "
                       f"cache_dir=Path({str(out / 'cache')!r}), **{CLEANING!r})") for part in range(parts)]
     figures = {f"clean_part {part}": wait_job(job) for part, job in enumerate(jobs)}
-    _, figures["merge"] = run_job(f"from pathlib import Path; from pretrain_bench.corpus_parts import merge_parts; "
-                                  f"merge_parts({sources!r}, Path({str(out / 'parts')!r}), Path({str(out)!r}), "
-                                  f"parts={parts}, **{CLEANING!r})")
+    parts_seconds = time.perf_counter() - start
+    merge_seconds, figures["merge"] = run_job(
+        f"from pathlib import Path; from pretrain_bench.corpus_parts import merge_parts; merge_parts({sources!r}, "
+        f"Path({str(out / 'parts')!r}), Path({str(out)!r}), parts={parts}, **{CLEANING!r})")
     # on idle cores the parts run side by side: the stage takes the slowest part, then the merge
     path = max(figures[f"clean_part {part}"]["cpu_seconds"] for part in range(parts)) + figures["merge"]["cpu_seconds"]
-    return {"seconds": time.perf_counter() - start, "jobs": figures, "critical_path_cpu_seconds": path}
+    return {"seconds": time.perf_counter() - start, "parts_seconds": parts_seconds, "merge_seconds": merge_seconds,
+            "jobs": figures, "critical_path_cpu_seconds": path}
 
 
 def cleaning_at(size: int, rounds: int, scratch: Path) -> dict:

@@ -11,10 +11,11 @@ The merge decides from the records alone, in part order, which is the order one 
 de-duplication across parts (the first copy in source order is kept; a duplicate inside a part is one across parts
 too, so dropping it early changes nothing), the cap (the first document past it and everything after), and an
 empty split's fallback. What it keeps is, per split, a list of byte ranges of the parts' pieces, usually one whole
-piece per part; it assembles train.jsonl and val.jsonl by copying those ranges in order (os.copy_file_range: the
-kernel copies, nothing is parsed again), while a second thread hashes the same ranges for the manifest
-(`merge_parts`). Its work per byte is a copy and the manifest's sha256, the one step that cannot be split (a sha256
-runs from the first byte to the last).
+piece per part; it assembles train.jsonl and val.jsonl from those ranges in order: the first part's piece is moved
+into place (cut after what is kept), the others' ranges are copied after it (os.copy_file_range: the kernel copies,
+nothing is parsed again), while a second thread hashes the same ranges for the manifest (`merge_parts`). Its work
+per byte is that copy and the manifest's sha256, which no number of parts shares out: a sha256 runs from the first
+byte of a file to the last.
 
 So the result is the single job's, byte for byte: the same documents in the same order in train.jsonl and
 val.jsonl, the same split and manifest counts, except that the parts read their whole slices (where the cap falls is
@@ -145,7 +146,8 @@ def clean_part(sources: list[dict], folder: Path, *, part: int, parts: int, min_
 
 def merge_parts(sources: list[dict], folder: Path, out_dir: Path, *, parts: int, max_bytes: int | None,
                 min_chars: int, dedup: bool, val_fraction: float, encoding_errors: str, **_unused) -> dict:
-    """Merge the parts in `folder` into out_dir/{train,val}.jsonl and manifest.json (the module docstring)."""
+    """Merge the parts in `folder` into out_dir/{train,val}.jsonl and manifest.json (the module docstring). The
+    parts are spent: the first one's pieces become the start of the files."""
     settings = CleaningSettings(max_bytes, min_chars, dedup, val_fraction, encoding_errors)
     sources = checked_sources(sources)
     out_dir = Path(out_dir)
@@ -248,14 +250,17 @@ class _Assembly:
                 "reason": f"no document fell into {target} by hash"}
 
     def close(self) -> None:
-        """Write both files: a thread copies the ranges and syncs the files while this one hashes the same bytes."""
+        """Write both files: a thread copies the ranges and syncs the files while this one hashes the same bytes. A
+        piece that starts its file and is read nowhere else (the first part's, unless the fallback took a line out
+        of it) is moved into place and cut to its kept length instead of copied: the part's files are spent then."""
         total = sum(stop - start for ranges in self.ranges.values() for _, start, stop in ranges)
         progress = Progress("assembling train.jsonl and val.jsonl (bytes hashed)", log, total=total or None)
         handles = {}
         try:
             sources = {split: [_opened(self.pieces[piece], handles) for piece, _, _ in self.ranges[split]]
                        for split in SPLITS}
-            copier = _Copier(self.tmp, sources, self.ranges)
+            in_place = {split: self._move_first_piece(split) for split in SPLITS}
+            copier = _Copier(self.tmp, sources, self.ranges, in_place)
             copier.start()
             for split in SPLITS:
                 self.file_digests[split] = _hash_ranges(sources[split], self.ranges[split], progress)
@@ -265,6 +270,24 @@ class _Assembly:
             for handle in handles.values():
                 os.close(handle)
         progress.finish()
+
+    def _move_first_piece(self, split: str) -> bool:
+        """Move the piece of `split`'s first range into place as the start of its file when the range starts the
+        piece and no other range reads it; cut it after the range. Whether it was moved."""
+        ranges = self.ranges[split]
+        if not ranges or ranges[0][1] != 0:
+            return False
+        piece, _, stop = ranges[0]
+        if any(other[0] == piece for name in SPLITS for other in self.ranges[name] if other is not ranges[0]):
+            return False
+        try:
+            os.replace(self.pieces[piece], self.tmp[split])
+        except OSError as error:  # the output on another file system: copy it like the rest
+            if error.errno != errno.EXDEV:
+                raise
+            return False
+        os.truncate(self.tmp[split], stop)
+        return True
 
     def discard(self) -> None:
         for path in self.tmp.values():
@@ -279,21 +302,25 @@ def _opened(path: Path, handles: dict[Path, int]) -> int:
 
 
 class _Copier(threading.Thread):
-    """Copies each split's ranges into its temporary file, its pages written to disk as it goes (Writeback), then
-    syncs it (durable before the rename)."""
+    """Copies each split's ranges into its temporary file (after its first range where that is in place already),
+    its pages written to disk as it goes (Writeback), then syncs it (durable before the rename)."""
 
-    def __init__(self, targets: dict[str, Path], sources: dict[str, list[int]], ranges: dict[str, list[list]]):
+    def __init__(self, targets: dict[str, Path], sources: dict[str, list[int]], ranges: dict[str, list[list]],
+                 in_place: dict[str, bool]):
         super().__init__(name="corpus merge copier", daemon=True)
-        self.targets, self.sources, self.ranges = targets, sources, ranges
+        self.targets, self.sources, self.ranges, self.in_place = targets, sources, ranges, in_place
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
             for split, target in self.targets.items():
-                with open(target, "wb") as out:
+                skip = int(self.in_place[split])
+                # not append mode: copy_file_range refuses a descriptor opened with O_APPEND
+                with open(target, "r+b" if skip else "wb") as out:
+                    out.seek(0, os.SEEK_END)
                     writeback = Writeback([out.fileno()])
                     try:
-                        for source, (_, start, stop) in zip(self.sources[split], self.ranges[split]):
+                        for source, (_, start, stop) in list(zip(self.sources[split], self.ranges[split]))[skip:]:
                             _copy_range(source, out.fileno(), start, stop - start)
                     finally:
                         writeback.stop()
