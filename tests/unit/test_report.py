@@ -562,3 +562,30 @@ def test_the_report_says_whether_the_plain_single_device_run_was_measured():
                     "setups.")
     assert plain_baseline_text(MATRIX, set(RUNS)).startswith("No plain single-device run (DDP on one rank)")
     assert plain_baseline_text({**MATRIX, "cells": [entry(1, 2)]}, set(RUNS)) is None  # no scaling measured
+
+
+def test_a_recommended_cell_without_an_mfu_says_why_without_a_percent_sign():
+    unreported = summary(3, tokens_per_s=2000.0)
+    unreported.update(mfu=None, mfu_note="MFU would be 290%: the run achieved more than the peak it was given")
+    runs = {**RUNS, "ranks3-zero2-fp32-gloo": [RunSummary.from_dict(unreported)] * 2}
+    sentence = build_tables(typed(3), [], 1e12, MATRIX, runs)["recommendation"]["sentence"]
+    assert ("GiB per rank, MFU not reported: MFU would be 290%: the run achieved more than the peak it was given, "
+            "median (min–max) over 2 repeat(s).") in sentence
+
+
+def test_the_memory_budget_the_pre_flight_assumed_is_labelled_assumed_in_the_report(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps(summary(3)))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 8.0, "tokens_per_s": 900.0,
+                                                        "step_time_s": 1.0, "after_resume": False}) + "\n")
+    budget = {"device": "cuda", "device_bytes": 24 * GIB, "device_source": "benchmark.device_memory_gib, no GPU "
+              "detected here", "host_bytes": 128 * GIB, "host_source": "benchmark.host_memory_gib, no GPU detected "
+              "here", "gpu_count": None}
+    oom = entry(3, 2, "nccl", "predicted_oom", "predicted OOM: needs 55.2 GiB per GPU, has 24.0 GiB (assumed)")
+    (tmp_path / "matrix.json").write_text(json.dumps({**MATRIX, "device": "cuda", "budget": budget, "cells": [oom]}))
+    out = tmp_path / "report"
+    build_report(tmp_path / "summary.json", tmp_path / "metrics.jsonl", [], out / "report.md", out / "report.html",
+                 out / "plots", target_corpus_tokens=1e12, matrix_path=tmp_path / "matrix.json")
+    md = (out / "report.md").read_text()
+    assert ("Memory budget: 24.0 GiB per GPU (assumed: benchmark.device_memory_gib, no GPU detected here); host RAM "
+            "128.0 GiB (assumed: benchmark.host_memory_gib, no GPU detected here).") in md
+    assert "has 24.0 GiB (assumed)" in md

@@ -50,9 +50,11 @@ def ranking(runs_by_cell: dict[str, list[RunSummary]], peak: dict | None = None)
 
 
 def figures_text(row: dict) -> str:
-    """'2,757 (2,600–2,900) tokens/s, 0.91 (0.90–0.93) GiB per rank, MFU 12.00 (11.50–12.30) %'."""
+    """'2,757 (2,600–2,900) tokens/s, 0.91 (0.90–0.93) GiB per rank, MFU 12.00 (11.50–12.30) %' (the MFU's reason
+    instead where a repeat did not report it)."""
+    unit = "" if row["mfu_notes"] else " %"
     return (f"{spread(row['tokens_per_s_values'], 0)} tokens/s, {spread(row['mem_bytes_values'], 2, 1 / GIB)} GiB "
-            f"per rank, MFU {mfu_figure_text(row['mfu_values'], row['mfu_notes'])} %")
+            f"per rank, MFU {mfu_figure_text(row['mfu_values'], row['mfu_notes'])}{unit}")
 
 
 def recommend(runs_by_cell: dict[str, list[RunSummary]], main: RunSummary | None = None,

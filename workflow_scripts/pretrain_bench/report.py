@@ -21,6 +21,7 @@ from .claims import CLAIMS, SETUP, check_claims, formula_texts
 from .cost import cost_columns, cost_frame
 from .formats import fmt, fmt_duration
 from .io import atomic_write_text, read_jsonl
+from .memory_model import labelled
 from .physical_checks import load_text, peak_flag, run_load_flag
 from .recommendation import ranking, recommend
 from .run_summary import RunSummary
@@ -218,7 +219,7 @@ def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path],
         "weights_origin": weights_origin(summary), "eval_during": eval_during_training(summary),
         "flops_formula": (bench[0] if bench else summary).flops_formula,
         "main_engine": engine_label(vars(summary)),
-        "plain_baseline": plain_baseline_text(matrix, set(runs_by_cell)),
+        "plain_baseline": plain_baseline_text(matrix, set(runs_by_cell)), "labelled": labelled,
     }
     out_md, out_html = Path(out_md), Path(out_html)
     out_md.parent.mkdir(parents=True, exist_ok=True)
