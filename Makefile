@@ -83,7 +83,7 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/bench_corpus.py bench-results/corpus.json
 	$(BIN)/python bench/bench_tokens.py bench-results/tokens.json
 	$(BIN)/python bench/bench_dag.py bench-results/dag.json
-	$(BIN)/python bench/bench_trainer.py bench-results/trainer.json
+	$(BIN)/python bench/bench_trainer.py bench-results/trainer.json --model-class
 	$(BIN)/python bench/bench_compile.py bench-results/compile.json
 	$(BIN)/python bench/bench_pipeline.py bench-results/pipeline.json
 

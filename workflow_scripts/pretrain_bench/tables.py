@@ -621,7 +621,8 @@ def headline(frames: ReportFrames) -> dict:
 
 def scaling_line(label: str, one: dict, top: dict) -> str:
     """'<series>: 1 → 3 ranks, 223 → 2,757 tokens/s (12.35×, 412% scaling efficiency over its 1-rank cell; 0.73×,
-    24% over the fastest 1-rank cell, ddp-ranks1-fp32-gloo) [⚠ flags]': never without the top cell's flags."""
+    24% over the fastest 1-rank cell, ddp-ranks1-fp32-gloo; its 1-rank cell runs 94% below the fastest 1-rank cell,
+    which flatters its speedup over its own 1-rank cell by 16.90×) [⚠ flags]': never without the top cell's flags."""
     text = format_row(top, SCALING_COLUMNS)
     line = (f"{label}: 1 → {text['ranks']} ranks, {fmt(median(one['tokens_per_s_values']), 0)} → "
             f"{fmt(median(top['tokens_per_s_values']), 0)} tokens/s ({text['speedup']}, "
@@ -629,7 +630,18 @@ def scaling_line(label: str, one: dict, top: dict) -> str:
     if top["best_cell"] and top["best_cell"] != one["cell"]:
         line += (f"; {text['speedup_best']}, {text['efficiency_best_pct']}% over the fastest 1-rank cell, "
                  f"{top['best_cell']}")
+        line += one_rank_overhead(one)
     return flagged(line + ")", top["flags"])
+
+
+def one_rank_overhead(one: dict) -> str:
+    """What a series' 1-rank cell costs beyond the fastest 1-rank cell (an engine's own work at one rank, such as
+    ZeRO's partition copies, with nothing to communicate), and the factor by which that slower baseline inflates the
+    series' speedup over its own 1-rank cell: fastest 1-rank tokens/s ÷ its own."""
+    if not one["speedup_best"] or one["speedup_best"] >= 1:
+        return ""
+    return (f"; its 1-rank cell runs {fmt((1 - one['speedup_best']) * 100, 0)}% below the fastest 1-rank cell, "
+            f"which flatters its speedup over its own 1-rank cell by {_times(1 / one['speedup_best'])}")
 
 
 def provenance(summaries: list[RunSummary]) -> dict:
