@@ -207,6 +207,10 @@ def test_left_out_cells_are_in_the_report_with_their_reason(run):
     assert re.search(r"predicted OOM: needs [\d,.]+ GiB \(\d ranks? × [\d,.]+ GiB\), has [\d,.]+ GiB host RAM", md)
     assert "NCCL vs Gloo: not measured" in md
     assert "Claims checked" in md and "impossible as described" in md
+    # the matrix declares DDP on one rank: the plain single-device run is among the 1-rank baselines, and no
+    # baseline of its own was added
+    assert "is among the measured 1-rank cells: ddp-ranks1-fp32-gloo." in md
+    assert all(entry["origin"] == "declared" for entry in matrix_of(run)["cells"])
 
 
 def test_every_plot_is_a_valid_png(run):
