@@ -32,15 +32,16 @@ from support import (
 os.environ.update(extension_build_environment())
 
 # `make test` runs two pytest-xdist workers, each taking whole units of tests, so that a module's fixtures are built
-# once. A unit is a module, and the three modules that share the `pipeline` run are one; in the modules of
+# once. A unit is a module, and the four modules that share the `pipeline` run are one; in the modules of
 # ONE_TEST_UNITS, whose tests share no fixture but the session's (which both workers share through a file lock, as
 # tiny_data does), each test is a unit of its own. Units start longest first, by UNIT_SECONDS (their time under
 # `make test` on 2 cores, measured on a loaded machine: what counts is their order; an integration test not listed
 # counts as UNLISTED_SECONDS, a unit test as 0), so no long unit is left for the end while the other worker idles.
-SHARED_GROUPS = {"test_benchmark_report": "pipeline", "test_evaluate": "pipeline", "test_tiny_pipeline": "pipeline"}
+SHARED_GROUPS = {"test_benchmark_report": "pipeline", "test_evaluate": "pipeline", "test_tiny_pipeline": "pipeline",
+                 "test_benchmark_search": "pipeline"}
 ONE_TEST_UNITS = {"test_engine", "test_faults", "test_multinode", "test_export_zero", "test_memory_measured"}
 UNIT_SECONDS = {
-    "pipeline": 1200, "test_declarative": 1400, "test_evaluate_reruns": 550, "test_engines": 600, "test_slurm": 500,
+    "pipeline": 1650, "test_declarative": 1400, "test_evaluate_reruns": 550, "test_engines": 600, "test_slurm": 500,
     "test_gpu_smoke_cpu": 300, "test_data_products": 150, "test_pinned_ranks_run": 100, "test_workdirs": 30,
     "test_demo_learns": 200, "test_trackers_every_engine": 80,
     "test_engine::test_zero_stages_0_to_3_train_concurrently_and_shut_down": 85,
