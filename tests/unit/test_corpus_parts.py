@@ -1,6 +1,7 @@
 """pretrain_bench.corpus_parts: the corpus cleaned as part jobs and merged equals the one a single job writes."""
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,16 @@ def test_the_merge_copies_the_parts_lines_as_bytes_and_hashes_what_it_wrote(tmp_
         written = (tmp_path / "merged" / f"{split}.jsonl").read_bytes()
         assert written == (tmp_path / "one" / f"{split}.jsonl").read_bytes().upper()
         assert merged[split]["sha256"] == hashlib.sha256(written).hexdigest()
+
+
+def test_the_part_jobs_and_the_merge_log_progress_with_rate_and_eta(tmp_path, monkeypatch, caplog):
+    from pretrain_bench import progress
+
+    monkeypatch.setattr(progress, "INTERVAL_S", 0.0)  # a line per update instead of one per 10 s
+    caplog.set_level(logging.INFO, logger="pretrain_bench")
+    sources = source_tree(tmp_path)
+    out, _ = in_parts(sources, tmp_path, 2, "merged", max_bytes=None, **SETTINGS)
+    lines = [record.getMessage() for record in caplog.records]
+    for what in ("cleaning part 1/2 (bytes read): ", "cleaning part 2/2 (bytes read): ",
+                 "assembling train.jsonl and val.jsonl (bytes hashed): "):
+        assert any(line.startswith(what) and "MiB/s" in line and "ETA" in line for line in lines), (what, lines[-5:])
