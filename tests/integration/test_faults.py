@@ -276,6 +276,7 @@ def test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_f
         log = finish_snakemake(workdir, overlay, tmp_path / "rewrite.log", *args)
         assert (f"already finished step {INTERRUPT_STEPS}: resuming at its final checkpoint to rewrite the outputs, "
                 "no step is trained again") in log, log[-3000:]
+        assert f"move results/{INTERRUPT_NAME}/state away first" in log, "how to train from step 0 instead"
         assert f"step {saved[0] + 1}/" not in log and "starts fresh" not in log
         rewritten = json.loads((run_dir / "train" / "summary.json").read_text())
         assert rewritten["resumed_from_step"] == INTERRUPT_STEPS and rewritten["loss"] == summary["loss"]
