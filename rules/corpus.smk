@@ -1,6 +1,6 @@
 # The corpus: read corpus.sources, clean, de-duplicate, cap and split them into train/val jsonl + manifest.
 # It lives under results/data/corpus-<id>/, the id a digest of the corpus settings (DATA, rules/common.smk): every run
-# with the same corpus settings shares it. With CORPUS_PARTS > 1 (corpus.jobs; null: this machine's CPUs) the
+# with the same corpus settings shares it. With CORPUS_PARTS > 1 (corpus.jobs; null: this machine's CPUs, or one job where a cap stops it sooner) the
 # cleaning runs as that many clean_corpus_part jobs over contiguous slices of the sources' files, each writing its
 # documents' lines per split with a small record per document, and download_corpus merges them into the corpus one
 # job writes, deciding from the records and copying byte ranges (pretrain_bench/corpus_parts.py); the parts are
@@ -8,7 +8,7 @@
 # other cleaning settings does not fetch again. See workflow_scripts/pretrain_bench/corpus.py for each cleaning step.
 from pretrain_bench.corpus_parts import corpus_parts, machine_cpus
 
-CORPUS_PARTS = corpus_parts(list(CORPUS.sources), CORPUS.jobs, machine_cpus())
+CORPUS_PARTS = corpus_parts(list(CORPUS.sources), CORPUS.jobs, machine_cpus(), CORPUS.max_bytes)
 
 
 rule clean_corpus_part:

@@ -8,6 +8,7 @@ import pytest
 
 from pretrain_bench.corpus import build_corpus
 from pretrain_bench.corpus_parts import clean_part, corpus_parts, merge_parts, part_paths, part_plan
+from pretrain_bench.corpus_sources import source_units
 
 SETTINGS = {"min_chars": 5, "dedup": True, "val_fraction": 0.2, "encoding_errors": "replace"}
 COUNTS = ("documents", "bytes", "train", "val", "replaced_chars", "nul_removed", "binary_skipped", "split")
@@ -70,6 +71,15 @@ def test_how_many_parts(tmp_path):
     assert corpus_parts(sources[:1], None, 64) == 14, "at most one part per file"
     weighted = [{**source, "weight": 1} for source in sources]
     assert corpus_parts(weighted, 8, 16) == 1, "a weighted mixture is one seeded sequence"
+
+
+def test_a_cap_that_stops_one_job_sooner_than_a_part_runs_one_job(tmp_path):
+    sources = source_tree(tmp_path)
+    total = sum(sum(source_units(source)) for source in sources)
+    assert corpus_parts(sources, None, 2, max_bytes=total // 4) == 1, "one job reads a quarter, each part a half"
+    assert corpus_parts(sources, None, 2, max_bytes=total) == 2, "the cap is past a part's share: parts are faster"
+    assert corpus_parts(sources, 2, 2, max_bytes=total // 4) == 2, "an explicit corpus.jobs is kept"
+    assert corpus_parts(sources, None, 2, max_bytes=None) == 2
 
 
 def texts_in(split: str, val_fraction: float, count: int) -> list[str]:

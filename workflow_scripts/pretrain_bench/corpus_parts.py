@@ -64,14 +64,19 @@ CAP_REASON = ("the parts read their whole slices: where the cap falls is known o
               "(corpus.jobs: 1 reads the sources only up to the cap)")
 
 
-def corpus_parts(sources: list[dict], jobs: int | None, cpus: int) -> int:
+def corpus_parts(sources: list[dict], jobs: int | None, cpus: int, max_bytes: int | None = None) -> int:
     """How many part jobs clean the corpus: corpus.jobs, or (null) `cpus`, at most one per file of the sources; 1 for
-    a weighted mixture."""
+    a weighted mixture. With a cap and jobs null, also 1 where one job, which stops reading at the cap, reads no more
+    than each part would (the parts read their whole slices: where the cap falls is known only at the merge)."""
     sources = checked_sources(sources)
     if _mixture_weights(sources) is not None:
         return 1
-    units = sum(len(source_units(source)) for source in sources)
-    return max(1, min(jobs or cpus, units))
+    sizes = [size for source in sources for size in source_units(source)]
+    parts = max(1, min(jobs or cpus, len(sizes)))
+    sized = all(source_kind(source["uri"]) in ("builtin", "file") for source in sources)  # a download's size is unknown
+    if jobs is None and max_bytes is not None and sized and sum(sizes) / parts >= max_bytes:
+        return 1
+    return parts
 
 
 def part_plan(sources: list[dict], parts: int) -> list[dict[int, slice]]:
