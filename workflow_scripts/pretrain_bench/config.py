@@ -42,7 +42,7 @@ class Config:
         fill_resolved_defaults(config)
         model, train = ModelSettings.from_config(config["model"]), TrainSettings.from_config(config["train"])
         check_settings(train, seq_len=model.seq_len)
-        check_attention(model.attn_implementation, train.precision)
+        check_attention(model.attn_implementation, train.precision, model.implementation)
         return cls(name=config["name"], corpus=CorpusSettings.from_config(config["corpus"]),
                    tokenizer=TokenizerSettings.from_config(config["tokenizer"]),
                    shards=ShardSettings.from_config(config["shards"]), model=model, train=train,

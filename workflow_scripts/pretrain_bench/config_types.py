@@ -235,6 +235,8 @@ class ModelSettings:
     overrides: dict = default_field("model", "overrides")
     init_from: str | None = default_field("model", "init_from")
     attn_implementation: str = default_field("model", "attn_implementation", fingerprint=False)
+    # not fingerprinted, like the kernel: the same state dict and the same maths, so a checkpoint resumes under either
+    implementation: str = default_field("model", "implementation", fingerprint=False)
 
     @classmethod
     def from_config(cls, model: dict) -> ModelSettings:

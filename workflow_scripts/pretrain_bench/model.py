@@ -104,13 +104,17 @@ FLASH_ATTENTION = "flash_attention_2"
 FLASH_INSTALL_HINT = "pip install flash-attn --no-build-isolation (needs CUDA and a CUDA toolkit)"
 
 
-def check_attention(attn_implementation: str, precision: str) -> None:
-    """Refuse model.attn_implementation flash_attention_2 where it cannot run: without the flash_attn package (checked
-    when the workflow is planned, so `snakemake -n` shows it) or in fp32, which its kernels do not take."""
+def check_attention(attn_implementation: str, precision: str, implementation: str = "transformers") -> None:
+    """Refuse model.attn_implementation flash_attention_2 where it cannot run: with model.implementation native
+    (which runs sdpa or eager), without the flash_attn package (checked when the workflow is planned, so
+    `snakemake -n` shows it) or in fp32, which its kernels do not take."""
     import importlib.util
 
     if attn_implementation != FLASH_ATTENTION:
         return
+    if implementation == "native":
+        raise ConfigError(f"model.attn_implementation {FLASH_ATTENTION} runs only with model.implementation "
+                          "transformers; model.implementation native runs sdpa or eager")
     if importlib.util.find_spec("flash_attn") is None:
         raise ConfigError(f"model.attn_implementation {FLASH_ATTENTION} needs the flash_attn package, which is not "
                           f"installed in this environment: {FLASH_INSTALL_HINT}; or set model.attn_implementation: "
@@ -124,16 +128,17 @@ TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def build_model(shape: ModelShape, seq_len: int, seed: int, precision: str = "fp32", device: str = "cpu",
-                attn_implementation: str | None = None):
-    """A freshly initialised `LlamaForCausalLM`, built directly on `device` in the training precision, with the
-    attention kernel of model.attn_implementation (None: transformers' default).
+                attn_implementation: str | None = None, implementation: str = "transformers"):
+    """A freshly initialised `LlamaForCausalLM` (model.implementation transformers) or its native twin
+    (native_llama.NativeLlamaForCausalLM: same state dict and, for a seed, the same weights, without importing
+    transformers), built directly on `device` in the training precision, with the attention kernel of
+    model.attn_implementation (None: transformers' default).
 
     One copy of the weights in the dtype training uses, where training uses it: a 7B model on 3 CUDA ranks needs no
     host RAM to be built (an fp32 build on the host first took 4Ψ bytes per rank), and a CPU rank holds 2Ψ in
     bf16 instead of 4Ψ + 2Ψ while DeepSpeed casts. Initialisation draws from the seeded generator of that device.
     """
     import torch
-    from transformers import LlamaForCausalLM
 
     dtype = getattr(torch, TORCH_DTYPES[precision])
     torch.manual_seed(seed)
@@ -141,10 +146,21 @@ def build_model(shape: ModelShape, seq_len: int, seed: int, precision: str = "fp
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(llama_config(shape, seq_len, attn_implementation))
+            model = _new_model(shape, seq_len, attn_implementation, implementation)
     finally:
         torch.set_default_dtype(previous)
     return model
+
+
+def _new_model(shape: ModelShape, seq_len: int, attn_implementation: str | None, implementation: str):
+    """The model class of model.implementation, constructed (and initialised) in the current device and dtype."""
+    if implementation == "native":
+        from .native_llama import NativeLlamaForCausalLM
+
+        return NativeLlamaForCausalLM(shape, attn_implementation)
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(llama_config(shape, seq_len, attn_implementation))
 
 
 # --- continued pretraining: model.init_from ---

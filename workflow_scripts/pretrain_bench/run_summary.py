@@ -53,7 +53,7 @@ class RunSummary:
     peak_mem_bytes: list  # per rank (None for a rank no record has)
     peak_mem_kind: str  # what was measured (allocator peak or peak RSS)
     model: dict  # preset, parameters, non_embedding_parameters, matmul_parameters, layers, hidden_size, heads, vocab,
-    # attn_implementation (the attention kernel it ran)
+    # attn_implementation (the attention kernel it ran), implementation (model.implementation: the class it built)
     flops_per_token: float
     flops_formula: str
     peak_flops_per_rank: float | None

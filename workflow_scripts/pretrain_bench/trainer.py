@@ -237,7 +237,7 @@ class Trainer:
 
         self.log(summary_line(plan.memory_fit))
         self.model = build_model(self.shape, self.seq_len, settings.seed, self.engine_class.build_precision(settings),
-                                 self.run_device, plan.model.attn_implementation)
+                                 self.run_device, plan.model.attn_implementation, plan.model.implementation)
         if init_from:
             # Every rank loads the whole model before DeepSpeed partitions it, so this holds under every ZeRO stage;
             # a resumed run then overwrites these weights with its checkpoint's.
@@ -416,7 +416,8 @@ class Trainer:
                       "non_embedding_parameters": params["non_embedding"],
                       "matmul_parameters": params["matmul"], "layers": shape.num_hidden_layers,
                       "hidden_size": shape.hidden_size, "heads": shape.num_attention_heads,
-                      "vocab_size": shape.vocab_size, "attn_implementation": plan.model.attn_implementation},
+                      "vocab_size": shape.vocab_size, "attn_implementation": plan.model.attn_implementation,
+                      "implementation": plan.model.implementation},
             "flops_per_token": self.flops_token, "flops_formula": FLOPS_FORMULA,
             "peak_flops_per_rank": peak_flops, "peak_flops_source": peak_source,
             **dict(zip(("mfu", "mfu_note"), model_flops_utilisation(tokens_per_s, self.flops_token, peak_flops, world,
