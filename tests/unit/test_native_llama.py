@@ -161,8 +161,17 @@ def test_the_key_defaults_to_transformers_and_a_checkpoint_resumes_under_either_
 
 
 def test_what_native_does_not_implement_is_refused_naming_the_key():
+    from pretrain_bench.config import Config
+    from support import tiny_config
+
+    config = tiny_config("native")
+    config["model"] = {**config["model"], "implementation": "native"}
+    assert Config.from_config(config).model.implementation == "native"
+    config["model"]["attn_implementation"] = "flash_attention_2"
     with pytest.raises(ConfigError, match="model.attn_implementation flash_attention_2 runs only with "
                                           "model.implementation transformers"):
+        Config.from_config(config)  # when the workflow is planned, before the flash_attn package is looked for
+    with pytest.raises(ConfigError, match="model.implementation native runs sdpa or eager"):
         check_attention("flash_attention_2", "bf16", "native")
     llama3 = resolve_shape("tiny", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, VOCAB)
     with pytest.raises(ConfigError, match=r"model.implementation native .* \['rope_scaling'\]"):
@@ -189,3 +198,18 @@ def test_a_rank_that_builds_the_native_model_never_imports_transformers():
     built = subprocess.run([sys.executable, "-c", code.replace("'native'", "'transformers'")], capture_output=True,
                            text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert "'transformers'" in built.stdout, "the check sees transformers where the rank does import it"
+
+
+def test_model_init_from_weights_load_into_the_native_model(tmp_path):
+    """load_pretrained (model.init_from) copies an HF folder's safetensors into the native model as into
+    transformers' class: the same logits afterwards."""
+    from pretrain_bench.model import load_pretrained
+
+    reference = build_model(shape(True), T, seed=5)
+    reference.save_pretrained(tmp_path / "hf")
+    native = build_model(shape(True), T, seed=6, implementation="native")
+    loaded = load_pretrained(native, tmp_path / "hf")
+    assert loaded["files"] == ["model.safetensors"] and loaded["added_vocab_rows"] == 0
+    batch = torch.randint(0, VOCAB, (2, T))
+    with torch.no_grad():
+        assert torch.allclose(native(input_ids=batch).logits, reference(input_ids=batch).logits, atol=1e-5, rtol=0)
