@@ -85,6 +85,7 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/bench_dag.py bench-results/dag.json
 	$(BIN)/python bench/bench_trainer.py bench-results/trainer.json --model-class
 	$(BIN)/python bench/bench_compile.py bench-results/compile.json
+	$(BIN)/python bench/bench_model_implementation.py bench-results/model-implementation.json
 	$(BIN)/python bench/bench_pipeline.py bench-results/pipeline.json
 
 # The CUDA path on one GPU in a few minutes, nccl at world size 1: what config.yaml's pre-flight chooses for the

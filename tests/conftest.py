@@ -43,7 +43,7 @@ ONE_TEST_UNITS = {"test_engine", "test_faults", "test_multinode", "test_export_z
 UNIT_SECONDS = {
     "pipeline": 1650, "test_declarative": 1400, "test_evaluate_reruns": 550, "test_engines": 600, "test_slurm": 500,
     "test_gpu_smoke_cpu": 300, "test_data_products": 150, "test_pinned_ranks_run": 100, "test_workdirs": 30,
-    "test_demo_learns": 200, "test_trackers_every_engine": 80,
+    "test_demo_learns": 200, "test_trackers_every_engine": 80, "test_native_llama_run": 75,
     "test_engine::test_zero_stages_0_to_3_train_concurrently_and_shut_down": 85,
     "test_engine::test_kill_9_then_rerun_resumes_with_identical_losses": 80,
     "test_engine::test_other_config_or_world_size_start_fresh_beside_the_old_run_or_resume_reshaped": 175,
