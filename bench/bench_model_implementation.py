@@ -18,12 +18,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from bench_trainer import MODEL_OVERRIDES, RANK_IMPORTS, build_data, run_trainer
+from bench_trainer import MODEL_OVERRIDES, RANK_IMPORTS, build_data, child_cpu_seconds, run_trainer
 
 IMPLEMENTATIONS = ("transformers", "native")
 
@@ -63,12 +61,7 @@ def import_seconds(vocab_size: int, runs: int) -> dict:
         for name in IMPLEMENTATIONS:
             code = (f"{RANK_IMPORTS}; from pretrain_bench.model import build_model, resolve_shape; "
                     f"build_model({shape}, 128, 0, implementation={name!r})")
-            process = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, DS_ACCELERATOR="cpu"),
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            _, status, usage = os.wait4(process.pid, 0)
-            if status:
-                raise SystemExit(f"importing and building failed ({name}): {process.stderr.read()[-2000:]}")
-            seconds[name].append(usage.ru_utime + usage.ru_stime)
+            seconds[name].append(child_cpu_seconds(code, f"importing and building ({name})"))
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     return {"what": f"CPU s of a fresh interpreter: {RANK_IMPORTS}, then build_model of the bench's model",
             "cpu_s": medians, "cpu_s_runs": seconds, "saved_cpu_s": medians["transformers"] - medians["native"]}

@@ -297,6 +297,16 @@ def model_class(config: dict, data: tuple[Path, Path], steps: int, warmup: int, 
 RANK_IMPORTS = "import torch, deepspeed, pretrain_bench.trainer"
 
 
+def child_cpu_seconds(code: str, what: str) -> float:
+    """CPU seconds (user + system) of a fresh interpreter that runs `code`; exits naming `what` if it fails."""
+    process = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, DS_ACCELERATOR="cpu"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    if status:
+        raise SystemExit(f"{what} failed: {process.stderr.read()[-2000:].decode(errors='replace')}")
+    return usage.ru_utime + usage.ru_stime
+
+
 def rank_import_seconds(runs: int = 3) -> dict:
     """CPU seconds (user + system, which a busy machine does not stretch as it does wall time) of a fresh interpreter
     importing what a training rank imports, without and with transformers' LlamaForCausalLM (median of `runs`,
@@ -306,12 +316,7 @@ def rank_import_seconds(runs: int = 3) -> dict:
     seconds: dict[str, list[float]] = {name: [] for name in codes}
     for _ in range(runs):
         for name, code in codes.items():
-            process = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, DS_ACCELERATOR="cpu"),
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            _, status, usage = os.wait4(process.pid, 0)
-            if status:
-                raise SystemExit(f"importing failed: {code}")
-            seconds[name].append(usage.ru_utime + usage.ru_stime)
+            seconds[name].append(child_cpu_seconds(code, name))
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     return {"cpu_s": medians, "cpu_s_runs": seconds,
             "transformers_llama_cpu_s": medians["rank_and_transformers_llama"] - medians["rank"]}

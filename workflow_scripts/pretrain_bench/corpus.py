@@ -270,6 +270,18 @@ def split_place(digest: bytes, threshold: int) -> tuple[str, int]:
     return ("val", threshold - score) if score < threshold else ("train", score - threshold)
 
 
+def count_move(documents: dict[str, int], sizes: dict[str, int], source: str, target: str, text_bytes: int,
+               digest: bytes) -> dict:
+    """Count one document moved from split `source` to `target` (the empty-split fallback) in the per-split document
+    and byte counts; returns the manifest's record of the move."""
+    documents[source] -= 1
+    sizes[source] -= text_bytes
+    documents[target] += 1
+    sizes[target] += text_bytes
+    return {"moved": f"{source}->{target}", "document_sha256": digest.hex(),
+            "reason": f"no document fell into {target} by hash"}
+
+
 class _SplitFiles:
     """The two temporary jsonl files, their counts, and per split the document nearest the train/val boundary."""
 
@@ -316,12 +328,7 @@ class _SplitFiles:
         for split in SPLITS:  # rare path: hash the rewritten files again
             with open(self.tmp[split], "rb") as handle:
                 self.file_digests[split] = hashlib.file_digest(handle, "sha256")
-        self.documents[source] -= 1
-        self.bytes[source] -= text_bytes
-        self.documents[target] += 1
-        self.bytes[target] += text_bytes
-        return {"moved": f"{source}->{target}", "document_sha256": digest.hex(),
-                "reason": f"no document fell into {target} by hash"}
+        return count_move(self.documents, self.bytes, source, target, text_bytes, digest)
 
     def close(self) -> None:
         self.writeback.stop()

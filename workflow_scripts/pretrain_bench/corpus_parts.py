@@ -41,6 +41,7 @@ from pretrain_bench.corpus import (
     _mixture_weights,
     checked_sources,
     clean_document,
+    count_move,
     finish_corpus,
     jsonl_line,
     split_place,
@@ -247,12 +248,7 @@ class _Assembly:
                 kept.append([piece, first, last])
         self.ranges[source] = kept
         self.ranges[target].append([moved, start, stop])
-        self.documents[source] -= 1
-        self.bytes[source] -= text_bytes
-        self.documents[target] += 1
-        self.bytes[target] += text_bytes
-        return {"moved": f"{source}->{target}", "document_sha256": digest.hex(),
-                "reason": f"no document fell into {target} by hash"}
+        return count_move(self.documents, self.bytes, source, target, text_bytes, digest)
 
     def close(self) -> None:
         """Write both files: a thread copies the ranges and syncs the files while this one hashes the same bytes. A
