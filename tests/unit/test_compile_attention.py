@@ -45,7 +45,7 @@ def test_flash_attention_without_its_package_is_refused_naming_the_key_and_the_i
     check_attention("eager", "fp32")
     # at plan time: the typed config the workflow builds once refuses it, so `snakemake -n` shows the error
     config = tiny_config("unit-flash")
-    config["model"] = {**config["model"], "attn_implementation": "flash_attention_2"}
+    config["model"] = {**config["model"], "attn_implementation": "flash_attention_2", "implementation": "transformers"}
     with pytest.raises(ConfigError, match="model.attn_implementation flash_attention_2 needs the flash_attn package"):
         Config.from_config(config)
 
