@@ -104,6 +104,17 @@ FLASH_ATTENTION = "flash_attention_2"
 FLASH_INSTALL_HINT = "pip install flash-attn --no-build-isolation (needs CUDA and a CUDA toolkit)"
 
 
+# The attention kernels model.implementation native runs; flash_attention_2 needs transformers' class.
+NATIVE_KERNELS = ("sdpa", "eager")
+
+
+def check_native_kernel(attn_implementation: str | None) -> None:
+    """Refuse an attention kernel the native model class does not run, naming both keys."""
+    if attn_implementation not in (None, *NATIVE_KERNELS):
+        raise ConfigError(f"model.attn_implementation {attn_implementation} runs only with model.implementation "
+                          f"transformers; model.implementation native runs {' or '.join(NATIVE_KERNELS)}")
+
+
 def check_attention(attn_implementation: str, precision: str, implementation: str = "transformers") -> None:
     """Refuse model.attn_implementation flash_attention_2 where it cannot run: with model.implementation native
     (which runs sdpa or eager), without the flash_attn package (checked when the workflow is planned, so
@@ -113,8 +124,7 @@ def check_attention(attn_implementation: str, precision: str, implementation: st
     if attn_implementation != FLASH_ATTENTION:
         return
     if implementation == "native":
-        raise ConfigError(f"model.attn_implementation {FLASH_ATTENTION} runs only with model.implementation "
-                          "transformers; model.implementation native runs sdpa or eager")
+        check_native_kernel(attn_implementation)
     if importlib.util.find_spec("flash_attn") is None:
         raise ConfigError(f"model.attn_implementation {FLASH_ATTENTION} needs the flash_attn package, which is not "
                           f"installed in this environment: {FLASH_INSTALL_HINT}; or set model.attn_implementation: "

@@ -21,12 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .model import check_native_kernel
 from .settings import ConfigError
 
 # LlamaConfig's default initializer_range: the standard deviation of every linear and embedding weight at init.
 INITIALIZER_RANGE = 0.02
-# The attention kernels this implementation runs (model.attn_implementation); flash_attention_2 needs transformers'.
-KERNELS = ("sdpa", "eager")
 # ModelShape.extra (LlamaConfig fields from model.overrides or an init_from config.json) that leave this model's maths
 # and weights as they are; any other extra field is refused rather than silently ignored.
 NEUTRAL_EXTRA = frozenset({"max_position_embeddings", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id"})
@@ -35,9 +34,7 @@ NEUTRAL_EXTRA = frozenset({"max_position_embeddings", "use_cache", "pad_token_id
 def check_native(shape, attn_implementation: str | None) -> None:
     """Refuse what the native model does not implement, naming the key: a kernel other than sdpa/eager, and
     LlamaConfig fields beyond the shape (llama3 RoPE scaling, another activation, biases, ...)."""
-    if attn_implementation not in (None, *KERNELS):
-        raise ConfigError(f"model.attn_implementation {attn_implementation} runs only with model.implementation "
-                          f"transformers; model.implementation native runs {' or '.join(KERNELS)}")
+    check_native_kernel(attn_implementation)
     unsupported = sorted(set(shape.extra) - NEUTRAL_EXTRA)
     if unsupported:
         raise ConfigError(f"model.implementation native builds the default LLaMA (default RoPE, SiLU, no biases) and "
