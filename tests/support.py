@@ -37,19 +37,24 @@ RUN_OUTPUTS = ("results", "logs", "benchmarks", "resources", ".snakemake")
 DATA_NAME = "itest"
 # The one run of the whole tiny pipeline that the pipeline, evaluation and report tests share (conftest.pipeline): a
 # short main run with two kept checkpoints (two points on the evaluation curves), both lm-eval tasks, and a benchmark
-# matrix of 1 and 2 ranks × DeepSpeed ZeRO-2 and DDP × 2 repeats (8 launches; 2 ranks fit 2 cores). nccl cells and
+# matrix of 1 and 2 ranks × DeepSpeed ZeRO-2 and DDP × 2 repeats (8 launches; 2 ranks fit 2 cores) of
+# PIPELINE_BENCH_STEPS steps each, the first 2 untimed (the tiny config's benchmark.warmup_steps). nccl cells and
 # cells with a micro batch of 100,000 are declared too: they must be reported, not run.
 PIPELINE_NAME = DATA_NAME
 PIPELINE_STEPS = (10, 20)
+# The main run's micro batch: the tiny config's (4 per rank, a global batch of 12 on 3 ranks). The benchmark matrix
+# below declares it, so its cells are named as the main run's (no -mb<n>), and benchmark.search tries it and 4 × it.
+PIPELINE_MICRO_BATCH = yaml.safe_load((ROOT / TINY_CONFIG).read_text())["train"]["micro_batch_size"]
+PIPELINE_BENCH_STEPS = 4
 PIPELINE_OVERLAY = {
     "name": PIPELINE_NAME,
-    # micro batch 8: the benchmark matrix below declares 8, so its cells are named as the main run's (no -mb8)
-    "train": {"max_steps": 20, "checkpoint_every": 10, "warmup_timing_steps": 2, "micro_batch_size": 8},
+    "train": {"max_steps": 20, "checkpoint_every": 10, "warmup_timing_steps": 2},
     "evaluate": {"max_tokens": 4096, "lm_eval": {"limit": 4, "tasks": ["pretrain_bench_last_word",
                                                                        "pretrain_bench_doc_perplexity"]}},
     # DDP beside DeepSpeed ZeRO-2: its cells collapse the ZeRO axis (one layout), see bench_matrix.cells
-    "benchmark": {"repeats": 2, "matrix": {"gpus": [1, 2], "micro_batch_size": [8, 100000], "zero_stage": [2],
-                                           "engine": ["deepspeed", "ddp"]}},
+    "benchmark": {"repeats": 2, "steps": PIPELINE_BENCH_STEPS,
+                  "matrix": {"gpus": [1, 2], "micro_batch_size": [PIPELINE_MICRO_BATCH, 100000], "zero_stage": [2],
+                             "engine": ["deepspeed", "ddp"]}},
 }
 LAUNCHER = ROOT / "workflow_scripts" / "launch.py"
 
@@ -187,7 +192,9 @@ def tree_digest(folder: Path, exclude: tuple[str, ...] = ()) -> str:
     return digest.hexdigest()
 
 
-def plan_for(data, run_dir: Path, **train):
+def plan_for(data, run_dir: Path, save_checkpoints: bool = True, **train):
+    """A plan of the tiny config with short-run `train` overrides, written to `run_dir`/plan.json (returned);
+    save_checkpoints False: a run that saves no checkpoint (for a test that reads none)."""
     config, results = data
     # warmup_steps: the tiny config's 10 would not end before these short runs do (settings.check_settings)
     # lr 3e-3: the demo's 1.5e-2 amplifies float rounding differences between engines past the comparisons' 1e-5
@@ -197,7 +204,7 @@ def plan_for(data, run_dir: Path, **train):
     from pretrain_bench.plan import make_plan
 
     plan = make_plan(config, index=results.shards / "index.json", tokenizer=results.tokenizer,
-                     out_dir=run_dir / "out", state_dir=run_dir / "state")
+                     out_dir=run_dir / "out", state_dir=run_dir / "state", save_checkpoints=save_checkpoints)
     path = run_dir / "plan.json"
     plan.to_json(path)
     return path
@@ -209,16 +216,16 @@ def start(plan_path: Path, ranks: int, log: Path, env=None) -> subprocess.Popen:
                             env={**os.environ, **(env or {})})
 
 
-def crash_after_first_checkpoint(plan_path: Path, run_dir: Path, log: Path) -> list[int]:
-    """Launch the plan on 3 ranks, let it record two steps past its first committed checkpoint, then kill -9 every
-    process of the job at once (launcher, torchrun, ranks); returns the committed steps left behind."""
+def crash_after_first_checkpoint(plan_path: Path, run_dir: Path, log: Path, ranks: int = 3) -> list[int]:
+    """Launch the plan on `ranks` ranks, let it record two steps past its first committed checkpoint, then kill -9
+    every process of the job at once (launcher, torchrun, ranks); returns the committed steps left behind."""
     import time
 
     import psutil
 
     from pretrain_bench.checkpoint import committed_steps
 
-    proc = start(plan_path, 3, log)
+    proc = start(plan_path, ranks, log)
     deadline = time.monotonic() + 600
     while not ((steps := committed_steps(run_dir / "state" / "checkpoints"))
                and len(recorded_losses(run_dir)) >= steps[0] + 2):
@@ -227,7 +234,7 @@ def crash_after_first_checkpoint(plan_path: Path, run_dir: Path, log: Path) -> l
     # crash hard: every process of the job at once
     root = psutil.Process(proc.pid)
     job = [root, *root.children(recursive=True)]
-    assert len(job) >= 5, "launcher, torchrun and three ranks"
+    assert len(job) >= 2 + ranks, f"launcher, torchrun and {ranks} ranks"
     for process in job:
         process.kill()
     proc.wait()
