@@ -114,13 +114,14 @@ def test_keys_an_engine_cannot_honour_are_refused_before_launch(data, tmp_path):
 
 
 def test_the_pipeline_trains_and_exports_with_fsdp(workdir, tmp_path):
-    """The main run under train.engine fsdp through Snakemake: pretrain, then the HF export of its last checkpoint."""
+    """The main run under train.engine fsdp through Snakemake: pretrain on 2 ranks (the module's other FSDP runs
+    train on 3), then the HF export of its last checkpoint."""
     from transformers import AutoModelForCausalLM
 
     from support import DATA_NAME, TINY_CONFIG, run_snakemake, write_yaml
 
     overlay = write_yaml(tmp_path / "fsdp.yaml", {"name": DATA_NAME, "train": {
-        "engine": "fsdp", "zero_stage": 3, "max_steps": 6, "checkpoint_every": 3, "warmup_steps": 2,
+        "engine": "fsdp", "zero_stage": 3, "gpus": 2, "max_steps": 6, "checkpoint_every": 3, "warmup_steps": 2,
         "warmup_timing_steps": 1, "eval_every": None}})
     target, results = f"results/{DATA_NAME}/train/hf", workdir / "results" / DATA_NAME
     run_snakemake(workdir, "--", target, configfiles=(TINY_CONFIG, overlay))
