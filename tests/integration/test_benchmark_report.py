@@ -1,6 +1,6 @@
 """The tiny benchmark matrix end to end through Snakemake, and the report built from it.
 
-The shared pipeline run (tests/conftest.py `pipeline`; its matrix: support.PIPELINE_OVERLAY, 1 and 3 gloo ranks ×
+The shared pipeline run (tests/conftest.py `pipeline`; its matrix: support.PIPELINE_OVERLAY, 1 and 2 gloo ranks ×
 DeepSpeed ZeRO-2 and DDP, 2 repeats each); nccl cells and cells with a micro batch of 100,000 are declared too, and
 must be reported, not run. The report's tables are recomputed here from the summaries, every PNG is opened, the HTML
 is rendered by headless Chromium.
@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from support import PIPELINE_BENCH_STEPS, PIPELINE_MICRO_BATCH, PIPELINE_OVERLAY, ROOT, TINY_CONFIG, run_snakemake
 from support import PIPELINE_NAME as NAME
-from support import PIPELINE_OVERLAY, ROOT, TINY_CONFIG, run_snakemake
 
 pytestmark = pytest.mark.pipeline
 RANKS = tuple(PIPELINE_OVERLAY["benchmark"]["matrix"]["gpus"])  # (1, 2)
 ZEROS = tuple(PIPELINE_OVERLAY["benchmark"]["matrix"]["zero_stage"])  # DeepSpeed's stages; DDP is one more series
 SERIES = len(ZEROS) + 1
+WARMUP_STEPS = yaml.safe_load((ROOT / TINY_CONFIG).read_text())["benchmark"]["warmup_steps"]  # untimed, per launch
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--enable-logging=stderr", "--v=0", "--window-size=1280,2400"]
@@ -68,10 +69,11 @@ def test_runnable_cells_ran_twice_and_the_others_were_reported_not_run(run, pipe
         assert len(reps) == 2
         for summary in reps:
             assert summary["role"] == "bench" and summary["world_size"] == entry["gpus"]
-            assert summary["zero_stage"] == entry["zero_stage"] and summary["steps"] == 8
+            assert summary["zero_stage"] == entry["zero_stage"] and summary["steps"] == PIPELINE_BENCH_STEPS
             assert summary["engine"] == entry["engine"]
-            assert summary["warmup_timing_steps"] == 2 and summary["steady_steps"] == 6
-            assert summary["global_batch_size"] == 8 * entry["gpus"] and summary["checkpoints"] == []
+            assert summary["warmup_timing_steps"] == WARMUP_STEPS
+            assert summary["steady_steps"] == PIPELINE_BENCH_STEPS - WARMUP_STEPS > 0
+            assert summary["global_batch_size"] == PIPELINE_MICRO_BATCH * entry["gpus"] and summary["checkpoints"] == []
             assert summary["tokens_per_s"] > 0 and len(summary["peak_mem_bytes"]) == entry["gpus"]
     assert not list((run / "bench-state").rglob("COMMITTED.json")), "bench cells keep no checkpoints"
 
@@ -144,7 +146,7 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
                                  for s in reps)
         assert mem == span([max(s["peak_mem_bytes"]) / GIB for s in reps], 2)
         assert epoch == fmt_duration(target / med)
-        assert batch == fmt(8 * int(ranks)) and repeats == "2"
+        assert batch == fmt(PIPELINE_MICRO_BATCH * int(ranks)) and repeats == "2"
         assert oversubscribed == ("yes" if any(s["oversubscribed"] for s in reps) else "no")
         assert (f"<td>{tps}</td><td>{speedup}</td><td>{efficiency}</td><td>{speedup_best}</td>"
                 f"<td>{efficiency_best}</td><td>{mem}</td>") in html

@@ -15,14 +15,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from support import PIPELINE_MICRO_BATCH as MAIN_MICRO_BATCH  # the shared run's train.micro_batch_size
 from support import PIPELINE_NAME as NAME
 from support import run_snakemake, write_yaml
 
 pytestmark = pytest.mark.pipeline
 
 SEARCH = {"benchmark": {"search": True, "repeats": 1,
-                        "matrix": {"gpus": [1], "micro_batch_size": [8], "comm_backend": ["gloo"]}}}
-MAIN_MICRO_BATCH = 8  # support.PIPELINE_OVERLAY's train.micro_batch_size
+                        "matrix": {"gpus": [1], "micro_batch_size": [MAIN_MICRO_BATCH], "comm_backend": ["gloo"]}}}
 
 
 @pytest.fixture(scope="module")

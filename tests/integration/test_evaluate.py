@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import yaml
 
 from support import (
+    PIPELINE_MICRO_BATCH,
     PIPELINE_NAME,
     PIPELINE_STEPS,
     ROOT,
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.pipeline
 
 NAME = PIPELINE_NAME  # the shared run of the whole tiny pipeline (tests/conftest.py)
 STEPS = PIPELINE_STEPS
-SEQ_LEN, GLOBAL_BATCH = 128, 24  # config/tiny-cpu.yaml
+SEQ_LEN, GLOBAL_BATCH = 128, 3 * PIPELINE_MICRO_BATCH  # config/tiny-cpu.yaml: 3 ranks, one micro step each
 TINY = yaml.safe_load((ROOT / TINY_CONFIG).read_text())
 
 

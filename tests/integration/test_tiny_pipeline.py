@@ -7,9 +7,10 @@ import os
 import numpy as np
 import pytest
 
-from support import PIPELINE_NAME, PIPELINE_STEPS, read_jsonl, run_snakemake
+from support import PIPELINE_MICRO_BATCH, PIPELINE_NAME, PIPELINE_STEPS, read_jsonl, run_snakemake
 
 pytestmark = pytest.mark.pipeline
+GLOBAL_BATCH = 3 * PIPELINE_MICRO_BATCH  # 3 ranks × the micro batch, one micro step each
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_training_loss_falls_and_summary_is_measured(run, pipeline):
     assert summary["loss"]["last"] < summary["loss"]["first"] - 1.0, "loss clearly falls"
     assert len(summary["peak_mem_bytes"]) == 3 and all(b > 10_000_000 for b in summary["peak_mem_bytes"])
     assert summary["oversubscribed"] == (3 > (os.cpu_count() or 1))
-    assert summary["tokens_per_step"] == 24 * 128
+    assert summary["tokens_per_step"] == GLOBAL_BATCH * 128
     steady = [r for r in records if r["step"] > summary["warmup_timing_steps"]]
     expected = summary["tokens_per_step"] * len(steady) / sum(r["step_time_s"] for r in steady)
     assert summary["tokens_per_s"] == pytest.approx(expected, rel=1e-9)
@@ -76,7 +77,7 @@ def test_training_loss_falls_and_summary_is_measured(run, pipeline):
     assert summary["provenance"]["data_id"] == plan["data"]["data_id"] == pipeline.products.data_id
     assert plan["paths"]["index"] == f"{plan['data']['shards']}/index.json"
     ds_config = json.loads((run / "train" / "ds_config.json").read_text())
-    assert ds_config["zero_optimization"]["stage"] == 2 and ds_config["train_batch_size"] == 24
+    assert ds_config["zero_optimization"]["stage"] == 2 and ds_config["train_batch_size"] == GLOBAL_BATCH
 
 
 def test_training_log_holds_no_warning_about_deepspeeds_own_calls(pipeline):
