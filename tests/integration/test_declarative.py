@@ -2,9 +2,9 @@
 
 One tiny pipeline is run to the end; then one key per config section is edited (each its own overlay) and
 `snakemake -n` must schedule the rules that read that key and no others. Then edits are run for real: more steps
-continue training (run with no virtualenv on PATH, as `.venv/bin/snakemake` may be started), a new learning rate and
-model shape start a fresh run beside the old one, and evaluation, benchmark and report edits show up in their
-outputs (`--forcerun pretrain` on a finished run: test_faults.py).
+continue training (run with no virtualenv on PATH, as `.venv/bin/snakemake` may be started), evaluation, benchmark
+and report edits show up in their outputs without retraining, and a new learning rate and model shape start a fresh
+run beside the old one (`--forcerun pretrain` on a finished run: test_faults.py).
 """
 import hashlib
 import json
@@ -36,10 +36,13 @@ from support import (
 pytestmark = pytest.mark.pipeline
 
 NAME = DATA_NAME  # in a working directory of its own, from a copy of the tiny data
-# Small and quick: one rank, 20 steps, a checkpoint every 10 of which the last is kept (so each training evaluates
-# one), one benchmark cell, no lm-eval, a short evaluation. What these tests prove does not depend on the number of
-# ranks; resume across ranks is test_engine's.
-BASE = {"name": NAME, "train": {"gpus": 1, "max_steps": 20, "checkpoint_every": 10, "keep_checkpoints": 1},
+# Small and quick: one rank, 6 steps (2 of learning-rate warm-up, 1 left out of the timing), a checkpoint every 3 of
+# which the last is kept (so each training evaluates one), no held-out loss while training, one benchmark cell, no
+# lm-eval, a short evaluation. What these tests prove does not depend on the number of ranks or steps; resume across
+# ranks is test_engine's.
+STEPS, MORE_STEPS = 6, 9
+BASE = {"name": NAME, "train": {"gpus": 1, "max_steps": STEPS, "checkpoint_every": 3, "keep_checkpoints": 1,
+                                "warmup_steps": 2, "warmup_timing_steps": 1, "eval_every": None},
         "evaluate": {"lm_eval": {"tasks": []}, "max_tokens": 4096, "prompts": ["def main("],
                      "generation": {"max_new_tokens": 8}},
         "benchmark": {"matrix": {"gpus": [1], "comm_backend": ["gloo"]}, "steps": 4, "warmup_steps": 1}}
@@ -129,51 +132,51 @@ def losses(workdir) -> list[float]:
 
 def test_more_steps_continue_the_run_started_without_the_venv_on_path(edits, finished, overlays):
     results = edits / "results" / NAME
-    more = overlays("more-steps", {"train": {"max_steps": 30}})
+    more = overlays("more-steps", {"train": {"max_steps": MORE_STEPS}})
     # .venv/bin/snakemake started directly, no activated venv: every rule must still find torch
     env = {**os.environ, "PATH": "/usr/bin:/bin"}
     cmd = [str(Path(sys.executable).parent / "snakemake"), "--snakefile", str(SNAKEFILE), "--cores", "2",
            "--resources", "gpu=3", "--configfile", TINY_CONFIG, str(finished), str(more)]
     proc = subprocess.run(cmd, cwd=edits, capture_output=True, text=True, env=env, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:] + pretrain_log(edits)[-3000:]
-    assert summary(edits)["steps"] == 30 and summary(edits)["resumed_from_step"] == 20
-    assert "resumed from" in pretrain_log(edits) and (results / "eval" / "step30.json").is_file()
-    assert committed_steps(results / "state" / "checkpoints") == [30]  # train.keep_checkpoints: 1
+    assert summary(edits)["steps"] == MORE_STEPS and summary(edits)["resumed_from_step"] == STEPS
+    assert "resumed from" in pretrain_log(edits) and (results / "eval" / f"step{MORE_STEPS}.json").is_file()
+    assert committed_steps(results / "state" / "checkpoints") == [MORE_STEPS]  # train.keep_checkpoints: 1
     assert scheduled(edits, finished, more) == set()
-
-
-def test_new_learning_rate_and_shape_start_fresh_and_keep_the_old_run(edits, finished, overlays):
-    results = edits / "results" / NAME
-    more = overlays("more-steps", {"train": {"max_steps": 30}})
-    old_losses = losses(edits)
-    changed = overlays("changed", {"train": {"lr": 5.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
-    snakemake(edits, finished, more, changed)
-    log = pretrain_log(edits)
-    assert "the settings changed since the run in" in log and "train.lr" in log and "model" in log
-    kept = re.search(r"that run is kept in (\S+);", log).group(1)
-    assert committed_steps(edits / kept / "checkpoints") == [30]  # the old run, whole
-    new = summary(edits)
-    assert new["resumed_from_step"] is None and new["model"]["layers"] == 3 and new["steps"] == 30
-    new_losses = losses(edits)
-    assert len(new_losses) == 30 and new_losses != old_losses
-    plan = json.loads((results / "train" / "plan.json").read_text())
-    assert plan["train"]["lr"] == 5.0e-3 and plan["model"]["overrides"] == {"num_hidden_layers": 3}
 
 
 def test_evaluation_benchmark_and_report_edits_show_in_their_outputs(edits, finished, overlays):
     results = edits / "results" / NAME
-    more = overlays("more-steps", {"train": {"max_steps": 30}})
-    changed = overlays("changed", {"train": {"lr": 5.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
+    more = overlays("more-steps", {"train": {"max_steps": MORE_STEPS}})
     trained = (results / "train" / "summary.json").stat().st_mtime
     outputs = overlays("outputs", {"evaluate": {"prompts": ["def main(", "class Queue:"]},
                                    "benchmark": {"steps": 5}, "report": {"target_corpus_tokens": 2.0e+12}})
-    snakemake(edits, finished, more, changed, outputs)
+    snakemake(edits, finished, more, outputs)
     assert (results / "train" / "summary.json").stat().st_mtime == trained, "no retraining"
-    generations = json.loads((results / "eval" / "step30.json").read_text())["generations"]
+    generations = json.loads((results / "eval" / f"step{MORE_STEPS}.json").read_text())["generations"]
     assert [g["prompt"] for g in generations if g["mode"] == "greedy"] == ["def main(", "class Queue:"]
     cell = json.loads((results / "bench" / "ranks1-zero2-fp32-gloo" / "rep1" / "summary.json").read_text())
     assert cell["steps"] == 5
     assert "report.target_corpus_tokens = 2e12 tokens" in (results / "report" / "report.md").read_text()
+
+
+def test_new_learning_rate_and_shape_start_fresh_and_keep_the_old_run(edits, finished, overlays):
+    results = edits / "results" / NAME
+    more = overlays("more-steps", {"train": {"max_steps": MORE_STEPS}})
+    old_losses = losses(edits)
+    changed = overlays("changed", {"train": {"lr": 5.0e-3}, "model": {"overrides": {"num_hidden_layers": 3}}})
+    # the training alone, which is all this test reads (the other outputs' edits: the test above)
+    snakemake(edits, finished, more, changed, args=("--", f"results/{NAME}/train/summary.json"))
+    log = pretrain_log(edits)
+    assert "the settings changed since the run in" in log and "train.lr" in log and "model" in log
+    kept = re.search(r"that run is kept in (\S+);", log).group(1)
+    assert committed_steps(edits / kept / "checkpoints") == [MORE_STEPS]  # the old run, whole
+    new = summary(edits)
+    assert new["resumed_from_step"] is None and new["model"]["layers"] == 3 and new["steps"] == MORE_STEPS
+    new_losses = losses(edits)
+    assert len(new_losses) == MORE_STEPS and new_losses != old_losses
+    plan = json.loads((results / "train" / "plan.json").read_text())
+    assert plan["train"]["lr"] == 5.0e-3 and plan["model"]["overrides"] == {"num_hidden_layers": 3}
 
 
 def dry_run_default(folder: Path, *args) -> subprocess.CompletedProcess:
