@@ -9,6 +9,7 @@ without accounting, cgroups or task binding.
 - The client commands are wrapped (in <folder>/bin, first on cluster.env's PATH) to always read this cluster's
   slurm.conf: Snakemake's SLURM job step strips SLURM_CONF with the other SLURM_* variables before it calls srun,
   so inside jobs only the default /etc/slurm/slurm.conf would be found, which a real cluster has and this one not.
+  Its squeue answers the executor plugin's status query when one of the run's jobs ends (SQUEUE_UNTIL_A_JOB_ENDS).
 - Job status comes from squeue only (AccountingStorageType=accounting_storage/none, no slurmdbd); finished jobs stay
   visible to squeue and `scontrol show job` for MinJobAge seconds.
 
@@ -33,6 +34,38 @@ from support import free_port
 CLIENTS = ("sbatch", "srun", "salloc", "squeue", "scontrol", "scancel", "sinfo", "sacct")
 BINARIES = ("munged", "slurmctld", "slurmd", *CLIENTS)
 PACKAGES = ("slurm-wlm", "munge")
+
+# The squeue of the cluster's bin/. The executor plugin's status query (`squeue --format=%i|%T --states=all --noheader
+# --name <run>`) answers once one of the run's jobs is in a final state that no earlier query of that run reported, or
+# when none is queued or running, or after 50 s (the plugin gives a query 60 s): squeue's own output, taken at that
+# moment. The plugin waits 10 s longer after every query that finds no job finished (up to 180 s, whatever its
+# settings), so on this cluster, whose jobs follow one another, it would otherwise sit idle for most of each
+# job's length again. Every other squeue call answers at once.
+SQUEUE_UNTIL_A_JOB_ENDS = """#!{python}
+import os, subprocess, sys, time
+from pathlib import Path
+
+SQUEUE, ENV = "{squeue}", dict(os.environ, SLURM_CONF="{conf}")
+FINAL = {{"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+          "TIMEOUT"}}
+args = sys.argv[1:]
+if not ("--format=%i|%T" in args and "--states=all" in args and "--name" in args):
+    os.execve(SQUEUE, [SQUEUE, *args], ENV)
+reported = Path("{folder}") / ("squeue-reported-" + args[args.index("--name") + 1])
+seen = set(reported.read_text().split()) if reported.exists() else set()
+deadline = time.monotonic() + 50
+while True:
+    proc = subprocess.run([SQUEUE, *args], env=ENV, capture_output=True, text=True)
+    states = dict(line.strip().split("|", 1) for line in proc.stdout.splitlines() if "|" in line)
+    ended = {{job for job, state in states.items() if state in FINAL}}
+    if proc.returncode or ended - seen or ended == set(states) or time.monotonic() > deadline:
+        break
+    time.sleep(0.25)
+reported.write_text("\\n".join(sorted(seen | ended)))
+sys.stdout.write(proc.stdout)
+sys.stderr.write(proc.stderr)
+sys.exit(proc.returncode)
+"""
 
 
 def missing_binaries() -> list[str]:
@@ -89,7 +122,11 @@ class SlurmCluster:
         for name in CLIENTS:
             if shutil.which(name):
                 wrapper = self.bin / name
-                wrapper.write_text(f'#!/bin/sh\nSLURM_CONF={self.conf} exec {shutil.which(name)} "$@"\n')
+                if name == "squeue":
+                    wrapper.write_text(SQUEUE_UNTIL_A_JOB_ENDS.format(python=sys.executable, squeue=shutil.which(name),
+                                                                      conf=self.conf, folder=f))
+                else:
+                    wrapper.write_text(f'#!/bin/sh\nSLURM_CONF={self.conf} exec {shutil.which(name)} "$@"\n')
                 wrapper.chmod(0o755)
         f.chmod(0o755)  # munged refuses a socket in a folder others cannot traverse
         key = f / "munge.key"

@@ -69,11 +69,12 @@ def snakemake(cluster, workdir, tmp_path, train: dict, *args) -> str:
         "max_steps": STEPS, "checkpoint_every": 10, "warmup_timing_steps": 2, "micro_batch_size": 8, **train}})
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), f"results/{NAME}/train/summary.json",
            f"results/{NAME}/train/hf", "--profile", "profiles/slurm", "--configfile", TINY_CONFIG, str(overlay),
-           # The test nodes: 2 CPUs and 16 GB each; status checks soon after submission (squeue stays reliable
-           # while MinJobAge >= 3 x this delay) and every second after that (Snakemake's default, 10 s, would add
-           # seconds to each of the chain's jobs on this local cluster).
+           # The test nodes: 2 CPUs and 16 GB each. Status checks 1 s after submission and 1 s after a check that
+           # saw a job finish (squeue stays reliable while MinJobAge >= 3 x this delay); the plugin adds 10 s to the
+           # pause after each check that saw none, which this cluster's squeue absorbs by answering when a job ends
+           # (tests/slurm_cluster.py).
            "--cores", "2", "--set-resources", "pretrain:mem_mb=4000", "pretrain:runtime=30",
-           "--slurm-init-seconds-before-status-checks", "2", "--seconds-between-status-checks", "1",
+           "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1",
            "--rerun-triggers", "mtime", "params", *args]
     proc = subprocess.run(cmd, cwd=workdir, env=snakemake_env(cluster.env), capture_output=True, text=True,
                           timeout=1500)
