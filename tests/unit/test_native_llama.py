@@ -182,22 +182,26 @@ def test_what_native_does_not_implement_is_refused_naming_the_key():
 
 
 def test_a_rank_that_builds_the_native_model_never_imports_transformers():
-    """In a fresh interpreter: the trainer, every engine and DeepSpeed imported, the native model built and run."""
+    """In a fresh interpreter: the trainer, every engine and DeepSpeed imported, the native model built and run; then,
+    in the same interpreter, transformers' class built, which the same check must see."""
     code = ("import sys\n"
             "import deepspeed, pretrain_bench.trainer, pretrain_bench.engines.fsdp, pretrain_bench.engines.ddp\n"
             "import pretrain_bench.engines.deepspeed_engine\n"
             "import torch\n"
             "from pretrain_bench.model import build_model, resolve_shape\n"
+            "def loaded():\n"
+            "    return sorted(name for name in sys.modules if name.split('.')[0] == 'transformers')\n"
             f"model = build_model(resolve_shape('tiny', None, {VOCAB}), {T}, 1, implementation='native')\n"
             f"model(input_ids=torch.zeros(1, {T}, dtype=torch.long)).logits.sum().backward()\n"
-            "print(sorted(name for name in sys.modules if name.split('.')[0] == 'transformers'))\n")
+            "print(loaded())\n"
+            f"build_model(resolve_shape('tiny', None, {VOCAB}), {T}, 1, implementation='transformers')\n"
+            "print(loaded())\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split("\n")[-2] == "[]"
-    built = subprocess.run([sys.executable, "-c", code.replace("'native'", "'transformers'")], capture_output=True,
-                           text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    assert "'transformers'" in built.stdout, "the check sees transformers where the rank does import it"
+    native, then_transformers = proc.stdout.split("\n")[-3:-1]
+    assert native == "[]"
+    assert "'transformers'" in then_transformers, "the check sees transformers where the rank does import it"
 
 
 def test_model_init_from_weights_load_into_the_native_model(tmp_path):
