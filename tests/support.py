@@ -132,7 +132,8 @@ def job_logs(workdir: Path) -> str:
 
 
 def scheduled_rules(proc: subprocess.CompletedProcess) -> set[str]:
-    """Rules a `snakemake -n` run would run, from its job-stats table (empty when it has nothing to do)."""
+    """Rules a `snakemake -n` run would run, or a real run ran, from its job-stats table (empty when it has nothing
+    to do)."""
     out = proc.stdout + proc.stderr
     if "Nothing to be done" in out:
         return set()
