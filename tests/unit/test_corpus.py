@@ -591,8 +591,7 @@ def test_a_new_file_matching_a_source_glob_rebuilds_the_corpus(tmp_path):
     run("--quiet")
     assert "Nothing to be done" in run("-n")
     (tmp_path / "texts" / "2.txt").write_text("a third file, added after the corpus was built")
-    assert "rule download_corpus:" in run("-n")
-    run("--quiet")
+    run("--quiet")  # rebuilds: the manifest below counts the third file
     (manifest_path,) = (tmp_path / "results").glob("data/corpus-*/manifest.json")
     manifest = json.loads(manifest_path.read_text())
     assert manifest["documents"] == 3 and sorted(manifest["sources"][0]["details"]["file_sha256"]) == [
