@@ -88,6 +88,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -expected_seconds(item.nodeid))  # stable: a unit keeps its tests' order
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest without xdist (-p no:xdist) does not know it
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scope scheduling with scheduling_unit as the scope, in collection order (written here because xdist's own
     --dist loadgroup marks node ids in a way pytest 9 no longer reads)."""
