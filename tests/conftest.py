@@ -41,7 +41,7 @@ SHARED_GROUPS = {"test_benchmark_report": "pipeline", "test_evaluate": "pipeline
                  "test_benchmark_search": "pipeline"}
 ONE_TEST_UNITS = {"test_engine", "test_faults", "test_multinode", "test_export_zero", "test_memory_measured"}
 UNIT_SECONDS = {
-    "pipeline": 1650, "test_declarative": 800, "test_evaluate_reruns": 550, "test_engines": 600, "test_slurm": 400,
+    "pipeline": 1650, "test_declarative": 800, "test_evaluate_reruns": 550, "test_engines": 540, "test_slurm": 400,
     "test_gpu_smoke_cpu": 280, "test_data_products": 150, "test_pinned_ranks_run": 100, "test_workdirs": 30,
     "test_demo_learns": 200, "test_trackers_every_engine": 80, "test_native_llama_run": 75,
     "test_engine::test_zero_stages_0_to_3_train_concurrently_and_shut_down": 85,
@@ -61,7 +61,7 @@ UNIT_SECONDS = {
     "test_faults::test_a_crash_before_the_first_checkpoint_and_a_cut_last_line_leave_each_step_once": 70,
     "test_faults::test_same_size_overwrite_of_a_checkpoint_is_found_by_default_and_never_loaded": 50,
     "test_faults::test_non_finite_loss_right_after_a_resume_names_the_checkpoint_and_falls_back_once": 130,
-    "test_memory_measured::test_offloaded_run_rss_matches_the_memory_model": 100,
+    "test_memory_measured::test_offloaded_run_rss_matches_the_memory_model": 80,
     "test_multinode::test_two_nodes_on_one_machine_match_one_node_of_the_same_world_size": 60,
     "test_export_zero::test_a_bf16_export_of_a_zero_checkpoint_equals_its_fp32_weights_cast": 20,
 }
