@@ -195,7 +195,7 @@ def test_damaged_checkpoints_fall_back_and_steps_never_go_backwards(data, six_st
 
 # --- Interrupts through Snakemake, and the reruns after them -------------------------------------------------------
 INTERRUPT_NAME = DATA_NAME  # in a working directory of its own, from a copy of the tiny data
-INTERRUPT_STEPS = 20  # an interrupt after step 3 stops it well before its end (within 5 steps)
+INTERRUPT_STEPS = 12  # an interrupt after step 3 stops it well before its end (within 5 steps)
 INTERRUPT_OVERLAY = {"name": INTERRUPT_NAME, "train": {"gpus": 2, "max_steps": INTERRUPT_STEPS,
                                                        "checkpoint_every": 1000, "eval_every": None}}
 
@@ -332,21 +332,28 @@ def mapped_deleted_files(pid: int, folder: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("engine", [{}, {"engine": "ddp", "zero_stage": 0}], ids=["deepspeed", "ddp"])
-def test_pruned_checkpoints_free_their_disk_while_a_resumed_run_continues(data, tmp_path, engine):
+def test_pruned_checkpoints_free_their_disk_while_a_resumed_run_continues(data, six_steps, tmp_path, engine):
     run_dir = tmp_path / "run"
     root = run_dir / "state" / "checkpoints"
-    first = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=4, checkpoint_every=2, keep_checkpoints=1,
-                     **engine)
-    assert run(first, 2, tmp_path / "a.log") == 0, (tmp_path / "a.log").read_text()[-3000:]
-    assert ckpt.committed_steps(root) == [4]
-    # resumed from step 4, which the save of step 6 prunes while the run goes on
+    if engine:  # DDP: a run of its own, which keeps only its newest checkpoint
+        first = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=4, checkpoint_every=2,
+                         keep_checkpoints=1, **engine)
+        assert run(first, 2, tmp_path / "a.log") == 0, (tmp_path / "a.log").read_text()[-3000:]
+        assert ckpt.committed_steps(root) == [4]
+        resumed = 4
+    else:  # DeepSpeed: a copy of the session's run (committed 2, 4, 6), whose first save below prunes all three
+        copy_state(six_steps, run_dir)  # (train.keep_checkpoints is not in the resume fingerprint)
+        resumed = 6
+    # resumed from its newest checkpoint, which a save of this run prunes (with any older one) while the run goes on
     plan = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=400, checkpoint_every=2,
                     keep_checkpoints=1, **engine)
     log = tmp_path / "b.log"
     proc = start_logged(plan, 2, log, tmp_path / "b.terminal")
     try:
+        # step 9 recorded: the save of step 8 (whose commit prunes) is over
         wait_for(lambda: len(recorded_losses(run_dir)) >= 9 and 8 in ckpt.committed_steps(root), proc, log)
-        assert not (root / "step4").exists()
+        assert not [step for step in range(2, resumed + 1, 2) if (root / ckpt.tag_for(step)).exists()], \
+            sorted(p.name for p in root.iterdir())
         ranks = rank_processes(proc)
         assert len(ranks) == 2
         held = {rank.pid: mapped_deleted_files(rank.pid, root) for rank in ranks}
@@ -356,7 +363,7 @@ def test_pruned_checkpoints_free_their_disk_while_a_resumed_run_continues(data, 
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert "resumed from" in log.read_text()
+    assert f"resumed from {root / ckpt.tag_for(resumed)} (step {resumed})" in log.read_text()
 
 
 
