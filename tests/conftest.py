@@ -56,7 +56,7 @@ UNIT_SECONDS = {
     "test_faults::test_damaged_checkpoints_fall_back_and_steps_never_go_backwards": 60,
     "test_faults::test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_finished_run_is_never_"
     "retrained": 300,
-    "test_faults::test_pruned_checkpoints_free_their_disk_while_a_resumed_run_continues": 100,
+    "test_faults::test_pruned_checkpoints_free_their_disk_while_a_resumed_run_continues": 75,
     "test_faults::test_a_world_size_edit_starts_fresh_keeping_the_old_run_or_resumes_reshaped_where_allowed": 100,
     "test_faults::test_a_crash_before_the_first_checkpoint_and_a_cut_last_line_leave_each_step_once": 70,
     "test_faults::test_same_size_overwrite_of_a_checkpoint_is_found_by_default_and_never_loaded": 50,
