@@ -84,6 +84,7 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/bench_tokens.py bench-results/tokens.json
 	$(BIN)/python bench/bench_dag.py bench-results/dag.json
 	$(BIN)/python bench/bench_trainer.py bench-results/trainer.json --model-class
+	$(BIN)/python bench/bench_zero_overhead.py bench-results/zero-overhead.json
 	$(BIN)/python bench/bench_compile.py bench-results/compile.json
 	$(BIN)/python bench/bench_model_implementation.py bench-results/model-implementation.json
 	$(BIN)/python bench/bench_pipeline.py bench-results/pipeline.json

@@ -346,19 +346,6 @@ def check_engine(s: TrainSettings) -> None:
 TORCH_ADAMW_KWARGS = {"fused": True}
 
 
-def zero_reduce_scatter(s: TrainSettings) -> bool:
-    """zero_optimization.reduce_scatter: off for ZeRO-1/2 at one data-parallel rank without optimizer offload.
-
-    With it on, stage_1_and_2.py's average_tensor divides each gradient bucket by the world size in place, copies the
-    bucket into a flat tensor for the all-reduce and copies the result back slice by slice; off, it all-reduces the
-    bucket in place and scales after (gradient_reduction_w_predivide), which at one rank is no scaling at all. Both
-    are exact at one rank (a division by 1, an all-reduce over one rank), so the losses are the same bits
-    (tests/unit/test_deepspeed_config.py), and the three passes over every gradient go: bench/bench_zero_overhead.py
-    measures the step. With more ranks the two round differently (pre-division against post-scaling), so it stays
-    on there, as it was."""
-    return not (s.zero_stage in (1, 2) and s.world_size == 1 and s.offload_optimizer == "none")
-
-
 def deepspeed_config(s: TrainSettings, device: str, total_steps: int, fused_adam: bool = False,
                      pin_memory: bool = True, comms_logger: bool = True) -> dict:
     """The DeepSpeed JSON config for these settings (written next to the run as ds_config.json), with
@@ -372,8 +359,7 @@ def deepspeed_config(s: TrainSettings, device: str, total_steps: int, fused_adam
     """
     zero: dict = {"stage": s.zero_stage}
     if s.zero_stage >= 1:
-        zero.update(overlap_comm=device == "cuda", contiguous_gradients=True,
-                    reduce_scatter=zero_reduce_scatter(s))
+        zero.update(overlap_comm=device == "cuda", contiguous_gradients=True, reduce_scatter=True)
     for key in ("offload_optimizer", "offload_param"):
         target = getattr(s, key)
         if target != "none":
