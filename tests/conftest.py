@@ -32,18 +32,18 @@ from support import (
 os.environ.update(extension_build_environment())
 
 # `make test` runs two pytest-xdist workers, each taking whole units of tests, so that a module's fixtures are built
-# once. A unit is a module, and the four modules that share the `pipeline` run are one; in the modules of
+# once. A unit is a module, and the five modules that share the `pipeline` run are one; in the modules of
 # ONE_TEST_UNITS, whose tests share no fixture but the session's (which both workers share through a file lock, as
 # tiny_data does), each test is a unit of its own. Units start longest first, by UNIT_SECONDS (their time under
 # `make test` on 2 cores, measured on a loaded machine: what counts is their order; an integration test not listed
 # counts as UNLISTED_SECONDS, a unit test as 0), so no long unit is left for the end while the other worker idles.
 SHARED_GROUPS = {"test_benchmark_report": "pipeline", "test_evaluate": "pipeline", "test_tiny_pipeline": "pipeline",
-                 "test_benchmark_search": "pipeline"}
+                 "test_benchmark_search": "pipeline", "test_demo_learns": "pipeline"}
 ONE_TEST_UNITS = {"test_engine", "test_faults", "test_multinode", "test_export_zero", "test_memory_measured"}
 UNIT_SECONDS = {
     "pipeline": 1650, "test_declarative": 800, "test_evaluate_reruns": 550, "test_engines": 540, "test_slurm": 400,
     "test_gpu_smoke_cpu": 280, "test_data_products": 150, "test_pinned_ranks_run": 100, "test_workdirs": 30,
-    "test_demo_learns": 200, "test_trackers_every_engine": 80, "test_native_llama_run": 75,
+    "test_trackers_every_engine": 80, "test_native_llama_run": 75,
     "test_engine::test_zero_stages_0_to_3_train_concurrently_and_shut_down": 85,
     "test_engine::test_kill_9_then_rerun_resumes_with_identical_losses": 80,
     "test_engine::test_other_config_or_world_size_start_fresh_beside_the_old_run_or_resume_reshaped": 175,

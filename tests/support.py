@@ -35,20 +35,22 @@ RUN_OUTPUTS = ("results", "logs", "benchmarks", "resources", ".snakemake")
 # The run name the tiny data (corpus → tokenizer → shards of config/tiny-cpu.yaml) is built with once per session
 # (conftest `tiny_data`). The data products live under results/data/, shared by every name with the same data settings.
 DATA_NAME = "itest"
-# The one run of the whole tiny pipeline that the pipeline, evaluation and report tests share (conftest.pipeline): a
-# short main run with two kept checkpoints (two points on the evaluation curves), both lm-eval tasks, and a benchmark
-# matrix of 1 and 2 ranks × DeepSpeed ZeRO-2 and DDP × 2 repeats (8 launches; 2 ranks fit 2 cores) of
-# PIPELINE_BENCH_STEPS steps each, the first 2 untimed (the tiny config's benchmark.warmup_steps). nccl cells and
-# cells with a micro batch of 100,000 are declared too: they must be reported, not run.
+# The one run of the whole tiny pipeline that the pipeline, evaluation, report and demo tests share
+# (conftest.pipeline): the demo's main run as config/tiny-cpu.yaml trains it (its model and train blocks unchanged:
+# test_demo_learns checks that it learns), its two kept checkpoints (two points on the evaluation curves), both lm-eval
+# tasks, and a benchmark matrix of 1 and 2 ranks × DeepSpeed ZeRO-2 and DDP × 2 repeats (8 launches; 2 ranks fit 2
+# cores) of PIPELINE_BENCH_STEPS steps each, the first 2 untimed (the tiny config's benchmark.warmup_steps). nccl
+# cells and cells with a micro batch of 100,000 are declared too: they must be reported, not run.
 PIPELINE_NAME = DATA_NAME
-PIPELINE_STEPS = (10, 20)
+TINY_TRAIN = yaml.safe_load((ROOT / TINY_CONFIG).read_text())["train"]
+PIPELINE_STEPS = tuple(range(TINY_TRAIN["checkpoint_every"], TINY_TRAIN["max_steps"] + 1,
+                             TINY_TRAIN["checkpoint_every"]))  # the main run's kept checkpoints
 # The main run's micro batch: the tiny config's (4 per rank, a global batch of 12 on 3 ranks). The benchmark matrix
 # below declares it, so its cells are named as the main run's (no -mb<n>), and benchmark.search tries it and 4 × it.
-PIPELINE_MICRO_BATCH = yaml.safe_load((ROOT / TINY_CONFIG).read_text())["train"]["micro_batch_size"]
+PIPELINE_MICRO_BATCH = TINY_TRAIN["micro_batch_size"]
 PIPELINE_BENCH_STEPS = 4
 PIPELINE_OVERLAY = {
     "name": PIPELINE_NAME,
-    "train": {"max_steps": 20, "checkpoint_every": 10, "warmup_timing_steps": 2},
     "evaluate": {"max_tokens": 4096, "lm_eval": {"limit": 4, "tasks": ["pretrain_bench_last_word",
                                                                        "pretrain_bench_doc_perplexity"]}},
     # DDP beside DeepSpeed ZeRO-2: its cells collapse the ZeRO axis (one layout), see bench_matrix.cells

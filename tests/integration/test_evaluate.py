@@ -1,5 +1,5 @@
-"""Checkpoint evaluation through Snakemake on a short tiny run (20 steps, checkpoints 10 and 20): HF exports that
-match the DeepSpeed model, eval/step<N>.json, lm-eval on the shipped tasks, checkpoints left untouched."""
+"""Checkpoint evaluation through Snakemake on the tiny run (its two kept checkpoints, support.PIPELINE_STEPS): HF
+exports that match the DeepSpeed model, eval/step<N>.json, lm-eval on the shipped tasks, checkpoints left untouched."""
 import dataclasses
 import json
 import math
@@ -29,6 +29,7 @@ pytestmark = pytest.mark.pipeline
 
 NAME = PIPELINE_NAME  # the shared run of the whole tiny pipeline (tests/conftest.py)
 STEPS = PIPELINE_STEPS
+FIRST, LAST = STEPS[0], STEPS[-1]
 SEQ_LEN, GLOBAL_BATCH = 128, 3 * PIPELINE_MICRO_BATCH  # config/tiny-cpu.yaml: 3 ranks, one micro step each
 TINY = yaml.safe_load((ROOT / TINY_CONFIG).read_text())
 
@@ -81,8 +82,8 @@ def test_eval_loss_is_the_exports_loss_on_the_evenly_spaced_samples(run):
     from pretrain_bench.evaluation import eval_sample_indices
     from pretrain_bench.loader import PackedTokens
 
-    result = load_eval(run, 20)
-    model, _ = load_export(run, 20)
+    result = load_eval(run, LAST)
+    model, _ = load_export(run, LAST)
     data = PackedTokens(run["pipeline"].data.shards / "index.json", "val", SEQ_LEN)
     indices = eval_sample_indices(data.num_samples, SEQ_LEN, 4096)
     assert len(set(indices.tolist())) == 32 and indices[-1] > data.num_samples * 0.9, "spread over the whole split"
@@ -96,8 +97,8 @@ def test_eval_loss_is_the_exports_loss_on_the_evenly_spaced_samples(run):
 def test_continuations_reproduce_from_the_export(run):
     from transformers import GenerationConfig
 
-    result = load_eval(run, 20)
-    model, tokenizer = load_export(run, 20)
+    result = load_eval(run, LAST)
+    model, tokenizer = load_export(run, LAST)
     settings = {"max_new_tokens": 48, "temperature": 0.8, "top_k": 50, "seed": 1234}
     assert result["generation"] == settings
     for record in result["generations"][:2]:
@@ -158,8 +159,8 @@ def test_export_logits_match_the_deepspeed_engine(run, tmp_path):
         print(f"step {step}: max |logits export - DeepSpeed| = {difference:.3g}")
         assert difference <= 1e-5
         assert reference["logits"][step].abs().max() > 1, "real logits, not an all-zero output"
-    a, _ = load_export(run, 10)
-    b, _ = load_export(run, 20)
+    a, _ = load_export(run, FIRST)
+    b, _ = load_export(run, LAST)
     assert not torch.equal(a.lm_head.weight, b.lm_head.weight), "each step exports its own weights"
 
 
@@ -179,10 +180,10 @@ def rolling_loglikelihood(model, tokens: list[int], prefix: int, max_length: int
 
 def test_lm_eval_numbers_are_the_export_models_own(run):
     """lm-eval's figures recomputed from first principles with the export and the task data files."""
-    summary = json.loads((run["results"] / "lm_eval" / "step20.json").read_text())
+    summary = json.loads((run["results"] / "lm_eval" / f"step{LAST}.json").read_text())
     assert summary["samples"] == {"pretrain_bench_last_word": 4, "pretrain_bench_doc_perplexity": 4}
-    assert (summary["step"], summary["max_length"], summary["limit"]) == (20, SEQ_LEN, 4)
-    model, tokenizer = load_export(run, 20)
+    assert (summary["step"], summary["max_length"], summary["limit"]) == (LAST, SEQ_LEN, 4)
+    model, tokenizer = load_export(run, LAST)
     data = run["results"] / "lm_eval" / "data"
 
     # last word: the target's log-likelihood given the (left-truncated) context; acc when it is the greedy path
@@ -227,15 +228,15 @@ def test_an_incomplete_zero_checkpoint_fails_naming_its_path(run, tmp_path, monk
     from pretrain_bench.export import export_checkpoint
 
     monkeypatch.chdir(run["pipeline"].workdir)  # where the plan's relative paths lead, as in the run's jobs
-    shutil.copytree(run["results"] / "state" / "checkpoints" / "step10", tmp_path / "checkpoints" / "step10")
-    shards = sorted((tmp_path / "checkpoints" / "step10").glob("*optim_states.pt"))
+    folder = tmp_path / "checkpoints" / f"step{FIRST}"
+    shutil.copytree(run["results"] / "state" / "checkpoints" / f"step{FIRST}", folder)
+    shards = sorted(folder.glob("*optim_states.pt"))
     assert len(shards) == 3, "one optimizer shard per rank"
     shards[1].unlink()  # a copy that lost one rank's shard, marker and all else intact
     from pretrain_bench.plan import Plan
 
     plan = Plan.from_json(run["results"] / "train" / "plan.json")
     plan = dataclasses.replace(plan, paths=dataclasses.replace(plan.paths, state_dir=str(tmp_path)))
-    folder = tmp_path / "checkpoints" / "step10"
     with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {folder} is incomplete or unreadable")):
-        export_checkpoint(plan, 10, tmp_path / "export")
+        export_checkpoint(plan, FIRST, tmp_path / "export")
 
