@@ -41,7 +41,7 @@ SHARED_GROUPS = {"test_benchmark_report": "pipeline", "test_evaluate": "pipeline
                  "test_benchmark_search": "pipeline", "test_demo_learns": "pipeline"}
 ONE_TEST_UNITS = {"test_engine", "test_faults", "test_multinode", "test_export_zero", "test_memory_measured"}
 UNIT_SECONDS = {
-    "pipeline": 1650, "test_declarative": 800, "test_evaluate_reruns": 550, "test_engines": 540, "test_slurm": 400,
+    "pipeline": 1565, "test_declarative": 800, "test_evaluate_reruns": 550, "test_engines": 540, "test_slurm": 400,
     "test_gpu_smoke_cpu": 280, "test_data_products": 150, "test_pinned_ranks_run": 100, "test_workdirs": 30,
     "test_trackers_every_engine": 80, "test_native_llama_run": 75,
     "test_engine::test_zero_stages_0_to_3_train_concurrently_and_shut_down": 85,
