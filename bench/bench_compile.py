@@ -11,7 +11,7 @@ The losses of the first steps (same weights, same batches) are compared with eag
 the tolerance the compile tests state.
 Writes JSON (default bench-results/compile.json).
 
-    python bench/bench_compile.py [out.json] [--steps 3] [--rounds 3]
+    python bench/bench_compile.py [out.json] [--steps 3] [--rounds 3] [--implementation transformers|native]
 """
 import argparse
 import json
@@ -28,15 +28,16 @@ VOCAB, BATCH, SEQ_LEN, SEED = 4096, 8, 128, 1234
 VARIANTS = ("eager", "block", "whole")
 
 
-def build(variant: str):
-    """(model, optimizer) of one variant, from the same seeded weights (compiled lazily, at its first step)."""
+def build(variant: str, implementation: str):
+    """(model, optimizer) of one variant of the model class `implementation` (model.implementation), from the same
+    seeded weights (compiled lazily, at its first step)."""
     import torch
 
     from pretrain_bench.compiling import compile_blocks
     from pretrain_bench.model import build_model, resolve_shape
     from pretrain_bench.settings import TORCH_ADAMW_KWARGS
 
-    model = build_model(resolve_shape("tiny", MODEL_OVERRIDES, VOCAB), SEQ_LEN, SEED)
+    model = build_model(resolve_shape("tiny", MODEL_OVERRIDES, VOCAB), SEQ_LEN, SEED, implementation=implementation)
     if variant == "block":
         compile_blocks(model).close()  # the bench's own clock times every variant's first step
     elif variant == "whole":
@@ -64,6 +65,8 @@ def main() -> None:
     parser.add_argument("out", nargs="?", default="bench-results/compile.json")
     parser.add_argument("--steps", type=int, default=3, help="steps per variant per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--implementation", choices=["transformers", "native"], default="transformers",
+                        help="the model class (model.implementation)")
     args = parser.parse_args()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-compile-inductor-")  # a cold start
     import torch
@@ -73,7 +76,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count())
     generator = torch.Generator().manual_seed(SEED)
     batches = torch.randint(0, VOCAB, (args.rounds * args.steps + 1, BATCH, SEQ_LEN + 1), generator=generator)
-    runs = {variant: build(variant) for variant in VARIANTS}
+    runs = {variant: build(variant, args.implementation) for variant in VARIANTS}
     first, clock = {}, CompileClock()
     for variant, (model, optimizer) in runs.items():  # 1) the first step of each: its compilation
         started, compiled_before, count_before = time.perf_counter(), clock.seconds, clock.compilations
@@ -94,6 +97,7 @@ def main() -> None:
     result = {
         "what": "1 process, CPU, fp32, fused AdamW, 8 × 128 tokens: eager vs torch.compile (inductor) per decoder "
                 "block vs the whole model, from the same weights on the same batches",
+        "implementation": args.implementation,
         "threads": os.cpu_count(), "steps_per_round": args.steps, "rounds": args.rounds,
         "load_average": list(os.getloadavg()),
         "step_time_s_per_round": rounds,
