@@ -1,11 +1,12 @@
-"""train.compile (per decoder block, in place) and model.attn_implementation (the kernel, and flash's refusal)."""
+"""train.compile (per decoder block or the whole model, in place) and model.attn_implementation (the kernel, and
+flash's refusal)."""
 import importlib.util
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain_bench.compiling import COMPILE_SCOPE, CompileClock, compile_blocks
+from pretrain_bench.compiling import COMPILE_SCOPES, CompileClock, compile_model, compile_scope
 from pretrain_bench.config import Config
 from pretrain_bench.config_types import ConfigError, ModelSettings
 from pretrain_bench.model import FLASH_INSTALL_HINT, build_model, check_attention, resolve_shape
@@ -57,14 +58,24 @@ def test_flash_attention_in_fp32_is_refused(monkeypatch):
     check_attention("flash_attention_2", "bf16")
 
 
-def test_compiled_blocks_keep_the_state_dict_names_and_train_to_eagers_losses():
-    """Compiled in place: checkpoints and the HF export see the same keys. Same weights and batches give eager's
-    losses within 1e-4 (the tolerance README states; the bench measures the actual difference)."""
-    eager, compiled = build_model(SHAPE, T, seed=3), build_model(SHAPE, T, seed=3)
+def test_the_compile_scope_is_the_whole_native_model_and_transformers_blocks_and_blocks_under_fsdp():
+    assert compile_scope("native", "deepspeed") == compile_scope("native", "ddp") == "model"
+    assert compile_scope("native", "fsdp") == "blocks"
+    assert {compile_scope("transformers", engine) for engine in ("deepspeed", "ddp", "fsdp")} == {"blocks"}
+
+
+@pytest.mark.parametrize("implementation,scope", [("transformers", "blocks"), ("native", "model")])
+def test_a_model_compiled_keeps_the_state_dict_names_and_trains_to_eagers_losses(implementation, scope):
+    """Compiled in place, per block (transformers' class) or whole (the native class): checkpoints and the HF export
+    see the same keys. Same weights and batches give eager's losses within 1e-4 (the tolerance README states; the
+    bench measures the actual difference)."""
+    eager, compiled = (build_model(SHAPE, T, seed=3, implementation=implementation) for _ in range(2))
     keys = list(compiled.state_dict())
-    clock = compile_blocks(compiled)
+    clock = compile_model(compiled, scope)
     try:
         assert list(compiled.state_dict()) == keys and all("_orig_mod" not in k for k in keys)
+        assert (compiled._compiled_call_impl is not None) == (scope == "model")
+        assert all((block._compiled_call_impl is not None) == (scope == "blocks") for block in compiled.model.layers)
         generator = torch.Generator().manual_seed(0)
         batches = torch.randint(0, 97, (1, 2, T + 1), generator=generator).expand(3, -1, -1)  # one batch, learnt
         losses = {}
@@ -81,7 +92,7 @@ def test_compiled_blocks_keep_the_state_dict_names_and_train_to_eagers_losses():
         assert max(abs(a - b) for a, b in zip(losses["eager"], losses["compiled"])) < 1e-4, losses
         assert losses["compiled"][-1] < losses["compiled"][0], "it trains"
         summary = clock.summary()
-        assert summary["scope"] == COMPILE_SCOPE and summary["compilations"] >= 1 and summary["time_s"] > 0
+        assert summary["scope"] == COMPILE_SCOPES[scope] and summary["compilations"] >= 1 and summary["time_s"] > 0
     finally:
         clock.close()
 

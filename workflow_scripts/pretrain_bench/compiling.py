@@ -1,10 +1,16 @@
-"""train.compile: torch.compile on each decoder block, and the wall time spent compiling.
+"""train.compile: torch.compile on each decoder block or on the whole model, and the wall time spent compiling.
 
-Per block rather than the whole model (what torchtitan does, and what measured faster here: README, "Compiling the
-model"): every decoder block has the same code and shapes, so the blocks share one compiled graph (torch's
-inline_inbuilt_nn_modules, on by default, makes parameters graph inputs rather than constants), the embedding and the
-LM head stay eager for the engines' hooks, and `nn.Module.compile` compiles in place, so the state dict keeps its
-names (no `_orig_mod.` prefix): checkpoints, the HF export and resume read the same keys with compile on or off.
+What is compiled (`compile_scope`) was chosen by measurement per model class (README, "Compiling the model"):
+- transformers' LlamaForCausalLM: each decoder block (what torchtitan does). Its whole model compiled measured slower
+  (1.25× the blocks' step time) and took about three times as long to compile. The blocks have the same code and
+  shapes, so they share one compiled graph (torch's inline_inbuilt_nn_modules, on by default, makes parameters graph
+  inputs rather than constants).
+- the native class (model.implementation native): the whole model, one graph from the embedding to the logits, as
+  nanoGPT's --compile does (its step measured 0.92–0.97× the blocks', bench/bench_compile.py --implementation native),
+  except under FSDP, whose per-layer sharding hooks stay outside the compiled graphs (per block there).
+Either way `nn.Module.compile` compiles in place, so the state dict keeps its names (no `_orig_mod.` prefix):
+checkpoints, the HF export and resume read the same keys with compile on or off, and the engines wrap the model as
+they do in eager mode.
 
 Compilation is lazy (the first forward, and the first backward for its graph), so its time is what torch's dynamo
 reports between the start and the end of each compilation (its compile callbacks, lazy backward compilations
@@ -14,16 +20,22 @@ from __future__ import annotations
 
 import time
 
-# What train.compile compiles: each decoder block. The measurement that chose it is in the README.
-COMPILE_SCOPE = "decoder blocks"
+# summary.json's compile.scope for each scope
+COMPILE_SCOPES = {"blocks": "decoder blocks", "model": "whole model"}
+
+
+def compile_scope(implementation: str, engine: str) -> str:
+    """What train.compile compiles for model.implementation and train.engine (the measured choice above)."""
+    return "model" if implementation == "native" and engine != "fsdp" else "blocks"
 
 
 class CompileClock:
     """Wall seconds spent compiling in this process since it was made (dynamo's start/end callbacks)."""
 
-    def __init__(self):
+    def __init__(self, scope: str = "blocks"):
         import torch._dynamo
 
+        self.scope = scope
         self.seconds, self.compilations = 0.0, 0
         self._started: float | None = None
         self._handler = torch._dynamo.callback_handler
@@ -45,15 +57,24 @@ class CompileClock:
 
     def summary(self) -> dict:
         """summary.json's `compile`: what was compiled, the seconds spent compiling, how many compilations."""
-        return {"scope": COMPILE_SCOPE, "time_s": self.seconds, "compilations": self.compilations}
+        return {"scope": COMPILE_SCOPES[self.scope], "time_s": self.seconds, "compilations": self.compilations}
 
 
-def compile_blocks(model) -> CompileClock:
-    """Compile each decoder block of an HF LLaMA model in place (inductor); returns the clock of its compilations.
+def compile_model(model, scope: str) -> CompileClock:
+    """Compile an LLaMA causal LM (either class) in place with inductor: each decoder block (`blocks`) or the whole
+    model (`model`); returns the clock of its compilations.
 
     dynamic=False: the training batch keeps one shape, and a held-out evaluation's other batch shape gets a graph of
     its own instead of turning the training graph into a slower shape-generic one."""
-    clock = CompileClock()
-    for block in model.model.layers:
-        block.compile(dynamic=False)
+    clock = CompileClock(scope)
+    if scope == "model":
+        model.compile(dynamic=False)
+    else:
+        for block in model.model.layers:
+            block.compile(dynamic=False)
     return clock
+
+
+def compile_blocks(model) -> CompileClock:
+    """Compile each decoder block in place (`compile_model`'s `blocks`)."""
+    return compile_model(model, "blocks")

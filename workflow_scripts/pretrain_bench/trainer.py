@@ -32,7 +32,7 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from . import state_lock
 from .checkpointer import Checkpointer, ResumePoint
-from .compiling import CompileClock, compile_blocks
+from .compiling import CompileClock, compile_model, compile_scope
 from .engines import Engine, EngineRun, engine_class
 from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .heldout import HeldOutSlice
@@ -249,7 +249,8 @@ class Trainer:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs=self.engine_class.gradient_checkpointing_kwargs)
         if settings.compile:  # in place, before the engine wraps the model: the state dict keeps its names
-            self.compile_clock = compile_blocks(self.model)
+            self.compile_clock = compile_model(self.model, compile_scope(plan.model.implementation,
+                                                                         settings.engine))
 
     def resume_point(self) -> None:
         """The checkpoint to resume from (Checkpointer.resume_point), chosen before the engine starts."""
