@@ -35,15 +35,9 @@ from pathlib import Path
 
 from bench_trainer import MODEL_OVERRIDES, ROOT, VARIANTS, bench_train, build_data, run_reference, run_trainer
 
+from pretrain_bench.launcher import free_port
+
 DEEPSPEED_VARIANTS = [name for name, keys in VARIANTS.items() if keys.get("engine", "deepspeed") == "deepspeed"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def bare_deepspeed_loop(config: dict, data: tuple[Path, Path], steps: int, warmup: int, variant: str,

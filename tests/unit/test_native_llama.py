@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from pretrain_bench.compiling import compile_blocks
+from pretrain_bench.compiling import compile_model
 from pretrain_bench.config_types import ConfigError, ModelSettings
 from pretrain_bench.model import build_model, check_attention, llama_config, resolve_shape
 from pretrain_bench.native_llama import DecoderBlock, NativeLlamaForCausalLM
@@ -104,13 +104,13 @@ def test_gradients_match_transformers_with_and_without_activation_checkpointing(
 
 
 def test_decoder_blocks_are_where_compile_and_fsdp_look_for_them():
-    """compile_blocks and the FSDP engine walk model.model.layers: the native blocks are there and compile in place
+    """Per-block compile and the FSDP engine walk model.model.layers: the native blocks are there and compile in place
     (the state dict keeps its names)."""
     native = build_model(shape(True), T, seed=3, implementation="native")
     names = list(native.state_dict())
     assert len(native.model.layers) == GQA["num_hidden_layers"]
     assert all(isinstance(block, DecoderBlock) for block in native.model.layers)
-    clock = compile_blocks(native)
+    clock = compile_model(native, "blocks")
     try:
         assert all(block._compiled_call_impl is not None for block in native.model.layers)
         assert list(native.state_dict()) == names

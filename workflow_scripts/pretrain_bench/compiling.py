@@ -73,8 +73,3 @@ def compile_model(model, scope: str) -> CompileClock:
         for block in model.model.layers:
             block.compile(dynamic=False)
     return clock
-
-
-def compile_blocks(model) -> CompileClock:
-    """Compile each decoder block in place (`compile_model`'s `blocks`)."""
-    return compile_model(model, "blocks")
