@@ -42,7 +42,7 @@ DATA_NAME = "itest"
 # cores) of PIPELINE_BENCH_STEPS steps each, the first 2 untimed (the tiny config's benchmark.warmup_steps). nccl
 # cells and cells with a micro batch of 100,000 are declared too: they must be reported, not run.
 PIPELINE_NAME = DATA_NAME
-TINY_TRAIN = yaml.safe_load((ROOT / TINY_CONFIG).read_text())["train"]
+TINY_TRAIN = load_config(ROOT / "config.yaml", ROOT / TINY_CONFIG)["train"]  # as tiny_config() has it, validated
 PIPELINE_STEPS = tuple(range(TINY_TRAIN["checkpoint_every"], TINY_TRAIN["max_steps"] + 1,
                              TINY_TRAIN["checkpoint_every"]))  # the main run's kept checkpoints
 # The main run's micro batch: the tiny config's (4 per rank, a global batch of 12 on 3 ranks). The benchmark matrix
