@@ -69,7 +69,7 @@ def bare_deepspeed_loop(config: dict, data: tuple[Path, Path], steps: int, warmu
     skip_muon_import()  # as the trainer's engine does: its optimizer is not Muon
     deepspeed.init_distributed(dist_backend="gloo")
     model = build_model(shape, seq_len, settings.seed, settings.precision, "cpu",
-                        model_config.get("attn_implementation"), model_config.get("implementation", "transformers"))
+                        model_config["attn_implementation"], model_config["implementation"])
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
                                            lr_scheduler=lr_schedule(settings, total_steps))
     batches = RankBatches(PackedTokens(index_path, "train", seq_len), rank=0, world_size=1,
