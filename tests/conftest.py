@@ -4,7 +4,7 @@ import os
 
 # `make test` runs two workers on a 2-core machine, each starting ranks and jobs sized for the whole machine, so the
 # suite's processes share cores by design. OpenMP's default, threads that spin while they wait, then burns the time a
-# sibling thread needs to run: two 1-rank runs at once took 74-127 s instead of 13 s (README, Quickstart). Passive
+# sibling thread needs to run (measured: README, "Cores shared with other work"; the suite: README, Quickstart). Passive
 # waiting changes no result (the same bits), only who holds the cores; every process the tests start inherits it.
 # Set before anything loads torch's OpenMP runtime, which reads it once.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
