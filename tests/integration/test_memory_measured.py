@@ -14,12 +14,14 @@ def test_offloaded_run_rss_matches_the_memory_model(data, tmp_path, zero_stage, 
     # RSS holds the model, activations, DeepSpeed's buffers and every offloaded term (offload_host_terms for
     # ZeRO-2, stage3_offload_host_terms for ZeRO-3, the default's chosen setup)
     config, results = data
-    config = {**config, "model": {**config["model"], "preset": "llama-125m", "overrides": {}}}
+    # 32-token samples, one per step: the states this test weighs do not depend on them, and the matmuls stay cheap
+    # where bf16 is slow (a CPU without native bf16 matmuls, AVX2 only, runs them 30-400× slower than fp32)
+    config = {**config, "model": {**config["model"], "preset": "llama-125m", "overrides": {}, "seq_len": 32}}
     chosen = {"precision": precision} if precision else {}  # None: the tiny config's own
     # 2 steps: the peak comes in step 2 (step 1's RSS is ~0.8-0.9 of it); no checkpoint: each step's record measures
     # its RSS, and saving this model's 2 GB of states would only add time
     plan_path = plan_for((config, results), tmp_path, gpus=1, global_batch_size=None, zero_stage=zero_stage,
-                         **chosen, offload_optimizer="cpu", micro_batch_size=2, max_steps=2,
+                         **chosen, offload_optimizer="cpu", micro_batch_size=1, max_steps=2,
                          warmup_steps=1, memory_fit="strict", eval_every=None, save_checkpoints=False)
     assert run(plan_path, 1, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-3000:]
     plan = json.loads(plan_path.read_text())

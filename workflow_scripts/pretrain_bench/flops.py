@@ -46,8 +46,10 @@ def gpu_table_peak(device_name: str, precision: str) -> tuple[float, str] | None
     return None
 
 
-def measure_matmul_peak(dtype_name: str = "fp32", size: int = 1024, repeats: int = 8, device: str = "cpu") -> float:
-    """Measured FLOP/s of a square matmul on this device with the current thread count (best of `repeats`)."""
+def matmul_timings(dtype_name: str = "fp32", size: int = 1024, repeats: int = 8, device: str = "cpu",
+                   budget_s: float | None = None) -> list[float]:
+    """Seconds of each timed square matmul of `size` on this device with the current thread count: `repeats` calls
+    after one that warms caches and kernels, or fewer once `budget_s` (warm-up included) is spent, never none."""
     import time
 
     import torch
@@ -55,16 +57,25 @@ def measure_matmul_peak(dtype_name: str = "fp32", size: int = 1024, repeats: int
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
-    best = float("inf")
-    for _ in range(repeats + 1):  # first call warms caches and kernels
+    timings: list[float] = []
+    began = time.perf_counter()
+    for call in range(repeats + 1):
         if device != "cpu":
             torch.cuda.synchronize()
         start = time.perf_counter()
         a @ b
         if device != "cpu":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size**3 / best
+        if call:
+            timings.append(time.perf_counter() - start)
+            if budget_s is not None and time.perf_counter() - began >= budget_s:
+                break
+    return timings
+
+
+def measure_matmul_peak(dtype_name: str = "fp32", size: int = 1024, repeats: int = 8, device: str = "cpu") -> float:
+    """Measured FLOP/s of a square matmul on this device with the current thread count (best of `repeats`)."""
+    return 2.0 * size**3 / min(matmul_timings(dtype_name, size, repeats, device))
 
 
 def model_flops_utilisation(tokens_per_s: float | None, flops_per_token_: float, peak_per_rank: float | None,
