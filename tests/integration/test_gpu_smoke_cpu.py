@@ -22,7 +22,7 @@ def test_gpu_smoke_cpu_twin_runs_every_section_and_reports_each(tmp_path):
     failed = {run["name"]: run["log_tail"] for run in report["runs"] if run["exit_code"]}
     assert proc.returncode == 0 and not failed, (proc.stdout[-3000:], proc.stderr[-3000:], failed)
     assert report["device"] == "cpu" and report["hardware"]["device"] == "cpu"  # machine_facts, measured in a child
-    assert report["peak"]["peak_source"].startswith("measured: best bf16 square matmul")
+    assert report["peak"]["peak_source"].startswith("measured: best bf16 square matmul x @ wᵀ (")
     runs = {run["name"]: run for run in report["runs"]}
     assert list(runs) == ["default-setup", "zero3-offload", "zero2-large", "zero2-loss-scaling", "ddp", "fsdp",
                           "zero2-large-compile"]

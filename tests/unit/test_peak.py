@@ -17,11 +17,11 @@ def test_sizes_predicted_past_the_budget_are_left_out_and_named():
     flops, method = cpu_matmul_peak("fp32", sizes=(64, 8192, 16384), budget_s=0.02)
     # 8192² costs 2¹⁵ × 64²'s FLOPs: far over 0.01 s on any CPU, so neither large size runs
     assert flops > 0
-    assert re.fullmatch(r"best fp32 square matmul \(64² ×\d calls; 8192², 16384² left out: one 8192² call predicted "
-                        r"at [\d.e+-]+ s, over half the 0.02 s each size may take\)", method), method
+    assert re.fullmatch(r"best fp32 square matmul x @ wᵀ \(64² ×\d calls; 8192², 16384² left out: one 8192² call "
+                        r"predicted at [\d.e+-]+ s, over half the 0.02 s each size may take\)", method), method
 
 
 def test_every_size_runs_its_repeats_within_a_generous_budget():
     flops, method = cpu_matmul_peak("fp32", sizes=(64, 128), repeats=4, budget_s=60)
-    assert method == "best fp32 square matmul (64² ×4, 128² ×4 calls)"
+    assert method == "best fp32 square matmul x @ wᵀ (64² ×4, 128² ×4 calls)"
     assert flops > 0

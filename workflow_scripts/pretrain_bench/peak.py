@@ -34,7 +34,7 @@ def _measure(run_device: str, precision: str) -> dict:
         name = torch.cuda.get_device_name()
         measured = measure_matmul_peak("bf16", size=8192, repeats=20, device=run_device)
         table = gpu_table_peak(name, "bf16")
-        result.update(measured_flops=measured, measured_method=f"best of 20 bf16 8192² matmuls on one {name}",
+        result.update(measured_flops=measured, measured_method=f"best of 20 bf16 8192² matmuls x @ wᵀ on one {name}",
                       table_flops=table[0] if table else None, table_source=table[1] if table else None)
         result["peak_flops"], result["peak_source"] = (table if table else
                                                        (measured, "measured: " + result["measured_method"]))
@@ -52,10 +52,10 @@ def _measure(run_device: str, precision: str) -> dict:
 
 
 # The CPU's peak: square matmuls of growing size, each size at most CPU_REPEATS timed calls within CPU_SIZE_BUDGET_S
-# (its warm-up call included). A CPU without native 16-bit matmuls (AVX2 only) runs them far slower than fp32 (on 2
-# such cores one 2048² call took 67 s in bf16 against 0.18 s in fp32), so a size whose one call is predicted, from the
-# previous size's best call scaled by the cube of the sizes' ratio, to take over half that budget is left out, and
-# the method says so.
+# (its warm-up call included), so that the measurement stays short on any CPU: one where 16-bit matmuls are emulated
+# (AVX2 only) ran a 2048² bf16 call in 1.6 s on 2 cores against fp32's 0.2 s, and one without AVX2 is slower still. A
+# size whose one call is predicted, from the previous size's best call scaled by the cube of the sizes' ratio, to take
+# over half that budget is left out, and the method says so.
 CPU_SIZES = (512, 1024, 2048)
 CPU_REPEATS = 8
 CPU_SIZE_BUDGET_S = 5.0
@@ -63,7 +63,7 @@ CPU_SIZE_BUDGET_S = 5.0
 
 def cpu_matmul_peak(dtype: str, sizes: tuple[int, ...] = CPU_SIZES, repeats: int = CPU_REPEATS,
                     budget_s: float = CPU_SIZE_BUDGET_S) -> tuple[float, str]:
-    """(best FLOP/s, what was measured: "best <dtype> square matmul (<size>² ×<calls>, …)" and any size left out)
+    """(best FLOP/s, what was measured: "best <dtype> square matmul x @ wᵀ (<size>² ×<calls>, …)" and any size left out)
     over `sizes`, with the current thread count."""
     from .flops import matmul_timings
 
@@ -73,11 +73,11 @@ def cpu_matmul_peak(dtype: str, sizes: tuple[int, ...] = CPU_SIZES, repeats: int
             predicted = previous[1] * (size / previous[0]) ** 3
             if predicted > budget_s / 2:
                 left_out = ", ".join(f"{n}²" for n in sizes[position:])
-                return best_flops, (f"best {dtype} square matmul ({', '.join(ran)} calls; {left_out} left out: "
-                                    f"one {size}² call predicted at {predicted:.3g} s, over half the {budget_s:g} s "
-                                    "each size may take)")
+                return best_flops, (f"best {dtype} square matmul x @ wᵀ ({', '.join(ran)} calls; {left_out} "
+                                    f"left out: one {size}² call predicted at {predicted:.3g} s, over half the "
+                                    f"{budget_s:g} s each size may take)")
         timings = matmul_timings(dtype, size, repeats, budget_s=budget_s)
         best_flops = max(best_flops, 2.0 * size**3 / min(timings))
         ran.append(f"{size}² ×{len(timings)}")
         previous = (size, min(timings))
-    return best_flops, f"best {dtype} square matmul ({', '.join(ran)} calls)"
+    return best_flops, f"best {dtype} square matmul x @ wᵀ ({', '.join(ran)} calls)"
