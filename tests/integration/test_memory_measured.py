@@ -24,6 +24,12 @@ def test_offloaded_run_rss_matches_the_memory_model(data, tmp_path, zero_stage, 
                          **chosen, offload_optimizer="cpu", micro_batch_size=1, max_steps=2,
                          warmup_steps=1, memory_fit="strict", eval_every=None, save_checkpoints=False)
     assert run(plan_path, 1, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-3000:]
+    # a bf16 run on a CPU that emulates bf16 matmuls says so; any other run does not
+    import torch
+
+    emulated = precision == "bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert ("note: train.precision bf16 on a CPU without native bf16 matmuls" in
+            (tmp_path / "train.log").read_text()) == emulated
     plan = json.loads(plan_path.read_text())
     estimate = plan["memory_fit"]["estimate"]
     predicted = estimate["per_rank"] + estimate["host_states"]

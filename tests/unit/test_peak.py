@@ -25,3 +25,15 @@ def test_every_size_runs_its_repeats_within_a_generous_budget():
     flops, method = cpu_matmul_peak("fp32", sizes=(64, 128), repeats=4, budget_s=60)
     assert method == "best fp32 square matmul x @ wᵀ (64² ×4, 128² ×4 calls)"
     assert flops > 0
+
+
+def test_a_bf16_cpu_run_is_told_when_its_cpu_emulates_bf16_matmuls():
+    from pretrain_bench.devices import emulated_bf16_note
+
+    note = emulated_bf16_note("cpu", "bf16", native=lambda: False)
+    assert note.startswith("train.precision bf16 on a CPU without native bf16 matmuls (oneDNN reports none; torch's "
+                           "CPU capability: ")
+    assert note.endswith("train.precision fp32 is the faster choice on this CPU")
+    assert emulated_bf16_note("cpu", "bf16", native=lambda: True) is None
+    assert emulated_bf16_note("cpu", "fp32", native=lambda: False) is None
+    assert emulated_bf16_note("cuda", "bf16", native=lambda: False) is None

@@ -192,6 +192,21 @@ def allocate_slots(count: int, devices: int | list[str], lock_dir: Path, *, time
         time.sleep(0.5)
 
 
+def emulated_bf16_note(device: str, precision: str, native=None) -> str | None:
+    """A notice for a bf16 run on a CPU whose matmuls have no native bf16 (oneDNN reports none: AVX2 and older, or
+    AVX-512 without its bf16 extension), where they are emulated; None otherwise. `native`: the check (a test's
+    stand-in), by default oneDNN's own."""
+    if device != "cpu" or precision != "bf16":
+        return None
+    import torch
+
+    if (native or torch.ops.mkldnn._is_mkldnn_bf16_supported)():
+        return None
+    return ("train.precision bf16 on a CPU without native bf16 matmuls (oneDNN reports none; torch's CPU capability: "
+            f"{torch.backends.cpu.get_cpu_capability()}): they are emulated, several times slower than fp32 "
+            "(README: MFU); train.precision fp32 is the faster choice on this CPU")
+
+
 def hardware_description(device: str) -> dict:
     """What the run ran on, for provenance."""
     import platform

@@ -33,6 +33,7 @@ from . import checkpoint as ckpt
 from . import state_lock
 from .checkpointer import Checkpointer, ResumePoint
 from .compiling import CompileClock, compile_model, compile_scope
+from .devices import emulated_bf16_note
 from .engines import Engine, EngineRun, engine_class
 from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .heldout import HeldOutSlice
@@ -236,6 +237,8 @@ class Trainer:
         from .memory_fit import summary_line
 
         self.log(summary_line(plan.memory_fit))
+        if note := emulated_bf16_note(self.device, settings.precision):
+            self.log(f"note: {note}")
         self.model = build_model(self.shape, self.seq_len, settings.seed, self.engine_class.build_precision(settings),
                                  self.run_device, plan.model.attn_implementation, plan.model.implementation)
         if init_from:
