@@ -15,7 +15,7 @@ def test_offloaded_run_rss_matches_the_memory_model(data, tmp_path, zero_stage, 
     # ZeRO-2, stage3_offload_host_terms for ZeRO-3, the default's chosen setup)
     config, results = data
     # 32-token samples, one per step: the states this test weighs do not depend on them, and the matmuls stay cheap
-    # where bf16 is slow (a CPU without native bf16 matmuls, AVX2 only, runs them 30-400× slower than fp32)
+    # where bf16 is slow (on a CPU without native bf16 matmuls, AVX2 only, x @ wᵀ ran about 8× slower than fp32)
     config = {**config, "model": {**config["model"], "preset": "llama-125m", "overrides": {}, "seq_len": 32}}
     chosen = {"precision": precision} if precision else {}  # None: the tiny config's own
     # 2 steps: the peak comes in step 2 (step 1's RSS is ~0.8-0.9 of it); no checkpoint: each step's record measures

@@ -67,17 +67,16 @@ def cpu_matmul_peak(dtype: str, sizes: tuple[int, ...] = CPU_SIZES, repeats: int
     over `sizes`, with the current thread count."""
     from .flops import matmul_timings
 
-    best_flops, ran, previous = 0.0, [], None
+    best_flops, ran, left_out, previous = 0.0, [], "", None
     for position, size in enumerate(sizes):
         if previous is not None:
             predicted = previous[1] * (size / previous[0]) ** 3
             if predicted > budget_s / 2:
-                left_out = ", ".join(f"{n}²" for n in sizes[position:])
-                return best_flops, (f"best {dtype} square matmul x @ wᵀ ({', '.join(ran)} calls; {left_out} "
-                                    f"left out: one {size}² call predicted at {predicted:.3g} s, over half the "
-                                    f"{budget_s:g} s each size may take)")
+                left_out = (f"; {', '.join(f'{n}²' for n in sizes[position:])} left out: one {size}² call predicted "
+                            f"at {predicted:.3g} s, over half the {budget_s:g} s each size may take")
+                break
         timings = matmul_timings(dtype, size, repeats, budget_s=budget_s)
-        best_flops = max(best_flops, 2.0 * size**3 / min(timings))
-        ran.append(f"{size}² ×{len(timings)}")
         previous = (size, min(timings))
-    return best_flops, f"best {dtype} square matmul x @ wᵀ ({', '.join(ran)} calls)"
+        best_flops = max(best_flops, 2.0 * size**3 / previous[1])
+        ran.append(f"{size}² ×{len(timings)}")
+    return best_flops, f"best {dtype} square matmul x @ wᵀ ({', '.join(ran)} calls{left_out})"
