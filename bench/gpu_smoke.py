@@ -196,6 +196,7 @@ def run_one(name: str, preset: str, train: dict, size: Size, device: str, peak: 
     records = [json.loads(line) for line in (run_dir / "out" / "metrics.jsonl").read_text().splitlines()]
     result.update(
         tokens_per_s=summary.tokens_per_s, mfu=summary.mfu, mfu_note=summary.mfu_note,
+        precision_note=summary.precision_note,
         peak_flops_per_rank=summary.peak_flops_per_rank, peak_flops_source=summary.peak_flops_source,
         step_time_s=summary.step_time_s, loss=summary.loss, parameters=summary.model["parameters"],
         peak_memory_bytes=measured, peak_memory_kind=summary.peak_mem_kind,
@@ -285,6 +286,8 @@ def smoke(out: Path, device: str, size: Size, work: Path) -> int:
         report["compile"] = compile_comparison(report["runs"])
         out.write_text(json.dumps(report, indent=2))
         print(result_line(run), flush=True)
+    for note in dict.fromkeys(run["precision_note"] for run in report["runs"] if run.get("precision_note")):
+        print(f"gpu-smoke note: {note}")  # bf16 emulated on this CPU: its tokens/s and MFU are the emulation's
     if report["compile"]:
         c = report["compile"]
         print(f"gpu-smoke compile: {c['tokens_per_s_off']:,.0f} tokens/s off, {c['tokens_per_s_on']:,.0f} on "

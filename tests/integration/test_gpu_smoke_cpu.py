@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.engine
 
@@ -55,5 +56,9 @@ def test_gpu_smoke_cpu_twin_runs_every_section_and_reports_each(tmp_path):
         assert 0.5 < run["peak_memory_bytes"] / run["predicted_memory_bytes"] < 1.5, (name, run["memory_terms"])
     for name in ("default-setup", "zero3-offload"):
         assert runs[name]["memory_terms"]["host_states"] > 0, (name, "the optimizer states were offloaded")
+    # bf16 on a CPU without bf16 matmuls is emulated: each run's summary says so, and the smoke prints it once
+    emulated = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert {name: run["precision_note"] is not None for name, run in runs.items()} == dict.fromkeys(runs, emulated)
+    assert proc.stdout.count("gpu-smoke note: train.precision bf16 on a CPU without native bf16") == emulated
     printed = [line for line in proc.stdout.splitlines() if line.startswith(tuple(runs))]
     assert len(printed) == len(runs) and all("tokens/s, MFU " in line for line in printed), proc.stdout

@@ -30,9 +30,11 @@ def test_offloaded_run_rss_matches_the_memory_model(data, tmp_path, zero_stage, 
     emulated = precision == "bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert ("note: train.precision bf16 on a CPU without native bf16 matmuls" in
             (tmp_path / "train.log").read_text()) == emulated
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["precision_note"] is not None) == emulated, summary["precision_note"]  # what the report names
     plan = json.loads(plan_path.read_text())
     estimate = plan["memory_fit"]["estimate"]
     predicted = estimate["per_rank"] + estimate["host_states"]
-    measured = json.loads((tmp_path / "out" / "summary.json").read_text())["peak_mem_bytes"][0]
+    measured = summary["peak_mem_bytes"][0]
     assert estimate["host_states"] > estimate["params"], "the offloaded states dominate"
     assert 0.85 * predicted <= measured <= 1.15 * predicted, (measured / 2**30, predicted / 2**30)

@@ -21,7 +21,8 @@ def summary(ranks=1, zero=2, tokens_per_s=1000.0, mem_gib=1.0, comm=None, mfu=0.
     return {
         "version": SUMMARY_VERSION, "name": "unit", "role": "bench", "engine": "deepspeed", "world_size": ranks,
         "nodes": 1, "device": device, "zero_stage": zero, "offload_optimizer": "none", "offload_param": "none",
-        "precision": "fp32", "comm_backend": backend, "micro_batch_size": 8, "grad_accum_steps": 1,
+        "precision": "fp32", "precision_note": None, "comm_backend": backend, "micro_batch_size": 8,
+        "grad_accum_steps": 1,
         "global_batch_size": 8 * ranks, "seq_len": 128, "deepspeed_overrides": {}, "steps": 8,
         "tokens_per_step": 1024 * ranks,
         "tokens": 8192 * ranks, "tokens_per_s": tokens_per_s,
@@ -561,6 +562,24 @@ def test_a_series_slower_at_one_rank_than_the_fastest_1_rank_cell_is_labelled_wi
                           f"speedup over its own 1-rank cell by {fmt(1400 / base, 2)}×)")
     assert "runs 25% below" in zero2 and "by 1.33×" in zero2
     assert all("flatters" not in line for line in build_tables(typed(3), [], 1e12, MATRIX, RUNS)["headline"]["lines"])
+
+
+def test_runs_on_an_emulated_precision_are_named_at_a_glance_with_their_note():
+    """bf16 on a CPU without bf16 matmuls: the pretrain run and each cell whose summaries carry the note are named in
+    one line per distinct note; a run without the note (fp32, or native bf16) is not named."""
+    from pretrain_bench.devices import emulated_bf16_note
+
+    note = emulated_bf16_note("cpu", "bf16", native=lambda: False)
+    emulated = RunSummary.from_dict(summary(3) | {"precision": "bf16", "precision_note": note})
+    runs = {**RUNS, "ranks2-zero2-fp32-gloo": [
+        RunSummary.from_dict(summary(2, comm=0.3) | {"precision": "bf16", "precision_note": note if repeat else None})
+        for repeat in range(2)]}
+    lines = build_tables(emulated, [], 1e12, MATRIX, runs)["headline"]["lines"]
+    assert [line for line in lines if "mulated" in line] == [
+        f"Emulated precision in the pretrain run, ranks2-zero2-fp32-gloo: {note}"]
+    assert "several times slower than fp32" in note and "fp32 is the faster choice" in note
+    assert not [line for line in build_tables(typed(3), [], 1e12, MATRIX, RUNS)["headline"]["lines"]
+                if "mulated" in line]
 
 
 def test_the_report_says_whether_the_plain_single_device_run_was_measured():

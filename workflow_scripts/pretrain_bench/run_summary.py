@@ -14,7 +14,7 @@ from pathlib import Path
 from .io import key_differences
 
 # Raised whenever the fields below change (a key added, renamed or given another meaning).
-SUMMARY_VERSION = 2
+SUMMARY_VERSION = 3
 
 
 class SummaryError(ValueError):
@@ -36,6 +36,9 @@ class RunSummary:
     offload_optimizer: str  # none, cpu or nvme
     offload_param: str  # none, cpu or nvme
     precision: str  # fp16, bf16 or fp32, as the engine ran it
+    # how the device ran that precision where not natively (bf16 on a CPU without bf16 matmuls, emulated: several
+    # times slower than fp32, devices.emulated_bf16_note); None where it is native
+    precision_note: str | None
     comm_backend: str  # nccl or gloo
     micro_batch_size: int
     grad_accum_steps: int

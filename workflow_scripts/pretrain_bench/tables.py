@@ -214,7 +214,8 @@ LM_EVAL_COLUMNS = {
 # What one repeat of a cell measured (its summary.json), aggregated per cell over the repeats.
 FIGURES = ("tokens_per_s", "step_time_s", "mem_bytes", "mfu", "comm_fraction", "peak_flops_per_rank")
 REPEAT_COLUMNS = ("cell", "repeat", *FIGURES, "oversubscribed", "global_batch_size", "tokens_per_step",
-                  "mfu_note", "comm_method", "peak_flops_source", "flops_per_token", "load", "load_flag")
+                  "mfu_note", "precision_note", "comm_method", "peak_flops_source", "flops_per_token", "load",
+                  "load_flag")
 
 
 def repeats_frame(matrix: dict, runs_by_cell: dict[str, list[RunSummary]]) -> pd.DataFrame:
@@ -223,7 +224,8 @@ def repeats_frame(matrix: dict, runs_by_cell: dict[str, list[RunSummary]]) -> pd
              "step_time_s": run.step_time_s["median"], "mem_bytes": max(run.peak_mem_bytes), "mfu": run.mfu,
              "comm_fraction": run.comm_fraction, "peak_flops_per_rank": run.peak_flops_per_rank,
              "oversubscribed": run.oversubscribed, "global_batch_size": run.global_batch_size,
-             "tokens_per_step": run.tokens_per_step, "mfu_note": run.mfu_note, "comm_method": run.comm_method,
+             "tokens_per_step": run.tokens_per_step, "mfu_note": run.mfu_note,
+             "precision_note": run.precision_note, "comm_method": run.comm_method,
              "peak_flops_source": run.peak_flops_source, "flops_per_token": run.flops_per_token,
              "load": load_text(run.provenance.get("load_before"), run.provenance.get("load_after")),
              "load_flag": run_load_flag(run.provenance)}
@@ -249,6 +251,7 @@ def cell_table(matrix: dict, runs_by_cell: dict[str, list[RunSummary]]) -> pd.Da
     for column in ("global_batch_size", "tokens_per_step", "comm_method", "peak_flops_source", "flops_per_token"):
         table[column] = grouped[column].first()
     table["mfu_notes"] = grouped["mfu_note"].agg(lambda column: column.dropna().tolist())
+    table["precision_notes"] = grouped["precision_note"].agg(lambda column: list(dict.fromkeys(column.dropna())))
     table["loads"] = grouped["load"].agg(list)  # per repeat: the 1-min load before and after it
     table["load_flags"] = grouped["load_flag"].agg(lambda column: list(dict.fromkeys(column.dropna())))
     return table
@@ -606,6 +609,7 @@ def headline(frames: ReportFrames) -> dict:
     for row, text in zip(records(frames.backends), format_frame(frames.backends, BACKEND_COLUMNS)):
         lines.append(flagged(f"NCCL vs Gloo at {text['ranks']} ranks, ZeRO-{text['zero_stage']}: NCCL "
                              f"{text['nccl_faster_pct']}% faster", row["flags"]))
+    lines.extend(emulated_precision_lines(frames))
     if frames.left_out:
         lines.append("left out: " + "; ".join(f"{count} cell(s): {reason}"
                                               for reason, count in frames.left_out.items()))
@@ -617,6 +621,19 @@ def headline(frames: ReportFrames) -> dict:
     noisy = {cell: value for cell, value in spreads.items() if value > NOISY_SPREAD}
     return {"lines": lines, "superlinear": superlinear, "noisy": noisy, "noisy_threshold_pct": NOISY_SPREAD * 100,
             "noisy_text": ", ".join(f"{cell} ±{fmt(value * 50, 0)}%" for cell, value in sorted(noisy.items()))}
+
+
+def emulated_precision_lines(frames: ReportFrames) -> list[str]:
+    """Where the pretrain run or benchmark cells ran a precision the device emulates (bf16 on a CPU without bf16
+    matmuls): which, and the note their summaries carry, once per distinct note. Their tokens/s and MFU are the
+    emulation's, not the precision's on hardware that has it."""
+    where: dict[str, list[str]] = {}
+    if frames.main.precision_note:
+        where.setdefault(frames.main.precision_note, []).append("the pretrain run")
+    for cell, notes in frames.cells["precision_notes"].items():
+        for note in notes:
+            where.setdefault(note, []).append(cell)
+    return [f"Emulated precision in {', '.join(runs)}: {note}" for note, runs in where.items()]
 
 
 def scaling_line(label: str, one: dict, top: dict) -> str:

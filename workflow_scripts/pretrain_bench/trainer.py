@@ -405,7 +405,8 @@ class Trainer:
             "name": plan.name, "role": plan.role, "engine": settings.engine,
             "world_size": world, "nodes": settings.nodes, "device": self.device, "zero_stage": ran["zero_stage"],
             "offload_optimizer": settings.offload_optimizer, "offload_param": settings.offload_param,
-            "precision": ran["precision"], "comm_backend": settings.comm_backend,
+            "precision": ran["precision"], "precision_note": emulated_bf16_note(self.device, ran["precision"]),
+            "comm_backend": settings.comm_backend,
             "micro_batch_size": ran["micro_batch_size"], "grad_accum_steps": ran["grad_accum_steps"],
             "global_batch_size": ran["global_batch_size"], "seq_len": self.seq_len,
             "deepspeed_overrides": settings.deepspeed,  # train.deepspeed, as merged into ds_config.json
