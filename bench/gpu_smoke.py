@@ -245,7 +245,7 @@ from pathlib import Path
 from pretrain_bench.devices import hardware_description
 from pretrain_bench.peak import measure_hardware_peak
 # fp16 and bf16 share a GPU's datasheet figure; a CPU runs the smoke in bf16, and that is what is measured
-peak = measure_hardware_peak(sys.argv[2], "bf16", lock_dir=Path(sys.argv[3]))
+peak = measure_hardware_peak(sys.argv[2], lock_dir=Path(sys.argv[3]))
 print(json.dumps({"peak": peak, "hardware": hardware_description(peak["device"])}))
 """
 

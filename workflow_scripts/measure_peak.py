@@ -6,12 +6,12 @@ from pathlib import Path
 log = logging.getLogger("pretrain_bench.measure_peak")
 
 
-def main(device, precision, lock_dir, out_path):
+def main(device, lock_dir, out_path):
     from pretrain_bench.logs import log_startup
     from pretrain_bench.peak import measure_hardware_peak
 
     log_startup("first work")
-    result = measure_hardware_peak(device, precision, Path(lock_dir))
+    result = measure_hardware_peak(device, Path(lock_dir))
     Path(out_path).write_text(json.dumps(result, indent=2))
     log.info("%s", json.dumps(result, indent=2))
 
@@ -20,5 +20,4 @@ if "snakemake" in globals():
     from pretrain_bench.logs import job_log
 
     with job_log(snakemake.log[0], "measure_peak"):  # noqa: F821
-        main(snakemake.params.device, snakemake.params.precision, snakemake.params.lock_dir,  # noqa: F821
-             snakemake.output.peak)  # noqa: F821
+        main(snakemake.params.device, snakemake.params.lock_dir, snakemake.output.peak)  # noqa: F821

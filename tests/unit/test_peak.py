@@ -2,8 +2,9 @@
 method names exactly the matmuls it timed."""
 import re
 
+from pretrain_bench import peak
 from pretrain_bench.flops import matmul_timings
-from pretrain_bench.peak import cpu_matmul_peak
+from pretrain_bench.peak import cpu_machine_peak, cpu_matmul_peak
 
 
 def test_a_budget_stops_the_timed_calls_early_but_never_before_the_first():
@@ -25,6 +26,27 @@ def test_every_size_runs_its_repeats_within_a_generous_budget():
     flops, method = cpu_matmul_peak("fp32", sizes=(64, 128), repeats=4, budget_s=60)
     assert method == "best fp32 square matmul x @ wᵀ (64² ×4, 128² ×4 calls)"
     assert flops > 0
+
+
+def test_the_machine_peak_is_fp32_where_bf16_is_emulated_and_the_faster_of_both_where_it_is_native(monkeypatch):
+    flops, method = cpu_machine_peak(native_bf16=lambda: False, sizes=(64, 128), repeats=2, budget_s=60)
+    assert flops > 0 and method == ("best fp32 square matmul x @ wᵀ (64² ×2, 128² ×2 calls); bf16 not measured: this "
+                                    "CPU has no native bf16 matmuls (oneDNN), so they are emulated in fp32")
+    flops, method = cpu_machine_peak(native_bf16=lambda: True, sizes=(64,), repeats=2, budget_s=60)
+    assert flops > 0 and re.fullmatch(r"best (fp32|bf16) square matmul x @ wᵀ \(64² ×2 calls\); (bf16|fp32) square "
+                                      r"matmul x @ wᵀ \(64² ×2 calls\): [\d.e+-]+ TFLOP/s", method), method
+    assert method.count("fp32") == method.count("bf16") == 1
+    # whichever precision measured faster is the peak, the other named with its figure
+    for fp32_flops, bf16_flops, expected in ((3e11, 1e12, "best bf16"), (3e11, 1e11, "best fp32")):
+        figures = {"fp32": fp32_flops, "bf16": bf16_flops}
+        monkeypatch.setattr(peak, "cpu_matmul_peak",
+                            lambda dtype, figures=figures, **_: (figures[dtype], f"best {dtype} square matmul x @ wᵀ "
+                                                                 "(8² ×1 calls)"))
+        flops, method = cpu_machine_peak(native_bf16=lambda: True)
+        other = "fp32" if expected == "best bf16" else "bf16"
+        assert flops == max(fp32_flops, bf16_flops) and method == (
+            f"{expected} square matmul x @ wᵀ (8² ×1 calls); {other} square matmul x @ wᵀ (8² ×1 calls): "
+            f"{min(fp32_flops, bf16_flops) / 1e12:.3g} TFLOP/s")
 
 
 def test_a_bf16_cpu_run_is_told_when_its_cpu_emulates_bf16_matmuls():
