@@ -29,9 +29,11 @@ def test_every_size_runs_its_repeats_within_a_generous_budget():
 
 
 def test_the_machine_peak_is_fp32_where_bf16_is_emulated_and_the_faster_of_both_where_it_is_native(monkeypatch):
-    flops, method = cpu_machine_peak(native_bf16=lambda: False, sizes=(64, 128), repeats=2, budget_s=60)
-    assert flops > 0 and method == ("best fp32 square matmul x @ wᵀ (64² ×2, 128² ×2 calls); bf16 not measured: this "
-                                    "CPU has no native bf16 matmuls (oneDNN), so they are emulated in fp32")
+    flops, method = cpu_machine_peak(native_bf16=lambda: False, where=" on 2 cores", sizes=(64, 128), repeats=2,
+                                     budget_s=60)
+    assert flops > 0 and method == ("best fp32 square matmul x @ wᵀ (64² ×2, 128² ×2 calls) on 2 cores; bf16 not "
+                                    "measured: this CPU has no native bf16 matmuls (oneDNN), so they are emulated in "
+                                    "fp32")
     flops, method = cpu_machine_peak(native_bf16=lambda: True, sizes=(64,), repeats=2, budget_s=60)
     assert flops > 0 and re.fullmatch(r"best (fp32|bf16) square matmul x @ wᵀ \(64² ×2 calls\); (bf16|fp32) square "
                                       r"matmul x @ wᵀ \(64² ×2 calls\): [\d.e+-]+ TFLOP/s", method), method

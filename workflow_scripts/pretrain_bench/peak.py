@@ -43,8 +43,7 @@ def _measure(run_device: str) -> dict:
     else:
         cores = usable_cpu_count()
         torch.set_num_threads(cores)
-        measured, sizes = cpu_machine_peak()
-        method = f"{sizes} in one process on {cores} cores"
+        measured, method = cpu_machine_peak(where=f" in one process on {cores} cores")
         result.update(measured_flops=measured, measured_method=method, table_flops=None, table_source=None,
                       peak_flops=measured, peak_source="measured: " + method)
     result["seconds"] = time.perf_counter() - started
@@ -62,20 +61,21 @@ CPU_REPEATS = 8
 CPU_SIZE_BUDGET_S = 5.0
 
 
-def cpu_machine_peak(native_bf16=None, **sizes) -> tuple[float, str]:
-    """(FLOP/s, what was measured) of this CPU: the faster of fp32 and bf16 square matmuls (`cpu_matmul_peak`, with
-    `sizes`' arguments), the other's figure named beside it. bf16 is measured only where oneDNN reports native bf16
-    matmuls (`native_bf16`: the check, by default oneDNN's own): elsewhere they are emulated, computed in fp32 after a
-    conversion, so they cannot be the faster, and timing them would only lengthen the measurement."""
+def cpu_machine_peak(native_bf16=None, where: str = "", **sizes) -> tuple[float, str]:
+    """(FLOP/s, what was measured, each measurement followed by `where`) of this CPU: the faster of fp32 and bf16
+    square matmuls (`cpu_matmul_peak`, with `sizes`' arguments), the other's figure named beside it. bf16 is measured
+    only where oneDNN reports native bf16 matmuls (`native_bf16`: the check, by default oneDNN's own): elsewhere they
+    are emulated, computed in fp32 after a conversion, so they cannot be the faster, and timing them would only
+    lengthen the measurement."""
     import torch
 
     fp32 = cpu_matmul_peak("fp32", **sizes)
     if not (native_bf16 or torch.ops.mkldnn._is_mkldnn_bf16_supported)():
-        return fp32[0], (f"{fp32[1]}; bf16 not measured: this CPU has no native bf16 matmuls (oneDNN), so they are "
-                         "emulated in fp32")
+        return fp32[0], (f"{fp32[1]}{where}; bf16 not measured: this CPU has no native bf16 matmuls (oneDNN), so "
+                         "they are emulated in fp32")
     bf16 = cpu_matmul_peak("bf16", **sizes)
     (best, best_method), (other, other_method) = sorted((fp32, bf16), key=lambda measured: -measured[0])
-    return best, f"{best_method}; {other_method.removeprefix('best ')}: {other / 1e12:.3g} TFLOP/s"
+    return best, f"{best_method}{where}; {other_method.removeprefix('best ')}{where}: {other / 1e12:.3g} TFLOP/s"
 
 
 def cpu_matmul_peak(dtype: str, sizes: tuple[int, ...] = CPU_SIZES, repeats: int = CPU_REPEATS,
