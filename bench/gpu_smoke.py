@@ -244,7 +244,7 @@ import json, sys
 from pathlib import Path
 from pretrain_bench.devices import hardware_description
 from pretrain_bench.peak import measure_hardware_peak
-# fp16 and bf16 share a GPU's datasheet figure; a CPU runs the smoke in bf16, and that is what is measured
+# the machine's one peak, as rule measure_peak takes it: a GPU's 16-bit figure, a CPU's faster of fp32 and bf16
 peak = measure_hardware_peak(sys.argv[2], lock_dir=Path(sys.argv[3]))
 print(json.dumps({"peak": peak, "hardware": hardware_description(peak["device"])}))
 """

@@ -309,6 +309,9 @@ def test_the_dry_run_lists_every_declared_cell_with_its_fate_and_reason(monkeypa
     config = merged()
     flops, source = planning_peak(config, "cuda", "x")
     assert flops and source.endswith("(benchmark.assumed_gpu, no GPU detected here)")
+    # one peak per machine, as rule measure_peak takes it: the 16-bit datasheet figure for an fp32 run too
+    fp32 = {**config, "train": {**config["train"], "precision": "fp32"}}
+    assert planning_peak(fp32, "cuda", "x") == (flops, source)
     from pretrain_bench.bench_matrix import cost_preview, preview_text
 
     text = preview_text(cost_preview(matrix, TrainSettings.from_config(config["train"]),

@@ -330,14 +330,14 @@ def planning_peak(config: dict, device: str, name: str) -> tuple[float | None, s
 
     if config["report"]["peak_tflops"]:
         return config["report"]["peak_tflops"] * 1e12, "report.peak_tflops"
-    precision = config["train"]["precision"]
     if device == "cuda":
         names = gpu_names()
         gpu = names[0] if names else config["benchmark"]["assumed_gpu"]
-        table = gpu_table_peak(gpu, precision)
+        # the 16-bit figure whatever train.precision is, as rule measure_peak takes it (pretrain_bench.peak)
+        table = gpu_table_peak(gpu, "bf16")
         where = "detected" if names else "benchmark.assumed_gpu, no GPU detected here"
         if not table:
-            return None, f"no datasheet peak for {gpu} ({where}) in {precision}"
+            return None, f"no datasheet peak for {gpu} ({where})"
         return table if names else (table[0], f"{table[1]} ({where})")
     measured = Path("results") / name / "bench" / "peak.json"
     if measured.is_file():
