@@ -416,6 +416,8 @@ def test_an_impossible_figure_is_never_quoted_without_its_flag(tmp_path):
     top = md[:md.index("**At a glance**")]
     assert "fastest setup that fits is ranks3-zero2-fp32-gloo" in top and "⚠ peak measured under load" in top
     assert "**Peak measured under load**" in md
+    assert "One figure for the machine, whatever precision a cell trains in (the faster of the CPU's fp32 and bf16 " \
+           "matmuls)" in md
 
 
 def test_the_recommendation_equals_a_recomputation_from_the_summaries():
