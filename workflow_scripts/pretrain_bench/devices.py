@@ -192,6 +192,14 @@ def allocate_slots(count: int, devices: int | list[str], lock_dir: Path, *, time
         time.sleep(0.5)
 
 
+def cpu_bf16_is_native() -> bool:
+    """Whether this CPU's matmuls have native bf16, as oneDNN reports it (AVX-512 with its bf16 extension, or AMX);
+    elsewhere they are emulated: converted and computed in fp32."""
+    import torch
+
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def emulated_bf16_note(device: str, precision: str, native=None) -> str | None:
     """A notice for a bf16 run on a CPU whose matmuls have no native bf16 (oneDNN reports none: AVX2 and older, or
     AVX-512 without its bf16 extension), where they are emulated; None otherwise. `native`: the check (a test's
@@ -200,7 +208,7 @@ def emulated_bf16_note(device: str, precision: str, native=None) -> str | None:
         return None
     import torch
 
-    if (native or torch.ops.mkldnn._is_mkldnn_bf16_supported)():
+    if (native or cpu_bf16_is_native)():
         return None
     return ("train.precision bf16 on a CPU without native bf16 matmuls (oneDNN reports none; torch's CPU capability: "
             f"{torch.backends.cpu.get_cpu_capability()}): they are emulated, several times slower than fp32 "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .devices import GPU_LOCK_DIR, usable_cpu_count
+from .devices import GPU_LOCK_DIR, cpu_bf16_is_native, usable_cpu_count
 from .evaluation import evaluation_device
 from .metrics import load_average
 
@@ -67,10 +67,8 @@ def cpu_machine_peak(native_bf16=None, where: str = "", **sizes) -> tuple[float,
     only where oneDNN reports native bf16 matmuls (`native_bf16`: the check, by default oneDNN's own): elsewhere they
     are emulated, computed in fp32 after a conversion, so they cannot be the faster, and timing them would only
     lengthen the measurement."""
-    import torch
-
     fp32 = cpu_matmul_peak("fp32", **sizes)
-    if not (native_bf16 or torch.ops.mkldnn._is_mkldnn_bf16_supported)():
+    if not (native_bf16 or cpu_bf16_is_native)():
         return fp32[0], (f"{fp32[1]}{where}; bf16 not measured: this CPU has no native bf16 matmuls (oneDNN), so "
                          "they are emulated in fp32")
     bf16 = cpu_matmul_peak("bf16", **sizes)
