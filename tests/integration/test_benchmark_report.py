@@ -109,7 +109,7 @@ def _md_table(md: str, heading: str) -> list[list[str]]:
 
 def test_report_tables_equal_a_recomputation_from_the_summaries(run):
     from pretrain_bench.formats import fmt_spread
-    from pretrain_bench.physical_checks import load_text
+    from pretrain_bench.physical_checks import run_contention_text
     from pretrain_bench.report import GIB, fmt
     from pretrain_bench.tables import fmt_duration
 
@@ -142,8 +142,8 @@ def test_report_tables_equal_a_recomputation_from_the_summaries(run):
         assert efficiency == fmt(med / base / int(ranks) * 100, 0)
         assert speedup_best == f"{fmt(med / one_rank[fastest_one], 2)}×"  # over the fastest 1-rank cell
         assert efficiency_best == fmt(med / one_rank[fastest_one] / int(ranks) * 100, 0)
-        assert load == "; ".join(load_text(s["provenance"]["load_before"], s["provenance"]["load_after"])
-                                 for s in reps)
+        assert load == "; ".join(run_contention_text(s["provenance"]) for s in reps)
+        assert all(s["provenance"]["other_cpu"]["share_pct"] is not None for s in reps)
         assert mem == span([max(s["peak_mem_bytes"]) / GIB for s in reps], 2)
         assert epoch == fmt_duration(target / med)
         assert batch == fmt(PIPELINE_MICRO_BATCH * int(ranks)) and repeats == "2"

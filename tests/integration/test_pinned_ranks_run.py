@@ -1,5 +1,6 @@
 """CPU ranks through the real launcher are pinned to disjoint cores with cores ÷ ranks threads each, and summary.json
-records what each rank had (its affinity and torch threads, read inside the rank) and the load before and after."""
+records what each rank had (its affinity and torch threads, read inside the rank), the load before and after, and
+what processes outside the job used of its cores meanwhile."""
 import json
 from pathlib import Path
 
@@ -41,3 +42,7 @@ def test_each_rank_runs_on_its_own_cores_with_cores_divided_by_ranks_threads(req
         load = summary["provenance"][key]
         assert len(load) == 3 and all(value >= 0 for value in load), (key, load)
     assert "load_average" not in summary["provenance"]
+    # the job's cores (the launcher's: every usable core), the ranks' own CPU time apart from what others used
+    other = summary["provenance"]["other_cpu"]
+    assert other["cpus"] == list(cpus) and other["wall_s"] > 0 and other["job_cpu_s"] > 0, other
+    assert 0 <= other["share_pct"] <= 100 and other["busy_cpu_s"] >= 0, other

@@ -9,6 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 from pretrain_bench import claims  # noqa: E402
+from pretrain_bench.metrics import OTHER_CPU_METHOD  # noqa: E402
 from pretrain_bench.report import GIB, build_report, build_tables, fmt  # noqa: E402
 from pretrain_bench.run_summary import SUMMARY_VERSION, RunSummary, SummaryError  # noqa: E402
 from pretrain_bench.tables import fmt_duration, spread  # noqa: E402
@@ -45,8 +46,16 @@ def summary(ranks=1, zero=2, tokens_per_s=1000.0, mem_gib=1.0, comm=None, mfu=0.
         "eval_during_training": None,
         "provenance": {"git_commit": "abc123", "config_sha256": "f" * 64, "versions": {"torch": "2.13.0"},
                        "hardware": {"device": device, "cpu_count": 2, "processor": "test"}, "slurm_job_id": None,
-                       "load_before": [0.5, 0.5, 0.5], "load_after": [0.5, 0.5, 0.5]},
+                       "load_before": [0.5, 0.5, 0.5], "load_after": [0.5, 0.5, 0.5], "other_cpu": other_cpu(1.0)},
     }
+
+
+def other_cpu(share_pct: float, cores: int = 2, wall_s: float = 10.0) -> dict:
+    """summary.json provenance `other_cpu` (metrics.OtherCpu) of a loop in which other processes used `share_pct` %
+    of `cores` cores."""
+    others = share_pct / 100 * cores * wall_s
+    return {"share_pct": share_pct, "cpus": list(range(cores)), "wall_s": wall_s, "busy_cpu_s": others + 5.0,
+            "job_cpu_s": 5.0, "method": OTHER_CPU_METHOD}
 
 
 def typed(*args, **kwargs) -> RunSummary:
@@ -355,46 +364,56 @@ def test_formula_text_comes_from_the_memory_model(monkeypatch):
     assert "14Ψ" not in template and "16Ψ/N" not in template  # the notes print formula_texts()
 
 
-def busy(run: RunSummary, before: float, after: float, peak_source: str | None = None) -> RunSummary:
-    """`run` as measured with the given 1-minute load before and after it (and, given, another peak source)."""
+def busy(run: RunSummary, others_pct: float, load: tuple[float, float] = (1.0, 1.0),
+         peak_source: str | None = None) -> RunSummary:
+    """`run` as measured while processes outside it used `others_pct` % of its 2 cores, with the given 1-minute load
+    before and after it (and, given, another peak source)."""
     data = run.to_dict()
-    data["provenance"] = {**data["provenance"], "load_before": [before, 1.0, 1.0], "load_after": [after, 1.0, 1.0]}
+    data["provenance"] = {**data["provenance"], "load_before": [load[0], 1.0, 1.0], "load_after": [load[1], 1.0, 1.0],
+                          "other_cpu": other_cpu(others_pct)}
     if peak_source:
         data["peak_flops_source"] = peak_source
     return RunSummary.from_dict(data)
 
 
 def test_an_impossible_figure_is_never_quoted_without_its_flag(tmp_path):
-    """The issue's busy machine: a 1-rank cell at 223 tokens/s while the load was 7.97 on 2 cores, 3 ranks at 2,757
-    (412 % efficiency), and a peak measured under the same load."""
+    """The issue's busy machine: a 1-rank cell at 223 tokens/s while other processes took 75 % of the 2 cores (a load
+    of 7.97), 3 ranks at 2,757 (412 % efficiency) on a machine that was quiet by then, and a peak measured while
+    something else ran. The 3 ranks' own load above the 2 cores (oversubscribed, and the cell before them still in
+    the 1-minute average) flags nothing: only others' use of the cores does."""
     peak = {**MATRIX["peak"], "load_before": [7.97, 6.0, 5.0], "load_after": [8.1, 6.0, 5.0],
-            "hardware": {"cpu_count": 2}}
+            "hardware": {"cpu_count": 2}, "other_cpu": other_cpu(80.0)}
     measured = "measured: test (rule measure_peak), shared by 1 CPU rank(s)"
-    runs = {"ranks1-zero2-fp32-gloo": [busy(typed(1, tokens_per_s=223.0), 7.97, 8.1, measured)] * 2,
-            "ranks3-zero2-fp32-gloo": [busy(typed(3, tokens_per_s=2757.0, comm=0.3), 1.0, 1.9, measured)] * 2}
+    runs = {"ranks1-zero2-fp32-gloo": [busy(typed(1, tokens_per_s=223.0), 75.0, (7.97, 8.1), measured)] * 2,
+            "ranks3-zero2-fp32-gloo": [busy(typed(3, tokens_per_s=2757.0, comm=0.3), 2.0, (7.5, 3.4), measured)] * 2}
     matrix = {**MATRIX, "cells": [entry(1, 2), entry(3, 2)]}
-    tables = build_tables(busy(typed(3), 0.2, 1.8, measured), [], 1e12, matrix, runs, peak=peak)
+    tables = build_tables(busy(typed(3), 1.0, (0.2, 3.1), measured), [], 1e12, matrix, runs, peak=peak)
     line = tables["headline"]["lines"][0]
     assert "412% scaling efficiency" in line
     assert "⚠ efficiency 412 % over its 1-rank cell ranks1-zero2-fp32-gloo is above 100 %: not physical" in line
-    assert "⚠ load above the 2 cores (1-min 7.97 before, 8.10 after)" in line
+    assert line.count("⚠ other processes used 75 % of the 2 cores") == 1
     assert tables["headline"]["superlinear"] == ["ranks3-zero2-fp32-gloo"]
     scaling = {r["cell"]: r for r in tables["scaling"]}
-    assert scaling["ranks3-zero2-fp32-gloo"]["load"] == "1-min 1.00 before, 1.90 after; 1-min 1.00 before, 1.90 after"
+    assert scaling["ranks3-zero2-fp32-gloo"]["load"] == "; ".join(
+        ["1-min 7.50 before, 3.40 after, other processes 2 % of the 2 cores"] * 2)
+    # the 3-rank row's speedup divides by the busy 1-rank cell: it carries that cell's flag, not one of its own
+    assert scaling["ranks3-zero2-fp32-gloo"]["flags"].count("other processes used 75 % of the 2 cores") == 1
+    assert scaling["ranks1-zero2-fp32-gloo"]["flags"] == "other processes used 75 % of the 2 cores"
     claims_rows = {r["claim"]: r for r in tables["claims"]}
     for claim in ("1 GPU: throughput and memory", "3 GPUs, ZeRO-2: speedup", "time per epoch"):
-        assert "⚠ load above the 2 cores" in claims_rows[claim]["measured"], claim
+        assert "⚠ other processes used 75 % of the 2 cores" in claims_rows[claim]["measured"], claim
     assert "⚠ efficiency 412 %" in claims_rows["3 GPUs, ZeRO-2: speedup"]["measured"]
-    # the recommendation (the 3-rank cell, itself quiet) divides its MFU by the peak measured under load
+    # the recommendation (the 3-rank cell, itself quiet) divides its MFU by the peak measured while something else ran
     recommendation = tables["recommendation"]["sentence"]
     assert recommendation.startswith("On this hardware the fastest setup that fits is ranks3-zero2-fp32-gloo")
-    assert "⚠ peak measured under load: load above the 2 cores (1-min 7.97 before, 8.10 after)" in recommendation
-    assert tables["peak_flag"] and "⚠" not in tables["recommendation"]["main"]  # it quotes no MFU, the load was low
+    assert "⚠ peak measured while other processes used 80 % of the 2 cores, so this MFU is inflated" in recommendation
+    assert tables["peak_flag"] and "⚠" not in tables["recommendation"]["main"]  # it quotes no MFU, others were idle
     cost = {r["setup"]: r["flags"] for r in tables["cost"]["rows"]}  # the cost quotes tokens/s, no MFU
     one_rank = cost["ranks1-zero2-fp32-gloo"]
-    assert one_rank.startswith("load above the 2 cores") and "peak" not in one_rank
+    assert one_rank == "other processes used 75 % of the 2 cores"
+    assert cost["ranks3-zero2-fp32-gloo"] == cost["the main run"] == "—"
     # and the same figures, flags and all, in the rendered report
-    (tmp_path / "summary.json").write_text(json.dumps(busy(typed(3), 0.2, 1.8, measured).to_dict()))
+    (tmp_path / "summary.json").write_text(json.dumps(busy(typed(3), 1.0, (0.2, 3.1), measured).to_dict()))
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 8.0, "tokens_per_s": 900.0,
                                                         "step_time_s": 1.0, "after_resume": False}) + "\n")
     (tmp_path / "matrix.json").write_text(json.dumps(matrix))
@@ -412,10 +431,15 @@ def test_an_impossible_figure_is_never_quoted_without_its_flag(tmp_path):
                  peak_path=tmp_path / "peak.json")
     md = (out / "report.md").read_text()
     glance = md[md.index("**At a glance**"):md.index("## The benchmark matrix")]
-    assert "412% scaling efficiency" in glance and "⚠ efficiency 412 %" in glance and "⚠ load above" in glance
+    assert "412% scaling efficiency" in glance and "⚠ efficiency 412 %" in glance and "⚠ other processes used" in glance
     top = md[:md.index("**At a glance**")]
-    assert "fastest setup that fits is ranks3-zero2-fp32-gloo" in top and "⚠ peak measured under load" in top
-    assert "**Peak measured under load**" in md
+    assert "fastest setup that fits is ranks3-zero2-fp32-gloo" in top and "⚠ peak measured while other processes" in top
+    assert "**Peak measured while something else ran**: peak measured while other processes used 80 % of the 2 " \
+           "cores, so this MFU is inflated." in md
+    assert "load 1-min 7.97 before, 8.10 after, other processes 80 % of the 2 cores during it" in md
+    # the main run: quiet itself (its own 3 ranks above the cores flag nothing), but its MFU divides by that peak
+    assert ("Load: 1-min 0.20 before, 3.10 after, other processes 1 % of the 2 cores during the training loop — peak "
+            "measured while other processes used 80 % of the 2 cores, so this MFU is inflated.") in md
     assert "One figure for the machine, whatever precision a cell trains in (the faster of the CPU's fp32 and bf16 " \
            "matmuls)" in md
 
@@ -544,11 +568,10 @@ def test_lm_eval_figures_and_babbling_generations_read_plainly(tmp_path):
 def test_a_backend_comparison_under_load_is_flagged_at_a_glance():
     matrix = {**MATRIX, "cells": [entry(2, 2, "nccl"), entry(2, 2, "gloo")]}
     runs = {"ranks2-zero2-fp32-nccl": [typed(2, tokens_per_s=1300.0, comm=0.2, backend="nccl")],
-            "ranks2-zero2-fp32-gloo": [busy(typed(2, tokens_per_s=1000.0, comm=0.3), 0.5, 4.2)]}
+            "ranks2-zero2-fp32-gloo": [busy(typed(2, tokens_per_s=1000.0, comm=0.3), 40.0, (0.5, 4.2))]}
     line = next(text for text in build_tables(typed(2), [], 1e12, matrix, runs)["headline"]["lines"]
                 if text.startswith("NCCL vs Gloo"))
-    assert line == ("NCCL vs Gloo at 2 ranks, ZeRO-2: NCCL 30.0% faster [⚠ load above the 2 cores (1-min 0.50 before, "
-                    "4.20 after)]")
+    assert line == "NCCL vs Gloo at 2 ranks, ZeRO-2: NCCL 30.0% faster [⚠ other processes used 40 % of the 2 cores]"
 
 
 def test_a_series_slower_at_one_rank_than_the_fastest_1_rank_cell_is_labelled_with_its_overhead():

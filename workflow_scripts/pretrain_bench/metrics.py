@@ -31,6 +31,71 @@ def load_average() -> list[float] | None:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
 
+# What else ran on a job's cores while it trained (summary.json provenance `other_cpu`, physical_checks.busy_flag).
+# The 1-minute load average cannot say it: it lags a minute behind (a benchmark cell started right after another
+# inherits that cell's ranks in its "before"), and the ranks of a run with more ranks than cores push it above the
+# cores by themselves. So the CPU time the kernel counted as busy on the job's cores (/proc/stat per CPU, through
+# psutil), less the CPU time of the job's own processes over the same wall time, is what others took.
+OTHER_CPU_METHOD = ("busy time of the run's cores (per-CPU counters, steal included) less the CPU time of the job's "
+                    "own processes on this node, over the training loop, as a share of the cores' wall time")
+
+
+class OtherCpu:
+    """The share of `cpus`' time that processes outside this job used between `start()` and `stop()`.
+
+    The job is this process's torchrun agent and everything under it (every rank of this node, their children such
+    as inductor's compile workers) when the process was started by torchrun, else this process and its children.
+    """
+
+    def __init__(self, cpus: tuple[int, ...]):
+        import psutil
+
+        self.cpus = tuple(cpus)
+        self.root = psutil.Process()
+        if os.environ.get("TORCHELASTIC_RUN_ID") is not None and self.root.parent() is not None:
+            self.root = self.root.parent()  # torchrun's agent on this node
+        self.busy0 = self.job0 = self.wall0 = None
+
+    def _busy(self) -> float:
+        import psutil
+
+        per_cpu = psutil.cpu_times(percpu=True)
+        # guest and guest_nice are already inside user and nice on Linux
+        return sum(t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+                   + getattr(t, "steal", 0.0) for cpu, t in enumerate(per_cpu) if cpu in self.cpus)
+
+    def _job(self) -> dict[int, float]:
+        """CPU seconds of every process of the job, by pid (children that exited and were waited for included)."""
+        import psutil
+
+        seconds = {}
+        for process in [self.root, *self.root.children(recursive=True)]:
+            try:
+                t = process.cpu_times()
+                seconds[process.pid] = t.user + t.system + t.children_user + t.children_system
+            except psutil.Error:  # exited meanwhile: its time is in its parent's children_* once waited for
+                continue
+        return seconds
+
+    def start(self) -> None:
+        import time
+
+        self.wall0, self.busy0, self.job0 = time.monotonic(), self._busy(), self._job()
+
+    def stop(self) -> dict:
+        """summary.json provenance `other_cpu`: `share_pct` (others' CPU time ÷ (cores × wall time), in %) and its
+        terms."""
+        import time
+
+        wall, busy, job = time.monotonic() - self.wall0, self._busy() - self.busy0, self._job()
+        # a process that started within the window counts whole; one that ended unwaited is lost (a few ticks)
+        own = sum(seconds - self.job0.get(pid, 0.0) for pid, seconds in job.items())
+        others = max(0.0, busy - own)
+        return {"share_pct": 100.0 * others / (wall * len(self.cpus)) if wall > 0 and self.cpus else None,
+                "cpus": list(self.cpus), "wall_s": wall, "busy_cpu_s": busy, "job_cpu_s": own,
+                "method": OTHER_CPU_METHOD}
+
+
 def one_record_per_step(records: list[dict]) -> list[dict]:
     """The records in step order, each step once: where a step was recorded twice (a run restarted before a
     checkpoint covered it, in a file written before that was prevented), the later record."""

@@ -4,7 +4,9 @@ CUDA: the datasheet figure for a known GPU (16-bit tensor cores, fp32 accumulate
 one GPU. CPU: matmuls measured on all cores at once in one process (the ceiling every CPU cell shares), in each
 precision the CPU runs natively, the fastest taken (`cpu_machine_peak`). Either way one figure per machine, whatever
 precision a run or cell trains in: a matrix that declares fp32 and bf16 divides both by the same peak.
-The 1-minute load before and after the measurement is recorded beside it (`load_before`, `load_after`).
+The 1-minute load before and after the measurement is recorded beside it (`load_before`, `load_after`), and the share
+of the cores that other processes used meanwhile (`other_cpu`, metrics.OtherCpu): a peak measured while something
+else ran is too low (physical_checks.peak_flag).
 Each run's own MFU still uses the peak its summary.json names; this file is the reference beside it.
 """
 from __future__ import annotations
@@ -14,7 +16,8 @@ from pathlib import Path
 
 from .devices import GPU_LOCK_DIR, cpu_bf16_is_native, usable_cpu_count
 from .evaluation import evaluation_device
-from .metrics import load_average
+from .metrics import OtherCpu, load_average
+from .run_context import usable_cpus
 
 
 def measure_hardware_peak(requested_device: str, lock_dir: Path = GPU_LOCK_DIR) -> dict:
@@ -30,8 +33,11 @@ def _measure(run_device: str) -> dict:
 
     device = torch.device(run_device).type
     started = time.perf_counter()
-    # the load around the measurement (physical_checks.peak_flag): a peak measured on a busy machine is too low
+    # the load around the measurement and what else ran meanwhile (physical_checks.peak_flag): a peak measured on a
+    # busy machine is too low
     result: dict = {"device": device, "hardware": hardware_description(device), "load_before": load_average()}
+    other_cpu = OtherCpu(usable_cpus())
+    other_cpu.start()
     if device == "cuda":
         name = torch.cuda.get_device_name()
         measured = measure_matmul_peak("bf16", size=8192, repeats=20, device=run_device)
@@ -48,6 +54,7 @@ def _measure(run_device: str) -> dict:
                       peak_flops=measured, peak_source="measured: " + method)
     result["seconds"] = time.perf_counter() - started
     result["load_after"] = load_average()
+    result["other_cpu"] = other_cpu.stop()
     return result
 
 

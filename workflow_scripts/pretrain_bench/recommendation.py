@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from .formats import fmt
-from .physical_checks import flagged, run_load_flag
+from .physical_checks import flagged, run_busy_flag
 from .run_summary import RunSummary, SummaryError
 from .tables import GIB, NOISY_SPREAD, cell_table, engine_label, mfu_figure_text, mfu_flags, records, spread
 
@@ -26,7 +26,8 @@ def setup_text(run: RunSummary) -> str:
 
 def ranking(runs_by_cell: dict[str, list[RunSummary]], peak: dict | None = None) -> pd.DataFrame:
     """Every measured cell, fastest first (median tokens/s over its repeats), with its spreads and the flags of its
-    timings (load, repeats that disagree) and of its MFU (those and a peak measured under load)."""
+    timings (other processes on its cores, repeats that disagree) and of its MFU (those and a peak measured while
+    other processes used the cores)."""
     cells = cell_table({"cells": [{"cell": cell} for cell in runs_by_cell]}, runs_by_cell)
     rows = []
     for cell, row in cells.iterrows():
@@ -34,7 +35,7 @@ def ranking(runs_by_cell: dict[str, list[RunSummary]], peak: dict | None = None)
             continue
         values = row["tokens_per_s_values"]
         noisy = (max(values) - min(values)) / row["tokens_per_s"] if len(values) > 1 else 0.0
-        timing_flags = list(row["load_flags"])
+        timing_flags = list(row["busy_flags"])
         if noisy > NOISY_SPREAD:
             timing_flags.append(f"repeats disagree by ±{fmt(noisy * 50, 0)}% of their median")
         first = runs_by_cell[cell][0]
@@ -73,7 +74,7 @@ def recommend(runs_by_cell: dict[str, list[RunSummary]], main: RunSummary | None
         pct = main.tokens_per_s / best["tokens_per_s"] * 100
         result.update(main_pct=pct, main=flagged(
             f"Your configured run uses {setup_text(main)}: {fmt(main.tokens_per_s, 0)} tokens/s (the main run, "
-            f"measured), at {fmt(pct, 0)} % of that.", [run_load_flag(main.provenance)]))
+            f"measured), at {fmt(pct, 0)} % of that.", [run_busy_flag(main.provenance)]))
     return result
 
 

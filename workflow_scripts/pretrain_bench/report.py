@@ -22,7 +22,8 @@ from .cost import cost_columns, cost_frame
 from .formats import fmt, fmt_duration
 from .io import atomic_write_text, read_jsonl
 from .memory_model import labelled
-from .physical_checks import load_text, peak_flag, run_load_flag
+from .metrics import OTHER_CPU_METHOD
+from .physical_checks import OTHER_CPU_LIMIT_PCT, peak_flag, run_busy_flag, run_contention_text
 from .recommendation import ranking, recommend
 from .run_summary import RunSummary
 from .tables import GIB, ReportFrames, engine_label, format_frame, report_frames
@@ -59,7 +60,7 @@ RANKING_COLUMNS = {
 
 def format_cost(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]], price: dict | None) -> dict:
     """The cost table as text, and the price it used (None: device-hours only)."""
-    main_flags = [flag for flag in [run_load_flag(frames.main.provenance)] if flag]
+    main_flags = [flag for flag in [run_busy_flag(frames.main.provenance)] if flag]
     table = cost_frame(ranking(runs_by_cell, frames.peak), frames.main, frames.target_corpus_tokens, price,
                        main_flags)
     return {"rows": format_frame(table, cost_columns(price)), "price": price,
@@ -89,10 +90,10 @@ def format_tables(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]
         "lm_eval": format_frame(frames.lm_eval, t.LM_EVAL_COLUMNS),
         "mfu": format_frame(frames.mfu, t.MFU_COLUMNS),
         "headline": t.headline(frames),
-        "main_load": load_text(frames.main.provenance.get("load_before"), frames.main.provenance.get("load_after")),
+        "main_load": run_contention_text(frames.main.provenance),
         "main_flags": t.mfu_flags(frames.main.peak_flops_source, frames.peak,
-                                  [flag for flag in [run_load_flag(frames.main.provenance)] if flag]),
-        "peak_load": load_text((frames.peak or {}).get("load_before"), (frames.peak or {}).get("load_after")),
+                                  [flag for flag in [run_busy_flag(frames.main.provenance)] if flag]),
+        "peak_load": run_contention_text(frames.peak or {}),
         "peak_flag": peak_flag(frames.peak),
         "claims": check_claims(frames),
         "provenance": {"main": t.provenance([frames.main]),
@@ -220,6 +221,7 @@ def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path],
         "flops_formula": (bench[0] if bench else summary).flops_formula,
         "main_engine": engine_label(vars(summary)),
         "plain_baseline": plain_baseline_text(matrix, set(runs_by_cell)), "labelled": labelled,
+        "other_cpu_method": OTHER_CPU_METHOD, "other_cpu_limit": OTHER_CPU_LIMIT_PCT,
     }
     out_md, out_html = Path(out_md), Path(out_html)
     out_md.parent.mkdir(parents=True, exist_ok=True)

@@ -81,7 +81,8 @@ class RunSummary:
     compile: dict | None
     eval_during_training: dict | None  # train.eval_every's evaluations; None when off
     provenance: dict  # git_commit, config_sha256, versions, hardware, slurm_job_id, load_before, load_after,
-    # placement (each rank's host, cores and threads)
+    # other_cpu (what processes outside the job used of its cores during the loop: metrics.OtherCpu), placement (each
+    # rank's host, cores and threads)
 
     def __post_init__(self):
         if self.version != SUMMARY_VERSION:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from .formats import fmt, fmt_duration, fmt_spread
-from .physical_checks import efficiency_flag, flagged, load_text, peak_flag, run_load_flag
+from .physical_checks import efficiency_flag, flagged, peak_flag, run_busy_flag, run_contention_text
 from .run_summary import RunSummary
 
 __all__ = ["GIB", "fmt", "fmt_duration", "spread", "ReportFrames", "report_frames", "format_frame"]
@@ -215,7 +215,7 @@ LM_EVAL_COLUMNS = {
 FIGURES = ("tokens_per_s", "step_time_s", "mem_bytes", "mfu", "comm_fraction", "peak_flops_per_rank")
 REPEAT_COLUMNS = ("cell", "repeat", *FIGURES, "oversubscribed", "global_batch_size", "tokens_per_step",
                   "mfu_note", "precision_note", "comm_method", "peak_flops_source", "flops_per_token", "load",
-                  "load_flag")
+                  "busy_flag")
 
 
 def repeats_frame(matrix: dict, runs_by_cell: dict[str, list[RunSummary]]) -> pd.DataFrame:
@@ -227,8 +227,8 @@ def repeats_frame(matrix: dict, runs_by_cell: dict[str, list[RunSummary]]) -> pd
              "tokens_per_step": run.tokens_per_step, "mfu_note": run.mfu_note,
              "precision_note": run.precision_note, "comm_method": run.comm_method,
              "peak_flops_source": run.peak_flops_source, "flops_per_token": run.flops_per_token,
-             "load": load_text(run.provenance.get("load_before"), run.provenance.get("load_after")),
-             "load_flag": run_load_flag(run.provenance)}
+             "load": run_contention_text(run.provenance),
+             "busy_flag": run_busy_flag(run.provenance)}
             for entry in matrix["cells"] for number, run in enumerate(runs_by_cell.get(entry["cell"], []), 1)]
     table = frame(rows, REPEAT_COLUMNS)
     # None (not measured) as NaN, so that every figure column is numeric
@@ -252,8 +252,8 @@ def cell_table(matrix: dict, runs_by_cell: dict[str, list[RunSummary]]) -> pd.Da
         table[column] = grouped[column].first()
     table["mfu_notes"] = grouped["mfu_note"].agg(lambda column: column.dropna().tolist())
     table["precision_notes"] = grouped["precision_note"].agg(lambda column: list(dict.fromkeys(column.dropna())))
-    table["loads"] = grouped["load"].agg(list)  # per repeat: the 1-min load before and after it
-    table["load_flags"] = grouped["load_flag"].agg(lambda column: list(dict.fromkeys(column.dropna())))
+    table["loads"] = grouped["load"].agg(list)  # per repeat: the 1-min load before and after it, others' CPU share
+    table["busy_flags"] = grouped["busy_flag"].agg(lambda column: list(dict.fromkeys(column.dropna())))
     return table
 
 
@@ -317,7 +317,7 @@ def scaling_frame(matrix: dict, cells: pd.DataFrame, target_corpus_tokens: float
             efficiency_best = speedup_best / entry["gpus"] * 100 if speedup_best else None
             # a timing is as trustworthy as the busiest of the runs it is divided by
             timed = [entry["cell"]] + [b["cell"] for b in (base, best) if b and entry["gpus"] > 1]
-            flags = [flag for name in dict.fromkeys(timed) for flag in cells.at[name, "load_flags"]]
+            flags = [flag for name in dict.fromkeys(timed) for flag in cells.at[name, "busy_flags"]]
             flags += [efficiency_flag(efficiency, f"its 1-rank cell {base['cell']}") if base else None,
                       efficiency_flag(efficiency_best, f"the fastest 1-rank cell {best['cell']}") if best else None]
             rows.append({
@@ -411,7 +411,7 @@ def communication_frame(matrix: dict, cells: pd.DataFrame) -> pd.DataFrame:
         rows.append({"cell": entry["cell"], "engine": entry["engine"], "ranks": entry["gpus"],
                      "comm_backend": entry["comm_backend"], "comm_fraction": _number(cell["comm_fraction"]),
                      "comm_fraction_values": cell["comm_fraction_values"], "method": cell["comm_method"],
-                     "flags": cell["load_flags"]})
+                     "flags": cell["busy_flags"]})
     return frame(rows, ("cell", "engine", "ranks", "comm_backend", "comm_fraction", "comm_fraction_values", "method",
                         "flags"))
 
@@ -439,8 +439,8 @@ def backend_frame(matrix: dict, cells: pd.DataFrame) -> pd.DataFrame:
             rows.append({"ranks": key[0], "engine": engine_label(pair["nccl"]), "zero_stage": key[2],
                          "precision": key[3], "nccl_tokens_per_s": nccl, "gloo_tokens_per_s": gloo,
                          "nccl_faster_pct": (nccl / gloo - 1) * 100, "ratio": nccl / gloo,
-                         "flags": list(dict.fromkeys(cells.at[pair["nccl"]["cell"], "load_flags"]
-                                                     + cells.at[pair["gloo"]["cell"], "load_flags"]))})
+                         "flags": list(dict.fromkeys(cells.at[pair["nccl"]["cell"], "busy_flags"]
+                                                     + cells.at[pair["gloo"]["cell"], "busy_flags"]))})
     return frame(rows, ("ranks", "engine", "zero_stage", "precision", "nccl_tokens_per_s", "gloo_tokens_per_s",
                         "nccl_faster_pct", "ratio", "flags"))
 
@@ -519,10 +519,11 @@ def mfu_figure_text(mfus: list, notes: list[str]) -> str:
     return spread(mfus, 2, 100)
 
 
-def mfu_flags(peak_source: str | None, peak: dict | None, load_flags: list[str]) -> list[str]:
-    """Why an MFU cannot be trusted: its run's own load, and a peak (rule measure_peak's) measured under load."""
+def mfu_flags(peak_source: str | None, peak: dict | None, busy_flags: list[str]) -> list[str]:
+    """Why an MFU cannot be trusted: other processes on its run's cores, and a peak (rule measure_peak's) measured while
+    other processes used the cores."""
     measured_here = bool(peak_source) and "rule measure_peak" in peak_source
-    return [*load_flags, *([peak_flag(peak)] if measured_here and peak_flag(peak) else [])]
+    return [*busy_flags, *([peak_flag(peak)] if measured_here and peak_flag(peak) else [])]
 
 
 def mfu_frame(matrix: dict, cells: pd.DataFrame, peak: dict | None = None) -> pd.DataFrame:
@@ -533,7 +534,7 @@ def mfu_frame(matrix: dict, cells: pd.DataFrame, peak: dict | None = None) -> pd
                      "mfu_notes": cell["mfu_notes"], "peak_flops_per_rank_values": cell["peak_flops_per_rank_values"],
                      "peak_flops_source": cell["peak_flops_source"],
                      "flops_per_token": _number(cell["flops_per_token"]),
-                     "flags": mfu_flags(cell["peak_flops_source"], peak, cell["load_flags"])})
+                     "flags": mfu_flags(cell["peak_flops_source"], peak, cell["busy_flags"])})
     return frame(rows, ("cell", "ranks", "mfu_values", "mfu_notes", "peak_flops_per_rank_values",
                         "peak_flops_source", "flops_per_token", "flags"))
 

@@ -41,6 +41,7 @@ from .io import atomic_write_json, read_jsonl
 from .logs import log_startup
 from .metrics import (
     MetricsSink,
+    OtherCpu,
     load_average,
     one_record_per_step,
     peak_memory_bytes,
@@ -59,7 +60,7 @@ from .rank import (
     resume_fingerprint,
 )
 from .rank import log as rank_log
-from .run_context import LaunchContext, rank_placement
+from .run_context import LaunchContext, rank_placement, usable_cpus
 from .run_state import fingerprint_id, mark_finished, plan_digest, prepare_state
 from .run_summary import RunSummary
 from .settings import check_settings
@@ -126,6 +127,7 @@ class Trainer:
         self.compile_clock: CompileClock | None = None  # build_model(), under train.compile
         self.load_before: list[float] | None = None  # run(): rank 0's load averages before the first step
         self.load_after: list[float] | None = None  # run(): rank 0's load averages after the last step
+        self.other_cpu: dict | None = None  # run(): what else used rank 0's node's cores during the loop (rank 0)
         self.placement: list[dict] | None = None  # run(): every rank's cores and threads (rank 0 only)
 
     def log(self, message: str) -> None:
@@ -139,6 +141,9 @@ class Trainer:
         self.restore()
         self.prepare_measures()
         self.load_before = load_average()
+        other_cpu = OtherCpu(self.launch.cpus or usable_cpus()) if self.rank == 0 else None
+        if other_cpu:
+            other_cpu.start()
         self.run_start = time.perf_counter()
         with MetricsSink(self.metrics_path, self.state_dir, self.start_step, enabled=self.rank == 0,
                          loggers=self.settings.loggers, run=self.tracked_run()) as sink:
@@ -162,6 +167,7 @@ class Trainer:
                 if step < self.total_steps and any(rank.stop_requested for rank in gathered):
                     self.stop(step)
         self.load_after = load_average()
+        self.other_cpu = other_cpu.stop() if other_cpu else None
         self.placement = self.gather_placement()
         summary = self.summarise()
         self.finish(summary)
@@ -448,6 +454,9 @@ class Trainer:
                # 1-, 5- and 15-minute load averages before the first step and after the last: busy-machine timings
                # are traceable
                "load_before": self.load_before, "load_after": self.load_after,
+               # the share of rank 0's node's cores that processes outside the job used during the loop
+               # (metrics.OtherCpu): what physical_checks flags as a contended timing
+               "other_cpu": self.other_cpu,
                # each rank's host, cores and torch threads (CPU ranks pinned to disjoint cores, see run_context)
                "placement": self.placement},
         }).to_dict()
