@@ -18,8 +18,9 @@ from __future__ import annotations
 from .formats import fmt
 
 SCALING_LIMIT_PCT = 100.0  # efficiency above this is not physical for weak scaling
-# Others' share of a run's cores above which its timing is flagged. A quiet 2-core machine measured 0–3 % (the
-# kernel, the workflow manager polling its jobs); one other busy process on one of 2 cores is 50 %.
+# Others' share of a run's cores above which its timing is flagged. Measured on a quiet 2-core machine: 0–1 % over
+# training loops of 4 to 64 s, up to 7 % over the demo's benchmark cells, whose loops last 1 to 3 s (the workflow
+# manager's own work between jobs weighs more there); one busy process beside a 1-rank run: 46 %.
 OTHER_CPU_LIMIT_PCT = 10.0
 
 
