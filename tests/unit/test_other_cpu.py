@@ -52,3 +52,12 @@ def test_the_jobs_own_children_are_not_counted_as_others():
     assert child - 0.05 <= used["job_cpu_s"] <= child + 0.5, (child, used)
     others = used["share_pct"] / 100 * used["wall_s"]
     assert others == pytest.approx(max(0.0, used["busy_cpu_s"] - used["job_cpu_s"]))
+
+
+def test_a_summary_without_the_measurement_shows_it_as_not_available_and_flags_nothing():
+    """A summary.json written before provenance had `other_cpu` (its version unchanged) reads as not measured."""
+    from pretrain_bench.physical_checks import run_busy_flag, run_contention_text
+
+    provenance = {"load_before": [3.5, 1.0, 1.0], "load_after": [4.0, 1.0, 1.0]}
+    assert run_contention_text(provenance) == "1-min 3.50 before, 4.00 after, other processes n/a"
+    assert run_busy_flag(provenance) is None

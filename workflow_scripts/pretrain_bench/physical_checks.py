@@ -51,8 +51,8 @@ def cores_text(cpus: list[int]) -> str:
 def contention_text(load_before: list | None, load_after: list | None, other_cpu: dict | None) -> str:
     """'1-min 0.52 before, 2.10 after, other processes 3 % of the 2 cores' (n/a where not measured)."""
     share = (other_cpu or {}).get("share_pct")
-    cores = f" of the {cores_text(other_cpu['cpus'])}" if share is not None else ""
-    return f"{load_text(load_before, load_after)}, other processes {fmt(share, 0)} %{cores}"
+    others = f"{fmt(share, 0)} % of the {cores_text(other_cpu['cpus'])}" if share is not None else "n/a"
+    return f"{load_text(load_before, load_after)}, other processes {others}"
 
 
 def run_contention_text(record: dict) -> str:
