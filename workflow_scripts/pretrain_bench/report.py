@@ -58,9 +58,10 @@ RANKING_COLUMNS = {
 }
 
 
-def format_cost(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]], price: dict | None) -> dict:
-    """The cost table as text, and the price it used (None: device-hours only)."""
-    main_flags = [flag for flag in [run_busy_flag(frames.main.provenance)] if flag]
+def format_cost(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]], price: dict | None,
+                main_flags: list[str]) -> dict:
+    """The cost table as text, and the price it used (None: device-hours only); main_flags: the main run's timing
+    flags."""
     table = cost_frame(ranking(runs_by_cell, frames.peak), frames.main, frames.target_corpus_tokens, price,
                        main_flags)
     return {"rows": format_frame(table, cost_columns(price)), "price": price,
@@ -72,9 +73,10 @@ def format_tables(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]
     """Every table of the report as rows of text, as the template prints them: the frames formatted once.
     price: report.gpu_hour_price ({amount, currency}), or None for device-hours only."""
     runs_by_cell = runs_by_cell or {}
+    main_flags = [flag for flag in [run_busy_flag(frames.main.provenance)] if flag]
     return {
         "recommendation": format_recommendation(frames, runs_by_cell),
-        "cost": format_cost(frames, runs_by_cell, price),
+        "cost": format_cost(frames, runs_by_cell, price, main_flags),
         "throughput": format_frame(frames.throughput, t.THROUGHPUT_COLUMNS),
         "evaluation": format_frame(frames.evaluation, t.EVALUATION_COLUMNS),
         "generations": format_frame(frames.generations, t.GENERATION_COLUMNS),
@@ -91,8 +93,7 @@ def format_tables(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]
         "mfu": format_frame(frames.mfu, t.MFU_COLUMNS),
         "headline": t.headline(frames),
         "main_load": run_contention_text(frames.main.provenance),
-        "main_flags": t.mfu_flags(frames.main.peak_flops_source, frames.peak,
-                                  [flag for flag in [run_busy_flag(frames.main.provenance)] if flag]),
+        "main_flags": t.mfu_flags(frames.main.peak_flops_source, frames.peak, main_flags),
         "peak_load": run_contention_text(frames.peak or {}),
         "peak_flag": peak_flag(frames.peak),
         "claims": check_claims(frames),
