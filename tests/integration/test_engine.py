@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pretrain_bench.checkpoint import committed_steps
+from pretrain_bench.logs import read_startups
 from pretrain_bench.plan import Plan, make_plan
 from support import (
     crash_after_first_checkpoint,
@@ -216,12 +217,22 @@ def test_compile_under_every_engine_trains_to_eagers_losses(data, zero_stage_run
     assert {key: eager_train[key] for key in common} == common and eager_train["compile"] is False
     reference = losses(eager)
     assert len(reference) == 3 and json.loads((eager / "out" / "summary.json").read_text())["compile"] is None
+    # eager DeepSpeed ranks at ZeRO-0 to 2 (2 with DeepSpeedCPUAdam) reach their first step without torch._dynamo
+    # (deepspeed_engine.optimizers_without_dynamo); ZeRO-3's parameter hooks import it (torch.compiler.disable), as
+    # compiled ranks do (so the check can fail)
+    for stage in range(4):
+        text = (zero_stage_runs / f"z{stage}.log").read_text()
+        imported = [r["imported"] for r in read_startups(text) if "rank" in r]
+        assert len(imported) == 2 and [("torch._dynamo" in names) for names in imported] == [stage == 3] * 2, \
+            (stage, imported)
     for name, train in engines.items():
         log = tmp_path / f"{name}.log"
         assert run(plan_for(data, tmp_path / name, compile=True, **{**common, **train}), 2, log) == 0, \
             log.read_text()[-3000:]
         curve = losses(tmp_path / name)
         assert curve == pytest.approx(reference, abs=COMPILE_LOSS_TOLERANCE), (name, curve, reference)
+        imported = [r["imported"] for r in read_startups(log.read_text()) if "rank" in r]
+        assert len(imported) == 2 and all("torch._dynamo" in names for names in imported), (name, imported)
         summary = json.loads((tmp_path / name / "out" / "summary.json").read_text())
         assert summary["engine"] == name and summary["model"]["attn_implementation"] == "sdpa"
         compiled = summary["compile"]

@@ -180,7 +180,7 @@ def test_the_claims_ddp_row_uses_the_ddp_formula():
 
 
 ALONE_SCRIPT = """
-import json, os, sys
+import json, os, sys, tempfile
 os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT=sys.argv[1])
 import torch, torch.nn.functional as F, deepspeed
@@ -189,6 +189,7 @@ from pretrain_bench.model import build_model, resolve_shape
 from pretrain_bench.settings import TrainSettings
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
+TORCH_ADAM_STEP = torch.optim.Adam.step  # torch's own, before an engine here replaces it
 
 
 def train(stage, mode):
@@ -196,10 +197,13 @@ def train(stage, mode):
         for name in deepspeed_engine.MUON_MODULES:
             sys.modules.pop(name, None)
         deepspeed_engine.skip_muon_import = lambda: None
+    if mode == "torch's wrappers":  # torch's optimizer step as torch ships it, dynamo's graph breaks included
+        torch.optim.Adam.step = TORCH_ADAM_STEP
+        deepspeed_engine.optimizers_without_dynamo = lambda: []
     settings = TrainSettings.from_config({"zero_stage": stage, "micro_batch_size": 2, "gpus": 1, "device": "cpu",
                                           "comm_backend": "gloo", "precision": "fp32", "max_steps": 4,
                                           "warmup_steps": 1})
-    engine = DeepSpeedEngine(build_model(resolve_shape("tiny", {}, 512), 32, 1234), settings,
+    engine = DeepSpeedEngine(build_model(resolve_shape("tiny", {}, 512), 32, 1234, implementation="native"), settings,
                              EngineRun(device="cpu", total_steps=4, measure_comm=True, pin_memory=True, reshape=False))
     skipped = not engine.engine.enable_backward_allreduce
     if mode == "reduce":
@@ -211,22 +215,29 @@ def train(stage, mode):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    if mode == "as built":  # a checkpoint saved and loaded back: the optimizer's state_dict and load_state_dict
+        with tempfile.TemporaryDirectory() as folder:
+            engine.engine.save_checkpoint(folder, tag="step4")
+            engine.engine.load_checkpoint(folder, tag="step4")
     adamw = engine.engine.basic_optimizer  # the torch optimizer under DeepSpeed's wrapper
     return {"skipped": skipped, "losses": losses, "compile_fx": "torch._inductor.compile_fx" in sys.modules,
+            "dynamo": "torch._dynamo" in sys.modules,
             "optimizer": [type(adamw).__name__, adamw.defaults["fused"], adamw.defaults["foreach"]]}
 
 
-# in this order: the real Muon modules (which load inductor's compiler) come last
-runs = [(0, "as built"), (0, "reduce"), (2, "as built"), (2, "real muon")]
+# in this order: the real Muon modules (which load inductor's compiler and dynamo) and torch's wrappers come last
+runs = [(0, "as built"), (0, "reduce"), (2, "as built"), (2, "real muon"), (2, "torch's wrappers")]
 print(json.dumps({f"{stage} {mode}": train(stage, mode) for stage, mode in runs}))
 """
 
 
 @pytest.fixture(scope="module")
 def alone():
-    """4 steps of the tiny model on one rank, DeepSpeed ZeRO-0 as built and with its backward all-reduce forced on,
-    then ZeRO-2 as built and with DeepSpeed's real Muon modules, one engine after the other in one fresh interpreter
-    (ALONE_SCRIPT): each one's losses and what the interpreter had loaded by its end, by "<stage> <mode>"."""
+    """4 steps of the tiny model (the native class: transformers' imports dynamo) on one rank, DeepSpeed ZeRO-0 as
+    built and with its backward all-reduce forced on, then ZeRO-2 as built, with DeepSpeed's real Muon modules and
+    with torch's own optimizer step (which optimizers_without_dynamo replaces), one engine after the other in one
+    fresh interpreter (ALONE_SCRIPT), each one as built then saving a checkpoint and loading it back: each one's
+    losses and what the interpreter had loaded by its end, by "<stage> <mode>"."""
     import json
     import os
     import subprocess
@@ -258,3 +269,19 @@ def test_zero2_runs_without_deepspeeds_muon_modules_and_trains_the_same(alone):
     assert runs["as built"]["compile_fx"] is False and runs["real muon"]["compile_fx"] is True
     assert runs["as built"]["optimizer"] == ["AdamW", True, None]  # fused, on ZeRO-2's flat fp32 partition too
     assert runs["as built"]["losses"] == runs["real muon"]["losses"] and len(set(runs["as built"]["losses"])) == 4
+
+
+def test_eager_deepspeed_ranks_never_import_dynamo_and_train_the_same(alone):
+    """With train.compile off, a DeepSpeed engine's optimizer skips torch's dynamo wrappers
+    (deepspeed_engine.optimizers_without_dynamo): ZeRO-0 and ZeRO-2 engines built, stepped, saved and loaded back
+    import no torch._dynamo. The steps give the losses of torch's own optimizer step, bit for bit; the real Muon
+    modules are what imports dynamo first here (so the check can fail)."""
+    from pretrain_bench.engines.deepspeed_engine import optimizers_without_dynamo
+
+    assert [alone[f"{stage} {mode}"]["dynamo"] for stage, mode in
+            ((0, "as built"), (0, "reduce"), (2, "as built"), (2, "real muon"))] == [False, False, False, True]
+    assert alone["2 torch's wrappers"]["losses"] == alone["2 as built"]["losses"]
+    assert alone["2 torch's wrappers"]["optimizer"] == ["AdamW", True, None]
+    # every wrapper of the pinned torch is recognised: a torch that reshapes them loses the start-up, not the bits
+    assert optimizers_without_dynamo() == ["Optimizer.add_param_group", "Optimizer.zero_grad", "Optimizer.state_dict",
+                                           "Optimizer.load_state_dict", "Adam.step"]

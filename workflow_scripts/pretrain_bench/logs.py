@@ -69,7 +69,8 @@ def exit_without_teardown(code: int) -> None:
 # A start-up record's line: this prefix, then the record as JSON (read back by bench/bench_pipeline.py).
 STARTUP_PREFIX = "start-up: "
 # The libraries whose import is most of a process's start-up: a record names those loaded when it was taken.
-HEAVY_LIBRARIES = ("torch", "deepspeed", "transformers", "lm_eval", "mlflow", "wandb", "pandas", "matplotlib")
+HEAVY_LIBRARIES = ("torch", "torch._dynamo", "deepspeed", "transformers", "lm_eval", "mlflow", "wandb", "pandas",
+                   "matplotlib")
 _startup_logged: set[str] = set()
 
 

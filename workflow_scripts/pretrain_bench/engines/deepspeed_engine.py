@@ -83,6 +83,63 @@ def skip_muon_import() -> None:
         sys.modules[name] = module
 
 
+# torch.optim.Optimizer's methods that torch wraps with torch._disable_dynamo, which imports torch._dynamo on the
+# first call of each (the wrapper keeps dynamo from tracing them inside a compiled region).
+DYNAMO_WRAPPED_OPTIMIZER_METHODS = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
+# Attribute where torch._disable_dynamo caches, on the wrapped function, what to call instead of it.
+_DISABLE_CACHE = "__dynamo_disable"
+
+
+def optimizers_without_dynamo() -> list[str]:
+    """Keep torch's optimizers from importing torch._dynamo in a rank that compiles nothing; returns the wrappers
+    that now skip it, empty where this torch's wrappers are not shaped as below (nothing is changed then).
+
+    Nothing else in an eager DeepSpeed rank imports torch._dynamo, whose import is about a third of the rank's
+    start-up (1.1 CPU-s on one rank, more where ranks share cores; README "Start-up"): torch's Optimizer does, in two
+    wrappers whose work is for compiled code only. Hand-written because torch has no switch for either:
+    - the methods above are wrapped by torch._disable_dynamo, which imports dynamo at the first call to build a
+      version of the method that dynamo does not trace, and caches it on the method. Here the method itself is
+      cached instead, which is what that version runs outside a compiled region;
+    - Adam's (so AdamW's) `step` is wrapped by `_use_grad_for_differentiable`, which imports dynamo at every call
+      to place graph breaks (no-ops outside a compiled region) around the step, run in the grad mode of the
+      optimizer's `differentiable`. Here `step` runs in that grad mode, without the graph breaks.
+    The optimizer's arithmetic is untouched: the same kernels, the same bits. For ranks with train.compile off only:
+    a compiled model imports dynamo anyway, and then torch's wrappers stay. ZeRO-3 imports it too (its parameter
+    hooks are wrapped by torch.compiler.disable), as do DDP and FSDP (DistributedDataParallel.__init__, fully_shard's
+    DTensor conversion): ZeRO-0, 1 and 2 ranks gain, with or without optimizer offload."""
+    import functools
+
+    import torch
+    from torch.optim import Adam, Optimizer
+
+    changed = []
+    for name in DYNAMO_WRAPPED_OPTIMIZER_METHODS:
+        method = getattr(Optimizer, name)
+        wrapped = getattr(method, "__wrapped__", None)
+        if wrapped is not None and _made_by(method, "_disable_dynamo"):
+            if getattr(wrapped, _DISABLE_CACHE, None) is None:
+                setattr(wrapped, _DISABLE_CACHE, wrapped)
+            changed.append(f"Optimizer.{name}")
+    step = Adam.step
+    wrapped = getattr(step, "__wrapped__", None)
+    if wrapped is not None and _made_by(step, "_use_grad_for_differentiable"):
+        def eager_step(self, *args, **kwargs):
+            with torch.set_grad_enabled(self.defaults["differentiable"]):
+                return wrapped(self, *args, **kwargs)
+
+        Adam.step = functools.update_wrapper(eager_step, wrapped)
+    if _made_by(Adam.step, "optimizers_without_dynamo"):
+        changed.append("Adam.step")
+    return changed
+
+
+def _made_by(function, decorator: str) -> bool:
+    """Whether `function` is the wrapper that torch's `decorator` returns (its code's qualified name, e.g.
+    `_disable_dynamo.<locals>.inner`: functools.wraps gives the wrapper the wrapped function's own names)."""
+    code = getattr(function, "__code__", None)
+    return getattr(code, "co_qualname", "").startswith(f"{decorator}.<locals>.")
+
+
 class DeepSpeedEngine(Engine):
     """DeepSpeed (ZeRO 0-3, offload) from the ds_config of the settings (settings.deepspeed_config)."""
 
@@ -112,6 +169,8 @@ class DeepSpeedEngine(Engine):
             self.config["checkpoint"] = {"load_universal": True}
         if self.config["optimizer"]["type"].lower() != "muon":
             skip_muon_import()
+        if not settings.compile:
+            optimizers_without_dynamo()
         # DeepSpeed 0.19's ZeRO-1/2 step all-gathers the updated partitions with
         # torch.distributed.all_gather_into_tensor, which torch 2.13 marks deprecated: a FutureWarning (two lines)
         # per rank in every training log, about a call the user cannot change.
