@@ -95,8 +95,8 @@ def optimizers_without_dynamo() -> list[str]:
     that now skip it, empty where this torch's wrappers are not shaped as below (nothing is changed then).
 
     Nothing else in an eager DeepSpeed rank imports torch._dynamo, whose import is about a third of the rank's
-    start-up (1.1 CPU-s on one rank, more where ranks share cores; README "Start-up"): torch's Optimizer does, in two
-    wrappers whose work is for compiled code only. Hand-written because torch has no switch for either:
+    start-up (1.1 CPU-s on one rank, more where ranks share cores; README "Process start-up"): torch's Optimizer
+    does, in two wrappers whose work is for compiled code only. Hand-written because torch has no switch for either:
     - the methods above are wrapped by torch._disable_dynamo, which imports dynamo at the first call to build a
       version of the method that dynamo does not trace, and caches it on the method. Here the method itself is
       cached instead, which is what that version runs outside a compiled region;
