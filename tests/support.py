@@ -213,6 +213,13 @@ def plan_for(data, run_dir: Path, save_checkpoints: bool = True, **train):
     return path
 
 
+def rank_startups(log: Path) -> list[dict]:
+    """The start-up records (pretrain_bench.logs.log_startup) that a launch's ranks wrote to its log `log`."""
+    from pretrain_bench.logs import read_startups
+
+    return [record for record in read_startups(log.read_text()) if "rank" in record]
+
+
 def start(plan_path: Path, ranks: int, log: Path, env=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(LAUNCHER), "--ranks", str(ranks), "--plan", str(plan_path)],
                             cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from pretrain_bench.checkpoint import committed_steps
-from pretrain_bench.logs import read_startups
 from pretrain_bench.plan import Plan, make_plan
 from support import (
     crash_after_first_checkpoint,
     losses,
     plan_for,
+    rank_startups,
     read_jsonl,
     recorded_losses,
     run,  # the data fixture: tests/conftest.py
@@ -221,8 +221,7 @@ def test_compile_under_every_engine_trains_to_eagers_losses(data, zero_stage_run
     # (deepspeed_engine.optimizers_without_dynamo); ZeRO-3's parameter hooks import it (torch.compiler.disable), as
     # compiled ranks do (so the check can fail)
     for stage in range(4):
-        text = (zero_stage_runs / f"z{stage}.log").read_text()
-        imported = [r["imported"] for r in read_startups(text) if "rank" in r]
+        imported = [r["imported"] for r in rank_startups(zero_stage_runs / f"z{stage}.log")]
         assert len(imported) == 2 and [("torch._dynamo" in names) for names in imported] == [stage == 3] * 2, \
             (stage, imported)
     for name, train in engines.items():
@@ -231,7 +230,7 @@ def test_compile_under_every_engine_trains_to_eagers_losses(data, zero_stage_run
             log.read_text()[-3000:]
         curve = losses(tmp_path / name)
         assert curve == pytest.approx(reference, abs=COMPILE_LOSS_TOLERANCE), (name, curve, reference)
-        imported = [r["imported"] for r in read_startups(log.read_text()) if "rank" in r]
+        imported = [r["imported"] for r in rank_startups(log)]
         assert len(imported) == 2 and all("torch._dynamo" in names for names in imported), (name, imported)
         summary = json.loads((tmp_path / name / "out" / "summary.json").read_text())
         assert summary["engine"] == name and summary["model"]["attn_implementation"] == "sdpa"

@@ -5,9 +5,8 @@ import json
 
 import pytest
 
-from pretrain_bench.logs import read_startups
 from pretrain_bench.plan import Plan, make_plan
-from support import losses, run  # the data fixture: tests/conftest.py
+from support import losses, rank_startups, run  # the data fixture: tests/conftest.py
 
 pytestmark = pytest.mark.engine
 
@@ -42,7 +41,7 @@ def test_native_run_trains_to_transformers_losses_without_importing_it_and_expor
         curves[implementation] = losses(run_dir)
         summary = json.loads((run_dir / "out" / "summary.json").read_text())
         assert summary["model"]["implementation"] == implementation and summary["world_size"] == 2
-        startups[implementation] = [record for record in read_startups(log.read_text()) if "rank" in record]
+        startups[implementation] = rank_startups(log)
     assert len(curves["native"]) == 3
     assert curves["native"] == pytest.approx(curves["transformers"], abs=LOSS_TOLERANCE, rel=0), curves
     assert len(startups["native"]) == len(startups["transformers"]) == 2, "each rank logs its start-up"
