@@ -41,13 +41,18 @@ def test_zero_stages_0_to_3_train_concurrently_and_shut_down(zero_stage_runs):
 
 def test_kill_9_then_rerun_resumes_with_identical_losses(data, tmp_path):
     """The killed run, up to the kill, is the uninterrupted run: the steps it had done past its checkpoint are done
-    again after the resume, and every one of them must give the loss it gave the first time."""
+    again after the resume, and every one of them must give the loss it gave the first time. The first run's ranks
+    are fresh interpreters (train.rank_start exec, as on CUDA), the resumed run's are forked from torchrun's agent
+    (fork, the CPU default): either start trains the same bits."""
     crashed = tmp_path / "crashed"
-    plan = plan_for(data, crashed, max_steps=12)
+    plan = plan_for(data, crashed, max_steps=12, rank_start="exec")
     kept = crash_after_first_checkpoint(plan, crashed, tmp_path / "crash.log")
     uninterrupted = recorded_losses(crashed)
     assert len(uninterrupted) >= kept[-1] + 1, "at least one step past the checkpoint is done again"
+    plan = plan_for(data, crashed, max_steps=12, rank_start="fork")  # not in the resume fingerprint
     assert run(plan, 3, tmp_path / "resume.log") == 0, (tmp_path / "resume.log").read_text()[-3000:]
+    assert "-m torch.distributed.run " in (tmp_path / "crash.log").read_text()
+    assert "-m pretrain_bench.forked_ranks " in (tmp_path / "resume.log").read_text()
     summary = json.loads((crashed / "out" / "summary.json").read_text())
     assert summary["resumed_from_step"] == kept[-1] and summary["resumed_from_step"] in (4, 8)
     resumed = losses(crashed)

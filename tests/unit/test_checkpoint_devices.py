@@ -13,9 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from pretrain_bench import checkpoint as ckpt  # noqa: E402
 from pretrain_bench.devices import SlotError, allocate_slots, gpu_slots  # noqa: E402
-from pretrain_bench.launcher import rank_environment, torchrun_command  # noqa: E402
+from pretrain_bench.launcher import forks_ranks, rank_environment, torchrun_command  # noqa: E402
 from pretrain_bench.metrics import summarise_steps, truncate_jsonl  # noqa: E402
 from pretrain_bench.run_context import LaunchContext  # noqa: E402
+from pretrain_bench.settings import ConfigError, TrainSettings, check_settings  # noqa: E402
 
 
 def make_ckpt(root, step, commit=True):
@@ -127,6 +128,20 @@ def test_torchrun_single_node_uses_standalone_free_port():
     assert "--rdzv-endpoint=h:29500" in multi and "--nnodes=2" in multi
     with pytest.raises(ValueError, match="rdzv_endpoint"):
         torchrun_command(Path("pretrain.py"), [], ranks=1, nodes=2, max_restarts=0)
+
+
+def test_cpu_ranks_are_forked_from_torchruns_agent_and_cuda_ranks_are_fresh_interpreters():
+    exec_cmd = torchrun_command(Path("pretrain.py"), ["--plan", "p.json"], ranks=3, nodes=1, max_restarts=2)
+    forked = torchrun_command(Path("pretrain.py"), ["--plan", "p.json"], ranks=3, nodes=1, max_restarts=2,
+                              forked=True)
+    assert exec_cmd[1:3] == ["-m", "torch.distributed.run"] and forked[1:3] == ["-m", "pretrain_bench.forked_ranks"]
+    assert forked[3:] == exec_cmd[3:], "the same torchrun options, script and arguments"
+    assert [forks_ranks(start, device) for start in ("auto", "fork", "exec") for device in ("cpu", "cuda")] == \
+        [True, False, True, True, False, False]
+    check_settings(TrainSettings(rank_start="fork", comm_backend="gloo"), "cpu")
+    check_settings(TrainSettings(rank_start="exec"), "cuda")
+    with pytest.raises(ConfigError, match="train.rank_start fork is for CPU ranks"):
+        check_settings(TrainSettings(rank_start="fork"), "cuda")
 
 
 def test_summary_excludes_warmup_and_resume_step(tmp_path):

@@ -148,7 +148,7 @@ def test_key_groups_are_the_fields_metadata():
         "max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "max_restarts", "warmup_timing_steps",
         "allow_reshape", "gpus", "nodes", "global_batch_size", "rdzv_endpoint", "memory_fit", "nvme_path",
         "collective_timeout_min", "nccl_env", "verify_checkpoints", "phase_timing", "eval_every", "eval_tokens",
-        "deepspeed", "compile", "loggers", "tracker_project"}
+        "deepspeed", "compile", "loggers", "tracker_project", "rank_start"}
     assert CELL_IRRELEVANT_KEYS == ("checkpoint_every", "keep_checkpoints", "max_restarts", "allow_reshape",
                                     "eval_every", "eval_tokens", "loggers", "tracker_project")
     assert TRAINS_FURTHER_KEYS == ("max_steps", "max_tokens")

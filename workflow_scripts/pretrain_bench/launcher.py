@@ -251,10 +251,19 @@ GRACEFUL_STOP_S = 600
 TORCHRUN_SIGNALS = "SIGTERM,SIGHUP,SIGQUIT"
 
 
+def forks_ranks(rank_start: str, device: str) -> bool:
+    """Whether torchrun forks the ranks from an agent that has imported what they import
+    (pretrain_bench.forked_ranks) rather than starting each as a fresh interpreter: train.rank_start, where auto
+    means on CPU (check_settings refuses fork on CUDA)."""
+    return rank_start == "fork" or (rank_start == "auto" and device == "cpu")
+
+
 def torchrun_command(script: Path, script_args: list[str], *, ranks: int, nodes: int, max_restarts: int,
                      rdzv_endpoint: str | None = None, node_rank: int | None = None,
-                     rdzv_id: str = "pretrain-bench") -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+                     rdzv_id: str = "pretrain-bench", forked: bool = False) -> list[str]:
+    """torchrun's command for this launch (`forked`: the same torchrun, run by pretrain_bench.forked_ranks)."""
+    agent = "pretrain_bench.forked_ranks" if forked else "torch.distributed.run"
+    cmd = [sys.executable, "-m", agent, f"--nproc-per-node={ranks}",
            f"--max-restarts={max_restarts}", f"--shutdown-timeout={GRACEFUL_STOP_S}",
            f"--signals-to-handle={TORCHRUN_SIGNALS}"]
     if nodes == 1:
@@ -444,7 +453,8 @@ def _launch_locked(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_d
             logger.info(note)
         cmd = torchrun_command(script, ["--plan", str(plan_path), "--context", context.to_json()], ranks=ranks,
                                nodes=settings.nodes, max_restarts=settings.max_restarts, rdzv_endpoint=rdzv_endpoint,
-                               node_rank=node_rank, rdzv_id=job_id or f"{plan.name}-{plan.role}")
+                               node_rank=node_rank, rdzv_id=job_id or f"{plan.name}-{plan.role}",
+                               forked=forks_ranks(settings.rank_start, device))
         return _run(cmd, env, pass_fds)
 
 

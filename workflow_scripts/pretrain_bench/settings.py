@@ -63,6 +63,7 @@ class TrainSettings:
     keep_checkpoints: int | None = default_field("train", "keep_checkpoints", fingerprint=False, cell=False)
     warmup_timing_steps: int = default_field("train", "warmup_timing_steps", fingerprint=False)
     max_restarts: int = default_field("train", "max_restarts", fingerprint=False, cell=False)
+    rank_start: str = default_field("train", "rank_start", fingerprint=False)
     collective_timeout_min: float = default_field("train", "collective_timeout_min", fingerprint=False)
     nccl_env: dict | None = default_field("train", "nccl_env", fingerprint=False)
     allow_reshape: bool = default_field("train", "allow_reshape", fingerprint=False, cell=False)
@@ -284,6 +285,9 @@ def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | N
         if "nvme" in (s.offload_optimizer, s.offload_param):
             raise ConfigError("train.offload_optimizer/offload_param nvme needs CUDA GPUs (a CPU run keeps its "
                               "states in RAM already)")
+    if device == "cuda" and s.rank_start == "fork":
+        raise ConfigError("train.rank_start fork is for CPU ranks: CUDA cannot be used in a process forked from one "
+                          "that has initialised it, as DeepSpeed's import does; use auto or exec on CUDA")
 
 
 ENGINES = schema_enum("train", "engine")

@@ -50,8 +50,9 @@ class EngineRun:
 class Engine(abc.ABC):
     """One training engine, as the Trainer sees it.
 
-    Before the engine is built (class level): `init_distributed`, `build_precision`, `gradient_checkpointing_kwargs`,
-    `comm_timing_is_free`, and the checkpoint layout it writes (`holds_checkpoint`, `read_model_state`).
+    Before the engine is built (class level): `preload` (in torchrun's agent, for forked ranks), `init_distributed`,
+    `build_precision`, `gradient_checkpointing_kwargs`, `comm_timing_is_free`, and the checkpoint layout it writes
+    (`holds_checkpoint`, `read_model_state`).
     Built (`cls(model, settings, EngineRun(…))`, the model already on this rank's device), it is called like the
     model (`engine(input_ids=…)` returns the model's output, `.logits`), and:
 
@@ -76,6 +77,18 @@ class Engine(abc.ABC):
     # Timing them costs nothing (no synchronisation), so every run measures them, not only where the plan asks.
     comm_timing_is_free: ClassVar[bool] = False
     skipped_steps: int  # optimizer steps skipped (fp16 overflow)
+
+    # What a rank of this engine imports before its first step (train.rank_start fork: torchrun's agent imports it once,
+    # before forking the ranks; pretrain_bench.forked_ranks).
+    rank_libraries: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def preload(cls, settings) -> None:
+        """In torchrun's agent on CPU, before it forks the ranks: import `rank_libraries`, so no rank imports them."""
+        import importlib
+
+        for name in cls.rank_libraries:
+            importlib.import_module(name)
 
     @staticmethod
     @abc.abstractmethod

@@ -13,6 +13,7 @@ DDP_MODEL_FILE, DDP_OPTIMIZER_FILE = "model.pt", "optimizer.pt"
 
 
 class DDPEngine(TorchEngine):
+    rank_libraries = ("torch.nn.parallel",)
     """torch.nn.parallel.DistributedDataParallel: replicated fp32 parameters, gradients and AdamW states; bf16/fp16
     through autocast (fp16 with torch.amp.GradScaler); accumulation micro-steps under no_sync."""
 

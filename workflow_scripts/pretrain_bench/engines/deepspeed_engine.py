@@ -147,6 +147,20 @@ class DeepSpeedEngine(Engine):
                    "(synchronised), summed over steady-state steps ÷ their step time; includes time spent waiting "
                    "for slower ranks")
 
+    rank_libraries = ("deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage_1_and_2")
+
+    @classmethod
+    def preload(cls, settings) -> None:
+        """Also DeepSpeed's probe of its ops (which runs compilers) and its shared-memory collectives op, which
+        init_distributed loads on CPU: both are kept by DeepSpeed per process, so forked ranks find them done."""
+        from ..launcher import wait_out_stale_build_locks
+
+        super().preload(settings)
+        wait_out_stale_build_locks()
+        from deepspeed.comm.torch import build_shm_op
+
+        build_shm_op()
+
     @staticmethod
     def init_distributed(backend: str, timeout: timedelta) -> None:
         import deepspeed
