@@ -1,5 +1,6 @@
 """One training rank, started by torchrun through launch.py: `pretrain.py --plan PLAN --context JSON`, the context
-being the launcher's decisions for the job's ranks (pretrain_bench.run_context.LaunchContext)."""
+being the launcher's decisions for the job's ranks (pretrain_bench.run_context.LaunchContext). On CPU torchrun forks
+the rank from its agent and calls `main` there (pretrain_bench.forked_ranks); otherwise it runs this script."""
 import argparse
 import os
 import sys
@@ -24,7 +25,8 @@ def main(argv=None) -> int:
     cpus = usable_cpus()
     launch = args.context or LaunchContext.for_job("cpu", int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                                                    len(cpus), cpus)
-    # Pinned before torch is imported: threads started later (OpenMP's, gloo's) inherit this rank's cores.
+    # Pinned before torch starts any thread (a rank forked from torchrun's agent has torch imported, but no thread of
+    # it running: pretrain_bench.forked_ranks): threads started later (OpenMP's, gloo's) inherit this rank's cores.
     pin_rank(launch, int(os.environ.get("LOCAL_RANK", 0)))
 
     from pretrain_bench.launcher import skip_unchosen_trackers, wait_out_stale_build_locks
