@@ -17,15 +17,14 @@ script's exit status as the process's (a traceback printed to its stderr when it
 """
 from __future__ import annotations
 
-import atexit
-import logging
 import os
 import runpy
 import signal
-import sys
 import traceback
 import uuid
 from pathlib import Path
+
+from .logs import exit_without_teardown, finish_process
 
 
 def preload(script: Path, rank_argv: list[str]):
@@ -60,16 +59,11 @@ def rank(main, argv: list[str], agent_signals: list[str]) -> None:
         traceback.print_exc()
         code = 1
     if code:
-        # a failure: torchrun sees this exit status (os._exit: torch's multiprocessing wrapper would turn an
-        # exception into status 1 and keep its traceback out of the log)
-        atexit._run_exitfuncs()
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    atexit._run_exitfuncs()
-    logging.shutdown()
+        # a failure: torchrun sees this exit status (torch's multiprocessing wrapper would turn an exception into
+        # status 1 and keep its traceback out of the log)
+        exit_without_teardown(code)
     # success: torch's wrapper reports the return value to the agent, then the process ends without teardown
+    finish_process()
 
 
 def main(argv: list[str] | None = None) -> None:

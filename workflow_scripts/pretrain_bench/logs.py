@@ -59,11 +59,17 @@ def exit_without_teardown(code: int) -> None:
     transformers: about 1.5 s of CPU per process on 2 cores (measured), paid by every training rank and evaluation
     job after its files are written and closed. The atexit handlers still run and every log and stream is flushed
     first. For processes that import torch and write their outputs atomically (ranks, rule evaluate)."""
+    finish_process()
+    os._exit(code)
+
+
+def finish_process() -> None:
+    """What a process does at its end before it goes without teardown: its atexit handlers, every log and stream
+    flushed (exit_without_teardown; a forked rank, pretrain_bench.forked_ranks, whose end torch's wrapper makes)."""
     atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
 
 
 # A start-up record's line: this prefix, then the record as JSON (read back by bench/bench_pipeline.py).

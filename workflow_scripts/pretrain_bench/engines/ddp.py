@@ -13,9 +13,10 @@ DDP_MODEL_FILE, DDP_OPTIMIZER_FILE = "model.pt", "optimizer.pt"
 
 
 class DDPEngine(TorchEngine):
-    rank_libraries = ("torch.nn.parallel",)
     """torch.nn.parallel.DistributedDataParallel: replicated fp32 parameters, gradients and AdamW states; bf16/fp16
     through autocast (fp16 with torch.amp.GradScaler); accumulation micro-steps under no_sync."""
+
+    rank_libraries = ("torch.nn.parallel",)
 
     comm_method = ("DDP communication hook on rank 0: wall-clock while any gradient-bucket all-reduce was in "
                    "flight (union of launch-to-completion intervals, CUDA events on a GPU; they overlap the backward "

@@ -14,10 +14,11 @@ DCP_FOLDER = "dcp"
 
 
 class FSDPEngine(TorchEngine):
-    rank_libraries = ("torch.distributed.fsdp",)
     """FSDP2 (torch.distributed.fsdp.fully_shard) on every decoder layer and the whole model: fp32 shards of the
     parameters, gradients and AdamW states (ZeRO-3's layout); bf16/fp16 compute through MixedPrecisionPolicy with
     fp32 gradient reduction (fp16 with the sharded gradient scaler)."""
+
+    rank_libraries = ("torch.distributed.fsdp",)
 
     def wrap(self, model):
         import torch.distributed as dist
