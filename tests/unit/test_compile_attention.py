@@ -72,9 +72,13 @@ def test_a_model_compiled_keeps_the_state_dict_names_and_trains_to_eagers_losses
     eager, compiled = (build_model(SHAPE, T, seed=3, implementation=implementation) for _ in range(2))
     keys = list(compiled.state_dict())
     clock = compile_model(compiled, scope)
+    # a forward hook on the model, as DeepSpeed's engine puts on the model it wraps, runs outside the compiled graph
+    hook_ran_compiled = []
+    compiled.register_forward_pre_hook(lambda module, args: hook_ran_compiled.append(torch.compiler.is_compiling()))
     try:
         assert list(compiled.state_dict()) == keys and all("_orig_mod" not in k for k in keys)
-        assert (compiled._compiled_call_impl is not None) == (scope == "model")
+        assert compiled._compiled_call_impl is None  # the whole model: its forward method, not the module's call
+        assert hasattr(vars(compiled).get("forward"), "_torchdynamo_orig_callable") == (scope == "model")
         assert all((block._compiled_call_impl is not None) == (scope == "blocks") for block in compiled.model.layers)
         generator = torch.Generator().manual_seed(0)
         batches = torch.randint(0, 97, (1, 2, T + 1), generator=generator).expand(3, -1, -1)  # one batch, learnt
@@ -91,6 +95,7 @@ def test_a_model_compiled_keeps_the_state_dict_names_and_trains_to_eagers_losses
                 losses[name].append(loss.item())
         assert max(abs(a - b) for a, b in zip(losses["eager"], losses["compiled"])) < 1e-4, losses
         assert losses["compiled"][-1] < losses["compiled"][0], "it trains"
+        assert hook_ran_compiled == [False] * len(batches)
         summary = clock.summary()
         assert summary["scope"] == COMPILE_SCOPES[scope] and summary["compilations"] >= 1 and summary["time_s"] > 0
     finally:

@@ -204,6 +204,33 @@ def test_a_rank_that_builds_the_native_model_never_imports_transformers():
     assert "'transformers'" in then_transformers, "the check sees transformers where the rank does import it"
 
 
+def test_the_preloaded_model_libraries_are_all_a_model_build_imports():
+    """forked_ranks.preload imports model.model_libraries in torchrun's agent so that no forked rank imports them:
+    in a fresh interpreter, after those of each class, building and running that class imports nothing more of
+    transformers (none of it for the native class), and train.compile adds the compiler to the list."""
+    code = ("import importlib, sys\n"
+            "import torch\n"
+            "from pretrain_bench.model import build_model, model_libraries, resolve_shape\n"
+            "def loaded():\n"
+            "    return {name for name in sys.modules if name.split('.')[0] == 'transformers'}\n"
+            "for implementation in ('native', 'transformers'):\n"
+            "    for name in model_libraries(implementation, False):\n"
+            "        importlib.import_module(name)\n"
+            "    before = loaded()\n"
+            f"    model = build_model(resolve_shape('tiny', None, {VOCAB}), {T}, 1, implementation=implementation)\n"
+            f"    model(input_ids=torch.zeros(1, {T}, dtype=torch.long)).logits.sum().backward()\n"
+            "    print(implementation, len(before), sorted(loaded() - before))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    native, transformers = (line.split(" ", 2) for line in proc.stdout.split("\n")[-3:-1])
+    assert native == ["native", "0", "[]"]
+    assert transformers[0] == "transformers" and int(transformers[1]) > 0 and transformers[2] == "[]", transformers
+    from pretrain_bench.model import model_libraries
+
+    assert set(model_libraries("native", True)) - set(model_libraries("native", False)) == {"torch._dynamo",
+                                                                                           "torch._inductor.compile_fx"}
+
+
 def test_model_init_from_weights_load_into_the_native_model(tmp_path):
     """load_pretrained (model.init_from) copies an HF folder's safetensors into the native model as into
     transformers' class: the same logits afterwards."""

@@ -29,9 +29,12 @@ from .logs import exit_without_teardown, finish_process
 
 def preload(script: Path, rank_argv: list[str]):
     """Import what a rank of this plan imports (as the script would, the unchosen trackers made unimportable first:
-    launcher.skip_unchosen_trackers; then the trainer and its engine's libraries: Engine.preload) and return the
-    script's `main`."""
+    launcher.skip_unchosen_trackers; then the trainer, its engine's libraries (Engine.preload) and its model class's,
+    with the compiler's under train.compile: model.model_libraries) and return the script's `main`."""
+    import importlib
+
     from .launcher import skip_unchosen_trackers
+    from .model import model_libraries
     from .plan import Plan
 
     plan = Plan.from_json(Path(rank_argv[rank_argv.index("--plan") + 1]))
@@ -41,6 +44,9 @@ def preload(script: Path, rank_argv: list[str]):
 
     engine_class(plan.train.engine).preload(plan.train)
     import pretrain_bench.trainer  # noqa: F401 -- what the rank imports next
+
+    for name in model_libraries(plan.model.implementation, plan.train.compile):
+        importlib.import_module(name)
 
     return namespace["main"]
 

@@ -162,6 +162,20 @@ def build_model(shape: ModelShape, seq_len: int, seed: int, precision: str = "fp
     return model
 
 
+# What a rank imports to build the model of each model.implementation, and to compile it (train.compile: dynamo, and
+# inductor, which loads at the first compilation): imported once in torchrun's agent before it forks CPU ranks
+# (model_libraries, forked_ranks.preload). Measured on 2 cores: transformers' LLaMA 3.4 CPU-s, inductor 1.4 CPU-s.
+MODEL_LIBRARIES = {"native": ("pretrain_bench.native_llama",),
+                   "transformers": ("transformers.models.llama.modeling_llama",)}
+COMPILER_LIBRARIES = ("torch._dynamo", "torch._inductor.compile_fx")
+
+
+def model_libraries(implementation: str, compile: bool) -> tuple[str, ...]:
+    """The modules a rank imports to build the model class of model.implementation (and with train.compile, to
+    compile it). A rank that compiles nothing never imports the compiler (test_engine checks it)."""
+    return MODEL_LIBRARIES[implementation] + (COMPILER_LIBRARIES if compile else ())
+
+
 def _new_model(shape: ModelShape, seq_len: int, attn_implementation: str | None, implementation: str):
     """The model class of model.implementation, constructed (and initialised) in the current device and dtype."""
     if implementation == "native":
