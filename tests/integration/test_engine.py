@@ -42,8 +42,8 @@ def test_zero_stages_0_to_3_train_concurrently_and_shut_down(zero_stage_runs):
 def test_kill_9_then_rerun_resumes_with_identical_losses(data, tmp_path):
     """The killed run, up to the kill, is the uninterrupted run: the steps it had done past its checkpoint are done
     again after the resume, and every one of them must give the loss it gave the first time. The first run's ranks
-    are fresh interpreters (train.rank_start exec, as on CUDA), the resumed run's are forked from torchrun's agent
-    (fork, the CPU default): either start trains the same bits."""
+    are fresh interpreters (train.rank_start exec, as on CUDA), the resumed run's are forked from a fork server
+    made from torchrun's agent (fork, the CPU default): either start trains the same bits."""
     crashed = tmp_path / "crashed"
     plan = plan_for(data, crashed, max_steps=12, rank_start="exec")
     kept = crash_after_first_checkpoint(plan, crashed, tmp_path / "crash.log")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pretrain_bench import checkpoint as ckpt
+from pretrain_bench.forked_ranks import FORK_SERVER_NAME
 from support import (  # data: the tiny data (tests/conftest.py)
     DATA_NAME,
     LAUNCHER,
@@ -323,12 +324,13 @@ def test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_f
 
 
 def rank_processes(proc: subprocess.Popen) -> list:
-    """The ranks below `proc`: the children of its torchrun agent (whose command names the rank script), whether
-    forked from it (train.rank_start fork, the same command line) or started by it (exec)."""
+    """The ranks below `proc`: the children of its torchrun agent (whose command names the rank script), started by
+    it (exec), or forked (train.rank_start fork) from its fork server, a fork of the agent (the same command line)."""
     import psutil
 
     return [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if str(RANK_SCRIPT) in p.cmdline() and str(RANK_SCRIPT) in p.parent().cmdline()]
+            if str(RANK_SCRIPT) in p.cmdline() and str(RANK_SCRIPT) in p.parent().cmdline()
+            and p.name() != FORK_SERVER_NAME]
 
 
 def mapped_deleted_files(pid: int, folder: Path) -> list[str]:
@@ -362,6 +364,12 @@ def test_pruned_checkpoints_free_their_disk_while_a_resumed_run_continues(data, 
             sorted(p.name for p in root.iterdir())
         ranks = rank_processes(proc)
         assert len(ranks) == 2
+        # forked ranks (CPU's train.rank_start) come from the fork server, a fork of torchrun's agent made before the
+        # agent's threads started, which has one thread: no lock another thread held can be copied into a rank
+        servers = {rank.parent().pid: rank.parent() for rank in ranks}
+        assert [(server.name(), server.num_threads()) for server in servers.values()] == [(FORK_SERVER_NAME, 1)]
+        assert [server.parent().num_threads() > 1 for server in servers.values()] == [True], "the agent's threads"
+        assert sorted(rank.name() for rank in ranks) == ["rank0", "rank1"]
         held = {rank.pid: mapped_deleted_files(rank.pid, root) for rank in ranks}
         assert held == {rank.pid: [] for rank in ranks}, held
         proc.send_signal(signal.SIGTERM)
