@@ -143,7 +143,8 @@ def rank(script: str, argv: list[str], agent_signals: list[str]) -> None:
     `agent_signals`: those torchrun's agent handles (--signals-to-handle), whose handlers the fork inherited."""
     os.setsid()  # as torchrun's subprocess start does: not in the agent's process group, so not in its terminal's
     set_process_name(f"rank{os.environ.get('LOCAL_RANK', '')}")
-    main = _MAINS[script]
+    # preloaded by the agent; a fork server that multiprocessing had to start again as a fresh interpreter has not
+    main = _MAINS[script] if script in _MAINS else runpy.run_path(script, run_name="pretrain_bench_rank")["main"]
     for name in agent_signals:  # the agent's handlers (which stop the agent) are not a rank's: a fresh one has none
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     try:
