@@ -65,10 +65,11 @@ def _open_fds() -> set[int]:
 
 def start_fork_server() -> int:
     """Start Python's multiprocessing fork server (start method `forkserver`) as a fork of this process, which has
-    imported what a rank imports and runs no thread that could hold a lock; returns its pid. Python starts it as a
-    fresh interpreter (`util.spawnv_passfds` of `python -c <its main>`), which would import all of it once more: here
-    the same command runs in a fork of this process instead. Hand-written because multiprocessing has no way to make
-    the fork server from the running process."""
+    imported what a rank imports and has not started torchrun's threads yet (the only others are libraries' idle
+    pools, such as OpenBLAS's, which a fork does not copy and whose locks their own fork handlers reset); returns its
+    pid. Python starts it as a fresh interpreter (`util.spawnv_passfds` of `python -c <its main>`), which would import
+    all of it once more: here the same command runs in a fork of this process instead. Hand-written because
+    multiprocessing has no way to make the fork server from the running process."""
     from multiprocessing import forkserver, resource_tracker, util
 
     resource_tracker.ensure_running()  # a fresh interpreter, as multiprocessing starts it (it imports nothing heavy)
