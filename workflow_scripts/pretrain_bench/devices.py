@@ -106,14 +106,26 @@ def usable_cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def die_with_parent(signal_number: int = signal.SIGKILL) -> None:
-    """Ask Linux to send this process `signal_number` when its parent dies (prctl PR_SET_PDEATHSIG); elsewhere a
-    no-op. Called first thing in a rank, or as a child's preexec_fn, so a hard kill of a job leaves no orphans."""
+def _prctl(option: int, argument) -> None:
+    """Linux's prctl(option, argument) for this process; elsewhere a no-op."""
     if sys.platform.startswith("linux"):
         import ctypes
 
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal_number)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, argument, 0, 0, 0)
+
+
+def die_with_parent(signal_number: int = signal.SIGKILL) -> None:
+    """Ask Linux to send this process `signal_number` when its parent dies (prctl PR_SET_PDEATHSIG); elsewhere a
+    no-op. Called first thing in a rank, or as a child's preexec_fn, so a hard kill of a job leaves no orphans."""
+    PR_SET_PDEATHSIG = 1
+    _prctl(PR_SET_PDEATHSIG, signal_number)
+
+
+def set_process_name(name: str) -> None:
+    """This process's name as ps and top show it (prctl PR_SET_NAME, at most 15 bytes); elsewhere than Linux a
+    no-op."""
+    PR_SET_NAME = 15
+    _prctl(PR_SET_NAME, name.encode()[:15])
 
 
 # The launcher's and the evaluation rules' shared lock folder: training ranks and evaluations never share a GPU.

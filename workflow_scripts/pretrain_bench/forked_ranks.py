@@ -28,27 +28,17 @@ from __future__ import annotations
 import os
 import runpy
 import signal
-import sys
 import traceback
 import uuid
 from pathlib import Path
 
+from .devices import set_process_name
 from .logs import exit_without_teardown, finish_process
 
 # The script's `main` of each rank script preloaded in this process (preload), which the forked ranks inherit
 _MAINS: dict[str, object] = {}
 # The fork server's process name (ps, top); each rank's is rank<local rank>
 FORK_SERVER_NAME = "fork-server"
-
-
-def set_process_name(name: str) -> None:
-    """This process's name as ps and top show it (prctl PR_SET_NAME, at most 15 bytes); elsewhere than Linux a
-    no-op."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_NAME = 15
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def _open_fds() -> set[int]:
@@ -116,6 +106,12 @@ def stop_fork_server() -> None:
         server._stop()
 
 
+def script_main(script: str):
+    """The `main` of the rank script at `script` (run as a module named pretrain_bench_rank: it defines main and runs
+    nothing)."""
+    return runpy.run_path(script, run_name="pretrain_bench_rank")["main"]
+
+
 def preload(script: Path, rank_argv: list[str]) -> None:
     """Import what a rank of this plan imports (as the script would, the unchosen trackers made unimportable first:
     launcher.skip_unchosen_trackers; then the trainer, its engine's libraries (Engine.preload) and its model class's,
@@ -128,7 +124,7 @@ def preload(script: Path, rank_argv: list[str]) -> None:
 
     plan = Plan.from_json(Path(rank_argv[rank_argv.index("--plan") + 1]))
     skip_unchosen_trackers(plan.train.loggers)
-    namespace = runpy.run_path(str(script), run_name="pretrain_bench_rank")  # defines main; runs nothing
+    _MAINS[str(script)] = script_main(str(script))
     from .engines import engine_class
 
     engine_class(plan.train.engine).preload(plan.train)
@@ -136,7 +132,6 @@ def preload(script: Path, rank_argv: list[str]) -> None:
 
     for name in model_libraries(plan.model.implementation, plan.train.compile):
         importlib.import_module(name)
-    _MAINS[str(script)] = namespace["main"]
 
 
 def rank(script: str, argv: list[str], agent_signals: list[str]) -> None:
@@ -145,7 +140,7 @@ def rank(script: str, argv: list[str], agent_signals: list[str]) -> None:
     os.setsid()  # as torchrun's subprocess start does: not in the agent's process group, so not in its terminal's
     set_process_name(f"rank{os.environ.get('LOCAL_RANK', '')}")
     # preloaded by the agent; a fork server that multiprocessing had to start again as a fresh interpreter has not
-    main = _MAINS[script] if script in _MAINS else runpy.run_path(script, run_name="pretrain_bench_rank")["main"]
+    main = _MAINS[script] if script in _MAINS else script_main(script)
     for name in agent_signals:  # the agent's handlers (which stop the agent) are not a rank's: a fresh one has none
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     try:
