@@ -9,11 +9,12 @@ batch 8 × 128 tokens), so both do the same FLOPs per token (pretrain_bench.flop
 optimizer kernel every engine builds, so the ratio is the trainer's own cost, not an optimizer's.
 
 Sides: compile off on both (eager), then compile on on both (the reference: torch.compile of its whole model, what
-nanoGPT's --compile does; the trainer: train.compile, per decoder block). Variants of the trainer at one rank:
-DeepSpeed ZeRO-0, ZeRO-1, ZeRO-2, DDP, FSDP. The machine is noisy, so within a round every variant runs once in turn
-(reference, zero0, zero1, …) and each ratio is the median over rounds of the variant's tokens/s ÷ the same round's
-reference. Each run, the reference's included, is a fresh interpreter. Targets: ZeRO-0 and DDP ≥ 1.0×, ZeRO-1/2 ≥
-0.95×. Each trainer run also records its rank's start-up (launch to first step).
+nanoGPT's --compile does; the trainer: train.compile, with the scope compiling.compile_scope picks for the tiny
+config's model class and the engine). Variants of the trainer at one rank: DeepSpeed ZeRO-0, ZeRO-1, ZeRO-2, DDP,
+FSDP. The machine is noisy, so within a round every variant runs once in turn (reference, zero0, zero1, …, and the
+other way round in every second round: round_order) and each ratio is the median over rounds of the variant's
+tokens/s ÷ the same round's reference. Each run, the reference's included, is a fresh interpreter. Targets: ZeRO-0
+and DDP ≥ 1.0×, ZeRO-1/2 ≥ 0.95×. Each trainer run also records its rank's start-up (launch to first step).
 
 --model-class measures transformers' LlamaForCausalLM against the same maths and state dict written as plain modules
 (`llama_layout_model`), in one process from the same weights: the largest logit difference, each one's training step
@@ -386,14 +387,23 @@ def reference_main(job: Path) -> None:
     job.with_suffix(".out.json").write_text(json.dumps(result))
 
 
+def round_order(names: list[str], index: int) -> list[str]:
+    """The order of round `index`'s runs: `names` as given in even rounds, reversed in odd ones (A B C, C B A, …).
+    Every run of a round shares the machine's phase of that round, but a run's place in it weighs too (what ran just
+    before it, the first run after the previous round's last): reversed every other round, each place falls to every
+    run alike instead of the same one each round."""
+    return list(names) if index % 2 == 0 else list(reversed(names))
+
+
 def side(config: dict, data: tuple[Path, Path], args, compiled: bool, work: Path) -> dict:
-    """One side (compile off or on): rounds of the reference and every variant in turn, and the ratios."""
+    """One side (compile off or on): rounds of the reference and every variant (round_order), and the ratios."""
     rounds = []
-    for _ in range(args.repeats):  # A B C … A B C …: slow phases of the machine hit every variant alike
-        reference = run_reference(config, data, args.steps, args.warmup, compiled, work)
-        rounds.append({"reference": reference,
-                       **{variant: run_trainer(config, data, args.steps, args.warmup, variant, compiled, work)
-                          for variant in args.variants}})
+    for index in range(args.repeats):
+        runs = {}
+        for name in round_order(["reference", *args.variants], index):
+            runs[name] = (run_reference(config, data, args.steps, args.warmup, compiled, work) if name == "reference"
+                          else run_trainer(config, data, args.steps, args.warmup, name, compiled, work))
+        rounds.append(runs)
 
     def ratios(variant: str, baseline: str = "reference") -> list[float]:
         return [r[variant]["tokens_per_s"] / r[baseline]["tokens_per_s"] for r in rounds]
@@ -403,6 +413,7 @@ def side(config: dict, data: tuple[Path, Path], args, compiled: bool, work: Path
     plain = "ddp" if "ddp" in args.variants else None
 
     return {
+        "order_per_round": [list(r) for r in rounds],
         "reference_tokens_per_s": [r["reference"]["tokens_per_s"] for r in rounds],
         "reference_first_step_s": [r["reference"]["first_step_s"] for r in rounds],
         "reference_parameters": rounds[0]["reference"]["parameters"],

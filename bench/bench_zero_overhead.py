@@ -10,10 +10,11 @@ learning-rate schedule) at one rank, CPU, fp32, compile off:
   the loss read each step;
 - our trainer (bench_trainer's run through the launcher, as a benchmark cell runs).
 
-Within a round each runs once in turn, each in a fresh interpreter; the ratios are medians over rounds of per-round
-ratios of tokens/s: trainer ÷ bare DeepSpeed is our trainer's own cost around DeepSpeed (≥ 1.0 where it adds
-nothing), bare DeepSpeed ÷ plain is DeepSpeed's own cost at one rank (what its partition copies, flattening and
-own gradient norm take), and trainer ÷ plain their product, bench_trainer's figure.
+Within a round each runs once in turn (the other way round in every second round: bench_trainer.round_order), each in
+a fresh interpreter; the ratios are medians over rounds of per-round ratios of tokens/s: trainer ÷ bare DeepSpeed is
+our trainer's own cost around DeepSpeed (≥ 1.0 where it adds nothing), bare DeepSpeed ÷ plain is DeepSpeed's own cost
+at one rank (what its partition copies, flattening and own gradient norm take), and trainer ÷ plain their product,
+bench_trainer's figure.
 
 Writes JSON (default bench-results/zero-overhead.json).
 
@@ -24,6 +25,7 @@ value, say) to each round, and its tokens/s ÷ the bare loop's and whether its l
                                         [--bare-also '{"zero_optimization": {"reduce_scatter": true}}']
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -33,7 +35,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_trainer import MODEL_OVERRIDES, ROOT, VARIANTS, bench_train, build_data, run_reference, run_trainer
+from bench_trainer import (
+    MODEL_OVERRIDES,
+    ROOT,
+    VARIANTS,
+    bench_train,
+    build_data,
+    round_order,
+    run_reference,
+    run_trainer,
+)
 
 from pretrain_bench.launcher import free_port
 
@@ -120,17 +131,16 @@ def median_ratio(rounds: list[dict], numerator: str, denominator: str) -> tuple[
 
 def measure(config: dict, data: tuple[Path, Path], args, work: Path) -> dict:
     """Rounds of plain, then per variant bare DeepSpeed and the trainer, each in turn; the ratios per variant."""
-    rounds = []
-    for _ in range(args.repeats):  # A B C … A B C …: slow phases of the machine hit every loop alike
-        measured = {"plain": run_reference(config, data, args.steps, args.warmup, False, work)}
-        for variant in args.variants:
-            measured[f"bare-{variant}"] = run_bare(config, data, args.steps, args.warmup, variant, work)
-            if args.bare_also:
-                measured[f"bare-{variant}-also"] = run_bare(config, data, args.steps, args.warmup, variant, work,
-                                                            args.bare_also)
-            measured[variant] = run_trainer(config, data, args.steps, args.warmup, variant, False, work)
-        rounds.append(measured)
-    result = {"plain_tokens_per_s": [r["plain"]["tokens_per_s"] for r in rounds], "variants": {}}
+    loops = {"plain": lambda: run_reference(config, data, args.steps, args.warmup, False, work)}
+    for variant in args.variants:
+        loops[f"bare-{variant}"] = functools.partial(run_bare, config, data, args.steps, args.warmup, variant, work)
+        if args.bare_also:
+            loops[f"bare-{variant}-also"] = functools.partial(run_bare, config, data, args.steps, args.warmup,
+                                                              variant, work, args.bare_also)
+        loops[variant] = functools.partial(run_trainer, config, data, args.steps, args.warmup, variant, False, work)
+    rounds = [{name: loops[name]() for name in round_order(list(loops), index)} for index in range(args.repeats)]
+    result = {"order_per_round": [list(r) for r in rounds],
+              "plain_tokens_per_s": [r["plain"]["tokens_per_s"] for r in rounds], "variants": {}}
     for variant in args.variants:
         figures = {}
         for name, (numerator, denominator) in {"trainer_to_bare": (variant, f"bare-{variant}"),
