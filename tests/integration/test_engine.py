@@ -1,6 +1,7 @@
 """The training engine on CPU through the real launcher: ZeRO stages, exact resume after kill -9, non-finite loss,
 incompatible checkpoints, concurrent launches (pre-emption by SIGTERM: test_faults.py, with a second run refused)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -214,6 +215,9 @@ def test_compile_under_every_engine_trains_to_eagers_losses(data, zero_stage_run
     reference is the session's ZeRO-0 run (zero_stage_runs: the same plan as these runs, less train.compile)."""
     engines = {"deepspeed": {"zero_stage": 2}, "ddp": {"engine": "ddp", "zero_stage": 0},
                "fsdp": {"engine": "fsdp", "zero_stage": 3}}
+    # no held-out evaluation: its no-grad forward of another batch shape is a graph of its own, which roughly doubles
+    # each run's compile time (test_compiled_run_killed_then_rerun_resumes_with_identical_losses evaluates compiled)
+    no_eval = {"eval_every": None}
     # the tiny config's native model class: compiled whole, per block under FSDP (compiling.compile_scope)
     scopes = {"deepspeed": "whole model", "ddp": "whole model", "fsdp": "decoder blocks"}
     common = {"gpus": 2, "global_batch_size": None, "max_steps": 3, "checkpoint_every": 3}
@@ -231,7 +235,7 @@ def test_compile_under_every_engine_trains_to_eagers_losses(data, zero_stage_run
             (stage, imported)
     for name, train in engines.items():
         log = tmp_path / f"{name}.log"
-        assert run(plan_for(data, tmp_path / name, compile=True, **{**common, **train}), 2, log) == 0, \
+        assert run(plan_for(data, tmp_path / name, compile=True, **{**common, **train, **no_eval}), 2, log) == 0, \
             log.read_text()[-3000:]
         curve = losses(tmp_path / name)
         assert curve == pytest.approx(reference, abs=COMPILE_LOSS_TOLERANCE), (name, curve, reference)
@@ -240,16 +244,19 @@ def test_compile_under_every_engine_trains_to_eagers_losses(data, zero_stage_run
         summary = json.loads((tmp_path / name / "out" / "summary.json").read_text())
         assert summary["engine"] == name and summary["model"]["attn_implementation"] == "sdpa"
         compiled = summary["compile"]
-        assert compiled["scope"] == scopes[name] and compiled["compilations"] >= 2, (name, compiled)  # fwd and bwd
-        # compiled within the first step (and the held-out evaluation's no-grad forward): wall time it took
+        # forward and backward: one compilation where the caches hold both, more where the backward compiles lazily or
+        # DDP splits the graph at its gradient buckets
+        assert compiled["scope"] == scopes[name] and compiled["compilations"] >= 1, (name, compiled)
+        # compiled within the first step: wall time it took
         records = read_jsonl(tmp_path / name / "out" / "metrics.jsonl")
-        assert 0 < compiled["time_s"] < records[0]["step_time_s"] + sum(r.get("eval_time_s", 0) for r in records)
+        assert not any("eval_time_s" in r for r in records) and 0 < compiled["time_s"] < records[0]["step_time_s"]
 
 
 def test_compiled_run_killed_then_rerun_resumes_with_identical_losses(data, tmp_path):
     """train.compile under the bit-exact resume setting (ZeRO-2, fp32, gloo): the resumed run compiles the same
     graphs again, so every step done again gives the loss it gave the first time, bit for bit. On 2 ranks, each of
-    which compiles its own graphs (3 ranks' exact resume is test_kill_9_then_rerun_resumes_with_identical_losses)."""
+    which compiles its own graphs (3 ranks' exact resume is test_kill_9_then_rerun_resumes_with_identical_losses). The
+    last step's held-out evaluation runs through the compiled model too (its no-grad graph)."""
     crashed = tmp_path / "crashed"
     plan = plan_for(data, crashed, max_steps=6, checkpoint_every=3, compile=True, gpus=2, global_batch_size=None)
     kept = crash_after_first_checkpoint(plan, crashed, tmp_path / "crash.log", ranks=2)
@@ -259,3 +266,5 @@ def test_compiled_run_killed_then_rerun_resumes_with_identical_losses(data, tmp_
     assert summary["resumed_from_step"] == kept[-1] == 3 and summary["compile"]["time_s"] > 0
     resumed = losses(crashed)
     assert len(resumed) == 6 and resumed[:len(uninterrupted)] == uninterrupted
+    records = read_jsonl(crashed / "state" / "metrics.jsonl")
+    assert [r["step"] for r in records if "val_loss" in r] == [6] and math.isfinite(records[-1]["val_loss"])
