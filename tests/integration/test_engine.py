@@ -233,6 +233,8 @@ def test_compile_under_every_engine_trains_to_eagers_losses(data, zero_stage_run
         imported = [r["imported"] for r in rank_startups(zero_stage_runs / f"z{stage}.log")]
         assert len(imported) == 2 and [("torch._dynamo" in names) for names in imported] == [stage == 3] * 2, \
             (stage, imported)
+        # CPU ranks treat denormal floats as zero (devices.flush_denormals), as measured at their first step
+        assert [r["denormals_flushed"] for r in rank_startups(zero_stage_runs / f"z{stage}.log")] == [True, True]
     for name, train in engines.items():
         log = tmp_path / f"{name}.log"
         assert run(plan_for(data, tmp_path / name, compile=True, **{**common, **train, **no_eval}), 2, log) == 0, \

@@ -227,6 +227,28 @@ def emulated_bf16_note(device: str, precision: str, native=None) -> str | None:
             "(README: MFU); train.precision fp32 is the faster choice on this CPU")
 
 
+def flush_denormals() -> bool:
+    """Make this CPU process treat denormal floats (below 1.2e-38 in fp32 and bf16) as zero, in its inputs and results
+    (x86's DAZ and FTZ, where the CPU has them; torch.set_flush_denormal), and return whether they now are
+    (`denormals_flushed`). Training produces denormals as it goes (in its tiny gradients and AdamW's second moments),
+    and a CPU's arithmetic on them is many times slower: a 6-layer, 11M-parameter model's fp32 step on 2 cores grew from
+    317 ms over its first 8 steps to 522 ms by step 40, and stayed at 210–270 ms with them flushed (README: "Denormal
+    floats"). Set on the thread that starts torch's intra-op threads, before it starts them: threads inherit it."""
+    import torch
+
+    torch.set_flush_denormal(True)
+    return denormals_flushed()
+
+
+def denormals_flushed() -> bool:
+    """Whether this process's CPU arithmetic treats denormal floats as zero, measured: a multiplication of a tensor of
+    denormals large enough that torch's intra-op threads share it (all of them must flush)."""
+    import torch
+
+    denormals = torch.full((1 << 18,), 1e-39, dtype=torch.float32)
+    return bool(denormals.mul(1.0).eq(0).all())
+
+
 def hardware_description(device: str) -> dict:
     """What the run ran on, for provenance."""
     import platform

@@ -33,7 +33,7 @@ from . import checkpoint as ckpt
 from . import state_lock
 from .checkpointer import Checkpointer, ResumePoint
 from .compiling import CompileClock, compile_model, compile_scope
-from .devices import emulated_bf16_note
+from .devices import denormals_flushed, emulated_bf16_note, flush_denormals
 from .engines import Engine, EngineRun, engine_class
 from .flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
 from .heldout import HeldOutSlice
@@ -145,7 +145,9 @@ class Trainer:
         self.run_start = time.perf_counter()
         with MetricsSink(self.metrics_path, self.state_dir, self.start_step, enabled=self.rank == 0,
                          loggers=self.settings.loggers, run=self.tracked_run()) as sink:
-            log_startup("first training step", parents=2, rank=self.rank)  # and its torchrun agent's and launcher's
+            # and its torchrun agent's and launcher's start-up; on a CPU, whether its arithmetic flushes denormals
+            cpu_math = {"denormals_flushed": denormals_flushed()} if self.device == "cpu" else {}
+            log_startup("first training step", parents=2, rank=self.rank, **cpu_math)
             for step in range(self.start_step + 1, self.total_steps + 1):
                 skipped_before = self.engine.skipped_steps
                 comm_before = self.engine.comm_ms() if self.measure_comm else None
@@ -191,6 +193,8 @@ class Trainer:
         if self.world != settings.world_size:
             raise RuntimeError(
                 f"launched with {self.world} ranks but train.gpus × train.nodes = {settings.world_size}")
+        if self.device == "cpu":
+            flush_denormals()  # before torch's intra-op threads start, so that they inherit it
         torch.set_num_threads(self.launch.threads_per_rank)
         allow_pinning(self.launch.pin_memory)
         if self.device == "cuda":
