@@ -229,15 +229,15 @@ def emulated_bf16_note(device: str, precision: str, native=None) -> str | None:
 
 def flush_denormals() -> bool:
     """Make this CPU process treat denormal floats (below 1.2e-38 in fp32 and bf16) as zero, in its inputs and results
-    (x86's DAZ and FTZ, where the CPU has them; torch.set_flush_denormal), and return whether they now are
-    (`denormals_flushed`). Training produces denormals as it goes (in its tiny gradients and AdamW's second moments),
-    and a CPU's arithmetic on them is many times slower: a 6-layer, 11M-parameter model's fp32 step on 2 cores grew from
-    317 ms over its first 8 steps to 522 ms by step 40, and stayed at 210–270 ms with them flushed (README: "Denormal
-    floats"). Set on the thread that starts torch's intra-op threads, before it starts them: threads inherit it."""
+    (x86's DAZ and FTZ; torch.set_flush_denormal), and return whether the CPU supports it (`denormals_flushed`
+    measures whether it holds). Training produces denormals as it goes (in its tiny gradients and AdamW's second
+    moments), and a CPU's arithmetic on them is many times slower: a 6-layer, 11M-parameter model's fp32 step on 2
+    cores grew from 317 ms over its first 8 steps to 522 ms by step 40, and stayed at 210–270 ms with them flushed
+    (README: "Denormal floats"). Called early in a rank's setup; tests/unit/test_cpu_math.py measures that it also
+    holds on torch's intra-op threads started before the call."""
     import torch
 
-    torch.set_flush_denormal(True)
-    return denormals_flushed()
+    return torch.set_flush_denormal(True)
 
 
 def denormals_flushed() -> bool:

@@ -194,7 +194,7 @@ class Trainer:
             raise RuntimeError(
                 f"launched with {self.world} ranks but train.gpus × train.nodes = {settings.world_size}")
         if self.device == "cpu":
-            flush_denormals()  # before torch's intra-op threads start, so that they inherit it
+            flush_denormals()  # measured at the first step (denormals_flushed in the start-up record)
         torch.set_num_threads(self.launch.threads_per_rank)
         allow_pinning(self.launch.pin_memory)
         if self.device == "cuda":
