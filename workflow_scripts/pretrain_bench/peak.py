@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from .devices import GPU_LOCK_DIR, cpu_bf16_is_native, usable_cpu_count
 from .evaluation import evaluation_device
@@ -65,6 +66,17 @@ def _measure(run_device: str) -> dict:
 CPU_SIZES = (512, 1024, 2048)
 CPU_REPEATS = 8
 CPU_SIZE_BUDGET_S = 5.0
+# bf16's larger sizes are left out once, at one size, it runs under this fraction of fp32's FLOP/s at the same size:
+# from there it cannot become the peak unless its FLOP/s grew with size over twice as fast as fp32's. A CPU whose
+# oneDNN reports native bf16 but whose bf16 matmuls run at a quarter of fp32's (this 2-core machine: 512², 1024² and
+# 2048² at 0.058 against 0.25 TFLOP/s) otherwise spends 3 of the measurement's 4 s on them.
+RIVAL_FRACTION = 0.5
+
+
+class MatmulPeak(NamedTuple):
+    flops: float  # the best FLOP/s over the sizes timed
+    method: str  # what was timed: "best <dtype> square matmul x @ wᵀ (<size>² ×<calls>, …)" and any size left out
+    by_size: dict[int, float]  # each timed size's best FLOP/s
 
 
 def cpu_machine_peak(native_bf16=None, where: str = "", **sizes) -> tuple[float, str]:
@@ -72,23 +84,26 @@ def cpu_machine_peak(native_bf16=None, where: str = "", **sizes) -> tuple[float,
     square matmuls (`cpu_matmul_peak`, with `sizes`' arguments), the other's figure named beside it. bf16 is measured
     only where oneDNN reports native bf16 matmuls (`native_bf16`: the check, by default oneDNN's own): elsewhere they
     are emulated, computed in fp32 after a conversion, so they cannot be the faster, and timing them would only
-    lengthen the measurement."""
+    lengthen the measurement; and only up to the size where it runs under RIVAL_FRACTION of fp32."""
     fp32 = cpu_matmul_peak("fp32", **sizes)
     if not (native_bf16 or cpu_bf16_is_native)():
-        return fp32[0], (f"{fp32[1]}{where}; bf16 not measured: this CPU has no native bf16 matmuls (oneDNN), so "
-                         "they are emulated in fp32")
-    bf16 = cpu_matmul_peak("bf16", **sizes)
-    (best, best_method), (other, other_method) = sorted((fp32, bf16), key=lambda measured: -measured[0])
-    return best, f"{best_method}{where}; {other_method.removeprefix('best ')}{where}: {other / 1e12:.3g} TFLOP/s"
+        return fp32.flops, (f"{fp32.method}{where}; bf16 not measured: this CPU has no native bf16 matmuls (oneDNN), "
+                            "so they are emulated in fp32")
+    bf16 = cpu_matmul_peak("bf16", rival=("fp32", fp32.by_size), **sizes)
+    best, other = sorted((fp32, bf16), key=lambda measured: -measured.flops)
+    return best.flops, (f"{best.method}{where}; {other.method.removeprefix('best ')}{where}: "
+                        f"{other.flops / 1e12:.3g} TFLOP/s")
 
 
 def cpu_matmul_peak(dtype: str, sizes: tuple[int, ...] = CPU_SIZES, repeats: int = CPU_REPEATS,
-                    budget_s: float = CPU_SIZE_BUDGET_S) -> tuple[float, str]:
-    """(best FLOP/s, what was measured: "best <dtype> square matmul x @ wᵀ (<size>² ×<calls>, …)" and any size left out)
-    over `sizes`, with the current thread count."""
+                    budget_s: float = CPU_SIZE_BUDGET_S, rival: tuple[str, dict[int, float]] | None = None
+                    ) -> MatmulPeak:
+    """The best FLOP/s over `sizes` of square matmuls in `dtype` with the current thread count, what was measured, and
+    each size's figure. `rival`: another dtype's name and figures by size; the sizes after one where this dtype ran
+    under RIVAL_FRACTION of the rival's are left out, and the method says so."""
     from .flops import matmul_timings
 
-    best_flops, ran, left_out, previous = 0.0, [], "", None
+    by_size, ran, left_out, previous = {}, [], "", None
     for position, size in enumerate(sizes):
         if previous is not None:
             predicted = previous[1] * (size / previous[0]) ** 3
@@ -98,6 +113,12 @@ def cpu_matmul_peak(dtype: str, sizes: tuple[int, ...] = CPU_SIZES, repeats: int
                 break
         timings = matmul_timings(dtype, size, repeats, budget_s=budget_s)
         previous = (size, min(timings))
-        best_flops = max(best_flops, 2.0 * size**3 / previous[1])
+        by_size[size] = 2.0 * size**3 / previous[1]
         ran.append(f"{size}² ×{len(timings)}")
-    return best_flops, f"best {dtype} square matmul x @ wᵀ ({', '.join(ran)} calls{left_out})"
+        if rival and size in rival[1] and by_size[size] < RIVAL_FRACTION * rival[1][size] and sizes[position + 1:]:
+            left_out = (f"; {', '.join(f'{n}²' for n in sizes[position + 1:])} left out: at {size}² it ran at "
+                        f"{by_size[size] / 1e12:.3g} TFLOP/s, under {RIVAL_FRACTION:g}× {rival[0]}'s "
+                        f"{rival[1][size] / 1e12:.3g}")
+            break
+    return MatmulPeak(max(by_size.values()), f"best {dtype} square matmul x @ wᵀ ({', '.join(ran)} calls{left_out})",
+                      by_size)
