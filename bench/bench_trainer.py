@@ -15,6 +15,9 @@ FSDP. The machine is noisy, so within a round every variant runs once in turn (r
 other way round in every second round: round_order) and each ratio is the median over rounds of the variant's
 tokens/s ÷ the same round's reference. Each run, the reference's included, is a fresh interpreter. Targets: ZeRO-0
 and DDP ≥ 1.0×, ZeRO-1/2 ≥ 0.95×. Each trainer run also records its rank's start-up (launch to first step).
+The loop flushes denormal floats to zero, as the trainer's CPU ranks do (pretrain_bench.devices.flush_denormals), so a
+ratio is the trainer's own cost; --loop-denormals keep runs it as plain PyTorch runs by default, which the CPU slows
+as training produces denormals (README, "Denormal floats").
 
 --model-class measures transformers' LlamaForCausalLM against the same maths and state dict written as plain modules
 (`llama_layout_model`), in one process from the same weights: the largest logit difference, each one's training step
@@ -25,7 +28,7 @@ Writes JSON (default bench-results/trainer.json); --merge keeps the sections of 
 measure, so the sides can run as separate, shorter calls.
 
     python bench/bench_trainer.py [out.json] [--steps 12] [--warmup 3] [--repeats 3] [--compile off on]
-                                  [--variants zero0 …] [--model-class] [--merge]
+                                  [--variants zero0 …] [--loop-denormals flush|keep] [--model-class] [--merge]
 """
 import argparse
 import functools
@@ -323,18 +326,24 @@ def rank_import_seconds(runs: int = 3) -> dict:
             "transformers_llama_cpu_s": medians["rank_and_transformers_llama"] - medians["rank"]}
 
 
-def reference_loop(config: dict, data: tuple[Path, Path], steps: int, warmup: int, compiled: bool) -> dict:
+def reference_loop(config: dict, data: tuple[Path, Path], steps: int, warmup: int, compiled: bool,
+                   flush: bool) -> dict:
     """The hand-written loop on the same data, batch, threads and learning-rate schedule as the trainer (its
-    LambdaLR over the same settings: warm-up, then the decay to min_lr), so both train through the same regime."""
+    LambdaLR over the same settings: warm-up, then the decay to min_lr), so both train through the same regime.
+    `flush`: the loop flushes denormal floats as a CPU rank does (devices.flush_denormals), so that a ratio is the
+    trainer's own cost; without it the loop runs as a hand-written loop runs by default (README: "Denormal floats")."""
     import torch
     import torch.nn.functional as F
 
+    from pretrain_bench.devices import denormals_flushed, flush_denormals
     from pretrain_bench.engines.base import lr_schedule
     from pretrain_bench.loader import PackedTokens, RankBatches
     from pretrain_bench.model import resolve_shape
     from pretrain_bench.settings import TORCH_ADAMW_KWARGS, TrainSettings
 
     torch.set_num_threads(os.cpu_count())
+    if flush:
+        flush_denormals()
     index_path = data[0]
     index = json.loads(index_path.read_text())
     seq_len, train = config["model"]["seq_len"], config["train"]
@@ -349,32 +358,41 @@ def reference_loop(config: dict, data: tuple[Path, Path], steps: int, warmup: in
     scheduler = lr_schedule(settings, settings.total_steps(seq_len))(optimizer)
     batches = RankBatches(PackedTokens(index_path, "train", seq_len), rank=0, world_size=1,
                           micro_batch_size=train["micro_batch_size"], seed=train["seed"])
-    times, losses = [], []
+    times, losses, marks = [], [], []
     for _ in range(steps):
         start = time.perf_counter()
         batch = batches.next_batch()  # (B, T+1)
+        forward = time.perf_counter()
         logits = model(batch[:, :-1])  # (B, T, vocab)
         loss = F.cross_entropy(logits.float().reshape(-1, shape.vocab_size), batch[:, 1:].reshape(-1))
+        backward = time.perf_counter()
         loss.backward()
+        optimizer_start = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        marks.append((forward, backward, optimizer_start, time.perf_counter()))
         losses.append(loss.item())  # the loop reads its loss every step, as the trainer does
         times.append(time.perf_counter() - start)
     steady = times[warmup:]
+    # the trainer's phases (step.PhaseTimer), medians: forward with the loss, backward, and the optimizer's part
+    # (clip, step, schedule, zero_grad)
+    phases = {phase: statistics.median(m[i + 1] - m[i] for m in marks[warmup:])
+              for i, phase in enumerate(("forward", "backward", "optimizer"))}
     tokens = settings.micro_batch_size * seq_len
     return {"tokens_per_s": tokens * len(steady) / sum(steady), "step_time_s_median": statistics.median(steady),
-            "first_step_s": times[0], "loss": {"first": losses[0], "last": losses[-1]},
-            "parameters": sum(p.numel() for p in model.parameters())}
+            "first_step_s": times[0], "loss": {"first": losses[0], "last": losses[-1]}, "phase_time_s": phases,
+            "parameters": sum(p.numel() for p in model.parameters()), "denormals_flushed": denormals_flushed()}
 
 
-def run_reference(config: dict, data: tuple[Path, Path], steps: int, warmup: int, compiled: bool, work: Path) -> dict:
+def run_reference(config: dict, data: tuple[Path, Path], steps: int, warmup: int, compiled: bool, flush: bool,
+                  work: Path) -> dict:
     """`reference_loop` in a fresh interpreter (this script with --reference), as each trainer run is one: neither
     side inherits this process's allocations, threads or compiled graphs."""
     job = work / "reference.json"
     job.write_text(json.dumps({"config": config, "data": [str(path) for path in data], "steps": steps,
-                               "warmup": warmup, "compiled": compiled}))
+                               "warmup": warmup, "compiled": compiled, "flush": flush}))
     subprocess.run([sys.executable, str(Path(__file__).resolve()), "--reference", str(job)], cwd=ROOT, check=True)
     return json.loads(job.with_suffix(".out.json").read_text())
 
@@ -383,7 +401,7 @@ def reference_main(job: Path) -> None:
     """The child of `run_reference`: one reference loop, its result written beside the job."""
     spec = json.loads(job.read_text())
     result = reference_loop(spec["config"], tuple(Path(path) for path in spec["data"]), spec["steps"], spec["warmup"],
-                            spec["compiled"])
+                            spec["compiled"], spec["flush"])
     job.with_suffix(".out.json").write_text(json.dumps(result))
 
 
@@ -401,7 +419,8 @@ def side(config: dict, data: tuple[Path, Path], args, compiled: bool, work: Path
     for index in range(args.repeats):
         runs = {}
         for name in round_order(["reference", *args.variants], index):
-            runs[name] = (run_reference(config, data, args.steps, args.warmup, compiled, work) if name == "reference"
+            runs[name] = (run_reference(config, data, args.steps, args.warmup, compiled, args.loop_denormals == "flush",
+                                        work) if name == "reference"
                           else run_trainer(config, data, args.steps, args.warmup, name, compiled, work))
         rounds.append(runs)
 
@@ -416,7 +435,10 @@ def side(config: dict, data: tuple[Path, Path], args, compiled: bool, work: Path
         "order_per_round": [list(r) for r in rounds],
         "reference_tokens_per_s": [r["reference"]["tokens_per_s"] for r in rounds],
         "reference_first_step_s": [r["reference"]["first_step_s"] for r in rounds],
+        "reference_phase_time_s": rounds[-1]["reference"]["phase_time_s"],
         "reference_parameters": rounds[0]["reference"]["parameters"],
+        # whether the loop's arithmetic flushed denormals (--loop-denormals), measured after its last step
+        "reference_denormals_flushed": [r["reference"]["denormals_flushed"] for r in rounds],
         "trainer": {variant: {
             "engine": rounds[0][variant]["engine"], "zero_stage": rounds[0][variant]["zero_stage"],
             "tokens_per_s": [r[variant]["tokens_per_s"] for r in rounds],
@@ -447,6 +469,9 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--compile", nargs="*", default=["off", "on"], choices=["off", "on"],
                         help="the sides to measure (none given: neither, e.g. with --model-class alone)")
+    parser.add_argument("--loop-denormals", choices=["flush", "keep"], default="flush",
+                        help="flush: the loop flushes denormal floats to zero as the trainer's CPU ranks do, so a "
+                             "ratio is the trainer's own cost; keep: the loop as plain PyTorch runs by default")
     parser.add_argument("--model-class", action="store_true",
                         help="also measure transformers' LlamaForCausalLM against the same model as plain modules")
     parser.add_argument("--merge", action="store_true",

@@ -10,6 +10,7 @@ learning-rate schedule) at one rank, CPU, fp32, compile off:
   the loss read each step;
 - our trainer (bench_trainer's run through the launcher, as a benchmark cell runs).
 
+All three flush denormal floats to zero, as the trainer's CPU ranks do (pretrain_bench.devices.flush_denormals).
 Within a round each runs once in turn (the other way round in every second round: bench_trainer.round_order), each in
 a fresh interpreter; the ratios are medians over rounds of per-round ratios of tokens/s: trainer ÷ bare DeepSpeed is
 our trainer's own cost around DeepSpeed (≥ 1.0 where it adds nothing), bare DeepSpeed ÷ plain is DeepSpeed's own cost
@@ -61,6 +62,7 @@ def bare_deepspeed_loop(config: dict, data: tuple[Path, Path], steps: int, warmu
     import torch
     import torch.nn.functional as F
 
+    from pretrain_bench.devices import flush_denormals
     from pretrain_bench.engines.base import lr_schedule
     from pretrain_bench.engines.deepspeed_engine import skip_muon_import
     from pretrain_bench.loader import PackedTokens, RankBatches
@@ -68,6 +70,7 @@ def bare_deepspeed_loop(config: dict, data: tuple[Path, Path], steps: int, warmu
     from pretrain_bench.settings import TrainSettings, deepspeed_config
 
     torch.set_num_threads(os.cpu_count())
+    flush_denormals()  # as the trainer's CPU ranks and the plain loop do (bench_trainer --loop-denormals flush)
     index_path = data[0]
     index = json.loads(index_path.read_text())
     model_config, seq_len = config["model"], config["model"]["seq_len"]
@@ -131,7 +134,7 @@ def median_ratio(rounds: list[dict], numerator: str, denominator: str) -> tuple[
 
 def measure(config: dict, data: tuple[Path, Path], args, work: Path) -> dict:
     """Rounds of plain, then per variant bare DeepSpeed and the trainer, each in turn; the ratios per variant."""
-    loops = {"plain": lambda: run_reference(config, data, args.steps, args.warmup, False, work)}
+    loops = {"plain": lambda: run_reference(config, data, args.steps, args.warmup, False, True, work)}
     for variant in args.variants:
         loops[f"bare-{variant}"] = functools.partial(run_bare, config, data, args.steps, args.warmup, variant, work)
         if args.bare_also:

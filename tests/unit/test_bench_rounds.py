@@ -24,16 +24,18 @@ def test_rounds_alternate_their_order_and_pair_each_variant_with_its_rounds_refe
     def run(name):
         ran.append(name)
         return {"tokens_per_s": float(next(speeds)), "first_step_s": 1.0, "parameters": 7, "engine": "deepspeed",
-                "zero_stage": 0, "compile": None, "rank_startup_s": 1.0, "phase_time_s": {}}
+                "zero_stage": 0, "compile": None, "rank_startup_s": 1.0, "phase_time_s": {}, "denormals_flushed": True}
 
-    monkeypatch.setattr(bench, "run_reference", lambda *args: run("reference"))
+    flushes = []  # run_reference's `flush` argument, run by run
+    monkeypatch.setattr(bench, "run_reference", lambda *args: (flushes.append(args[5]), run("reference"))[1])
     monkeypatch.setattr(bench, "run_trainer", lambda config, data, steps, warmup, variant, *rest: run(variant))
-    args = SimpleNamespace(repeats=4, steps=3, warmup=1, variants=["zero0", "ddp"])
+    args = SimpleNamespace(repeats=4, steps=3, warmup=1, variants=["zero0", "ddp"], loop_denormals="flush")
     result = bench.side({}, (tmp_path, tmp_path), args, False, tmp_path)
 
     forward, backward = ["reference", "zero0", "ddp"], ["ddp", "zero0", "reference"]
     assert ran == forward + backward + forward + backward
     assert result["order_per_round"] == [forward, backward, forward, backward]
+    assert flushes == [True] * 4 and result["reference_denormals_flushed"] == [True] * 4
     reference = result["reference_tokens_per_s"]
     assert reference == [1000.0, 950.0, 940.0, 890.0]  # first in even rounds, last in odd ones
     zero0 = result["trainer"]["zero0"]

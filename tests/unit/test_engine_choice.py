@@ -283,3 +283,63 @@ def test_eager_deepspeed_ranks_never_import_dynamo_and_train_the_same(alone):
     # every wrapper of the pinned torch is recognised: a torch that reshapes them loses the start-up, not the bits
     assert alone["2 as built"]["skipped_wrappers"] == ["Optimizer.add_param_group", "Optimizer.zero_grad",
                                                        "Optimizer.state_dict", "Optimizer.load_state_dict", "Adam.step"]
+
+
+DDP_ALONE_SCRIPT = """
+import json, os, sys
+from datetime import timedelta
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+import torch, torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from pretrain_bench.engines import EngineRun
+from pretrain_bench.engines.ddp import DDPEngine
+from pretrain_bench.model import build_model, resolve_shape
+from pretrain_bench.settings import TrainSettings
+torch.set_num_threads(1)
+DDPEngine.init_distributed("gloo", timedelta(minutes=5))
+
+
+class Wrapped(DDPEngine):  # DistributedDataParallel at one rank too, as DDPEngine wraps more ranks
+    alone = staticmethod(lambda: False)
+
+
+def train(engine_class):
+    settings = TrainSettings.from_config({"engine": "ddp", "zero_stage": 0, "micro_batch_size": 2,
+                                          "grad_accum_steps": 2, "gpus": 1, "device": "cpu", "comm_backend": "gloo",
+                                          "precision": "fp32", "max_steps": 3, "warmup_steps": 1})
+    engine = engine_class(build_model(resolve_shape("tiny", {}, 512), 32, 1234, implementation="native"), settings,
+                          EngineRun(device="cpu", total_steps=3, measure_comm=True, pin_memory=False, reshape=False))
+    batches = torch.randint(0, 512, (6, 2, 33), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for batch in batches:  # 3 steps of 2 micro-steps
+        loss = F.cross_entropy(engine(input_ids=batch[:, :-1]).logits.reshape(-1, 512), batch[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"wrapped": isinstance(engine.model, DistributedDataParallel), "losses": losses,
+            "keys": sorted(engine.module.state_dict()) == sorted(engine.model.state_dict()),
+            "comm_ms": engine.comm_ms()}
+
+
+print(json.dumps({"alone": train(DDPEngine), "wrapped": train(Wrapped)}))
+"""
+
+
+def test_ddp_alone_trains_the_model_unwrapped_to_the_wrappers_losses():
+    """At world size 1 DDPEngine trains the model itself, not a DistributedDataParallel around it (README, "The
+    trainer against a hand-written loop"): 3 steps of 2 accumulated micro-steps give the wrapper's losses bit for bit,
+    and nothing was all-reduced."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "workflow_scripts")}
+    proc = subprocess.run([sys.executable, "-c", DDP_ALONE_SCRIPT, "29713"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["alone"]["wrapped"] is False and runs["wrapped"]["wrapped"] is True
+    assert runs["alone"]["keys"] is True  # the model's own names: what a checkpoint of either holds
+    assert runs["alone"]["comm_ms"] == 0 and runs["wrapped"]["comm_ms"] > 0
+    assert runs["alone"]["losses"] == runs["wrapped"]["losses"] and len(set(runs["alone"]["losses"])) == 6

@@ -14,7 +14,8 @@ DDP_MODEL_FILE, DDP_OPTIMIZER_FILE = "model.pt", "optimizer.pt"
 
 class DDPEngine(TorchEngine):
     """torch.nn.parallel.DistributedDataParallel: replicated fp32 parameters, gradients and AdamW states; bf16/fp16
-    through autocast (fp16 with torch.amp.GradScaler); accumulation micro-steps under no_sync."""
+    through autocast (fp16 with torch.amp.GradScaler); accumulation micro-steps under no_sync. At one rank the model
+    is not wrapped (`wrap`)."""
 
     rank_libraries = ("torch.nn.parallel",)
 
@@ -24,6 +25,27 @@ class DDPEngine(TorchEngine):
     comm_timing_is_free = True  # the hook times its all-reduces without synchronising anything
 
     def wrap(self, model):
+        self.module = model  # what is saved and loaded: the model itself, wrapped or not
+        self._comm = CommIntervals(CudaEventClock() if self.device == "cuda" else HostClock())
+        if self.alone():
+            # Alone, DDP would all-reduce every gradient with itself (dividing it by 1), and under train.compile its
+            # graph-splitting at the buckets (dynamo's DDPOptimizer, made for overlapping the all-reduces with the
+            # backward) would cut the compiled model into 3 graphs: with compile on, a 1-rank step in the wrapper
+            # measured 0.88× ZeRO-0's, which trains the model unwrapped (bench/bench_trainer.py, 4 rounds of 32
+            # steps). So one rank trains the model unwrapped, as
+            # DeepSpeed's ZeRO-0 skips its all-reduce alone: the same gradients, the same checkpoint files, and the
+            # 1-rank cell a DDP series' speedup divides by is the plain model's speed, not the wrapper's.
+            return model
+        return self.wrap_ddp(model)
+
+    @staticmethod
+    def alone() -> bool:
+        import torch.distributed as dist
+
+        return dist.get_world_size() == 1
+
+    def wrap_ddp(self, model):
+        """`model` in DistributedDataParallel, its buckets fixed and its all-reduce timed."""
         from torch.nn.parallel import DistributedDataParallel
 
         # gradient_as_bucket_view: the gradients are views into DDP's communication buckets, not a second copy
@@ -38,7 +60,6 @@ class DDPEngine(TorchEngine):
         # every run reduce in the same buckets; the price is buckets in definition rather than backward order.
         ddp.reducer._push_all_rebuilt_params()
         ddp.reducer._rebuild_buckets()
-        self._comm = CommIntervals(CudaEventClock() if self.device == "cuda" else HostClock())
         ddp.register_comm_hook(None, self._timed_allreduce)
         return ddp
 
@@ -59,7 +80,7 @@ class DDPEngine(TorchEngine):
         return self._comm.total_ms()
 
     def sync_gradients(self, boundary: bool):
-        return contextlib.nullcontext() if boundary else self.model.no_sync()
+        return contextlib.nullcontext() if boundary or self.model is self.module else self.model.no_sync()
 
     def autocast(self):
         precision = self.settings.precision
@@ -73,7 +94,7 @@ class DDPEngine(TorchEngine):
 
         rank = dist.get_rank()
         if rank == 0:  # every rank holds the same states
-            writer.save({"module": self.model.module.state_dict(), "client_state": client_state},
+            writer.save({"module": self.module.state_dict(), "client_state": client_state},
                         folder / DDP_MODEL_FILE)
             writer.save({"optimizer": self.optimizer.state_dict()}, folder / DDP_OPTIMIZER_FILE)
         writer.save(self.engine_state(), folder / engine_state_file(rank))
@@ -83,7 +104,7 @@ class DDPEngine(TorchEngine):
         disk is freed)."""
         with mmap_loads():
             model = torch.load(folder / DDP_MODEL_FILE, map_location="cpu", weights_only=False, mmap=True)
-            self.model.module.load_state_dict(model["module"])
+            self.module.load_state_dict(model["module"])
             self.optimizer.load_state_dict(torch.load(folder / DDP_OPTIMIZER_FILE, map_location="cpu",
                                                       weights_only=False, mmap=True)["optimizer"])
             self.load_engine_state(folder)
