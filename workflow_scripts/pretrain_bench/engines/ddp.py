@@ -32,9 +32,9 @@ class DDPEngine(TorchEngine):
             # graph-splitting at the buckets (dynamo's DDPOptimizer, made for overlapping the all-reduces with the
             # backward) would cut the compiled model into 3 graphs: with compile on, a 1-rank step in the wrapper
             # measured 0.88× ZeRO-0's, which trains the model unwrapped (bench/bench_trainer.py, 4 rounds of 32
-            # steps). So one rank trains the model unwrapped, as
-            # DeepSpeed's ZeRO-0 skips its all-reduce alone: the same gradients, the same checkpoint files, and the
-            # 1-rank cell a DDP series' speedup divides by is the plain model's speed, not the wrapper's.
+            # steps). So one rank trains the model unwrapped, as DeepSpeed's ZeRO-0 skips its all-reduce alone: the
+            # same gradients, the same checkpoint files, and the 1-rank cell a DDP series' speedup divides by is the
+            # plain model's speed, not the wrapper's.
             return model
         return self.wrap_ddp(model)
 
