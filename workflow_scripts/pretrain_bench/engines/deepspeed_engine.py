@@ -25,6 +25,28 @@ def fused_adam_prebuilt() -> bool:
         return False
 
 
+def describe_cpu_once() -> dict:
+    """py-cpuinfo's description of this machine's CPU, asked once in this process and its forks: from then on
+    `cpuinfo.get_cpu_info` returns a copy of it.
+
+    py-cpuinfo starts a fresh interpreter for every call (`cpuinfo.py --json`, which runs `file`, `uname` and `lscpu`:
+    about 1 CPU-s), and a CPU rank under train.offload_optimizer cpu made three: two as DeepSpeed's CPU Adam op builder
+    chose its compiler flags, one in DeepSpeedCPUAdam itself (its CPU vendor). Asked in torchrun's agent before it
+    forks the ranks, the answer is the same CPU's for every rank. Hand-written because py-cpuinfo keeps no answer."""
+    import cpuinfo
+
+    asked = getattr(cpuinfo.get_cpu_info, "described", None)
+    if asked is None:
+        asked = cpuinfo.get_cpu_info()
+
+        def get_cpu_info() -> dict:
+            return dict(asked)
+
+        get_cpu_info.described = asked
+        cpuinfo.get_cpu_info = get_cpu_info
+    return dict(asked)
+
+
 _comm_total_ms = 0.0  # deepspeed_comm_ms's running total: what earlier calls took out of DeepSpeed's logger
 
 
@@ -152,7 +174,8 @@ class DeepSpeedEngine(Engine):
     @classmethod
     def preload(cls, settings) -> None:
         """Also DeepSpeed's probe of its ops (which runs compilers) and its shared-memory collectives op, which
-        init_distributed loads on CPU: both are kept by DeepSpeed per process, so forked ranks find them done."""
+        init_distributed loads on CPU, and under train.offload_optimizer cpu the CPU Adam op that DeepSpeedCPUAdam
+        loads: all are kept by DeepSpeed per process (OpBuilder._loaded_ops), so forked ranks find them done."""
         from ..launcher import wait_out_stale_build_locks
 
         super().preload(settings)
@@ -160,6 +183,11 @@ class DeepSpeedEngine(Engine):
         from deepspeed.comm.torch import build_shm_op
 
         build_shm_op()
+        if settings.offload_optimizer == "cpu":
+            from deepspeed.accelerator import get_accelerator
+
+            describe_cpu_once()
+            get_accelerator().create_op_builder("CPUAdamBuilder").load(verbose=False)
 
     @staticmethod
     def init_distributed(backend: str, timeout: timedelta) -> None:
