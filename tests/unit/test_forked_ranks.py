@@ -65,7 +65,7 @@ print(json.dumps({"agent": agent, "rank": json.loads(os.read(read, 65536))}))
 def test_an_offloaded_launch_loads_cpu_adam_and_asks_the_cpu_once_before_the_ranks_fork():
     """Under train.offload_optimizer cpu, torchrun's agent (DeepSpeedEngine.preload) loads DeepSpeed's CPU Adam op
     and asks py-cpuinfo once (its one `cpuinfo.py --json` interpreter counted here shows the count works); a rank
-    forked from it builds DeepSpeedCPUAdam without starting another (each about 1 CPU-s; DeepSpeed 0.19 started 5 a
+    forked from it builds DeepSpeedCPUAdam without starting another (each about 1 CPU-s; DeepSpeed 0.19 started 3 a
     rank), and each reader gets its own copy of the answer."""
     proc = subprocess.run([sys.executable, "-c", PRELOAD_CODE, "cpu"], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
