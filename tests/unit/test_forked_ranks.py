@@ -74,3 +74,26 @@ def test_an_offloaded_launch_loads_cpu_adam_and_asks_the_cpu_once_before_the_ran
     assert result["agent"]["asked"] == 1 and "cpu_adam" in result["agent"]["loaded"], result["agent"]
     assert result["rank"]["asked"] == 0 and result["rank"]["again"], result["rank"]
     assert result["rank"]["vendor"] not in ("", "unknown", "changed by its reader")
+
+
+def test_the_cpu_is_described_once_and_left_to_deepspeeds_fallback_where_py_cpuinfo_fails(monkeypatch):
+    import cpuinfo
+
+    from pretrain_bench.engines.deepspeed_engine import describe_cpu_once
+
+    def failing():
+        raise OSError("no /proc/cpuinfo")
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", failing)
+    assert describe_cpu_once() is None and cpuinfo.get_cpu_info is failing  # DeepSpeed's lscpu fallback still runs
+    asked = []
+
+    def answering():
+        asked.append(1)
+        return {"vendor_id_raw": "GenuineIntel", "flags": ["avx2"]}
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", answering)
+    first = describe_cpu_once()
+    first["flags"].append("changed by its reader")
+    assert describe_cpu_once() == cpuinfo.get_cpu_info() == answering() and len(asked) == 2  # the last: the test's own
+    assert cpuinfo.get_cpu_info()["vendor_id_raw"] == "GenuineIntel" and cpuinfo.get_cpu_info() is not first

@@ -25,26 +25,32 @@ def fused_adam_prebuilt() -> bool:
         return False
 
 
-def describe_cpu_once() -> dict:
+def describe_cpu_once() -> dict | None:
     """py-cpuinfo's description of this machine's CPU, asked once in this process and its forks: from then on
-    `cpuinfo.get_cpu_info` returns a copy of it.
+    `cpuinfo.get_cpu_info` returns a copy of it. None where py-cpuinfo fails: then it is left as it is, and DeepSpeed
+    falls back to `lscpu` as it does without this.
 
     py-cpuinfo starts a fresh interpreter for every call (`cpuinfo.py --json`, which runs `file`, `uname` and `lscpu`:
     about 1 CPU-s), and a CPU rank under train.offload_optimizer cpu made three: two as DeepSpeed's CPU Adam op builder
     chose its compiler flags, one in DeepSpeedCPUAdam itself (its CPU vendor). Asked in torchrun's agent before it
     forks the ranks, the answer is the same CPU's for every rank. Hand-written because py-cpuinfo keeps no answer."""
+    import copy
+
     import cpuinfo
 
     asked = getattr(cpuinfo.get_cpu_info, "described", None)
     if asked is None:
-        asked = cpuinfo.get_cpu_info()
+        try:
+            asked = cpuinfo.get_cpu_info()
+        except Exception:
+            return None
 
         def get_cpu_info() -> dict:
-            return dict(asked)
+            return copy.deepcopy(asked)
 
         get_cpu_info.described = asked
         cpuinfo.get_cpu_info = get_cpu_info
-    return dict(asked)
+    return copy.deepcopy(asked)
 
 
 _comm_total_ms = 0.0  # deepspeed_comm_ms's running total: what earlier calls took out of DeepSpeed's logger
@@ -187,7 +193,10 @@ class DeepSpeedEngine(Engine):
             from deepspeed.accelerator import get_accelerator
 
             describe_cpu_once()
-            get_accelerator().create_op_builder("CPUAdamBuilder").load(verbose=False)
+            try:
+                get_accelerator().create_op_builder("CPUAdamBuilder").load(verbose=False)
+            except Exception:  # each rank tries again, and fails with DeepSpeedCPUAdam's message as a fresh one does
+                pass
 
     @staticmethod
     def init_distributed(backend: str, timeout: timedelta) -> None:
