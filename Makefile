@@ -34,7 +34,7 @@ $(STAMP): requirements.txt pyproject.toml
 $(OPS_STAMP): $(STAMP)
 	# DeepSpeed's CPU ops (shared-memory collectives, CPU Adam) compile on first use: build them once here, into
 	# this environment's own extension cache (.venv/torch_extensions), instead of inside the first (timed) training job.
-	$(BIN)/python -c "from pretrain_bench.launcher import build_cpu_ops, extension_build_root; \
+	$(BIN)/python -c "from pretrain_bench.train.launcher import build_cpu_ops, extension_build_root; \
 	print('built', *build_cpu_ops(), 'in', extension_build_root())"
 	touch $@
 

@@ -33,9 +33,9 @@ def build(variant: str, implementation: str):
     seeded weights (compiled lazily, at its first step)."""
     import torch
 
-    from pretrain_bench.compiling import compile_model
-    from pretrain_bench.model import build_model, resolve_shape
-    from pretrain_bench.settings import TORCH_ADAMW_KWARGS
+    from pretrain_bench.config.settings import TORCH_ADAMW_KWARGS
+    from pretrain_bench.train.compiling import compile_model
+    from pretrain_bench.train.models.llama import build_model, resolve_shape
 
     model = build_model(resolve_shape("tiny", MODEL_OVERRIDES, VOCAB), SEQ_LEN, SEED, implementation=implementation)
     if variant != "eager":  # what train.compile does for each scope; the bench's own clock times every first step
@@ -69,7 +69,7 @@ def main() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-compile-inductor-")  # a cold start
     import torch
 
-    from pretrain_bench.compiling import CompileClock
+    from pretrain_bench.train.compiling import CompileClock
 
     torch.set_num_threads(os.cpu_count())
     generator = torch.Generator().manual_seed(SEED)

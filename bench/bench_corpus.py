@@ -47,8 +47,8 @@ from pathlib import Path
 
 import yaml
 
-from pretrain_bench.corpus import build_corpus, jsonl_line
-from pretrain_bench.corpus_sources import stdlib_files
+from pretrain_bench.data.corpus import build_corpus, jsonl_line
+from pretrain_bench.data.sources import stdlib_files
 
 REPEATS = 5
 TARGET_RATIO = 2.0
@@ -188,7 +188,7 @@ def run_job(code: str) -> tuple[float, dict]:
 
 
 def one_job(sources: list[dict], out: Path) -> dict:
-    code = (f"from pathlib import Path; from pretrain_bench.corpus import build_corpus; build_corpus({sources!r}, "
+    code = (f"from pathlib import Path; from pretrain_bench.data.corpus import build_corpus; build_corpus({sources!r}, "
             f"Path({str(out)!r}), cache_dir=Path({str(out / 'cache')!r}), **{CLEANING!r})")
     seconds, figures = run_job(code)
     return {"seconds": seconds, "jobs": {"build_corpus": figures}, "critical_path_cpu_seconds": figures["cpu_seconds"]}
@@ -197,13 +197,13 @@ def one_job(sources: list[dict], out: Path) -> dict:
 def two_jobs(sources: list[dict], out: Path) -> dict:
     parts = 2
     start = time.perf_counter()
-    jobs = [start_job(f"from pathlib import Path; from pretrain_bench.corpus_parts import clean_part; clean_part("
+    jobs = [start_job(f"from pathlib import Path; from pretrain_bench.data.corpus_parts import clean_part; clean_part("
                       f"{sources!r}, Path({str(out / 'parts')!r}), part={part}, parts={parts}, "
                       f"cache_dir=Path({str(out / 'cache')!r}), **{CLEANING!r})") for part in range(parts)]
     figures = {f"clean_part {part}": wait_job(job) for part, job in enumerate(jobs)}
     parts_seconds = time.perf_counter() - start
     merge_seconds, figures["merge"] = run_job(
-        f"from pathlib import Path; from pretrain_bench.corpus_parts import merge_parts; merge_parts({sources!r}, "
+        f"from pathlib import Path; from pretrain_bench.data.corpus_parts import merge_parts; merge_parts({sources!r}, "
         f"Path({str(out / 'parts')!r}), Path({str(out)!r}), parts={parts}, **{CLEANING!r})")
     # on idle cores the parts run side by side: the stage takes the slowest part, then the merge
     path = max(figures[f"clean_part {part}"]["cpu_seconds"] for part in range(parts)) + figures["merge"]["cpu_seconds"]
@@ -242,12 +242,13 @@ def tokenizer_and_shard(size: int, bpe_bytes: int, scratch: Path) -> dict:
     build_corpus(sources, corpus, cache_dir=scratch / "cache", **CLEANING)
     train = corpus / "train.jsonl"
     tokenizer_seconds, tokenizer = run_job(
-        f"from pathlib import Path; from pretrain_bench.tokenizer import train_tokenizer; train_tokenizer("
+        f"from pathlib import Path; from pretrain_bench.data.tokenizer import train_tokenizer; train_tokenizer("
         f"Path({str(train)!r}), Path({str(scratch / 'tok')!r}), vocab_size={BPE_VOCAB}, train_bytes={bpe_bytes})")
     count = max(1, round(train.stat().st_size / 50e6))
     shard_seconds, shard_job = run_job(
-        f"from pathlib import Path; from pretrain_bench.shards import encode_shard; encode_shard(Path({str(train)!r}), "
-        f"Path({str(scratch / 'tok')!r}), Path({str(scratch / 's.bin')!r}), Path({str(scratch / 's.json')!r}), "
+        f"from pathlib import Path; from pretrain_bench.data.shards import encode_shard; "
+        f"encode_shard(Path({str(train)!r}), Path({str(scratch / 'tok')!r}), Path({str(scratch / 's.bin')!r}), "
+        f"Path({str(scratch / 's.json')!r}), "
         f"split='train', index=0, count={count})")
     shard = json.loads((scratch / "s.json").read_text())
     return {"tokenizer": {"train_bytes": bpe_bytes, "vocab_size": BPE_VOCAB, "seconds": tokenizer_seconds,

@@ -59,7 +59,7 @@ def import_seconds(vocab_size: int, runs: int) -> dict:
     seconds: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
     for _ in range(runs):
         for name in IMPLEMENTATIONS:
-            code = (f"{RANK_IMPORTS}; from pretrain_bench.model import build_model, resolve_shape; "
+            code = (f"{RANK_IMPORTS}; from pretrain_bench.train.models.llama import build_model, resolve_shape; "
                     f"build_model({shape}, 128, 0, implementation={name!r})")
             seconds[name].append(child_cpu_seconds(code, f"importing and building ({name})"))
     medians = {name: statistics.median(values) for name, values in seconds.items()}

@@ -12,7 +12,7 @@ nothing is left behind. Figures:
   imports all but deepspeed). `startup.processes` counts those processes in this run and `startup.cpu_s` multiplies
   out: CPU seconds of imports alone, before any work, which the machine's cores share with everything else.
 - process_startup: every process of the run, from its launch (the kernel's creation time) to its first useful work,
-  read from the start-up records the processes log (pretrain_bench.logs.log_startup): a training rank to its first
+  read from the start-up records the processes log (pretrain_bench.core.logs.log_startup): a training rank to its first
   step, an evaluation to its first evaluated token (and to its export, its first work), every other job to the start
   of its work; a training launch's torchrun agent until its first rank is launched, and its launcher (launch.py)
   until the agent is. One row per process (`processes`), and per kind of process the count, the sum and the median.
@@ -35,7 +35,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from pretrain_bench.logs import read_startups
+from pretrain_bench.core.logs import read_startups
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 2.5
@@ -82,7 +82,7 @@ def job_logs(logs: Path):
 
 
 def process_rows(logs: Path, started_at: float) -> list[dict]:
-    """One row per process of the run from the start-up records in its job logs (pretrain_bench.logs.log_startup):
+    """One row per process of the run from the start-up records in its job logs (pretrain_bench.core.logs.log_startup):
     the job, the process, when it was launched (seconds after the pipeline started), its start-up in seconds and the
     heavy libraries it had imported by then. A training launch's rows: its launcher, its torchrun agent (each one's
     start-up ends where its child was launched, read from the ranks' records of their parents) and each rank."""

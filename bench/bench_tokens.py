@@ -3,7 +3,7 @@
     python bench/bench_tokens.py [out.json] [--corpus-bytes 8000000]     (default bench-results/tokens.json)
 
 Corpus: the train split of builtin://python-stdlib (the tiny run's corpus) capped at --corpus-bytes, built by
-pretrain_bench.corpus.build_corpus as the download_corpus rule does.
+pretrain_bench.data.corpus.build_corpus as the download_corpus rule does.
 In one process, each repeat measures, interleaved so machine drift hits all alike:
   shard_end_to_end   encode_shard: read jsonl + encode + write .bin/.json (what a shard_tokens job does)
   encode_batch       the tokenizer's raw `encode_batch` on the same texts already in memory: the limit
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain_bench.corpus import build_corpus
-from pretrain_bench.loader import PackedTokens, RankBatches
-from pretrain_bench.shards import build_index, dtype_for_vocab, encode_shard
-from pretrain_bench.tokenizer import iter_texts, load_tokenizer, train_tokenizer
+from pretrain_bench.data.corpus import build_corpus
+from pretrain_bench.data.loader import PackedTokens, RankBatches
+from pretrain_bench.data.shards import build_index, dtype_for_vocab, encode_shard
+from pretrain_bench.data.tokenizer import iter_texts, load_tokenizer, train_tokenizer
 
 
 def write_builtin_corpus(out_dir: Path, max_bytes: int) -> Path:

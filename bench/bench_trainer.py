@@ -5,8 +5,8 @@ train.py: a decoder of pre-norm blocks (RMSNorm, one fused q/k/v projection, rot
 scaled_dot_product_attention with a causal mask, output projection, SwiGLU MLP), tied input embedding and LM head,
 and a loop of forward, cross-entropy, backward, clip, AdamW step, zero_grad(set_to_none) and nothing else. Its matmuls
 are those of our LLaMA model (~12M parameters: 6 layers, width 384, 6 heads, FFN 1024, the tokenizer's vocabulary,
-batch 8 × 128 tokens), so both do the same FLOPs per token (pretrain_bench.flops). It uses AdamW(fused=True), the
-optimizer kernel every engine builds, so the ratio is the trainer's own cost, not an optimizer's.
+batch 8 × 128 tokens), so both do the same FLOPs per token (pretrain_bench.train.models.flops). It uses
+AdamW(fused=True), the optimizer kernel every engine builds, so the ratio is the trainer's own cost, not an optimizer's.
 
 Sides: compile off on both (eager), then compile on on both (the reference: torch.compile of its whole model, what
 nanoGPT's --compile does; the trainer: train.compile, with the scope compiling.compile_scope picks for the tiny
@@ -15,9 +15,9 @@ FSDP. The machine is noisy, so within a round every variant runs once in turn (r
 other way round in every second round: round_order) and each ratio is the median over rounds of the variant's
 tokens/s ÷ the same round's reference. Each run, the reference's included, is a fresh interpreter. Targets: ZeRO-0
 and DDP ≥ 1.0×, ZeRO-1/2 ≥ 0.95×. Each trainer run also records its rank's start-up (launch to first step).
-The loop flushes denormal floats to zero, as the trainer's CPU ranks do (pretrain_bench.devices.flush_denormals), so a
-ratio is the trainer's own cost; --loop-denormals keep runs it as plain PyTorch runs by default, which the CPU slows
-as training produces denormals (README, "Denormal floats").
+The loop flushes denormal floats to zero, as the trainer's CPU ranks do (pretrain_bench.core.devices.flush_denormals),
+so a ratio is the trainer's own cost; --loop-denormals keep runs it as plain PyTorch runs by default, which the CPU
+slows as training produces denormals (README, "Denormal floats").
 
 --model-class measures transformers' LlamaForCausalLM against the same maths and state dict written as plain modules
 (`llama_layout_model`), in one process from the same weights: the largest logit difference, each one's training step
@@ -51,8 +51,8 @@ MODEL_OVERRIDES = {"hidden_size": 384, "num_attention_heads": 6, "num_key_value_
 def build_data() -> tuple[dict, Path, Path]:
     """The tiny config with the bench's model, and its shards' index.json and tokenizer folder (built by Snakemake
     under results/data/ where missing)."""
-    from pretrain_bench.config_types import load_config
-    from pretrain_bench.data_products import DataProducts
+    from pretrain_bench.config.experiment import load_config
+    from pretrain_bench.data.products import DataProducts
 
     config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     config["name"] = NAME
@@ -78,9 +78,9 @@ def bench_train(steps: int, warmup: int) -> dict:
 
 def run_trainer(config: dict, data: tuple[Path, Path], steps: int, warmup: int, variant: str, compiled: bool,
                 work: Path) -> dict:
-    from pretrain_bench.logs import read_startups
-    from pretrain_bench.plan import make_plan, plan_config
-    from pretrain_bench.run_summary import RunSummary
+    from pretrain_bench.core.logs import read_startups
+    from pretrain_bench.train.plan import make_plan, plan_config
+    from pretrain_bench.train.run_summary import RunSummary
 
     train = {**bench_train(steps, warmup), "compile": compiled, **VARIANTS[variant]}
     name = f"{variant}-compile" if compiled else variant
@@ -245,9 +245,9 @@ def model_class(config: dict, data: tuple[Path, Path], steps: int, warmup: int, 
     import torch
     import torch.nn.functional as F
 
-    from pretrain_bench.loader import PackedTokens, RankBatches
-    from pretrain_bench.model import build_model, resolve_shape
-    from pretrain_bench.settings import TORCH_ADAMW_KWARGS
+    from pretrain_bench.config.settings import TORCH_ADAMW_KWARGS
+    from pretrain_bench.data.loader import PackedTokens, RankBatches
+    from pretrain_bench.train.models.llama import build_model, resolve_shape
 
     torch.set_num_threads(os.cpu_count())
     index = json.loads(data[0].read_text())
@@ -298,7 +298,7 @@ def model_class(config: dict, data: tuple[Path, Path], steps: int, warmup: int, 
             "rank_imports": rank_import_seconds()}
 
 
-RANK_IMPORTS = "import torch, deepspeed, pretrain_bench.trainer"
+RANK_IMPORTS = "import torch, deepspeed, pretrain_bench.train.trainer"
 
 
 def child_cpu_seconds(code: str, what: str) -> float:
@@ -335,11 +335,11 @@ def reference_loop(config: dict, data: tuple[Path, Path], steps: int, warmup: in
     import torch
     import torch.nn.functional as F
 
-    from pretrain_bench.devices import denormals_flushed, flush_denormals
-    from pretrain_bench.engines.base import lr_schedule
-    from pretrain_bench.loader import PackedTokens, RankBatches
-    from pretrain_bench.model import resolve_shape
-    from pretrain_bench.settings import TORCH_ADAMW_KWARGS, TrainSettings
+    from pretrain_bench.config.settings import TORCH_ADAMW_KWARGS, TrainSettings
+    from pretrain_bench.core.devices import denormals_flushed, flush_denormals
+    from pretrain_bench.data.loader import PackedTokens, RankBatches
+    from pretrain_bench.train.engines.base import lr_schedule
+    from pretrain_bench.train.models.llama import resolve_shape
 
     torch.set_num_threads(os.cpu_count())
     if flush:
@@ -448,7 +448,7 @@ def side(config: dict, data: tuple[Path, Path], args, compiled: bool, work: Path
             "ratio_to_ddp_per_round": ratios(variant, plain) if plain else None,
             "ratio_to_ddp": statistics.median(ratios(variant, plain)) if plain else None,
             "compile_time_s": [(r[variant]["compile"] or {}).get("time_s") for r in rounds],
-            # the rank's launch to its first step (pretrain_bench.logs.log_startup), compile time not included
+            # the rank's launch to its first step (pretrain_bench.core.logs.log_startup), compile time not included
             "rank_startup_s": [r[variant]["rank_startup_s"] for r in rounds],
             "phase_time_s": rounds[-1][variant]["phase_time_s"]}
             for variant in args.variants},
@@ -458,8 +458,8 @@ def side(config: dict, data: tuple[Path, Path], args, compiled: bool, work: Path
 def main() -> None:
     import torch
 
-    from pretrain_bench.flops import flops_per_token, measure_matmul_peak
-    from pretrain_bench.model import count_parameters, resolve_shape
+    from pretrain_bench.train.models.flops import flops_per_token, measure_matmul_peak
+    from pretrain_bench.train.models.llama import count_parameters, resolve_shape
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", nargs="?", default="bench-results/trainer.json")
@@ -507,7 +507,8 @@ def main() -> None:
         measured.update(steps=args.steps, warmup_steps=args.warmup, repeats=args.repeats,
                         load_average_start=load_start, load_average_end=list(os.getloadavg()))
         if "trainer" in measured:
-            # MFU against the matmul peak measured here: (6N + 12·L·H·Q·T) × tokens/s ÷ peak (pretrain_bench.flops)
+            # MFU against the matmul peak measured here: (6N + 12·L·H·Q·T) × tokens/s ÷ peak
+            # (pretrain_bench.train.models.flops)
             measured["reference_mfu"] = statistics.median(measured["reference_tokens_per_s"]) * per_token / peak
             for variant in measured["trainer"].values():
                 variant["mfu"] = statistics.median(variant["tokens_per_s"]) * per_token / peak

@@ -5,12 +5,12 @@ learning-rate schedule) at one rank, CPU, fp32, compile off:
 
 - plain: bench_trainer's hand-written loop (forward, loss, backward, clip, fused AdamW, zero_grad);
 - bare DeepSpeed (`bare_deepspeed_loop`): a minimal hand-written loop around `deepspeed.initialize` with the same
-  ds_config the trainer hands DeepSpeed (pretrain_bench.settings.deepspeed_config, so the same ZeRO settings and the
-  same torch AdamW), the same model and nothing of our trainer: forward, loss, `engine.backward`, `engine.step`,
+  ds_config the trainer hands DeepSpeed (pretrain_bench.config.settings.deepspeed_config, so the same ZeRO settings and
+  the same torch AdamW), the same model and nothing of our trainer: forward, loss, `engine.backward`, `engine.step`,
   the loss read each step;
 - our trainer (bench_trainer's run through the launcher, as a benchmark cell runs).
 
-All three flush denormal floats to zero, as the trainer's CPU ranks do (pretrain_bench.devices.flush_denormals).
+All three flush denormal floats to zero, as the trainer's CPU ranks do (pretrain_bench.core.devices.flush_denormals).
 Within a round each runs once in turn (the other way round in every second round: bench_trainer.round_order), each in
 a fresh interpreter; the ratios are medians over rounds of per-round ratios of tokens/s: trainer ÷ bare DeepSpeed is
 our trainer's own cost around DeepSpeed (≥ 1.0 where it adds nothing), bare DeepSpeed ÷ plain is DeepSpeed's own cost
@@ -47,7 +47,7 @@ from bench_trainer import (
     run_trainer,
 )
 
-from pretrain_bench.launcher import free_port
+from pretrain_bench.train.launcher import free_port
 
 DEEPSPEED_VARIANTS = [name for name, keys in VARIANTS.items() if keys.get("engine", "deepspeed") == "deepspeed"]
 
@@ -62,12 +62,12 @@ def bare_deepspeed_loop(config: dict, data: tuple[Path, Path], steps: int, warmu
     import torch
     import torch.nn.functional as F
 
-    from pretrain_bench.devices import flush_denormals
-    from pretrain_bench.engines.base import lr_schedule
-    from pretrain_bench.engines.deepspeed_engine import skip_muon_import
-    from pretrain_bench.loader import PackedTokens, RankBatches
-    from pretrain_bench.model import build_model, resolve_shape
-    from pretrain_bench.settings import TrainSettings, deepspeed_config
+    from pretrain_bench.config.settings import TrainSettings, deepspeed_config
+    from pretrain_bench.core.devices import flush_denormals
+    from pretrain_bench.data.loader import PackedTokens, RankBatches
+    from pretrain_bench.train.engines.base import lr_schedule
+    from pretrain_bench.train.engines.deepspeed_engine import skip_muon_import
+    from pretrain_bench.train.models.llama import build_model, resolve_shape
 
     torch.set_num_threads(os.cpu_count())
     flush_denormals()  # as the trainer's CPU ranks and the plain loop do (bench_trainer --loop-denormals flush)

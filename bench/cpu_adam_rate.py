@@ -1,5 +1,5 @@
 """Parameters per second DeepSpeed's CPU Adam (DeepSpeedCPUAdam) updates on this machine: the figure behind
-pretrain_bench.offload_time.CPU_ADAM_PARAMS_PER_S_PER_CORE.
+pretrain_bench.train.memory.offload.CPU_ADAM_PARAMS_PER_S_PER_CORE.
 
 Usage: python bench/cpu_adam_rate.py [--elements N] [--steps S]
 Prints params/s for the whole machine and per core (one process, DeepSpeed's OpenMP threads on every core).

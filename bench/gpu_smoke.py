@@ -20,9 +20,9 @@ the same steps. Every run goes through the launcher with a plan file, exactly as
 corpus built from the Python standard library (no network).
 
 Each run reports tokens/s, MFU against the device's peak (CUDA: the GPU's datasheet figure from
-pretrain_bench.flops, or a measured matmul where the GPU is not in the table; CPU: a bf16 matmul measured on this
-machine's cores; the JSON names which), the peak memory measured (CUDA: torch's allocator peak; CPU: the rank's peak
-RSS) and the memory model's prediction of it.
+pretrain_bench.train.models.flops, or a measured matmul where the GPU is not in the table; CPU: a bf16 matmul measured
+on this machine's cores; the JSON names which), the peak memory measured (CUDA: torch's allocator peak; CPU: the rank's
+peak RSS) and the memory model's prediction of it.
 
 Needs no CUDA toolkit: DeepSpeed's CUDA kernels are not used (torch's AdamW stands in for FusedAdam). g++ is needed
 only for the runs that offload (default-setup, zero3-offload), whose CPU Adam is a C++ op DeepSpeed compiles on
@@ -91,10 +91,10 @@ LAYOUT_KEYS = ("engine", "zero_stage", "offload_optimizer", "offload_param", "ac
 def default_setup(config: dict) -> tuple[dict, str]:
     """(layout, why): the train layout (LAYOUT_KEYS) the pre-flight chooses for `config`'s main run on the
     articles' box, and the pre-flight's one-line summary of that choice."""
-    from pretrain_bench.memory_fit import fit_run
-    from pretrain_bench.memory_model import planned_budget
-    from pretrain_bench.plan import plan_config
-    from pretrain_bench.settings import TrainSettings
+    from pretrain_bench.config.settings import TrainSettings
+    from pretrain_bench.train.memory.fit import fit_run
+    from pretrain_bench.train.memory.model import planned_budget
+    from pretrain_bench.train.plan import plan_config
 
     train = {**config["train"], "device": "cuda"}  # the articles' box has GPUs, whatever train.device says
     chosen, record = fit_run(plan_config({**config, "train": train}), TrainSettings.from_config(train),
@@ -105,7 +105,7 @@ def default_setup(config: dict) -> tuple[dict, str]:
 
 def default_config() -> dict:
     """config.yaml as the workflow sees it (the schema's defaults filled in): the default experiment."""
-    from pretrain_bench.config_types import load_config
+    from pretrain_bench.config.experiment import load_config
 
     return load_config(ROOT / "config.yaml")
 
@@ -120,9 +120,9 @@ def device_settings(train: dict, device: str) -> dict:
 
 def build_data(work: Path, size: Size) -> tuple[Path, Path]:
     """Corpus, tokenizer and shards, as the pipeline's first stages make them."""
-    from pretrain_bench.corpus import build_corpus
-    from pretrain_bench.shards import build_index, encode_shard
-    from pretrain_bench.tokenizer import train_tokenizer
+    from pretrain_bench.data.corpus import build_corpus
+    from pretrain_bench.data.shards import build_index, encode_shard
+    from pretrain_bench.data.tokenizer import train_tokenizer
 
     corpus, tokenizer, shards = work / "corpus", work / "tokenizer", work / "shards"
     if not (shards / "index.json").is_file():
@@ -166,8 +166,8 @@ def predicted_memory_bytes(estimate: dict, device: str) -> int:
 def run_one(name: str, preset: str, train: dict, size: Size, device: str, peak: dict, index: Path,
             tokenizer: Path, work: Path) -> dict:
     """Plan and launch one run; its figures, or its exit code and log tail when it failed."""
-    from pretrain_bench.plan import make_plan, plan_config
-    from pretrain_bench.run_summary import RunSummary
+    from pretrain_bench.train.plan import make_plan, plan_config
+    from pretrain_bench.train.run_summary import RunSummary
 
     config = smoke_config(name, preset, train, size, device)
     run_dir = work / name
@@ -242,8 +242,8 @@ def result_line(run: dict) -> str:
 _MACHINE_FACTS = """
 import json, sys
 from pathlib import Path
-from pretrain_bench.devices import hardware_description
-from pretrain_bench.peak import measure_hardware_peak
+from pretrain_bench.core.devices import hardware_description
+from pretrain_bench.bench.peak import measure_hardware_peak
 # the machine's one peak, as rule measure_peak takes it: a GPU's 16-bit figure, a CPU's faster of fp32 and bf16
 peak = measure_hardware_peak(sys.argv[2], lock_dir=Path(sys.argv[3]))
 print(json.dumps({"peak": peak, "hardware": hardware_description(peak["device"])}))
@@ -261,7 +261,7 @@ def machine_facts(device: str, work: Path) -> dict:
 
 def smoke(out: Path, device: str, size: Size, work: Path) -> int:
     """Every run on `device`, the JSON rewritten after each; 0 when all ran."""
-    from pretrain_bench.settings import ConfigError
+    from pretrain_bench.config.settings import ConfigError
 
     work.mkdir(parents=True, exist_ok=True)
     index, tokenizer = build_data(work, size)

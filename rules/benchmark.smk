@@ -19,7 +19,7 @@ rule measure_peak:
     resources:
         gpu=1 if BENCH_MATRIX["device"] == "cuda" else 0,  # one GPU slot while it measures, as an evaluation
     params:
-        device=TRAIN.device,  # one peak per machine: no run's precision (pretrain_bench.peak)
+        device=TRAIN.device,  # one peak per machine: no run's precision (pretrain_bench.bench.peak)
         lock_dir=GPU_LOCK_DIR,
     script:
         "../workflow_scripts/measure_peak.py"

@@ -11,10 +11,10 @@ gc.freeze()
 
 from snakemake.exceptions import WorkflowError
 
-from pretrain_bench.config import Config  # noqa: E402
-from pretrain_bench.config_types import AXES as bench_axes, coerce_command_line_types, fill_defaults_and_validate, load_schema  # noqa: E402
-from pretrain_bench.devices import GPU_LOCK_DIR as DEVICE_LOCK_DIR  # noqa: E402
-from pretrain_bench.settings import ConfigError  # noqa: E402
+from pretrain_bench.config.experiment import Config
+from pretrain_bench.config.schema import AXES as bench_axes, coerce_command_line_types, fill_defaults_and_validate, load_schema
+from pretrain_bench.core.devices import GPU_LOCK_DIR as DEVICE_LOCK_DIR
+from pretrain_bench.config.settings import ConfigError
 
 
 # The schema parsed once, for the command-line types and for validation (Snakemake's validate() would parse it a
@@ -22,7 +22,7 @@ from pretrain_bench.settings import ConfigError  # noqa: E402
 CONFIG_SCHEMA = load_schema(Path(workflow.basedir) / "schemas" / "config.schema.yaml")
 coerce_command_line_types(config, CONFIG_SCHEMA)
 if not workflow.modifier.skip_validation:
-    from jsonschema import ValidationError  # noqa: E402
+    from jsonschema import ValidationError
 
     try:
         fill_defaults_and_validate(config, CONFIG_SCHEMA)
@@ -70,14 +70,14 @@ def check_other_run_input(key, path, name, marker):
 check_other_run_input("model.init_from", MODEL.init_from, NAME, "config.json")
 # A tokenizer.path where tokenizers are data products (results/data/..., or results/<run>/tokenizer, where runs kept
 # theirs before) that is not there yet: the error names the target that builds it.
-from pretrain_bench.data_products import DataProducts, missing_tokenizer_problem  # noqa: E402
+from pretrain_bench.data.products import DataProducts, missing_tokenizer_problem
 
 if TOKENIZER_PROBLEM := missing_tokenizer_problem(TOKENIZER.path,
                                                   DataProducts.from_settings(CORPUS, TOKENIZER, SHARDS, None)):
     raise WorkflowError(TOKENIZER_PROBLEM)
 check_other_run_input("tokenizer.path", TOKENIZER.path, NAME, None)
 # The local files of corpus.sources (file://, globs expanded here, at DAG time): inputs of the corpus.
-from pretrain_bench.corpus_sources import CorpusError, local_source_files  # noqa: E402
+from pretrain_bench.data.sources import CorpusError, local_source_files
 
 try:
     CORPUS_FILES = local_source_files(CORPUS.sources)
@@ -90,14 +90,14 @@ INIT_FROM_INPUT = [] if (MODEL.init_from or "hf://").startswith("hf://") else [M
 # run from the workflow folder rather than from Snakemake's source cache).
 LAUNCHER = Path(workflow.basedir) / "workflow_scripts" / "launch.py"
 # SIGINT to Snakemake (Ctrl-C, kill -INT) stops a running training with a checkpoint; Snakemake alone would wait.
-from pretrain_bench.launcher import interrupts_stop_training  # noqa: E402
+from pretrain_bench.train.launcher import interrupts_stop_training
 
 interrupts_stop_training(LAUNCHER)
 # Shell rules start the launcher with the interpreter Snakemake runs with (a venv's, activated or not); under
 # --sdm conda with the rule's environment's own python, which conda puts first on PATH. A Path, not a str: Snakemake
 # tracks only plain values as params, and the same venv reached by another path must not count as a changed param
 # (it would retrain).
-from snakemake.settings.types import DeploymentMethod  # noqa: E402
+from snakemake.settings.types import DeploymentMethod
 
 PYTHON = Path("python" if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method else sys.executable)
 
@@ -129,7 +129,7 @@ LM_EVAL_TASKS = EVALUATE.lm_eval["tasks"]
 def eval_gpus():
     """GPUs one evaluation job holds: 1 on CUDA (device auto: when this machine has a GPU, decided as for the
     benchmark matrix, from nvidia-smi rather than by importing torch), else 0."""
-    from pretrain_bench.devices import resolve_device_cheaply
+    from pretrain_bench.core.devices import resolve_device_cheaply
 
     return 1 if resolve_device_cheaply(EVAL_DEVICE) == "cuda" else 0
 
@@ -153,13 +153,13 @@ def evaluation_outputs(name):
 # --- benchmark matrix ---
 # Decided once here, at DAG time: which matrix cells this machine runs, and for the others the reason they are left
 # out (unsupported on this device, or predicted not to fit). bench/matrix.json records the same decisions.
-from snakemake.logging import logger  # noqa: E402
+from snakemake.logging import logger
 
-from pretrain_bench.bench_matrix import Cell, cells_text, cost_preview, plan_matrix, planning_peak, preview_text  # noqa: E402
-from pretrain_bench.memory_fit import fit_run, summary_line  # noqa: E402
-from pretrain_bench.memory_model import config_vocab_size  # noqa: E402
-from pretrain_bench.plan import cell_train, plan_config  # noqa: E402
-from pretrain_bench.tokenizer import adopted_tokenizer_path  # noqa: E402
+from pretrain_bench.bench.matrix import Cell, cells_text, cost_preview, plan_matrix, planning_peak, preview_text
+from pretrain_bench.train.memory.fit import fit_run, summary_line
+from pretrain_bench.train.memory.model import config_vocab_size
+from pretrain_bench.train.plan import cell_train, plan_config
+from pretrain_bench.data.tokenizer import adopted_tokenizer_path
 
 
 def available_ranks():
@@ -177,8 +177,8 @@ try:
 except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}")
 # The corpus, tokenizer and shards this config reads, under results/data/ by the digest of the settings that shape
-# each (pretrain_bench/data_products.py): every run with equal data settings shares them.
-from pretrain_bench.data_products import DataProducts  # noqa: E402
+# each (pretrain_bench/data/products.py): every run with equal data settings shares them.
+from pretrain_bench.data.products import DataProducts
 
 DATA = DataProducts.from_settings(CORPUS, TOKENIZER, SHARDS, ADOPTED_TOKENIZER)
 BENCH_CELLS = {entry["cell"]: entry for entry in BENCH_MATRIX["cells"] if entry["status"] == "run"}
@@ -199,14 +199,14 @@ def cell_plan_config(cell):
 
 # --- what an evaluation reruns for ---
 # An evaluation's result is decided by its checkpoint's bytes (the digest of its commit marker) and the evaluate
-# settings: both are params of rule evaluate, and eval/step<N>.json records them (pretrain_bench/eval_inputs.py).
+# settings: both are params of rule evaluate, and eval/step<N>.json records them (pretrain_bench/evaluate/inputs.py).
 # When this config only trains the existing run further (train.max_steps or max_tokens raised), the run resumes and
 # keeps its checkpoints as they are: for an evaluation that still matches its checkpoint and settings, the run's
 # plan and summary are then `ancient` inputs, so training on evaluates only the new checkpoints. After any other
 # edit of the plan config they are plain inputs: a run that may start afresh writes every checkpoint anew, and every
 # one is evaluated again.
-from pretrain_bench.eval_inputs import evaluation_is_current, marker_digest  # noqa: E402
-from pretrain_bench.plan import only_trains_further  # noqa: E402
+from pretrain_bench.evaluate.inputs import evaluation_is_current, marker_digest
+from pretrain_bench.train.plan import only_trains_further
 
 TRAINS_FURTHER = only_trains_further(Path(f"results/{NAME}/train/plan.json"), main_plan_config())
 EVALUATE_SETTINGS = {
@@ -264,7 +264,7 @@ logger.info(preview_text(cost_preview(BENCH_MATRIX, MAIN_FIT[0], MODEL, VOCAB_SI
                                       *planning_peak(config, BENCH_MATRIX["device"], NAME))))
 logger.info(cells_text(BENCH_MATRIX))
 # An earlier benchmark of this hardware and model (any run name under results/): its fastest measured setup.
-from pretrain_bench.recommendation import previous_recommendation_text  # noqa: E402
+from pretrain_bench.report.recommendation import previous_recommendation_text
 
 _EARLIER = previous_recommendation_text(Path("results"), BENCH_MATRIX["device"], MODEL, VOCAB_SIZE)
 if _EARLIER:
@@ -272,7 +272,7 @@ if _EARLIER:
 
 # Host RAM of one export or evaluation job (memory_model.export_and_evaluation_host_bytes), as mem_mb (10^6 bytes, as
 # Snakemake counts it): with `--resources mem_mb=N` Snakemake runs only as many at once as fit; SLURM gets it as --mem.
-from pretrain_bench.memory_model import export_and_evaluation_host_bytes, run_shape  # noqa: E402
+from pretrain_bench.train.memory.model import export_and_evaluation_host_bytes, run_shape
 
 FINAL_EXPORT_DTYPE = "fp32"  # train/hf holds the master weights exactly
 _MAIN_SHAPE = run_shape(main_plan_config(), MAIN_FIT[0], "cpu", VOCAB_SIZE)  # the parameters, whatever the device

@@ -3,10 +3,10 @@
 # with the same corpus settings shares it. With CORPUS_PARTS > 1 (corpus.jobs; null: this machine's CPUs, or one job where a cap stops it sooner) the
 # cleaning runs as that many clean_corpus_part jobs over contiguous slices of the sources' files, each writing its
 # documents' lines per split with a small record per document, and download_corpus merges them into the corpus one
-# job writes, deciding from the records and copying byte ranges (pretrain_bench/corpus_parts.py); the parts are
+# job writes, deciding from the records and copying byte ranges (pretrain_bench/data/corpus_parts.py); the parts are
 # temporary. Downloads and the datasets cache live in resources/corpus-cache, outside results/, so that a re-run with
-# other cleaning settings does not fetch again. See workflow_scripts/pretrain_bench/corpus.py for each cleaning step.
-from pretrain_bench.corpus_parts import corpus_parts, machine_cpus
+# other cleaning settings does not fetch again. See workflow_scripts/pretrain_bench/data/corpus.py for each cleaning step.
+from pretrain_bench.data.corpus_parts import corpus_parts, machine_cpus
 
 CORPUS_PARTS = corpus_parts(list(CORPUS.sources), CORPUS.jobs, machine_cpus(), CORPUS.max_bytes)
 

@@ -38,7 +38,7 @@ rule evaluate:
         mem_mb=EVALUATE_MEM_MB,
     params:
         step=lambda wildcards: int(wildcards.step),
-        # what decides the result (pretrain_bench/eval_inputs.py): the checkpoint's bytes and the evaluate settings
+        # what decides the result (pretrain_bench/evaluate/inputs.py): the checkpoint's bytes and the evaluate settings
         checkpoint=checkpoint_digest,
         settings=EVALUATE_SETTINGS,
         lock_dir=GPU_LOCK_DIR,

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pretrain_bench.launcher import extension_build_environment
+from pretrain_bench.train.launcher import extension_build_environment
 from support import (
     DATA_NAME,
     PIPELINE_OVERLAY,

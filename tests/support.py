@@ -19,9 +19,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from pretrain_bench.config_types import load_config
-from pretrain_bench.data_products import DataProducts
-from pretrain_bench.tokenizer import EOS_TOKEN
+from pretrain_bench.config.experiment import load_config
+from pretrain_bench.data.products import DataProducts
+from pretrain_bench.data.tokenizer import EOS_TOKEN
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEFILE = ROOT / "Snakefile"
@@ -87,7 +87,7 @@ def data_products(*overlays: dict, configfiles=(TINY_CONFIG,)) -> DataProducts:
     --configfile files would be (the tiny config's by default)."""
     from snakemake.utils import update_config
 
-    from pretrain_bench.config_types import SCHEMA_PATH, fill_defaults_and_validate, load_schema
+    from pretrain_bench.config.schema import SCHEMA_PATH, fill_defaults_and_validate, load_schema
 
     config = load_config(ROOT / "config.yaml", *(ROOT / path for path in configfiles))
     for overlay in overlays:
@@ -204,7 +204,7 @@ def plan_for(data, run_dir: Path, save_checkpoints: bool = True, **train):
     overrides = {"max_steps": 8, "checkpoint_every": 4, "warmup_timing_steps": 1, "warmup_steps": 2,
                  "lr": 3.0e-3, "min_lr": 3.0e-4, **train}
     config = {**config, "train": {**config["train"], **overrides}}
-    from pretrain_bench.plan import make_plan
+    from pretrain_bench.train.plan import make_plan
 
     plan = make_plan(config, index=results.shards / "index.json", tokenizer=results.tokenizer,
                      out_dir=run_dir / "out", state_dir=run_dir / "state", save_checkpoints=save_checkpoints)
@@ -214,8 +214,8 @@ def plan_for(data, run_dir: Path, save_checkpoints: bool = True, **train):
 
 
 def rank_startups(log: Path) -> list[dict]:
-    """The start-up records (pretrain_bench.logs.log_startup) that a launch's ranks wrote to its log `log`."""
-    from pretrain_bench.logs import read_startups
+    """The start-up records (pretrain_bench.core.logs.log_startup) that a launch's ranks wrote to its log `log`."""
+    from pretrain_bench.core.logs import read_startups
 
     return [record for record in read_startups(log.read_text()) if "rank" in record]
 
@@ -233,7 +233,7 @@ def crash_after_first_checkpoint(plan_path: Path, run_dir: Path, log: Path, rank
 
     import psutil
 
-    from pretrain_bench.checkpoint import committed_steps
+    from pretrain_bench.train.checkpoint import committed_steps
 
     proc = start(plan_path, ranks, log)
     deadline = time.monotonic() + 600

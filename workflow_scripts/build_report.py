@@ -7,8 +7,8 @@ log = logging.getLogger("pretrain_bench.build_report")
 
 def main(summary, metrics, evals, matrix, bench, out_md, out_html, plot_dir, target_corpus_tokens, lm_eval=(),
          peak=None, gpu_hour_price=None):
-    from pretrain_bench.logs import log_startup
-    from pretrain_bench.report import build_report
+    from pretrain_bench.core.logs import log_startup
+    from pretrain_bench.report.render import build_report
 
     log_startup("first work")
     build_report(Path(summary), Path(metrics), [Path(p) for p in evals], Path(out_md), Path(out_html),
@@ -25,10 +25,10 @@ def _single(paths) -> Path | None:
 
 
 if "snakemake" in globals():
-    from pretrain_bench.logs import job_log
+    from pretrain_bench.core.logs import job_log
 
-    with job_log(snakemake.log[0], "build_report"):  # noqa: F821
-        main(snakemake.input.summary, snakemake.input.metrics, snakemake.input.evals,  # noqa: F821
-             snakemake.input.matrix, snakemake.input.bench, snakemake.output.md,  # noqa: F821
-             snakemake.output.html, snakemake.output.plots, snakemake.params.target_corpus_tokens,  # noqa: F821
-             snakemake.input.lm_eval, snakemake.input.peak, snakemake.params.gpu_hour_price)  # noqa: F821
+    with job_log(snakemake.log[0], "build_report"):
+        main(snakemake.input.summary, snakemake.input.metrics, snakemake.input.evals,
+             snakemake.input.matrix, snakemake.input.bench, snakemake.output.md,
+             snakemake.output.html, snakemake.output.plots, snakemake.params.target_corpus_tokens,
+             snakemake.input.lm_eval, snakemake.input.peak, snakemake.params.gpu_hour_price)

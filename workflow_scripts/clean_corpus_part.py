@@ -1,11 +1,12 @@
-"""Snakemake adapter for rule clean_corpus_part: one slice of the sources -> pretrain_bench.corpus_parts.clean_part."""
+"""Snakemake adapter for rule clean_corpus_part: one slice of the sources ->
+pretrain_bench.data.corpus_parts.clean_part."""
 from pathlib import Path
 
-from pretrain_bench.config_types import CorpusSettings
-from pretrain_bench.corpus_parts import clean_part
-from pretrain_bench.data_products import CORPUS_EXECUTION_KEYS
-from pretrain_bench.logs import log_startup
-from pretrain_bench.state_lock import stage_job_log
+from pretrain_bench.config.schema import CorpusSettings
+from pretrain_bench.core.logs import log_startup
+from pretrain_bench.data.corpus_parts import clean_part
+from pretrain_bench.data.products import CORPUS_EXECUTION_KEYS
+from pretrain_bench.train.state_lock import stage_job_log
 
 
 def main(log_path: str, folder: str, corpus: dict, cache_dir: str, *, part: int, parts: int) -> dict:
@@ -18,5 +19,5 @@ def main(log_path: str, folder: str, corpus: dict, cache_dir: str, *, part: int,
 
 
 if "snakemake" in globals():
-    main(snakemake.log[0], str(Path(snakemake.output.stats).parent), snakemake.params.corpus,  # noqa: F821
-         snakemake.params.cache_dir, part=int(snakemake.wildcards.part), parts=snakemake.params.parts)  # noqa: F821
+    main(snakemake.log[0], str(Path(snakemake.output.stats).parent), snakemake.params.corpus,
+         snakemake.params.cache_dir, part=int(snakemake.wildcards.part), parts=snakemake.params.parts)

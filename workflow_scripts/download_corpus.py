@@ -1,16 +1,16 @@
-"""Snakemake adapter for rule download_corpus: the corpus: block -> pretrain_bench.corpus.build_corpus, or, when
-the cleaning ran as part jobs, pretrain_bench.corpus_parts.merge_parts.
+"""Snakemake adapter for rule download_corpus: the corpus: block -> pretrain_bench.data.corpus.build_corpus, or, when
+the cleaning ran as part jobs, pretrain_bench.data.corpus_parts.merge_parts.
 
 The pretrain_bench library is installed into the environment (make install).
 """
 from pathlib import Path
 
-from pretrain_bench.config_types import CorpusSettings
-from pretrain_bench.corpus import build_corpus
-from pretrain_bench.corpus_parts import merge_parts
-from pretrain_bench.data_products import CORPUS_EXECUTION_KEYS
-from pretrain_bench.logs import log_startup
-from pretrain_bench.state_lock import stage_job_log
+from pretrain_bench.config.schema import CorpusSettings
+from pretrain_bench.core.logs import log_startup
+from pretrain_bench.data.corpus import build_corpus
+from pretrain_bench.data.corpus_parts import merge_parts
+from pretrain_bench.data.products import CORPUS_EXECUTION_KEYS
+from pretrain_bench.train.state_lock import stage_job_log
 
 
 def main(log_path: str, out_dir: str, corpus: dict, cache_dir: str, parts: int = 1, part_folder: str | None = None
@@ -28,6 +28,6 @@ def main(log_path: str, out_dir: str, corpus: dict, cache_dir: str, parts: int =
 
 
 if "snakemake" in globals():
-    main(snakemake.log[0], str(Path(snakemake.output.manifest).parent), snakemake.params.corpus,  # noqa: F821
-         snakemake.params.cache_dir, snakemake.params.parts,  # noqa: F821
-         str(Path(snakemake.input.parts[0]).parent) if snakemake.input.parts else None)  # noqa: F821
+    main(snakemake.log[0], str(Path(snakemake.output.manifest).parent), snakemake.params.corpus,
+         snakemake.params.cache_dir, snakemake.params.parts,
+         str(Path(snakemake.input.parts[0]).parent) if snakemake.input.parts else None)

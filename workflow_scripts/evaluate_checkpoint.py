@@ -16,11 +16,11 @@ def main(plan_path, index_path, step, export_dir, eval_path, *, settings, lock_d
     """settings: rule evaluate's (export dtype, the EvalSettings fields, and evaluate.lm_eval or None)."""
     import torch
 
-    from pretrain_bench.eval_inputs import STAMP, evaluation_stamp
-    from pretrain_bench.evaluation import EvalSettings, GenerationSettings, evaluate_export, loaded_export
-    from pretrain_bench.export import export_checkpoint
-    from pretrain_bench.io import atomic_write_json
-    from pretrain_bench.plan import Plan
+    from pretrain_bench.core.io import atomic_write_json
+    from pretrain_bench.evaluate.evaluation import EvalSettings, GenerationSettings, evaluate_export, loaded_export
+    from pretrain_bench.evaluate.export import export_checkpoint
+    from pretrain_bench.evaluate.inputs import STAMP, evaluation_stamp
+    from pretrain_bench.train.plan import Plan
 
     torch.set_num_threads(max(1, threads))
     plan = Plan.from_json(Path(plan_path))
@@ -34,12 +34,12 @@ def main(plan_path, index_path, step, export_dir, eval_path, *, settings, lock_d
     log.info("exported %s: %s", export_dir, json.dumps(info))
     with loaded_export(Path(export_dir), eval_settings.device, eval_settings.precision, Path(lock_dir)) as loaded:
         result = evaluate_export(Path(export_dir), Path(index_path), Path(eval_path), eval_settings, loaded=loaded)
-        # what decided this result, for the next run to compare (pretrain_bench/eval_inputs.py)
+        # what decided this result, for the next run to compare (pretrain_bench/evaluate/inputs.py)
         atomic_write_json(Path(eval_path), {**result, STAMP: stamp})
         log.info("held-out: loss %.4f, perplexity %.2f, bits per byte %s", result["loss"], result["perplexity"],
                  result["bits_per_byte"])
         if lm_eval:
-            from pretrain_bench.harness import run_harness
+            from pretrain_bench.evaluate.harness import run_harness
 
             summary = run_harness(loaded, Path(lm_eval_data), list(lm_eval["tasks"]), Path(lm_eval_path),
                                   limit=lm_eval["limit"], batch_size=lm_eval["batch_size"])
@@ -47,14 +47,14 @@ def main(plan_path, index_path, step, export_dir, eval_path, *, settings, lock_d
 
 
 if "snakemake" in globals():
-    from pretrain_bench.launcher import skip_unchosen_trackers
-    from pretrain_bench.logs import exit_without_teardown, job_log
+    from pretrain_bench.core.logs import exit_without_teardown, job_log
+    from pretrain_bench.train.launcher import skip_unchosen_trackers
 
     skip_unchosen_trackers(())  # this job logs to no tracker; DeepSpeed's checkpoint reader would import mlflow
 
-    with job_log(snakemake.log[0], "evaluate_checkpoint"):  # noqa: F821
-        params, inputs, outputs = snakemake.params, snakemake.input, snakemake.output  # noqa: F821
+    with job_log(snakemake.log[0], "evaluate_checkpoint"):
+        params, inputs, outputs = snakemake.params, snakemake.input, snakemake.output
         main(inputs.plan, inputs.index, params.step, outputs.export, outputs.eval, settings=params.settings,
-             lock_dir=params.lock_dir, threads=snakemake.threads,  # noqa: F821
+             lock_dir=params.lock_dir, threads=snakemake.threads,
              lm_eval_data=inputs.get("lm_eval_data"), lm_eval_path=outputs.get("lm_eval"))
     exit_without_teardown(0)  # every output is written (atomically): skip the seconds of teardown

@@ -1,9 +1,9 @@
-"""Snakemake adapter for rule index_shards: see pretrain_bench.shards.build_index."""
+"""Snakemake adapter for rule index_shards: see pretrain_bench.data.shards.build_index."""
 
 from pathlib import Path
 
-from pretrain_bench.logs import log_startup
-from pretrain_bench.shards import build_index
+from pretrain_bench.core.logs import log_startup
+from pretrain_bench.data.shards import build_index
 
 
 def main(sidecars: list[str], index_json: str) -> None:
@@ -12,7 +12,7 @@ def main(sidecars: list[str], index_json: str) -> None:
 
 
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
-    from pretrain_bench.state_lock import stage_job_log
+    from pretrain_bench.train.state_lock import stage_job_log
 
-    with stage_job_log(snakemake.log[0], "index_shards"):  # noqa: F821
-        main(snakemake.input.meta, snakemake.output.index)  # noqa: F821
+    with stage_job_log(snakemake.log[0], "index_shards"):
+        main(snakemake.input.meta, snakemake.output.index)

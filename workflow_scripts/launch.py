@@ -7,18 +7,18 @@ Inside a SLURM allocation the launcher starts itself on every node with srun; no
 `--log FILE` (what the rules pass): every attempt writes its own file beside FILE and FILE names the newest; a run
 refused because another one holds its state folder says so on the terminal and leaves the other's log alone.
 
-Thin: parses arguments and hands over to pretrain_bench.launcher (see there for devices, slots and rendezvous).
+Thin: parses arguments and hands over to pretrain_bench.train.launcher (see there for devices, slots and rendezvous).
 """
 import argparse
 import sys
 from pathlib import Path
 
-from pretrain_bench.devices import GPU_LOCK_DIR, SlotError
-from pretrain_bench.launcher import launch
-from pretrain_bench.logs import console_log
-from pretrain_bench.plan import Plan
-from pretrain_bench.settings import ConfigError
-from pretrain_bench.state_lock import StateInUse
+from pretrain_bench.config.settings import ConfigError
+from pretrain_bench.core.devices import GPU_LOCK_DIR, SlotError
+from pretrain_bench.core.logs import console_log
+from pretrain_bench.train.launcher import launch
+from pretrain_bench.train.plan import Plan
+from pretrain_bench.train.state_lock import StateInUse
 
 
 def main(argv=None) -> int:

@@ -7,8 +7,8 @@ log = logging.getLogger("pretrain_bench.lm_eval_data")
 
 
 def main(val_path, out_dir):
-    from pretrain_bench.harness import build_task_data
-    from pretrain_bench.logs import log_startup
+    from pretrain_bench.core.logs import log_startup
+    from pretrain_bench.evaluate.harness import build_task_data
 
     log_startup("first work")
     counts = build_task_data(Path(val_path), Path(out_dir))
@@ -16,7 +16,7 @@ def main(val_path, out_dir):
 
 
 if "snakemake" in globals():
-    from pretrain_bench.logs import job_log
+    from pretrain_bench.core.logs import job_log
 
-    with job_log(snakemake.log[0], "lm_eval_data"):  # noqa: F821
-        main(snakemake.input.val, snakemake.output[0])  # noqa: F821
+    with job_log(snakemake.log[0], "lm_eval_data"):
+        main(snakemake.input.val, snakemake.output[0])

@@ -7,8 +7,8 @@ log = logging.getLogger("pretrain_bench.measure_peak")
 
 
 def main(device, lock_dir, out_path):
-    from pretrain_bench.logs import log_startup
-    from pretrain_bench.peak import measure_hardware_peak
+    from pretrain_bench.bench.peak import measure_hardware_peak
+    from pretrain_bench.core.logs import log_startup
 
     log_startup("first work")
     result = measure_hardware_peak(device, Path(lock_dir))
@@ -17,7 +17,7 @@ def main(device, lock_dir, out_path):
 
 
 if "snakemake" in globals():
-    from pretrain_bench.logs import job_log
+    from pretrain_bench.core.logs import job_log
 
-    with job_log(snakemake.log[0], "measure_peak"):  # noqa: F821
-        main(snakemake.params.device, snakemake.params.lock_dir, snakemake.output.peak)  # noqa: F821
+    with job_log(snakemake.log[0], "measure_peak"):
+        main(snakemake.params.device, snakemake.params.lock_dir, snakemake.output.peak)

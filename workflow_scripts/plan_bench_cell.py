@@ -4,8 +4,8 @@ from pathlib import Path
 
 
 def main(config, cell, index, tokenizer, peak, out_dir, state_dir, plan_path, data=None):
-    from pretrain_bench.logs import log_startup
-    from pretrain_bench.plan import make_plan
+    from pretrain_bench.core.logs import log_startup
+    from pretrain_bench.train.plan import make_plan
 
     log_startup("first work")
     plan = make_plan(config, index=Path(index), tokenizer=Path(tokenizer).parent, out_dir=Path(out_dir),
@@ -15,10 +15,10 @@ def main(config, cell, index, tokenizer, peak, out_dir, state_dir, plan_path, da
 
 
 if "snakemake" in globals():
-    from pretrain_bench.logs import job_log
+    from pretrain_bench.core.logs import job_log
 
-    with job_log(snakemake.log[0], "plan_bench_cell"):  # noqa: F821
-        main(snakemake.params.config, snakemake.wildcards.cell, snakemake.input.index,  # noqa: F821
-             snakemake.input.tokenizer, snakemake.input.peak, snakemake.params.out_dir,  # noqa: F821
-             snakemake.params.state_dir,  # noqa: F821
-             snakemake.output.plan, data=snakemake.params.data)  # noqa: F821
+    with job_log(snakemake.log[0], "plan_bench_cell"):
+        main(snakemake.params.config, snakemake.wildcards.cell, snakemake.input.index,
+             snakemake.input.tokenizer, snakemake.input.peak, snakemake.params.out_dir,
+             snakemake.params.state_dir,
+             snakemake.output.plan, data=snakemake.params.data)

@@ -7,9 +7,9 @@ log = logging.getLogger("pretrain_bench.plan_pretrain")
 
 
 def main(config, index, tokenizer, peak, out_dir, state_dir, plan_path, manifest=None, data=None):
-    from pretrain_bench.logs import log_startup
-    from pretrain_bench.memory_fit import summary_line
-    from pretrain_bench.plan import make_plan
+    from pretrain_bench.core.logs import log_startup
+    from pretrain_bench.train.memory.fit import summary_line
+    from pretrain_bench.train.plan import make_plan
 
     log_startup("first work")
     plan = make_plan(config, index=Path(index), tokenizer=Path(tokenizer).parent, out_dir=Path(out_dir),
@@ -20,9 +20,9 @@ def main(config, index, tokenizer, peak, out_dir, state_dir, plan_path, manifest
 
 
 if "snakemake" in globals():
-    from pretrain_bench.logs import job_log
+    from pretrain_bench.core.logs import job_log
 
-    with job_log(snakemake.log[0], "plan_pretrain"):  # noqa: F821
-        main(snakemake.params.config, snakemake.input.index, snakemake.input.tokenizer,  # noqa: F821
-             snakemake.input.peak, snakemake.params.out_dir, snakemake.params.state_dir,  # noqa: F821
-             snakemake.output.plan, manifest=snakemake.input.manifest, data=snakemake.params.data)  # noqa: F821
+    with job_log(snakemake.log[0], "plan_pretrain"):
+        main(snakemake.params.config, snakemake.input.index, snakemake.input.tokenizer,
+             snakemake.input.peak, snakemake.params.out_dir, snakemake.params.state_dir,
+             snakemake.output.plan, manifest=snakemake.input.manifest, data=snakemake.params.data)

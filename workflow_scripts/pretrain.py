@@ -1,14 +1,15 @@
 """One training rank, started by torchrun through launch.py: `pretrain.py --plan PLAN --context JSON`, the context
-being the launcher's decisions for the job's ranks (pretrain_bench.run_context.LaunchContext). On CPU torchrun forks
-the rank from its agent and calls `main` there (pretrain_bench.forked_ranks); otherwise it runs this script."""
+being the launcher's decisions for the job's ranks (pretrain_bench.train.run_context.LaunchContext). On CPU torchrun
+forks the rank from its agent and calls `main` there (pretrain_bench.train.forked_ranks); otherwise it runs this
+script."""
 import argparse
 import os
 import sys
 from pathlib import Path
 
-from pretrain_bench.devices import die_with_parent, hardware_description
-from pretrain_bench.logs import console_log, exit_without_teardown
-from pretrain_bench.run_context import LaunchContext, pin_rank, usable_cpus
+from pretrain_bench.core.devices import die_with_parent, hardware_description
+from pretrain_bench.core.logs import console_log, exit_without_teardown
+from pretrain_bench.train.run_context import LaunchContext, pin_rank, usable_cpus
 
 
 def main(argv=None) -> int:
@@ -26,18 +27,19 @@ def main(argv=None) -> int:
     launch = args.context or LaunchContext.for_job("cpu", int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                                                    len(cpus), cpus)
     # Pinned before torch starts any thread (a rank forked from torchrun's agent has torch imported, but no thread of
-    # it running: pretrain_bench.forked_ranks): threads started later (OpenMP's, gloo's) inherit this rank's cores.
+    # it running: pretrain_bench.train.forked_ranks): threads started later (OpenMP's, gloo's) inherit this rank's
+    # cores.
     pin_rank(launch, int(os.environ.get("LOCAL_RANK", 0)))
 
-    from pretrain_bench.launcher import skip_unchosen_trackers, wait_out_stale_build_locks
-    from pretrain_bench.plan import Plan, RunContext
+    from pretrain_bench.train.launcher import skip_unchosen_trackers, wait_out_stale_build_locks
+    from pretrain_bench.train.plan import Plan, RunContext
 
     plan = Plan.from_json(args.plan)
     skip_unchosen_trackers(plan.train.loggers)  # before anything imports DeepSpeed
 
-    from pretrain_bench.checkpoint import CheckpointError
-    from pretrain_bench.rank import TrainingAborted
-    from pretrain_bench.trainer import run_training
+    from pretrain_bench.train.checkpoint import CheckpointError
+    from pretrain_bench.train.rank import TrainingAborted
+    from pretrain_bench.train.trainer import run_training
 
     wait_out_stale_build_locks()  # DeepSpeed loads its CPU op behind torch's build lock in every rank
     device = launch.device  # what the launcher resolved device_request to

@@ -1,10 +1,10 @@
-"""Snakemake adapter for rule shard_tokens: see pretrain_bench.shards.encode_shard."""
+"""Snakemake adapter for rule shard_tokens: see pretrain_bench.data.shards.encode_shard."""
 
 import os
 from pathlib import Path
 
-from pretrain_bench.logs import log_startup
-from pretrain_bench.shards import encode_shard
+from pretrain_bench.core.logs import log_startup
+from pretrain_bench.data.shards import encode_shard
 
 
 def main(corpus_jsonl: str, tokenizer_json: str, out_bin: str, out_json: str, *, split: str, shard: str,
@@ -17,9 +17,9 @@ def main(corpus_jsonl: str, tokenizer_json: str, out_bin: str, out_json: str, *,
 
 
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
-    from pretrain_bench.state_lock import stage_job_log
+    from pretrain_bench.train.state_lock import stage_job_log
 
-    with stage_job_log(snakemake.log[0], "shard_tokens"):  # noqa: F821
-        main(snakemake.input.corpus, snakemake.input.tokenizer, snakemake.output.bin, snakemake.output.meta,  # noqa: F821
-             split=snakemake.wildcards.split, shard=snakemake.wildcards.shard,  # noqa: F821
-             count=snakemake.params.shard_count, threads=snakemake.threads)  # noqa: F821
+    with stage_job_log(snakemake.log[0], "shard_tokens"):
+        main(snakemake.input.corpus, snakemake.input.tokenizer, snakemake.output.bin, snakemake.output.meta,
+             split=snakemake.wildcards.split, shard=snakemake.wildcards.shard,
+             count=snakemake.params.shard_count, threads=snakemake.threads)

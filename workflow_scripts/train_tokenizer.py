@@ -1,10 +1,10 @@
-"""Snakemake adapter for rule train_tokenizer: see pretrain_bench.tokenizer.train_tokenizer."""
+"""Snakemake adapter for rule train_tokenizer: see pretrain_bench.data.tokenizer.train_tokenizer."""
 
 import os
 from pathlib import Path
 
-from pretrain_bench.logs import log_startup
-from pretrain_bench.tokenizer import train_tokenizer
+from pretrain_bench.core.logs import log_startup
+from pretrain_bench.data.tokenizer import train_tokenizer
 
 
 def main(train_jsonl: str, tokenizer_json: str, *, vocab_size: int, train_bytes: int, path: str | None,
@@ -17,8 +17,8 @@ def main(train_jsonl: str, tokenizer_json: str, *, vocab_size: int, train_bytes:
 
 
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
-    from pretrain_bench.state_lock import stage_job_log
+    from pretrain_bench.train.state_lock import stage_job_log
 
-    with stage_job_log(snakemake.log[0], "train_tokenizer"):  # noqa: F821
-        main(snakemake.input.train, snakemake.output.tokenizer_json, vocab_size=snakemake.params.vocab_size,  # noqa: F821
-             train_bytes=snakemake.params.train_bytes, path=snakemake.params.path, threads=snakemake.threads)  # noqa: F821
+    with stage_job_log(snakemake.log[0], "train_tokenizer"):
+        main(snakemake.input.train, snakemake.output.tokenizer_json, vocab_size=snakemake.params.vocab_size,
+             train_bytes=snakemake.params.train_bytes, path=snakemake.params.path, threads=snakemake.threads)

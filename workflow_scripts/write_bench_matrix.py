@@ -7,9 +7,9 @@ log = logging.getLogger("pretrain_bench.write_bench_matrix")
 
 
 def main(matrix, model, vocab_size, grad_accum_steps, peak_path, out_path):
-    from pretrain_bench.bench_matrix import time_estimate
-    from pretrain_bench.config_types import ModelSettings
-    from pretrain_bench.logs import log_startup
+    from pretrain_bench.bench.matrix import time_estimate
+    from pretrain_bench.config.schema import ModelSettings
+    from pretrain_bench.core.logs import log_startup
 
     log_startup("first work")
     model = ModelSettings.from_config(model)
@@ -24,8 +24,8 @@ def main(matrix, model, vocab_size, grad_accum_steps, peak_path, out_path):
 
 
 if "snakemake" in globals():
-    from pretrain_bench.logs import job_log
+    from pretrain_bench.core.logs import job_log
 
-    with job_log(snakemake.log[0], "write_bench_matrix"):  # noqa: F821
-        main(snakemake.params.matrix, snakemake.params.model, snakemake.params.vocab_size,  # noqa: F821
-             snakemake.params.grad_accum_steps, snakemake.input.peak, snakemake.output.matrix)  # noqa: F821
+    with job_log(snakemake.log[0], "write_bench_matrix"):
+        main(snakemake.params.matrix, snakemake.params.model, snakemake.params.vocab_size,
+             snakemake.params.grad_accum_steps, snakemake.input.peak, snakemake.output.matrix)

@@ -40,7 +40,7 @@ def matrix_of(run):
 
 
 def runs_of(run):
-    from pretrain_bench.report import load_bench
+    from pretrain_bench.report.render import load_bench
 
     summaries = load_bench(sorted((run / "bench").glob("*/rep*/summary.json")))  # RunSummary: the files validated
     return {cell: [s.to_dict() for s in reps] for cell, reps in summaries.items()}
@@ -108,10 +108,10 @@ def _md_table(md: str, heading: str) -> list[list[str]]:
 
 
 def test_report_tables_equal_a_recomputation_from_the_summaries(run):
-    from pretrain_bench.formats import fmt_spread
-    from pretrain_bench.physical_checks import run_contention_text
-    from pretrain_bench.report import GIB, fmt
-    from pretrain_bench.tables import fmt_duration
+    from pretrain_bench.core.formats import fmt_spread
+    from pretrain_bench.report.physical_checks import run_contention_text
+    from pretrain_bench.report.render import GIB, fmt
+    from pretrain_bench.report.tables import fmt_duration
 
     md = (run / "report" / "report.md").read_text()
     html = (run / "report" / "report.html").read_text()

@@ -71,7 +71,7 @@ def test_the_searched_cells_ran_and_nothing_else_did(searched):
 
 
 def test_the_recommendation_equals_a_recomputation_from_the_cells_summaries(searched):
-    from pretrain_bench.formats import fmt, fmt_spread
+    from pretrain_bench.core.formats import fmt, fmt_spread
 
     matrix = json.loads((searched.results / "bench" / "matrix.json").read_text())
     runnable = [e["cell"] for e in matrix["cells"] if e["status"] == "run"]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pretrain_bench.data_products import missing_tokenizer_problem
+from pretrain_bench.data.products import missing_tokenizer_problem
 from support import (
     TINY_CONFIG,
     data_folders,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_bench.checkpoint import committed_steps
-from pretrain_bench.plan import Plan, make_plan
+from pretrain_bench.train.checkpoint import committed_steps
+from pretrain_bench.train.plan import Plan, make_plan
 from support import (
     crash_after_first_checkpoint,
     losses,
@@ -53,7 +53,7 @@ def test_kill_9_then_rerun_resumes_with_identical_losses(data, tmp_path):
     plan = plan_for(data, crashed, max_steps=12, rank_start="fork")  # not in the resume fingerprint
     assert run(plan, 3, tmp_path / "resume.log") == 0, (tmp_path / "resume.log").read_text()[-3000:]
     assert "-m torch.distributed.run " in (tmp_path / "crash.log").read_text()
-    assert "-m pretrain_bench.forked_ranks " in (tmp_path / "resume.log").read_text()
+    assert "-m pretrain_bench.train.forked_ranks " in (tmp_path / "resume.log").read_text()
     summary = json.loads((crashed / "out" / "summary.json").read_text())
     assert summary["resumed_from_step"] == kept[-1] and summary["resumed_from_step"] in (4, 8)
     resumed = losses(crashed)
@@ -112,7 +112,7 @@ def test_continue_from_export_eval_every_and_csv_monitor(data, tmp_path):
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pretrain_bench.loader import PackedTokens, RankBatches
+    from pretrain_bench.data.loader import PackedTokens, RankBatches
 
     config, results = data
     csv_dir = tmp_path / "csv"
@@ -132,7 +132,7 @@ def test_continue_from_export_eval_every_and_csv_monitor(data, tmp_path):
                 deepspeed={"csv_monitor": {"enabled": True, "output_path": str(csv_dir), "job_name": "tiny"}})
     assert run(plan, 2, tmp_path / "first.log") == 0, (tmp_path / "first.log").read_text()[-3000:]
     # the final export, as rule export_final makes it once training has ended
-    from pretrain_bench.export import export_checkpoint
+    from pretrain_bench.evaluate.export import export_checkpoint
 
     export_checkpoint(Plan.from_json(plan), 4, first / "out" / "hf")
     records = read_jsonl(first / "out" / "metrics.jsonl")

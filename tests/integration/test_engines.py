@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from pretrain_bench.checkpoint import committed_steps
-from pretrain_bench.checkpointer import load_fp32_state_dict
-from pretrain_bench.plan import Plan
+from pretrain_bench.train.checkpoint import committed_steps
+from pretrain_bench.train.checkpointer import load_fp32_state_dict
+from pretrain_bench.train.plan import Plan
 from support import crash_after_first_checkpoint, losses, plan_for, run
 
 pytestmark = pytest.mark.engine
@@ -63,7 +63,7 @@ def test_hf_export_of_an_fsdp_checkpoint_loads_and_scores_like_training(trained)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pretrain_bench.export import export_checkpoint
+    from pretrain_bench.evaluate.export import export_checkpoint
 
     plan = Plan.from_json(trained / "fsdp" / "plan.json")
     target = trained / "fsdp-hf"
@@ -104,7 +104,7 @@ def test_ddp_resumes_at_another_world_size_without_conversion(data, trained, tmp
 
 
 def test_keys_an_engine_cannot_honour_are_refused_before_launch(data, tmp_path):
-    from pretrain_bench.settings import ConfigError
+    from pretrain_bench.config.settings import ConfigError
 
     with pytest.raises(ConfigError, match=r"train.zero_stage 2 means nothing under train.engine ddp"):
         plan_for(data, tmp_path / "a", engine="ddp", zero_stage=2)

@@ -79,8 +79,8 @@ def test_eval_files_hold_the_contract_fields(run):
 
 
 def test_eval_loss_is_the_exports_loss_on_the_evenly_spaced_samples(run):
-    from pretrain_bench.evaluation import eval_sample_indices
-    from pretrain_bench.loader import PackedTokens
+    from pretrain_bench.data.loader import PackedTokens
+    from pretrain_bench.train.heldout import eval_sample_indices
 
     result = load_eval(run, LAST)
     model, _ = load_export(run, LAST)
@@ -115,8 +115,8 @@ DEEPSPEED_LOGITS = r"""
 import json, os, sys
 from pathlib import Path
 import deepspeed, torch
-from pretrain_bench.model import build_model, resolve_shape
-from pretrain_bench.settings import TrainSettings, deepspeed_config
+from pretrain_bench.train.models.llama import build_model, resolve_shape
+from pretrain_bench.config.settings import TrainSettings, deepspeed_config
 
 plan = json.loads(Path(sys.argv[1]).read_text())
 out, steps = sys.argv[2], [int(step) for step in sys.argv[3:]]
@@ -224,8 +224,8 @@ def test_a_missing_checkpoint_fails_naming_its_path(run):
 
 
 def test_an_incomplete_zero_checkpoint_fails_naming_its_path(run, tmp_path, monkeypatch):
-    from pretrain_bench.checkpoint import CheckpointError
-    from pretrain_bench.export import export_checkpoint
+    from pretrain_bench.evaluate.export import export_checkpoint
+    from pretrain_bench.train.checkpoint import CheckpointError
 
     monkeypatch.chdir(run["pipeline"].workdir)  # where the plan's relative paths lead, as in the run's jobs
     folder = tmp_path / "checkpoints" / f"step{FIRST}"
@@ -233,7 +233,7 @@ def test_an_incomplete_zero_checkpoint_fails_naming_its_path(run, tmp_path, monk
     shards = sorted(folder.glob("*optim_states.pt"))
     assert len(shards) == 3, "one optimizer shard per rank"
     shards[1].unlink()  # a copy that lost one rank's shard, marker and all else intact
-    from pretrain_bench.plan import Plan
+    from pretrain_bench.train.plan import Plan
 
     plan = Plan.from_json(run["results"] / "train" / "plan.json")
     plan = dataclasses.replace(plan, paths=dataclasses.replace(plan.paths, state_dir=str(tmp_path)))

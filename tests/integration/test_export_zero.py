@@ -3,9 +3,9 @@ same weights as the whole fp32 state dict cast at once."""
 import pytest
 import torch
 
-from pretrain_bench.checkpointer import load_fp32_state_dict
-from pretrain_bench.export import export_checkpoint
-from pretrain_bench.plan import Plan
+from pretrain_bench.evaluate.export import export_checkpoint
+from pretrain_bench.train.checkpointer import load_fp32_state_dict
+from pretrain_bench.train.plan import Plan
 
 pytestmark = pytest.mark.engine
 

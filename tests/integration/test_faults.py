@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_bench import checkpoint as ckpt
-from pretrain_bench.forked_ranks import FORK_SERVER_NAME
+from pretrain_bench.train import checkpoint as ckpt
+from pretrain_bench.train.forked_ranks import FORK_SERVER_NAME
 from support import (  # data: the tiny data (tests/conftest.py)
     DATA_NAME,
     LAUNCHER,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_bench.launcher import torchrun_command
-from pretrain_bench.plan import make_plan
+from pretrain_bench.train.launcher import torchrun_command
+from pretrain_bench.train.plan import make_plan
 from support import LAUNCHER, ROOT, free_port, read_jsonl  # data: the tiny data (tests/conftest.py)
 
 pytestmark = pytest.mark.engine

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pretrain_bench.plan import Plan, make_plan
+from pretrain_bench.train.plan import Plan, make_plan
 from support import losses, rank_startups, run  # the data fixture: tests/conftest.py
 
 pytestmark = pytest.mark.engine
@@ -31,7 +31,7 @@ def test_native_run_trains_to_transformers_losses_without_importing_it_and_expor
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pretrain_bench.export import export_checkpoint
+    from pretrain_bench.evaluate.export import export_checkpoint
 
     curves, startups = {}, {}
     for implementation in ("transformers", "native"):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_bench.run_context import usable_cpus
+from pretrain_bench.train.run_context import usable_cpus
 from support import plan_for, run
 
 pytestmark = pytest.mark.engine

@@ -106,7 +106,7 @@ def test_hf_export_loads_and_generates(run, data, pipeline):
     assert out.shape[1] == inputs["input_ids"].shape[1] + 8
     assert f"data id: `{pipeline.products.data_id}`" in (run / "train" / "hf" / "README.md").read_text()
     # The export holds the final checkpoint: its held-out loss equals the evaluator's on the same tokens.
-    from pretrain_bench.loader import PackedTokens
+    from pretrain_bench.data.loader import PackedTokens
 
     val = PackedTokens(data.shards / "index.json", "val", 128)
     batch = torch.from_numpy(np.stack([val[k] for k in range(4)]))
@@ -116,7 +116,7 @@ def test_hf_export_loads_and_generates(run, data, pipeline):
 
 
 def test_report_numbers_equal_summary(run, pipeline):
-    from pretrain_bench.report import GIB, fmt
+    from pretrain_bench.report.render import GIB, fmt
 
     summary = json.loads((run / "train" / "summary.json").read_text())
     md = (run / "report" / "report.md").read_text()

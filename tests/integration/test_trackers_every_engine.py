@@ -3,8 +3,8 @@ rate, tokens/s, MFU, memory, held-out loss ...) to TensorBoard, CSV, W&B (offlin
 every tracker's files hold what metrics.jsonl holds."""
 import pytest
 
-from pretrain_bench.io import read_jsonl
-from pretrain_bench.trackers import step_series
+from pretrain_bench.core.io import read_jsonl
+from pretrain_bench.train.trackers import step_series
 from support import plan_for, run
 from tracker_files import csv_series, mlflow_series, tensorboard_series, wandb_series
 

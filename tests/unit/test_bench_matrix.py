@@ -7,14 +7,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from pretrain_bench.bench.matrix import BenchSettings, Cell, cells, plan_matrix, runnable, time_estimate
+from pretrain_bench.config.experiment import load_config
+from pretrain_bench.config.schema import ModelSettings
+from pretrain_bench.config.settings import ConfigError, TrainSettings
+from pretrain_bench.core import devices
+from pretrain_bench.train.memory.model import GIB, Budget
+from pretrain_bench.train.plan import cell_train, make_plan, plan_config
 
-from pretrain_bench import devices  # noqa: E402
-from pretrain_bench.bench_matrix import BenchSettings, Cell, cells, plan_matrix, runnable, time_estimate  # noqa: E402
-from pretrain_bench.config_types import ModelSettings, load_config  # noqa: E402
-from pretrain_bench.memory_model import GIB, Budget  # noqa: E402
-from pretrain_bench.plan import cell_train, make_plan, plan_config  # noqa: E402
-from pretrain_bench.settings import ConfigError, TrainSettings  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def merged(*overlays):
@@ -137,7 +138,7 @@ def test_without_checkpointing_no_7b_cell_fits_the_articles_box(monkeypatch):
 
 
 def dry_run_matrix_line(matrix, config):
-    from pretrain_bench.bench_matrix import cost_preview, preview_text
+    from pretrain_bench.bench.matrix import cost_preview, preview_text
 
     main = TrainSettings.from_config(config["train"])
     text = preview_text(cost_preview(matrix, main, ModelSettings.from_config(config["model"]), 102_400, 165e12, "test"))
@@ -179,7 +180,7 @@ def test_a_cell_names_its_checkpointing_where_it_differs_from_the_main_run():
 
 
 def test_a_gpu_machine_plans_with_its_own_cores(monkeypatch):
-    from pretrain_bench import offload_time
+    from pretrain_bench.train.memory import offload as offload_time
 
     monkeypatch.setattr(devices, "nvidia_smi_memory", lambda: [24 * GIB] * 3)
     monkeypatch.setattr(offload_time, "usable_cores", lambda: 7)
@@ -233,7 +234,7 @@ def test_time_estimate_is_a_lower_bound_from_the_peak():
 
 
 def test_search_adds_the_setups_predicted_to_fit_up_to_the_micro_batch_limit():
-    from pretrain_bench.bench_matrix import SEARCH_MICRO_BATCH_FACTOR, judge_cell
+    from pretrain_bench.bench.matrix import SEARCH_MICRO_BATCH_FACTOR, judge_cell
 
     config = tiny(search=True, matrix={"comm_backend": ["gloo"]})
     bench = BenchSettings.from_config(config)
@@ -270,7 +271,7 @@ def test_search_adds_the_setups_predicted_to_fit_up_to_the_micro_batch_limit():
 
 
 def test_the_dry_run_lists_every_declared_cell_with_its_fate_and_reason(monkeypatch):
-    from pretrain_bench.bench_matrix import cells_text, planning_peak
+    from pretrain_bench.bench.matrix import cells_text, planning_peak
 
     matrix = articles_box_matrix(monkeypatch)
     lines = cells_text(matrix).splitlines()
@@ -312,7 +313,7 @@ def test_the_dry_run_lists_every_declared_cell_with_its_fate_and_reason(monkeypa
     # one peak per machine, as rule measure_peak takes it: the 16-bit datasheet figure for an fp32 run too
     fp32 = {**config, "train": {**config["train"], "precision": "fp32"}}
     assert planning_peak(fp32, "cuda", "x") == (flops, source)
-    from pretrain_bench.bench_matrix import cost_preview, preview_text
+    from pretrain_bench.bench.matrix import cost_preview, preview_text
 
     text = preview_text(cost_preview(matrix, TrainSettings.from_config(config["train"]),
                                      ModelSettings.from_config(config["model"]), 102_400, flops, source))
@@ -341,7 +342,7 @@ def test_a_matrix_that_measures_scaling_gets_a_plain_single_device_baseline(monk
     box = articles_box_matrix(monkeypatch)
     (plain,) = [e for e in box["cells"] if e["origin"] == "baseline"]
     assert plain["status"] == "predicted_oom" and plain["short_of"] == ["GPU memory"]
-    from pretrain_bench.bench_matrix import cells_text
+    from pretrain_bench.bench.matrix import cells_text
 
     assert (f"  {plain['cell']} [plain single-device baseline]: predicted not to fit: needs "
             in cells_text(box))

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from pretrain_bench.config.settings import ConfigError, TrainSettings, check_settings
+from pretrain_bench.core.devices import SlotError, allocate_slots, gpu_slots
+from pretrain_bench.train import checkpoint as ckpt
+from pretrain_bench.train.launcher import forks_ranks, rank_environment, torchrun_command
+from pretrain_bench.train.metrics import summarise_steps, truncate_jsonl
+from pretrain_bench.train.run_context import LaunchContext
 
-from pretrain_bench import checkpoint as ckpt  # noqa: E402
-from pretrain_bench.devices import SlotError, allocate_slots, gpu_slots  # noqa: E402
-from pretrain_bench.launcher import forks_ranks, rank_environment, torchrun_command  # noqa: E402
-from pretrain_bench.metrics import summarise_steps, truncate_jsonl  # noqa: E402
-from pretrain_bench.run_context import LaunchContext  # noqa: E402
-from pretrain_bench.settings import ConfigError, TrainSettings, check_settings  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_ckpt(root, step, commit=True):
@@ -134,7 +134,8 @@ def test_cpu_ranks_are_forked_from_torchruns_agent_and_cuda_ranks_are_fresh_inte
     exec_cmd = torchrun_command(Path("pretrain.py"), ["--plan", "p.json"], ranks=3, nodes=1, max_restarts=2)
     forked = torchrun_command(Path("pretrain.py"), ["--plan", "p.json"], ranks=3, nodes=1, max_restarts=2,
                               forked=True)
-    assert exec_cmd[1:3] == ["-m", "torch.distributed.run"] and forked[1:3] == ["-m", "pretrain_bench.forked_ranks"]
+    assert exec_cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert forked[1:3] == ["-m", "pretrain_bench.train.forked_ranks"]
     assert forked[3:] == exec_cmd[3:], "the same torchrun options, script and arguments"
     assert [forks_ranks(start, device) for start in ("auto", "fork", "exec") for device in ("cpu", "cuda")] == \
         [True, False, True, True, False, False]
@@ -160,7 +161,7 @@ def test_summary_excludes_warmup_and_resume_step(tmp_path):
 
 
 def test_pinned_memory_is_turned_off_where_torch_cannot_pin_exactly():
-    from pretrain_bench.launcher import exact_pinning
+    from pretrain_bench.train.launcher import exact_pinning
 
     # this machine's torch has no CUDA: the probe fails, so offloaded buffers are not pinned (and never rounded)
     additions, pin_memory, note = exact_pinning(dict(os.environ))
@@ -168,7 +169,7 @@ def test_pinned_memory_is_turned_off_where_torch_cannot_pin_exactly():
 
 
 def test_stale_torch_extension_locks_are_removed_fresh_ones_kept(tmp_path):
-    from pretrain_bench.launcher import clear_stale_extension_locks
+    from pretrain_bench.train.launcher import clear_stale_extension_locks
 
     stale = tmp_path / "deepspeed_shm_comm" / "lock"
     fresh = tmp_path / "cpu_adam" / "lock"
@@ -185,8 +186,8 @@ def test_stale_torch_extension_locks_are_removed_fresh_ones_kept(tmp_path):
 def test_the_launcher_finds_the_extension_cache_and_the_cpu_device_without_importing_torch(tmp_path):
     # in a fresh interpreter: the launcher runs before every rank, and importing torch there costs seconds
     code = ("import sys\n"
-            "from pretrain_bench.launcher import extension_build_root\n"
-            "from pretrain_bench.devices import resolve_device\n"
+            "from pretrain_bench.train.launcher import extension_build_root\n"
+            "from pretrain_bench.core.devices import resolve_device\n"
             "print(extension_build_root(), resolve_device('cpu'), 'torch' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
@@ -201,13 +202,13 @@ def test_the_launcher_finds_the_extension_cache_and_the_cpu_device_without_impor
 def test_ranks_load_deepspeeds_ops_from_the_environments_cache_where_make_install_built_them(monkeypatch):
     from torch.utils.cpp_extension import get_default_build_root
 
-    from pretrain_bench.launcher import extension_build_root
+    from pretrain_bench.train.launcher import extension_build_root
 
     base = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
     env = rank_environment(LaunchContext.for_job("cpu", ranks=3, cores=2), base=base)
     assert env["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
     # what `make install` runs: DeepSpeed's CPU ops are (already, after make install) in that directory
-    code = ("from pretrain_bench.launcher import build_cpu_ops; print(*build_cpu_ops())")
+    code = ("from pretrain_bench.train.launcher import build_cpu_ops; print(*build_cpu_ops())")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=base, capture_output=True, text=True, check=True)
     assert out.stdout.split()[-2:] == ["ShareMemCommBuilder", "CPUAdamBuilder"]
     root = Path(env["TORCH_EXTENSIONS_DIR"])
@@ -229,7 +230,7 @@ def test_ranks_load_deepspeeds_ops_from_the_environments_cache_where_make_instal
 def test_a_rank_gives_up_on_a_stale_build_lock_and_waits_for_a_live_one(tmp_path, monkeypatch):
     from torch.utils import file_baton
 
-    from pretrain_bench.launcher import wait_out_stale_build_locks
+    from pretrain_bench.train.launcher import wait_out_stale_build_locks
 
     monkeypatch.setattr(file_baton.FileBaton, "wait", file_baton.FileBaton.wait)  # restored after the test
     wait_out_stale_build_locks(max_age_s=60)

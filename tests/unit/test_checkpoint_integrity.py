@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain_bench import checkpoint as ckpt
-from pretrain_bench.config_types import schema_default
+from pretrain_bench.config.schema import schema_default
+from pretrain_bench.config.settings import VERIFY_MODES
+from pretrain_bench.train import checkpoint as ckpt
 from support import mounted_tmpfs, tree_digest
 
 
@@ -76,7 +77,7 @@ def test_verify_names_a_truncated_file_and_by_default_finds_any_changed_byte(tmp
     flip_byte(shard, 2 * 4096 + 10)
     with open(shard, "r+b") as handle:
         handle.truncate(size // 2)
-    for mode in ckpt.VERIFY_MODES:
+    for mode in VERIFY_MODES:
         with pytest.raises(ckpt.CheckpointError) as caught:
             ckpt.verify(tmp_path, 2, mode)
         assert f"{shard} has {size // 2:,} bytes, {size:,} were saved" in str(caught.value)

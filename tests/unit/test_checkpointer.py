@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain_bench import checkpoint as ckpt
-from pretrain_bench.checkpointer import Checkpointer, ResumePoint
-from pretrain_bench.engines import DCP_FOLDER, EngineRun, FSDPEngine, engine_state_file
-from pretrain_bench.model import ModelShape, build_model
-from pretrain_bench.settings import TrainSettings
-from pretrain_bench.step import PhaseTimer, train_step
+from pretrain_bench.config.settings import TrainSettings
+from pretrain_bench.train import checkpoint as ckpt
+from pretrain_bench.train.checkpointer import Checkpointer, ResumePoint
+from pretrain_bench.train.engines import DCP_FOLDER, EngineRun, FSDPEngine, engine_state_file
+from pretrain_bench.train.models.llama import ModelShape, build_model
+from pretrain_bench.train.step import PhaseTimer, train_step
 from support import RandomBatches
 
 SHAPE = ModelShape(1, 32, 2, 2, 64, 97)

@@ -6,11 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain_bench.compiling import COMPILE_SCOPES, CompileClock, compile_model, compile_scope
-from pretrain_bench.config import Config
-from pretrain_bench.config_types import ConfigError, ModelSettings
-from pretrain_bench.model import FLASH_INSTALL_HINT, build_model, check_attention, resolve_shape
-from pretrain_bench.settings import TrainSettings
+from pretrain_bench.config.checks import FLASH_INSTALL_HINT, check_attention
+from pretrain_bench.config.experiment import Config
+from pretrain_bench.config.schema import ConfigError, ModelSettings
+from pretrain_bench.config.settings import TrainSettings
+from pretrain_bench.train.compiling import COMPILE_SCOPES, CompileClock, compile_model, compile_scope
+from pretrain_bench.train.models.llama import build_model, resolve_shape
 from support import tiny_config
 
 SHAPE = resolve_shape("tiny", {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
@@ -103,7 +104,7 @@ def test_a_model_compiled_keeps_the_state_dict_names_and_trains_to_eagers_losses
 
 
 def test_the_compile_clock_sums_the_time_between_each_start_and_end(monkeypatch):
-    import pretrain_bench.compiling as compiling
+    import pretrain_bench.train.compiling as compiling
 
     ticks = iter([10.0, 12.5, 20.0, 20.25])
     monkeypatch.setattr(compiling.time, "perf_counter", lambda: next(ticks))

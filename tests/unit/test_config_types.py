@@ -6,9 +6,9 @@ import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from pretrain_bench.config.schema import coerce_command_line_types, fill_defaults_and_validate, load_schema
 
-from pretrain_bench.config_types import coerce_command_line_types, fill_defaults_and_validate, load_schema  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 SCHEMA = ROOT / "schemas" / "config.schema.yaml"
 
@@ -43,7 +43,7 @@ def test_values_of_the_wrong_kind_are_left_for_the_schema_to_reject():
 def test_defaults_and_errors_are_those_of_snakemakes_validate():
     from snakemake.utils import validate
 
-    from pretrain_bench.config_types import fill_defaults_and_validate, load_schema
+    from pretrain_bench.config.schema import fill_defaults_and_validate, load_schema
 
     for overlay in ({}, yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text())):
         config = yaml.safe_load((ROOT / "config.yaml").read_text())
@@ -63,10 +63,10 @@ def test_defaults_and_errors_are_those_of_snakemakes_validate():
 def test_settings_built_in_code_take_the_schemas_defaults():
     """The schema is the one place defaults are written: settings made without a config equal those read from a
     minimal config that validation filled in."""
-    from pretrain_bench.bench_matrix import BenchSettings
-    from pretrain_bench.config_types import ModelSettings, schema_defaults
-    from pretrain_bench.evaluation import EvalSettings, GenerationSettings
-    from pretrain_bench.settings import TrainSettings
+    from pretrain_bench.bench.matrix import BenchSettings
+    from pretrain_bench.config.schema import ModelSettings, schema_defaults
+    from pretrain_bench.config.settings import TrainSettings
+    from pretrain_bench.evaluate.evaluation import EvalSettings, GenerationSettings
 
     config = {"name": "t", "corpus": {"sources": [{"uri": "builtin://python-stdlib"}]}, "tokenizer": {},
               "shards": {}, "model": {"preset": "tiny"}, "train": {}, "evaluate": {"generation": {}}, "report": {},
@@ -112,8 +112,8 @@ def test_config_yaml_sets_only_what_defines_the_experiment_and_departs_from_the_
 
 
 def test_the_config_becomes_every_blocks_settings_once_and_is_checked_then():
-    from pretrain_bench.config import Config
-    from pretrain_bench.config_types import ConfigError, CorpusSettings, load_config
+    from pretrain_bench.config.experiment import Config, load_config
+    from pretrain_bench.config.schema import ConfigError, CorpusSettings
 
     config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     settings = Config.from_config(config)
@@ -132,17 +132,17 @@ def test_key_groups_are_the_fields_metadata():
     """The groups of train keys (what a resume fingerprints, what a benchmark cell drops, what trains further, what
     train.memory_fit may change) are tags on TrainSettings' fields, and the resume fingerprint they decide is the one
     earlier runs' checkpoints carry."""
-    from pretrain_bench.config_types import ModelSettings, keys_with
-    from pretrain_bench.plan import PLANNING_KEYS, Plan, RunPaths
-    from pretrain_bench.rank import resume_fingerprint
-    from pretrain_bench.run_state import fingerprint_id
-    from pretrain_bench.settings import (
+    from pretrain_bench.config.schema import ModelSettings, keys_with
+    from pretrain_bench.config.settings import (
         CELL_IRRELEVANT_KEYS,
         FIT_KEYS,
         RESUMABLE_KEYS,
         TRAINS_FURTHER_KEYS,
         TrainSettings,
     )
+    from pretrain_bench.train.plan import PLANNING_KEYS, Plan, RunPaths
+    from pretrain_bench.train.rank import resume_fingerprint
+    from pretrain_bench.train.run_state import fingerprint_id
 
     assert set(RESUMABLE_KEYS) == {
         "max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "max_restarts", "warmup_timing_steps",

@@ -1,4 +1,4 @@
-"""pretrain_bench.corpus: formats, cleaning counters, split, cap, failures, builtin and hf sources, the rule."""
+"""pretrain_bench.data.corpus: formats, cleaning counters, split, cap, failures, builtin and hf sources, the rule."""
 import gzip
 import hashlib
 import importlib.util
@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-ROOT = Path(__file__).parents[2]
+from pretrain_bench.data.corpus import CorpusError, build_corpus, jsonl_line
+from pretrain_bench.data.download import sha256_file
 
-from pretrain_bench.corpus import CorpusError, build_corpus, jsonl_line  # noqa: E402
-from pretrain_bench.download import sha256_file  # noqa: E402
+ROOT = Path(__file__).parents[2]
 
 DEFAULTS = {"max_bytes": None, "min_chars": 1, "dedup": True, "val_fraction": 0.1, "encoding_errors": "replace"}
 
@@ -106,7 +106,7 @@ def test_latin1_text_is_text_with_replacements_not_binary(tmp_path):
 
 
 def test_sources_are_checked_before_reading_naming_the_uri(tmp_path):
-    from pretrain_bench.corpus_sources import local_files
+    from pretrain_bench.data.sources import local_files
 
     (tmp_path / "fake.jsonl.gz").write_text('{"text": "not compressed"}\n')
     with pytest.raises(CorpusError, match=rf"^file://{tmp_path}/\*\.gz: {tmp_path}/fake\.jsonl\.gz is named \.gz but "
@@ -414,7 +414,7 @@ def test_manifest_records_the_sha256_of_every_local_file(tmp_path):
 
 
 def test_local_source_files_lists_what_the_workflow_declares_as_inputs(tmp_path):
-    from pretrain_bench.corpus_sources import local_source_files
+    from pretrain_bench.data.sources import local_source_files
 
     (tmp_path / "b.txt").write_text("b")
     (tmp_path / "a.txt").write_text("a")
@@ -449,7 +449,7 @@ def test_builtin_stdlib_capped_like_the_tiny_run(tmp_path):
 def test_hf_offline_without_cache_fails_fast_with_the_download_command(tmp_path):
     script = textwrap.dedent(f"""
         from pathlib import Path
-        from pretrain_bench.corpus import CorpusError, build_corpus
+        from pretrain_bench.data.corpus import CorpusError, build_corpus
         try:
             build_corpus([{{"uri": "hf://Salesforce/wikitext", "config": "wikitext-2-raw-v1", "split": "train"}}],
                          Path({str(tmp_path / "out")!r}), max_bytes=None, min_chars=1, dedup=True,
@@ -507,13 +507,13 @@ def test_script_main_logs_success_and_failure(tmp_path):
 
 
 def test_script_is_refused_while_another_process_runs_the_same_job(tmp_path):
-    from pretrain_bench.state_lock import StateInUse
+    from pretrain_bench.train.state_lock import StateInUse
 
     log = tmp_path / "logs" / "download_corpus.log"
     log.parent.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import logging, sys
-        from pretrain_bench.state_lock import stage_job_log
+        from pretrain_bench.train.state_lock import stage_job_log
         with stage_job_log({str(log)!r}, "download_corpus"):
             logging.getLogger("pretrain_bench").info("the first job is running")
             print("holding", flush=True)
@@ -542,10 +542,10 @@ def corpus_workflow(folder: Path, sources_yaml: str):
     `snakemake ARGS` there."""
     (folder / "config.yaml").write_text(f"name: t\ncorpus:\n  sources:\n{sources_yaml}  max_bytes: 300000\n")
     (folder / "Snakefile").write_text(textwrap.dedent(f"""
-        from pretrain_bench.config_types import (CorpusSettings, ShardSettings, TokenizerSettings,
+        from pretrain_bench.config.schema import (CorpusSettings, ShardSettings, TokenizerSettings,
                                                  fill_defaults_and_validate, load_schema)
-        from pretrain_bench.corpus_sources import local_source_files
-        from pretrain_bench.data_products import DataProducts
+        from pretrain_bench.data.sources import local_source_files
+        from pretrain_bench.data.products import DataProducts
         configfile: "config.yaml"
         # the corpus block validated, which fills in the defaults the rule reads (the Snakefile does this for all)
         fill_defaults_and_validate(config["corpus"],

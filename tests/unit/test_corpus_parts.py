@@ -1,4 +1,4 @@
-"""pretrain_bench.corpus_parts: the corpus cleaned as part jobs and merged equals the one a single job writes."""
+"""pretrain_bench.data.corpus_parts: the corpus cleaned as part jobs and merged equals the one a single job writes."""
 import hashlib
 import json
 import logging
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_bench.corpus import build_corpus
-from pretrain_bench.corpus_parts import clean_part, corpus_parts, merge_parts, part_paths, part_plan
-from pretrain_bench.corpus_sources import source_units
+from pretrain_bench.data.corpus import build_corpus
+from pretrain_bench.data.corpus_parts import clean_part, corpus_parts, merge_parts, part_paths, part_plan
+from pretrain_bench.data.sources import source_units
 
 SETTINGS = {"min_chars": 5, "dedup": True, "val_fraction": 0.2, "encoding_errors": "replace"}
 COUNTS = ("documents", "bytes", "train", "val", "replaced_chars", "nul_removed", "binary_skipped", "split")
@@ -134,7 +134,7 @@ def test_the_merge_copies_the_parts_lines_as_bytes_and_hashes_what_it_wrote(tmp_
 
 
 def test_the_part_jobs_and_the_merge_log_progress_with_rate_and_eta(tmp_path, monkeypatch, caplog):
-    from pretrain_bench import progress
+    from pretrain_bench.core import progress
 
     monkeypatch.setattr(progress, "INTERVAL_S", 0.0)  # a line per update instead of one per 10 s
     caplog.set_level(logging.INFO, logger="pretrain_bench")

@@ -8,7 +8,7 @@ import pytest
 
 CHECK = """
 import json, torch
-from pretrain_bench.devices import denormals_flushed, flush_denormals
+from pretrain_bench.core.devices import denormals_flushed, flush_denormals
 torch.set_num_threads(2)
 before = denormals_flushed()  # starts the intra-op threads
 denormal = torch.tensor([1e-39])

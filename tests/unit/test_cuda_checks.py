@@ -18,7 +18,7 @@ def volta(monkeypatch):
 
 
 def test_bf16_evaluation_falls_back_to_fp16_where_bf16_is_only_emulated(volta):
-    from pretrain_bench.evaluation import supported_precision
+    from pretrain_bench.evaluate.evaluation import supported_precision
 
     assert torch.cuda.is_bf16_supported(), "torch's default counts the emulation as support"
     precision, note = supported_precision("bf16", "cuda:0")
@@ -27,7 +27,7 @@ def test_bf16_evaluation_falls_back_to_fp16_where_bf16_is_only_emulated(volta):
 
 
 def test_bf16_evaluation_stays_bf16_on_ampere_and_later(volta, monkeypatch):
-    from pretrain_bench.evaluation import supported_precision
+    from pretrain_bench.evaluate.evaluation import supported_precision
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(major=9, minor=0))
     assert supported_precision("bf16", "cuda:0") == ("bf16", None)
@@ -40,7 +40,7 @@ def three_gpus_two_linked(monkeypatch):
 
 
 def test_peer_access_is_asked_for_every_ordered_pair_of_the_jobs_gpus(three_gpus_two_linked):
-    from pretrain_bench.devices import peer_access_pairs
+    from pretrain_bench.core.devices import peer_access_pairs
 
     assert peer_access_pairs(3) == [(0, 1, True), (0, 2, False), (1, 0, True), (1, 2, False), (2, 0, False),
                                     (2, 1, False)]
@@ -48,13 +48,13 @@ def test_peer_access_is_asked_for_every_ordered_pair_of_the_jobs_gpus(three_gpus
 
 
 def _in_process_probe(count, env):
-    from pretrain_bench.devices import peer_access_pairs
+    from pretrain_bench.core.devices import peer_access_pairs
 
     return peer_access_pairs(count), None
 
 
 def test_p2p_is_disabled_only_where_a_pair_of_the_jobs_gpus_lacks_peer_access(three_gpus_two_linked):
-    from pretrain_bench.launcher import nccl_peer_environment
+    from pretrain_bench.train.launcher import nccl_peer_environment
 
     additions, note = nccl_peer_environment({}, {}, 3, probe=_in_process_probe)
     assert additions == {"NCCL_P2P_DISABLE": "1"}
@@ -64,7 +64,7 @@ def test_p2p_is_disabled_only_where_a_pair_of_the_jobs_gpus_lacks_peer_access(th
 
 
 def test_a_p2p_setting_given_by_the_user_is_kept_and_one_gpu_is_not_probed():
-    from pretrain_bench.launcher import nccl_peer_environment
+    from pretrain_bench.train.launcher import nccl_peer_environment
 
     def never(count, env):
         raise AssertionError("probed although the user decided")
@@ -79,7 +79,7 @@ def test_a_p2p_setting_given_by_the_user_is_kept_and_one_gpu_is_not_probed():
 def test_a_failed_peer_probe_disables_p2p_and_names_the_failure():
     import os
 
-    from pretrain_bench.launcher import nccl_peer_environment
+    from pretrain_bench.train.launcher import nccl_peer_environment
 
     # the real probe, in a child, on this machine's torch, which sees no CUDA device
     additions, note = nccl_peer_environment({}, dict(os.environ), 2)
@@ -94,7 +94,7 @@ os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
                   MASTER_PORT=sys.argv[1])
 import torch, deepspeed
 from deepspeed.comm import comm as ds_comm
-from pretrain_bench.engines import deepspeed_comm_ms as comm_ms
+from pretrain_bench.train.engines import deepspeed_comm_ms as comm_ms
 deepspeed.init_distributed(dist_backend="gloo")
 ds_comm.configure(enabled=True, prof_all=True)  # as the comms_logger block of a measured run's ds_config
 held, totals = [], []
@@ -149,7 +149,7 @@ class TimelineEvent:
 
 
 def test_ddp_comm_on_cuda_is_timed_by_events_that_pass_when_the_all_reduce_has_finished(monkeypatch):
-    from pretrain_bench.engines import CommIntervals, CudaEventClock
+    from pretrain_bench.train.engines import CommIntervals, CudaEventClock
 
     monkeypatch.setattr(torch.cuda, "Event", TimelineEvent)
     TimelineEvent.synchronized = []
@@ -175,7 +175,7 @@ def test_ddp_comm_on_cuda_is_timed_by_events_that_pass_when_the_all_reduce_has_f
 def test_ddp_comm_on_cpu_is_the_union_of_host_clock_intervals(monkeypatch):
     import time
 
-    from pretrain_bench.engines import CommIntervals, HostClock
+    from pretrain_bench.train.engines import CommIntervals, HostClock
 
     clock = iter([0.0, 0.001, 0.004, 0.006, 0.010, 0.011])  # seconds
     monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
@@ -191,7 +191,7 @@ def test_ddp_comm_on_cpu_is_the_union_of_host_clock_intervals(monkeypatch):
 def test_the_pinning_probe_names_the_real_failure():
     import os
 
-    from pretrain_bench.launcher import exact_pinning
+    from pretrain_bench.train.launcher import exact_pinning
 
     # the real probe, in a child, on this machine's torch: it has no CUDA, and the line says so instead of blaming
     # pinned-block rounding

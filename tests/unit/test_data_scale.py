@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[2]
+from httpfixture import FixtureServer, Route
+from pretrain_bench.core import progress
+from pretrain_bench.data.corpus import CorpusError, build_corpus
+from pretrain_bench.data.download import download
 
-from httpfixture import FixtureServer, Route  # noqa: E402
-from pretrain_bench import progress  # noqa: E402
-from pretrain_bench.corpus import CorpusError, build_corpus  # noqa: E402
-from pretrain_bench.download import download  # noqa: E402
+ROOT = Path(__file__).parents[2]
 
 SETTINGS = {"min_chars": 1, "dedup": True, "val_fraction": 0.1, "encoding_errors": "replace"}
 
@@ -86,8 +86,8 @@ def test_progress_lines_with_rate_and_eta_in_every_data_stage(tmp_path, monkeypa
                for line in lines), lines
     assert any(line.startswith("cleaning (kept bytes): done") for line in lines)
 
-    from pretrain_bench.shards import encode_shard
-    from pretrain_bench.tokenizer import train_tokenizer
+    from pretrain_bench.data.shards import encode_shard
+    from pretrain_bench.data.tokenizer import train_tokenizer
 
     caplog.clear()
     train_tokenizer(tmp_path / "out" / "train.jsonl", tmp_path / "tok", vocab_size=300, train_bytes=10_000)

@@ -1,4 +1,4 @@
-"""pretrain_bench.download against a local fault-injecting HTTP server (httpfixture.py); no internet needed."""
+"""pretrain_bench.data.download against a local fault-injecting HTTP server (httpfixture.py); no internet needed."""
 import gzip
 import hashlib
 import json
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from httpfixture import FixtureServer, Route
-from pretrain_bench.corpus import CorpusError, build_corpus
-from pretrain_bench.download import DownloadError, download, http_validators
+from pretrain_bench.data.corpus import CorpusError, build_corpus
+from pretrain_bench.data.download import DownloadError, download, http_validators
 
 # ~1 MiB of non-repeating bytes: several 64 KiB stream chunks arrive before an injected drop at the halfway mark.
 BODY = b"".join(hashlib.sha256(str(i).encode()).digest() for i in range(32768))

@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain_bench import checkpoint as ckpt
-from pretrain_bench.evaluation import (
+from pretrain_bench.data.loader import PackedTokens
+from pretrain_bench.data.shards import build_index, encode_shard
+from pretrain_bench.data.tokenizer import train_tokenizer
+from pretrain_bench.evaluate.evaluation import (
     EvalSettings,
     GenerationSettings,
-    eval_sample_indices,
     evaluate_export,
     evaluate_model,
     evaluation_device,
@@ -25,12 +26,11 @@ from pretrain_bench.evaluation import (
     load_export,
     token_byte_lengths,
 )
-from pretrain_bench.export import export_hf, read_export_info
-from pretrain_bench.harness import build_task_data, last_word_example
-from pretrain_bench.loader import PackedTokens
-from pretrain_bench.model import ModelShape, build_model
-from pretrain_bench.shards import build_index, encode_shard
-from pretrain_bench.tokenizer import train_tokenizer
+from pretrain_bench.evaluate.export import export_hf, read_export_info
+from pretrain_bench.evaluate.harness import build_task_data, last_word_example
+from pretrain_bench.train import checkpoint as ckpt
+from pretrain_bench.train.heldout import eval_sample_indices
+from pretrain_bench.train.models.llama import ModelShape, build_model
 from support import (
     stdlib_texts,
     tree_digest,
@@ -222,7 +222,7 @@ def test_evaluate_export_writes_every_contract_field(run, tmp_path):
 def test_evaluation_device_on_a_machine_without_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    from pretrain_bench.devices import SlotError
+    from pretrain_bench.core.devices import SlotError
 
     with evaluation_device("auto", tmp_path) as device:
         assert device == "cpu"
@@ -258,7 +258,7 @@ def test_task_data_holds_every_val_document_and_one_example_each(run, tmp_path):
 
 
 def test_unknown_lm_eval_task_is_named(tmp_path):
-    from pretrain_bench.harness import task_manager
+    from pretrain_bench.evaluate.harness import task_manager
 
     manager = task_manager(["pretrain_bench_last_word"], tmp_path)
     assert {"pretrain_bench_last_word", "pretrain_bench_doc_perplexity"} <= set(manager.all_tasks)
@@ -267,7 +267,7 @@ def test_unknown_lm_eval_task_is_named(tmp_path):
 
 
 def test_bf16_evaluation_falls_back_to_fp16_on_gpus_without_bf16(monkeypatch):
-    from pretrain_bench.evaluation import supported_precision
+    from pretrain_bench.evaluate.evaluation import supported_precision
 
     assert supported_precision("bf16", "cpu") == ("bf16", None)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)

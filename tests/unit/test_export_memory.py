@@ -8,11 +8,11 @@ import weakref
 import pytest
 import torch
 
-from pretrain_bench import checkpoint as ckpt
-from pretrain_bench.export import cast_state_dict, export_hf
-from pretrain_bench.memory_model import RUNTIME_BYTES, export_and_evaluation_host_bytes, run_shape
-from pretrain_bench.model import ModelShape, build_model
-from pretrain_bench.settings import TrainSettings
+from pretrain_bench.config.settings import TrainSettings
+from pretrain_bench.evaluate.export import cast_state_dict, export_hf
+from pretrain_bench.train import checkpoint as ckpt
+from pretrain_bench.train.memory.model import RUNTIME_BYTES, export_and_evaluation_host_bytes, run_shape
+from pretrain_bench.train.models.llama import ModelShape, build_model
 from support import ROOT, SNAKEFILE, stdlib_texts, workflow_dir, write_jsonl
 
 
@@ -63,7 +63,7 @@ def test_names_sharing_one_tensor_share_the_cast_one():
 def test_a_bf16_export_holds_every_weight_of_the_checkpoint_cast(tmp_path):
     from safetensors.torch import load_file
 
-    from pretrain_bench.tokenizer import train_tokenizer
+    from pretrain_bench.data.tokenizer import train_tokenizer
 
     shape = ModelShape(2, 32, 2, 2, 64, 300, tie_word_embeddings=False)
     model = build_model(shape, 16, seed=3)
@@ -85,9 +85,9 @@ def test_a_bf16_export_holds_every_weight_of_the_checkpoint_cast(tmp_path):
 @pytest.fixture(scope="module")
 def default_run():
     """The default config (validated, defaults filled) and the shape of its model."""
-    from pretrain_bench.config_types import load_config
-    from pretrain_bench.memory_model import config_vocab_size
-    from pretrain_bench.plan import plan_config
+    from pretrain_bench.config.experiment import load_config
+    from pretrain_bench.train.memory.model import config_vocab_size
+    from pretrain_bench.train.plan import plan_config
 
     config = load_config(ROOT / "config.yaml")
     settings = TrainSettings.from_config(config["train"])

@@ -1,6 +1,6 @@
-"""The fork server that forked CPU ranks come from (pretrain_bench.forked_ranks): a fork of the process that starts it,
-with one thread, named in ps, which ends when that process stops it; and what torchrun's agent loads before it forks
-the ranks."""
+"""The fork server that forked CPU ranks come from (pretrain_bench.train.forked_ranks): a fork of the process that
+starts it, with one thread, named in ps, which ends when that process stops it; and what torchrun's agent loads before
+it forks the ranks."""
 import json
 import os
 import subprocess
@@ -9,7 +9,7 @@ import sys
 CODE = """
 import os, threading, time
 import psutil
-from pretrain_bench import forked_ranks
+from pretrain_bench.train import forked_ranks
 # a thread of the starting process, as torchrun's agent runs its own: not copied into the fork server
 threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
 pid = forked_ranks.start_fork_server()
@@ -41,8 +41,8 @@ def counted(self, args, *a, **k):
 subprocess.Popen.__init__ = counted
 import torch
 from deepspeed.ops.op_builder.builder import OpBuilder
-from pretrain_bench.engines.deepspeed_engine import DeepSpeedEngine
-from pretrain_bench.settings import TrainSettings
+from pretrain_bench.train.engines.deepspeed_engine import DeepSpeedEngine
+from pretrain_bench.config.settings import TrainSettings
 DeepSpeedEngine.preload(TrainSettings(zero_stage=2, offload_optimizer=sys.argv[1], device="cpu"))
 agent = {"asked": len(asked), "loaded": sorted(OpBuilder._loaded_ops)}
 read, write = os.pipe()
@@ -79,7 +79,7 @@ def test_an_offloaded_launch_loads_cpu_adam_and_asks_the_cpu_once_before_the_ran
 def test_the_cpu_is_described_once_and_left_to_deepspeeds_fallback_where_py_cpuinfo_fails(monkeypatch):
     import cpuinfo
 
-    from pretrain_bench.engines.deepspeed_engine import describe_cpu_once
+    from pretrain_bench.train.engines.deepspeed_engine import describe_cpu_once
 
     def failing():
         raise OSError("no /proc/cpuinfo")

@@ -70,7 +70,7 @@ def test_cpu_twin_predicts_rss_with_offloaded_states_and_cuda_the_allocator_peak
     ("NVIDIA GeForce RTX 3090", 71.0), ("NVIDIA GeForce RTX 3090 Ti", 80.0),
 ])
 def test_gpu_peak_table_names_the_datasheet_figure_of_each_gpu_torch_reports(name, tflops):
-    from pretrain_bench.flops import gpu_table_peak
+    from pretrain_bench.train.models.flops import gpu_table_peak
 
     for precision in ("fp16", "bf16"):
         peak, source = gpu_table_peak(name, precision)
@@ -87,7 +87,7 @@ def test_a_failed_peak_measurement_stops_the_smoke_with_the_childs_error(tmp_pat
 
 
 def test_a_run_that_cannot_be_planned_is_recorded_and_the_smoke_goes_on(monkeypatch, tmp_path):
-    from pretrain_bench.settings import ConfigError
+    from pretrain_bench.config.settings import ConfigError
 
     smoke = _smoke_module()
 
@@ -105,7 +105,7 @@ def test_a_run_that_cannot_be_planned_is_recorded_and_the_smoke_goes_on(monkeypa
 
 
 def test_default_setup_is_what_the_default_config_chooses_for_the_articles_box(monkeypatch):
-    from pretrain_bench import devices
+    from pretrain_bench.core import devices
 
     smoke = _smoke_module()
     layout, why = smoke.default_setup(smoke.default_config())
@@ -133,7 +133,7 @@ def test_zero3_offload_in_fp16_stays_in_the_smoke_beside_the_default_setup():
 
 
 def test_a_default_setup_the_pre_flight_refuses_is_reported_and_the_other_runs_go_on(monkeypatch, tmp_path):
-    from pretrain_bench.settings import ConfigError
+    from pretrain_bench.config.settings import ConfigError
 
     smoke = _smoke_module()
 

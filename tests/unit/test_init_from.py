@@ -9,12 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).parents[2]
+from pretrain_bench.config.experiment import load_config
+from pretrain_bench.config.schema import ModelSettings
+from pretrain_bench.data.tokenizer import EOS_TOKEN, adopted_tokenizer_path, save_hf_folder, train_bpe
+from pretrain_bench.train.memory.model import config_vocab_size
+from pretrain_bench.train.models.llama import (
+    InitFromError,
+    build_model,
+    llama_config,
+    load_pretrained,
+    model_shape,
+    resolve_shape,
+)
 
-from pretrain_bench.config_types import ModelSettings, load_config  # noqa: E402
-from pretrain_bench.memory_model import config_vocab_size  # noqa: E402
-from pretrain_bench.model import InitFromError, build_model, llama_config, load_pretrained, model_shape, resolve_shape  # noqa: E402
-from pretrain_bench.tokenizer import EOS_TOKEN, adopted_tokenizer_path, save_hf_folder, train_bpe  # noqa: E402
+ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +82,7 @@ def test_weights_load_exactly_and_a_grown_vocabulary_gets_mean_rows(hf_folder):
 
 def test_hf_uri_offline_fails_fast_naming_the_uri_and_the_download_command(tmp_path):
     script = textwrap.dedent("""
-        from pretrain_bench.model import InitFromError, init_from_folder
+        from pretrain_bench.data.init_from import InitFromError, init_from_folder
         try:
             init_from_folder("hf://some-org/some-model@v1.0", weights=False)
         except InitFromError as error:
@@ -93,12 +101,12 @@ def test_hf_uri_offline_fails_fast_naming_the_uri_and_the_download_command(tmp_p
 def test_an_hf_model_is_fetched_once_per_process(monkeypatch, hf_folder):
     import huggingface_hub
 
-    from pretrain_bench import model
+    from pretrain_bench.data import init_from
 
     calls = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download",
                         lambda repo, **kwargs: calls.append((repo, kwargs["revision"])) or str(hf_folder))
-    model._hf_snapshot.cache_clear()
+    init_from._hf_snapshot.cache_clear()
     try:
         # planning reads the shape once per benchmark cell
         pinned = ModelSettings(preset="tiny", init_from="hf://some-org/some-model@v1.0")
@@ -106,7 +114,7 @@ def test_an_hf_model_is_fetched_once_per_process(monkeypatch, hf_folder):
         assert shapes == [model_shape(ModelSettings(preset="tiny", init_from=str(hf_folder)), 300)] * 3
         assert calls == [("some-org/some-model", "v1.0")]
     finally:
-        model._hf_snapshot.cache_clear()
+        init_from._hf_snapshot.cache_clear()
 
 
 # --- checked before launch: the plan rule refuses weights that are missing or do not fit their config.json ---
@@ -122,7 +130,7 @@ def plan_with_init_from(folder: Path, tmp_path: Path):
     """make_plan, as rule plan_pretrain calls it, for a tiny CPU run continuing from `folder`."""
     import json
 
-    from pretrain_bench.plan import make_plan, plan_config
+    from pretrain_bench.train.plan import make_plan, plan_config
 
     config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     config["model"] = {**config["model"], "init_from": str(folder), "seq_len": 64}

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from pretrain_bench.io import atomic_write_json, atomic_write_text, read_jsonl
-from pretrain_bench.metrics import MetricsSink, truncate_jsonl
+from pretrain_bench.core.io import atomic_write_json, atomic_write_text, read_jsonl
+from pretrain_bench.train.metrics import MetricsSink, truncate_jsonl
 
 
 def test_atomic_write_replaces_whole_and_leaves_no_temporary_file(tmp_path):
@@ -79,7 +79,7 @@ def test_the_sink_drops_records_past_its_start_and_a_cut_line_so_each_step_is_wr
 
 
 def test_the_summary_counts_each_step_once_and_peak_memory_over_both_world_sizes():
-    from pretrain_bench.metrics import one_record_per_step, peak_memory_per_rank, summarise_steps
+    from pretrain_bench.train.metrics import one_record_per_step, peak_memory_per_rank, summarise_steps
 
     steps = [{**record(s), "forward_s": 0.01, "backward_s": 0.02, "optimizer_s": 0.03} for s in (1, 2, 3)]
     again = [{**r, "step_time_s": 0.2, "loss": 1.0} for r in steps[:2]]  # steps 1-2 recorded twice, in a file

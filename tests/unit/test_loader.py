@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain_bench.loader import EpochPermutation, PackedTokens, RankBatches
-from pretrain_bench.shards import build_index
+from pretrain_bench.data.loader import EpochPermutation, PackedTokens, RankBatches
+from pretrain_bench.data.shards import build_index
 
 SEQ_LEN = 8
 

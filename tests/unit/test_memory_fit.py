@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from pretrain_bench.config.experiment import load_config
+from pretrain_bench.config.settings import ConfigError, TrainSettings, deepspeed_config
+from pretrain_bench.core import devices
+from pretrain_bench.train.memory import model as memory_model
+from pretrain_bench.train.memory.fit import describe, fit_run, ladder
+from pretrain_bench.train.memory.model import GIB, Budget, estimate, run_shape
+from pretrain_bench.train.plan import make_plan, plan_config
 
-from pretrain_bench import devices, memory_model  # noqa: E402
-from pretrain_bench.config_types import load_config  # noqa: E402
-from pretrain_bench.memory_fit import describe, fit_run, ladder  # noqa: E402
-from pretrain_bench.memory_model import GIB, Budget, estimate, run_shape  # noqa: E402
-from pretrain_bench.plan import make_plan, plan_config  # noqa: E402
-from pretrain_bench.settings import ConfigError, TrainSettings, deepspeed_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -184,7 +185,7 @@ def test_the_ladder_keeps_precision_and_global_batch():
 def test_every_rung_is_settings_that_pass_the_checks(device, engine, stage, offload_optimizer, offload_param,
                                                      global_batch):
     """What train.memory_fit chooses is checked no further (plan.make_plan): every rung passes check_settings."""
-    from pretrain_bench.settings import check_settings
+    from pretrain_bench.config.settings import check_settings
 
     asked = TrainSettings(gpus=3, device=device, engine=engine, zero_stage=stage, micro_batch_size=8,
                           grad_accum_steps=2, global_batch_size=global_batch, offload_optimizer=offload_optimizer,
@@ -269,7 +270,7 @@ def test_an_adopted_tokenizer_sets_the_vocabulary_the_plan_uses(tmp_path, no_gpu
 
 BUILD_RSS = """
 import json, sys, threading
-from pretrain_bench.model import build_model, llama_config, resolve_shape
+from pretrain_bench.train.models.llama import build_model, llama_config, resolve_shape
 
 def anon():  # anonymous resident memory only: library code paged in on first use is file-backed and not counted
     for line in open("/proc/self/status"):
@@ -328,7 +329,7 @@ def test_the_kept_checkpoints_must_fit_on_disk(tmp_path, no_gpu):
 
 
 def test_small_checkpoints_are_shown_in_mib(tmp_path, no_gpu):
-    from pretrain_bench.memory_fit import checkpoint_disk
+    from pretrain_bench.train.memory.fit import checkpoint_disk
 
     config = default_config()
     config["model"] = {"preset": "tiny", "seq_len": 128, "overrides": {}}

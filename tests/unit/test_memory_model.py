@@ -7,14 +7,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from pretrain_bench.config.experiment import load_config
+from pretrain_bench.config.settings import ConfigError, TrainSettings
+from pretrain_bench.core import devices
+from pretrain_bench.train.memory import model as memory_model
+from pretrain_bench.train.memory.fit import fit_run
+from pretrain_bench.train.memory.model import GB, GIB, Budget, estimate, judge, model_state_bytes
+from pretrain_bench.train.plan import make_plan
 
-from pretrain_bench import devices, memory_model  # noqa: E402
-from pretrain_bench.config_types import load_config  # noqa: E402
-from pretrain_bench.memory_fit import fit_run  # noqa: E402
-from pretrain_bench.memory_model import GB, GIB, Budget, estimate, judge, model_state_bytes  # noqa: E402
-from pretrain_bench.plan import make_plan  # noqa: E402
-from pretrain_bench.settings import ConfigError, TrainSettings  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 PSI = 7_000_000_000
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from pretrain_bench.compiling import compile_model
-from pretrain_bench.config_types import ConfigError, ModelSettings
-from pretrain_bench.model import build_model, check_attention, llama_config, resolve_shape
-from pretrain_bench.native_llama import DecoderBlock, NativeLlamaForCausalLM
+from pretrain_bench.config.checks import check_attention
+from pretrain_bench.config.schema import ConfigError, ModelSettings
+from pretrain_bench.train.compiling import compile_model
+from pretrain_bench.train.models.llama import build_model, llama_config, resolve_shape
+from pretrain_bench.train.models.native_llama import DecoderBlock, NativeLlamaForCausalLM
 
 VOCAB, T = 97, 16
 # grouped-query attention (2 key/value heads for 4 query heads), so the kernels' head sharing is exercised too
@@ -124,7 +125,7 @@ def test_fsdp_wraps_the_native_model_per_block_and_keeps_its_logits(tmp_path):
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    from pretrain_bench.engines.fsdp import FSDPEngine
+    from pretrain_bench.train.engines.fsdp import FSDPEngine
 
     native = build_model(shape(False), T, seed=3, implementation="native")
     batch = torch.randint(0, VOCAB, (2, T))
@@ -148,7 +149,7 @@ def test_the_key_defaults_to_transformers_and_a_checkpoint_resumes_under_either_
     maths), so earlier runs' fingerprints stay as they were; the plan records it."""
     from types import SimpleNamespace
 
-    from pretrain_bench.rank import resume_fingerprint
+    from pretrain_bench.train.rank import resume_fingerprint
 
     assert ModelSettings(preset="tiny").implementation == "transformers"
     fingerprints = []
@@ -161,7 +162,7 @@ def test_the_key_defaults_to_transformers_and_a_checkpoint_resumes_under_either_
 
 
 def test_what_native_does_not_implement_is_refused_naming_the_key():
-    from pretrain_bench.config import Config
+    from pretrain_bench.config.experiment import Config
     from support import tiny_config
 
     config = tiny_config("native")
@@ -185,10 +186,11 @@ def test_a_rank_that_builds_the_native_model_never_imports_transformers():
     """In a fresh interpreter: the trainer, every engine and DeepSpeed imported, the native model built and run; then,
     in the same interpreter, transformers' class built, which the same check must see."""
     code = ("import sys\n"
-            "import deepspeed, pretrain_bench.trainer, pretrain_bench.engines.fsdp, pretrain_bench.engines.ddp\n"
-            "import pretrain_bench.engines.deepspeed_engine\n"
+            "import deepspeed, pretrain_bench.train.trainer\n"
+            "import pretrain_bench.train.engines.fsdp, pretrain_bench.train.engines.ddp\n"
+            "import pretrain_bench.train.engines.deepspeed_engine\n"
             "import torch\n"
-            "from pretrain_bench.model import build_model, resolve_shape\n"
+            "from pretrain_bench.train.models.llama import build_model, resolve_shape\n"
             "def loaded():\n"
             "    return sorted(name for name in sys.modules if name.split('.')[0] == 'transformers')\n"
             f"model = build_model(resolve_shape('tiny', None, {VOCAB}), {T}, 1, implementation='native')\n"
@@ -210,7 +212,7 @@ def test_the_preloaded_model_libraries_are_all_a_model_build_imports():
     transformers (none of it for the native class), and train.compile adds the compiler to the list."""
     code = ("import importlib, sys\n"
             "import torch\n"
-            "from pretrain_bench.model import build_model, model_libraries, resolve_shape\n"
+            "from pretrain_bench.train.models.llama import build_model, model_libraries, resolve_shape\n"
             "def loaded():\n"
             "    return {name for name in sys.modules if name.split('.')[0] == 'transformers'}\n"
             "for implementation in ('native', 'transformers'):\n"
@@ -225,7 +227,7 @@ def test_the_preloaded_model_libraries_are_all_a_model_build_imports():
     native, transformers = (line.split(" ", 2) for line in proc.stdout.split("\n")[-3:-1])
     assert native == ["native", "0", "[]"]
     assert transformers[0] == "transformers" and int(transformers[1]) > 0 and transformers[2] == "[]", transformers
-    from pretrain_bench.model import model_libraries
+    from pretrain_bench.train.models.llama import model_libraries
 
     assert set(model_libraries("native", True)) - set(model_libraries("native", False)) == {"torch._dynamo",
                                                                                            "torch._inductor.compile_fx"}
@@ -234,7 +236,7 @@ def test_the_preloaded_model_libraries_are_all_a_model_build_imports():
 def test_model_init_from_weights_load_into_the_native_model(tmp_path):
     """load_pretrained (model.init_from) copies an HF folder's safetensors into the native model as into
     transformers' class: the same logits afterwards."""
-    from pretrain_bench.model import load_pretrained
+    from pretrain_bench.train.models.llama import load_pretrained
 
     reference = build_model(shape(True), T, seed=5)
     reference.save_pretrained(tmp_path / "hf")

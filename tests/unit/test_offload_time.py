@@ -1,19 +1,19 @@
 """The wall-time prediction's offload terms: host Adam, PCIe copies and NVMe swaps per optimizer step."""
 import pytest
 
-from pretrain_bench import offload_time
-from pretrain_bench.bench_matrix import (
+from pretrain_bench.bench.matrix import (
     PREVIEW_STARTUP_S,
     RECOMPUTE_FACTOR,
     cost_preview,
     model_flops_per_token,
     preview_text,
 )
-from pretrain_bench.config_types import ModelSettings
-from pretrain_bench.memory_model import GIB
-from pretrain_bench.model import count_parameters, model_shape
-from pretrain_bench.offload_time import FORMULA, OffloadStep, offload_seconds, planned_cores, usable_cores
-from pretrain_bench.settings import TrainSettings
+from pretrain_bench.config.schema import ModelSettings
+from pretrain_bench.config.settings import TrainSettings
+from pretrain_bench.train.memory import offload as offload_time
+from pretrain_bench.train.memory.model import GIB
+from pretrain_bench.train.memory.offload import FORMULA, OffloadStep, offload_seconds, planned_cores, usable_cores
+from pretrain_bench.train.models.llama import count_parameters, model_shape
 
 PSI = 6_910_365_696  # DeepSeek-7B
 RATE, CORES, PCIE, NVME = 2e8, 16, 25e9, 3e9

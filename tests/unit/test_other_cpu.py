@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from pretrain_bench.metrics import OTHER_CPU_METHOD, OtherCpu
-from pretrain_bench.physical_checks import busy_flag
+from pretrain_bench.report.physical_checks import busy_flag
+from pretrain_bench.train.metrics import OTHER_CPU_METHOD, OtherCpu
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins processes to one core (Linux)")
 
@@ -54,7 +54,7 @@ def test_the_jobs_own_children_are_not_counted_as_others():
 
 def test_a_summary_without_the_measurement_shows_it_as_not_available_and_flags_nothing():
     """A summary.json written before provenance had `other_cpu` (its version unchanged) reads as not measured."""
-    from pretrain_bench.physical_checks import run_busy_flag, run_contention_text
+    from pretrain_bench.report.physical_checks import run_busy_flag, run_contention_text
 
     provenance = {"load_before": [3.5, 1.0, 1.0], "load_after": [4.0, 1.0, 1.0]}
     assert run_contention_text(provenance) == "1-min 3.50 before, 4.00 after, other processes n/a"

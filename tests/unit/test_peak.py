@@ -2,9 +2,9 @@
 method names exactly the matmuls it timed."""
 import re
 
-from pretrain_bench import peak
-from pretrain_bench.flops import matmul_timings
-from pretrain_bench.peak import cpu_machine_peak, cpu_matmul_peak
+from pretrain_bench.bench import peak
+from pretrain_bench.bench.peak import cpu_machine_peak, cpu_matmul_peak
+from pretrain_bench.train.models.flops import matmul_timings
 
 
 def test_a_budget_stops_the_timed_calls_early_but_never_before_the_first():
@@ -53,7 +53,7 @@ def test_the_machine_peak_is_fp32_where_bf16_is_emulated_and_the_faster_of_both_
 
 
 def test_a_bf16_cpu_run_is_told_when_its_cpu_emulates_bf16_matmuls():
-    from pretrain_bench.devices import emulated_bf16_note
+    from pretrain_bench.core.devices import emulated_bf16_note
 
     note = emulated_bf16_note("cpu", "bf16", native=lambda: False)
     assert note.startswith("train.precision bf16 on a CPU without native bf16 matmuls (oneDNN reports none; torch's "
@@ -65,7 +65,7 @@ def test_a_bf16_cpu_run_is_told_when_its_cpu_emulates_bf16_matmuls():
 
 
 def test_bf16_sizes_after_one_where_it_ran_under_half_fp32s_speed_are_left_out(monkeypatch):
-    from pretrain_bench import flops
+    from pretrain_bench.train.models import flops
 
     # seconds per call: fp32 at 1 TFLOP/s at every size; bf16 at a quarter of that at 512², then (were it timed) 4×
     # fp32's speed from 1024² on, which is what leaving it out gives up, and why only under half is left out

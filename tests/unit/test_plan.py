@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_bench import devices
-from pretrain_bench.config_types import load_config
-from pretrain_bench.plan import Plan, RunContext, make_plan, plan_config
-from pretrain_bench.run_state import plan_digest
-from pretrain_bench.settings import ConfigError
+from pretrain_bench.config.experiment import load_config
+from pretrain_bench.config.settings import ConfigError
+from pretrain_bench.core import devices
+from pretrain_bench.train.plan import Plan, RunContext, make_plan, plan_config
+from pretrain_bench.train.run_state import plan_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,7 +127,7 @@ def tiny_plan(tmp_path: Path, index: Path, **train):
 
 
 def test_a_val_split_too_small_for_eval_every_is_refused_at_plan_time(tmp_path, monkeypatch):
-    from pretrain_bench.heldout import HeldOutSlice
+    from pretrain_bench.train.heldout import HeldOutSlice
 
     monkeypatch.setattr(devices, "nvidia_smi_memory", lambda: [])
     index = val_index(tmp_path, 2 * 128 + 1)  # 2 samples for 3 ranks
@@ -152,7 +152,7 @@ def test_a_val_split_too_small_for_eval_every_is_refused_at_plan_time(tmp_path, 
 
 
 def test_only_a_raised_step_count_counts_as_training_further(tmp_path):
-    from pretrain_bench.plan import only_trains_further
+    from pretrain_bench.train.plan import only_trains_further
     from support import tiny_config
 
     config = plan_config(tiny_config("further"))

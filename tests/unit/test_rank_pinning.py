@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from pretrain_bench.launcher import rank_environment
-from pretrain_bench.run_context import LaunchContext, core_blocks, pin_rank, rank_placement, usable_cpus
+from pretrain_bench.train.launcher import rank_environment
+from pretrain_bench.train.run_context import LaunchContext, core_blocks, pin_rank, rank_placement, usable_cpus
 
 
 def test_cores_are_split_into_disjoint_blocks_of_cores_divided_by_ranks():

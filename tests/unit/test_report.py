@@ -6,13 +6,18 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from pretrain_bench.report import claims
+from pretrain_bench.report.render import (
+    GIB,
+    build_report,
+    build_tables,
+    fmt,
+)
+from pretrain_bench.report.tables import fmt_duration, spread
+from pretrain_bench.train.metrics import OTHER_CPU_METHOD
+from pretrain_bench.train.run_summary import SUMMARY_VERSION, RunSummary, SummaryError
 
-from pretrain_bench import claims  # noqa: E402
-from pretrain_bench.metrics import OTHER_CPU_METHOD  # noqa: E402
-from pretrain_bench.report import GIB, build_report, build_tables, fmt  # noqa: E402
-from pretrain_bench.run_summary import SUMMARY_VERSION, RunSummary, SummaryError  # noqa: E402
-from pretrain_bench.tables import fmt_duration, spread  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -160,7 +165,7 @@ def test_claims_are_computed_from_the_claims_data(monkeypatch):
 
 
 def test_templates_type_no_claimed_figure():
-    text = "".join(p.read_text() for p in (ROOT / "workflow_scripts/pretrain_bench/templates").glob("*.j2"))
+    text = "".join(p.read_text() for p in (ROOT / "workflow_scripts/pretrain_bench/report/templates").glob("*.j2"))
     for figure in ("1,200", "1200", "3,400", "3400", "2.8", "22 GB", "18 GB", "30%", "14 days", "3,584"):
         assert figure not in text
 
@@ -234,8 +239,8 @@ def test_durations_read_naturally(seconds, text):
 
 
 def test_an_mfu_above_100_percent_is_refused_with_the_reason():
-    from pretrain_bench.flops import model_flops_utilisation
-    from pretrain_bench.tables import mfu_text
+    from pretrain_bench.report.tables import mfu_text
+    from pretrain_bench.train.models.flops import model_flops_utilisation
 
     # a 1-rank run measured at 47.5 GFLOP/s of peak that achieved 80 GFLOP/s: 169 %, impossible
     mfu, note = model_flops_utilisation(8000.0, 1e7, 47.5e9, 1, "measured: 512² matmul")
@@ -305,7 +310,7 @@ def test_a_summary_of_another_version_or_layout_is_refused_with_the_command_that
 def test_the_frames_equal_a_recomputation_from_the_summaries():
     """Throughput, speedup, scaling efficiency, MFU, memory and communication: the report's numbers (its frames)
     recomputed here from each repeat's own figures, independently of the tables module."""
-    from pretrain_bench.tables import report_frames
+    from pretrain_bench.report.tables import report_frames
 
     peak, per_token = 5e10, 1.2e7
     speeds = {1: [1000.0, 1100.0, 1050.0], 2: [1500.0, 1700.0, 1650.0], 3: [1800.0, 2000.0, 1700.0]}
@@ -353,14 +358,14 @@ def test_the_frames_equal_a_recomputation_from_the_summaries():
 
 
 def test_formula_text_comes_from_the_memory_model(monkeypatch):
-    from pretrain_bench import memory_model
+    from pretrain_bench.train.memory import model as memory_model
 
     monkeypatch.setitem(memory_model.STATE_FORMULAS["mixed"], 2, "3Ψ + 13Ψ/N (a test's breakdown)")
     assert "2: 3Ψ + 13Ψ/N," in claims.formula_texts()["mixed"]
     by_claim = {r["claim"]: r for r in build_tables(typed(3), [], 1e12, MATRIX, RUNS)["claims"]}
     assert "ZeRO-2 (3Ψ + 13Ψ/N)" in by_claim["3 GPUs, ZeRO-2: memory per GPU"]["physics"]
     assert "model states 16Ψ → 3Ψ + 13Ψ/3" in by_claim["ZeRO-2 cuts per-card memory"]["physics"]
-    template = (ROOT / "workflow_scripts/pretrain_bench/templates/report.j2").read_text()
+    template = (ROOT / "workflow_scripts/pretrain_bench/report/templates/report.j2").read_text()
     assert "14Ψ" not in template and "16Ψ/N" not in template  # the notes print formula_texts()
 
 
@@ -490,7 +495,7 @@ def test_the_cost_is_device_hours_times_the_price():
 
 
 def test_the_dry_run_recommends_from_an_earlier_benchmark_of_the_same_hardware_and_model(tmp_path):
-    from pretrain_bench.recommendation import previous_recommendation
+    from pretrain_bench.report.recommendation import previous_recommendation
 
     def write(name, cell, rep, run):
         path = tmp_path / name / "bench" / cell / f"rep{rep}" / "summary.json"
@@ -518,7 +523,7 @@ def test_the_dry_run_recommends_from_an_earlier_benchmark_of_the_same_hardware_a
 
 
 def test_numbers_read_by_magnitude():
-    from pretrain_bench.formats import fmt_spread
+    from pretrain_bench.core.formats import fmt_spread
 
     assert fmt(1_033_970_070.3378, 4) == "1.034e9" and fmt(12_412_313_741_367_280.0, 4) == "1.241e16"
     assert fmt(1e12, 0) == "1e12" and fmt(2_557_632) == "2.558e6" and fmt(-3.5e7, 1) == "-3.5e7"
@@ -538,7 +543,7 @@ def test_numbers_read_by_magnitude():
 
 
 def test_lm_eval_figures_and_babbling_generations_read_plainly(tmp_path):
-    from pretrain_bench.tables import BABBLE_PERPLEXITY
+    from pretrain_bench.report.tables import BABBLE_PERPLEXITY
 
     (tmp_path / "summary.json").write_text(json.dumps(summary(1)))
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 8.0, "tokens_per_s": 900.0,
@@ -592,7 +597,7 @@ def test_a_series_slower_at_one_rank_than_the_fastest_1_rank_cell_is_labelled_wi
 def test_runs_on_an_emulated_precision_are_named_at_a_glance_with_their_note():
     """bf16 on a CPU without bf16 matmuls: the pretrain run and each cell whose summaries carry the note are named in
     one line per distinct note; a run without the note (fp32, or native bf16) is not named."""
-    from pretrain_bench.devices import emulated_bf16_note
+    from pretrain_bench.core.devices import emulated_bf16_note
 
     note = emulated_bf16_note("cpu", "bf16", native=lambda: False)
     emulated = RunSummary.from_dict(summary(3) | {"precision": "bf16", "precision_note": note})
@@ -608,7 +613,7 @@ def test_runs_on_an_emulated_precision_are_named_at_a_glance_with_their_note():
 
 
 def test_the_report_says_whether_the_plain_single_device_run_was_measured():
-    from pretrain_bench.report import plain_baseline_text
+    from pretrain_bench.report.render import plain_baseline_text
 
     plain = {**entry(1, 0), "cell": "ddp-ranks1-fp32-gloo", "engine": "ddp", "origin": "baseline"}
     matrix = {**MATRIX, "cells": MATRIX["cells"] + [plain]}

@@ -2,10 +2,10 @@
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from pretrain_bench.train.checkpoint import committed_steps, write_marker
+from pretrain_bench.train.run_state import fingerprint_id, mark_finished, prepare_state
 
-from pretrain_bench.checkpoint import committed_steps, write_marker  # noqa: E402
-from pretrain_bench.run_state import fingerprint_id, mark_finished, prepare_state  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 FP = {"model": {"preset": "tiny"}, "train": {"lr": 0.003, "seed": 1}, "data": "abc"}
 OTHER = {**FP, "train": {"lr": 0.001, "seed": 1}}

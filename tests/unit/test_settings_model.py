@@ -2,9 +2,9 @@ import math
 
 import pytest
 
-from pretrain_bench.flops import flops_per_token, gpu_table_peak
-from pretrain_bench.model import build_model, count_parameters, resolve_shape
-from pretrain_bench.settings import ConfigError, TrainSettings, check_settings, deepspeed_config
+from pretrain_bench.config.settings import ConfigError, TrainSettings, check_settings, deepspeed_config
+from pretrain_bench.train.models.flops import flops_per_token, gpu_table_peak
+from pretrain_bench.train.models.llama import build_model, count_parameters, resolve_shape
 
 
 def settings(**kw):
@@ -100,7 +100,7 @@ def test_adam_needs_no_compiler_unless_fused_adam_is_prebuilt():
 
 
 def test_every_run_divides_by_the_machines_one_peak():
-    from pretrain_bench.flops import plan_peak
+    from pretrain_bench.train.models.flops import plan_peak
 
     measured = {"peak_flops": 2.0e11, "peak_source": "measured: best bf16 matmul on 2 cores"}
     cpu = plan_peak(measured, None, "cpu", 3)  # three CPU ranks share the machine
@@ -112,7 +112,7 @@ def test_every_run_divides_by_the_machines_one_peak():
 
 
 def test_learning_rate_schedules():
-    from pretrain_bench.settings import learning_rate
+    from pretrain_bench.config.settings import learning_rate
 
     def rates(schedule, **kw):
         s = settings(lr=1.0, min_lr=0.1, warmup_steps=10, lr_schedule=schedule, **kw)

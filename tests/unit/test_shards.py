@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain_bench.shards import build_index, dtype_for_vocab, encode_shard, shard_byte_range
-from pretrain_bench.tokenizer import (
+from pretrain_bench.data.shards import build_index, dtype_for_vocab, encode_shard, shard_byte_range
+from pretrain_bench.data.tokenizer import (
     EOS_TOKEN,
     load_tokenizer,
     save_hf_folder,
@@ -85,7 +85,7 @@ def test_token_counts_equal_a_direct_encode(sharded, tokenizer_dir):
 def test_evaluator_byte_count_matches_the_index(sharded, tokenizer_dir):
     """Bits per byte divides by the bytes evaluation.token_byte_lengths counts: over a whole split they must be
     the corpus's UTF-8 bytes, multi-byte characters split across tokens and literal special-token text included."""
-    from pretrain_bench.evaluation import token_byte_lengths
+    from pretrain_bench.evaluate.evaluation import token_byte_lengths
 
     index = json.loads(sharded.read_text())
     lengths = token_byte_lengths(tokenizer_dir, index["vocab_size"])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pretrain_bench.step import PhaseTimer, train_step
+from pretrain_bench.train.step import PhaseTimer, train_step
 
 B, T, V = 2, 5, 11
 
@@ -91,7 +91,7 @@ def test_cpu_phases_are_wall_clock_and_sum_within_the_step():
 
 def test_on_cuda_batches_are_pinned_and_copied_without_waiting(cuda_forbidden, monkeypatch):
     """The CUDA path of to_device, on CPU: pin_memory and to(non_blocking) are recorded instead of run."""
-    from pretrain_bench.step import to_device
+    from pretrain_bench.train.step import to_device
 
     calls = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain_bench import rank as rank_module
-from pretrain_bench.checkpointer import Checkpointer
-from pretrain_bench.engines import DDPEngine, EngineRun
-from pretrain_bench.model import ModelShape, build_model
-from pretrain_bench.rank import TrainingAborted
-from pretrain_bench.settings import TrainSettings
-from pretrain_bench.step import PhaseTimer, train_step
-from pretrain_bench.trainer import Trainer
+from pretrain_bench.config.settings import TrainSettings
+from pretrain_bench.train import rank as rank_module
+from pretrain_bench.train.checkpointer import Checkpointer
+from pretrain_bench.train.engines import DDPEngine, EngineRun
+from pretrain_bench.train.models.llama import ModelShape, build_model
+from pretrain_bench.train.rank import TrainingAborted
+from pretrain_bench.train.step import PhaseTimer, train_step
+from pretrain_bench.train.trainer import Trainer
 from support import RandomBatches
 
 PACKAGE = str(Path(rank_module.__file__).parent)
@@ -136,7 +136,7 @@ def test_the_gather_carries_the_stop_flag_and_a_non_finite_loss_still_aborts_in_
 
 
 def test_deepspeed_throughput_timer_never_synchronises():
-    from pretrain_bench.settings import deepspeed_config
+    from pretrain_bench.config.settings import deepspeed_config
 
     config = deepspeed_config(TrainSettings(device="cuda", precision="fp16"), "cuda", total_steps=10)
     assert config["timers"]["throughput"] == {"enabled": False, "synchronized": False}
@@ -148,7 +148,7 @@ def test_host_copies_pin_only_where_the_launcher_allows_it(monkeypatch, allowed)
     """Batches and the step's gather reach the device through one function, which pins only where the launcher's
     probe could (LaunchContext.pin_memory false otherwise: every pin would fail, e.g. under a locked-memory limit).
     The "meta" device stands in for CUDA: a copy to it runs on a machine without a GPU."""
-    from pretrain_bench.step import to_device
+    from pretrain_bench.train.step import to_device
 
     pinned = []
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_bench.tokenizer import (
+from pretrain_bench.data.tokenizer import (
     EOS_TOKEN,
     PAD_TOKEN,
     iter_texts,

@@ -2,9 +2,9 @@
 write each step once, and a tracker whose package is missing is refused naming the key and the pip command."""
 import pytest
 
-from pretrain_bench.metrics import MetricsSink
-from pretrain_bench.settings import ConfigError, TrainSettings, check_settings
-from pretrain_bench.trackers import step_series
+from pretrain_bench.config.settings import ConfigError, TrainSettings, check_settings
+from pretrain_bench.train.metrics import MetricsSink
+from pretrain_bench.train.trackers import step_series
 from tracker_files import csv_series, mlflow_series, tensorboard_series, wandb_series
 
 LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")
@@ -92,7 +92,7 @@ def test_trackers_are_not_imported_unless_chosen(offline):
     import subprocess
     import sys
 
-    code = ("import sys\nfrom pathlib import Path\nfrom pretrain_bench.metrics import MetricsSink\n"
+    code = ("import sys\nfrom pathlib import Path\nfrom pretrain_bench.train.metrics import MetricsSink\n"
             f"root = Path({str(offline / 's')!r})\nroot.mkdir()\n"
             "with MetricsSink(root / 'm.jsonl', root, 0, loggers=('csv',)) as sink: pass\n"
             "print(sorted(m for m in ('wandb', 'mlflow', 'tensorboardX') if m in sys.modules))")

@@ -1,0 +1,56 @@
+"""Config checks the schema cannot express that need no model code: whether the chosen attention kernel can run,
+and whether the chosen trackers' packages are installed. Pure Python (no torch import), so `snakemake -n` runs them."""
+from __future__ import annotations
+
+import importlib.util
+
+from pretrain_bench.config.schema import ConfigError
+
+FLASH_ATTENTION = "flash_attention_2"
+FLASH_INSTALL_HINT = "pip install flash-attn --no-build-isolation (needs CUDA and a CUDA toolkit)"
+
+
+# The attention kernels model.implementation native runs; flash_attention_2 needs transformers' class.
+NATIVE_KERNELS = ("sdpa", "eager")
+
+
+def check_native_kernel(attn_implementation: str | None) -> None:
+    """Refuse an attention kernel the native model class does not run, naming both keys."""
+    if attn_implementation not in (None, *NATIVE_KERNELS):
+        raise ConfigError(f"model.attn_implementation {attn_implementation} runs only with model.implementation "
+                          f"transformers; model.implementation native runs {' or '.join(NATIVE_KERNELS)}")
+
+
+def check_attention(attn_implementation: str, precision: str, implementation: str = "transformers") -> None:
+    """Refuse model.attn_implementation flash_attention_2 where it cannot run: with model.implementation native
+    (which runs sdpa or eager), without the flash_attn package (checked when the workflow is planned, so
+    `snakemake -n` shows it) or in fp32, which its kernels do not take."""
+    import importlib.util
+
+    if attn_implementation != FLASH_ATTENTION:
+        return
+    if implementation == "native":
+        check_native_kernel(attn_implementation)
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError(f"model.attn_implementation {FLASH_ATTENTION} needs the flash_attn package, which is not "
+                          f"installed in this environment: {FLASH_INSTALL_HINT}; or set model.attn_implementation: "
+                          "sdpa")
+    if precision == "fp32":
+        raise ConfigError(f"model.attn_implementation {FLASH_ATTENTION} runs in bf16 or fp16, not train.precision "
+                          "fp32: set train.precision: bf16, or model.attn_implementation: sdpa")
+
+
+
+# The packages of the optional trackers and how to install them (pinned as in requirements.txt).
+OPTIONAL_PACKAGES = {"wandb": ("wandb", "wandb==0.31.0"), "mlflow": ("mlflow", "mlflow-skinny==3.17.2")}
+
+
+def missing_trackers(loggers) -> list[str]:
+    """'train.loggers <name> needs ... : pip install ...' for each chosen tracker whose package is not installed."""
+    missing = []
+    for name in loggers:
+        if name in OPTIONAL_PACKAGES and importlib.util.find_spec(OPTIONAL_PACKAGES[name][0]) is None:
+            module, pin = OPTIONAL_PACKAGES[name]
+            missing.append(f"train.loggers {name} needs the {module} package, which is not installed: "
+                           f"pip install '{pin}' (or pip install -e '.[trackers]')")
+    return missing

@@ -1,0 +1,70 @@
+"""The validated config as typed, frozen settings: one object per block, built once, right after validation.
+
+Defaults live in the schema (see `config_types`); `Config.from_config` turns a config that validation has filled in
+into the blocks' settings and rejects, naming the key, what the schema cannot express (train settings that cannot run
+together, a benchmark that times nothing). The workflow builds it once (rules/common.smk) and its rules read it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from pretrain_bench.config.checks import check_attention
+from pretrain_bench.config.schema import (
+    BenchSettings,
+    CorpusSettings,
+    EvaluateSettings,
+    ModelSettings,
+    ReportSettings,
+    ShardSettings,
+    TokenizerSettings,
+    coerce_command_line_types,
+    fill_defaults_and_validate,
+    project_schema,
+)
+from pretrain_bench.config.settings import TrainSettings, check_settings, fill_resolved_defaults
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every block of a validated config as its settings."""
+
+    name: str
+    corpus: CorpusSettings
+    tokenizer: TokenizerSettings
+    shards: ShardSettings
+    model: ModelSettings
+    train: TrainSettings
+    evaluate: EvaluateSettings
+    benchmark: BenchSettings
+    report: ReportSettings
+
+    @classmethod
+    def from_config(cls, config: dict) -> Config:
+        """From a validated config (the schema's defaults filled in); raises ConfigError. Writes into `config` the
+        defaults that depend on other keys (settings.fill_resolved_defaults), so the dict says what the settings do."""
+        fill_resolved_defaults(config)
+        model, train = ModelSettings.from_config(config["model"]), TrainSettings.from_config(config["train"])
+        check_settings(train, seq_len=model.seq_len)
+        check_attention(model.attn_implementation, train.precision, model.implementation)
+        return cls(name=config["name"], corpus=CorpusSettings.from_config(config["corpus"]),
+                   tokenizer=TokenizerSettings.from_config(config["tokenizer"]),
+                   shards=ShardSettings.from_config(config["shards"]), model=model, train=train,
+                   evaluate=EvaluateSettings.from_config(config["evaluate"]),
+                   benchmark=BenchSettings.from_config(config), report=ReportSettings.from_config(config["report"]))
+
+
+def load_config(*paths: Path | str) -> dict:
+    """The config of `snakemake --configfile <paths...>` after validation: the files merged in order, mapping into
+    mapping as Snakemake merges them (snakemake.utils.update_config), with the schema's defaults filled in.
+    For code outside the workflow (tests, tools) that needs the config the workflow sees (defaults that depend on
+    other keys resolved as Config.from_config resolves them)."""
+    from snakemake.utils import update_config
+
+    config: dict = {}
+    for path in paths:
+        update_config(config, yaml.safe_load(Path(path).read_text()) or {})
+    schema = project_schema()
+    return fill_resolved_defaults(fill_defaults_and_validate(coerce_command_line_types(config, schema), schema))

@@ -1,0 +1,165 @@
+"""Where the data products live: the corpus, the tokenizer and the token shards belong to the settings that shape
+them, not to a run's name, so every run with equal data settings shares one copy.
+
+Each stage's folder is named by a short digest of exactly the settings that shape that stage, and sits inside the
+folder of the stage it reads from:
+
+    results/data/corpus-<c>/                                  train.jsonl, val.jsonl, manifest.json
+    results/data/corpus-<c>/tokenizer-<t>/                    tokenizer.json and the HF tokenizer files
+    results/data/corpus-<c>/tokenizer-<t>/shards-<s>/         {train,val}-NNNNN.bin + .json sidecars, index.json
+
+<c> digests corpus.sources (with their pins), the cleaning keys and the split; <t> the tokenizer keys (or the adopted
+tokenizer's path); <s> the shard layout. Nesting gives each product its inputs' ids too: a tokenizer edit makes a new
+tokenizer (and shards) beside the same corpus, which is not cleaned again. The run's data id is the shards folder
+relative to results/data (`corpus-<c>/tokenizer-<t>/shards-<s>`): it names every product the run reads. Editing a
+data key makes a new id and leaves the old folders as they are. Keys that do not change the result (corpus.jobs, how
+many processes clean) are left out of the digest.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pretrain_bench.config.schema import CorpusSettings, ShardSettings, TokenizerSettings
+
+# Part of every digest: raise it when a stage writes something else for the same settings, so that no folder
+# written by the old code is taken for the new one's.
+LAYOUT_VERSION = 1
+ID_HEX_DIGITS = 10
+# corpus.* keys that say how the corpus is built, not what it holds: never part of its id.
+CORPUS_EXECUTION_KEYS = ("jobs",)
+
+
+def settings_digest(stage: str, settings: dict) -> str:
+    """The first ID_HEX_DIGITS hex digits of the sha256 of `settings` as canonical JSON (sorted keys)."""
+    text = json.dumps({"stage": stage, "layout": LAYOUT_VERSION, "settings": settings}, sort_keys=True,
+                      separators=(",", ":"), default=list)
+    return hashlib.sha256(text.encode()).hexdigest()[:ID_HEX_DIGITS]
+
+
+def corpus_shaping(corpus: CorpusSettings) -> dict:
+    """The corpus keys its content depends on: all but CORPUS_EXECUTION_KEYS, and the mixture's seed only when the
+    sources form a mixture (it orders nothing otherwise)."""
+    shaping = {key: value for key, value in corpus.as_dict().items() if key not in CORPUS_EXECUTION_KEYS}
+    if not any(source.get("weight") is not None for source in shaping["sources"]):
+        shaping.pop("seed", None)
+    return shaping
+
+
+def tokenizer_shaping(tokenizer: TokenizerSettings, adopted: str | None) -> dict:
+    """The tokenizer keys its files depend on: the adopted tokenizer's path, or the BPE's size and sample."""
+    if adopted:
+        return {"adopted": str(adopted)}
+    return {"vocab_size": tokenizer.vocab_size, "train_bytes": tokenizer.train_bytes}
+
+
+@dataclass(frozen=True)
+class DataProducts:
+    """The ids of one config's corpus, tokenizer and shards, and the paths they give."""
+
+    corpus_id: str
+    tokenizer_id: str
+    shards_id: str
+
+    @classmethod
+    def from_settings(cls, corpus: CorpusSettings, tokenizer: TokenizerSettings, shards: ShardSettings,
+                      adopted_tokenizer: str | None) -> DataProducts:
+        return cls(corpus_id=settings_digest("corpus", corpus_shaping(corpus)),
+                   tokenizer_id=settings_digest("tokenizer", tokenizer_shaping(tokenizer, adopted_tokenizer)),
+                   shards_id=settings_digest("shards", shards.as_dict()))
+
+    @classmethod
+    def from_config(cls, config: dict) -> DataProducts:
+        """The data products of a validated config (for code outside the workflow: tests, tools)."""
+        from pretrain_bench.data.tokenizer import adopted_tokenizer_path
+
+        return cls.from_settings(CorpusSettings.from_config(config["corpus"]),
+                                 TokenizerSettings.from_config(config["tokenizer"]),
+                                 ShardSettings.from_config(config["shards"]), adopted_tokenizer_path(config))
+
+    @property
+    def data_id(self) -> str:
+        """The shards folder relative to results/data: names the corpus, tokenizer and shards a run reads."""
+        return self.shards.removeprefix("data/")
+
+    # Each product's folder relative to results/ (and to logs/ and benchmarks/, which mirror it).
+    @property
+    def corpus(self) -> str:
+        return f"data/corpus-{self.corpus_id}"
+
+    @property
+    def tokenizer(self) -> str:
+        return f"{self.corpus}/tokenizer-{self.tokenizer_id}"
+
+    @property
+    def shards(self) -> str:
+        return f"{self.tokenizer}/shards-{self.shards_id}"
+
+    @property
+    def manifest(self) -> str:
+        return f"results/{self.corpus}/manifest.json"
+
+    @property
+    def tokenizer_json(self) -> str:
+        return f"results/{self.tokenizer}/tokenizer.json"
+
+    @property
+    def index(self) -> str:
+        return f"results/{self.shards}/index.json"
+
+    def record(self) -> dict:
+        """What a run's plan, summary and model card say of its data: the id and each product's folder."""
+        return {"data_id": self.data_id, "corpus": f"results/{self.corpus}", "tokenizer": f"results/{self.tokenizer}",
+                "shards": f"results/{self.shards}"}
+
+
+def missing_tokenizer_problem(path: str | None, trained: DataProducts) -> str | None:
+    """Why tokenizer.path cannot be adopted yet when it names a missing folder under results/ where a tokenizer is a
+    data product, with the target that builds it; None otherwise (it exists, lies outside results/, or names another
+    run's output, such as its HF export, which the workflow checks as such). `trained`: the data products of this
+    config with tokenizer.path left out, whose tokenizer is the one its own corpus and tokenizer settings train.
+
+    Two such places: a tokenizer folder under results/data/ that no run has built yet, and results/<run>/tokenizer,
+    where a run kept its tokenizer before tokenizers became data products."""
+    if not path or path.startswith("hf://"):
+        return None
+    folder = Path(path.removeprefix("file://"))
+    try:
+        parts = folder.resolve().relative_to(Path("results").resolve()).parts
+    except ValueError:
+        return None
+    if folder.exists() or len(parts) < 2:
+        return None
+    own = f"results/{trained.tokenizer}"
+    if parts[0] == "data":
+        product = "/".join(parts[:3])
+        build = ("leave tokenizer.path out: this config's own corpus and tokenizer settings train it"
+                 if f"results/{product}" == own else
+                 "build it with the config files whose corpus and tokenizer settings give that id:\n  snakemake "
+                 f"--cores all --configfile <those config files> -- results/{product}/tokenizer.json")
+        return f"tokenizer.path {path}: no run has built that tokenizer yet (no {folder}); {build}"
+    if parts[1] != "tokenizer":
+        return None
+    run = parts[0]
+    where = (f"tokenizer.path {path}: run {run!r} keeps no tokenizer there; a tokenizer is a data product, under "
+             "results/data/corpus-<c>/tokenizer-<t>/ by the digest of the settings that shape it, shared by every "
+             "run with the same data settings")
+    recorded = _planned_tokenizer(Path("results", run, "train", "plan.json"))
+    if recorded:
+        return f"{where}. Run {run!r} reads {recorded}: set tokenizer.path to that folder"
+    build = "" if Path(own).exists() else (
+        f", built by: snakemake --cores all --configfile <this config's files> -- {own}/tokenizer.json")
+    return (f"{where}. If run {run!r} has this config's corpus and tokenizer settings, its tokenizer is {own}{build}; "
+            f"otherwise build run {run!r}'s with its config files and set tokenizer.path to the folder Snakemake "
+            f"names:\n  snakemake --cores all --configfile <its config files> --config name={run} --until "
+            "train_tokenizer")
+
+
+def _planned_tokenizer(plan: Path) -> str | None:
+    """The tokenizer folder a run's plan.json names (its data record), None without one."""
+    try:
+        return json.loads(plan.read_text())["data"]["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

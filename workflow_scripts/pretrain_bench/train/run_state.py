@@ -1,0 +1,194 @@
+"""Which training run the state folder holds, and what a rerun does with it.
+
+results/<name>/state/ holds one run's resumable state (checkpoints/, metrics.jsonl, tensorboard/), outside the
+pretrain rule's declared outputs. ACTIVE.json names the run it belongs to by its resume fingerprint (what must not
+change between a checkpoint and the run that resumes it: model, data, and the train settings that shape the
+weights). When the pretrain job starts, rank 0 decides before anything loads:
+
+- same fingerprint, not finished (or finished with fewer steps than now asked): resume from the newest checkpoint
+  — a compatible edit such as more `train.max_steps` continues the run;
+- another fingerprint (learning rate, model shape, data … changed): the old run moves, whole, to
+  state/runs/<its fingerprint id>/ and training starts fresh; a later edit back to those settings moves it back
+  and resumes it;
+- same fingerprint, another world size (train.gpus × train.nodes) than its newest checkpoint: with
+  `train.allow_reshape` an unfinished run resumes at the new size; otherwise, or when it had finished, the old run
+  moves to state/runs/<id>-world<its size>/ and training starts fresh (an edit back to that size resumes it);
+- same fingerprint and already finished at exactly the steps now asked (outputs deleted or marked incomplete,
+  `--forcerun pretrain`, or an edit where the weights do not change, say `train.warmup_timing_steps`): it is never
+  trained again; the run resumes at its final checkpoint and rewrites its outputs. Only when the plan changed and
+  keeps checkpoints the run does not have (`train.checkpoint_every` edited) does it move to
+  state/runs/<id>-<UTC time>/ and train again. To train the same settings again from step 0, move the state
+  folder away first.
+
+Nothing is deleted; every move is logged with both paths.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+from pretrain_bench.core.io import atomic_write_json
+from pretrain_bench.train.checkpoint import committed_steps, read_marker
+
+ACTIVE = "ACTIVE.json"
+FINISHED = "FINISHED.json"
+# What belongs to one run; run.lock (held by the running job) and nvme/ (scratch) stay where they are.
+RUN_ITEMS = ("checkpoints", "metrics.jsonl", "tensorboard", ACTIVE, FINISHED)
+
+
+def fingerprint_id(fingerprint: dict) -> str:
+    """A short, stable name for a fingerprint (folder names, logs)."""
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _held_fingerprint(state_dir: Path) -> dict | None:
+    """The fingerprint of the run the state folder holds: ACTIVE.json, else the newest checkpoint's marker."""
+    active = state_dir / ACTIVE
+    if active.is_file():
+        return json.loads(active.read_text())["fingerprint"]
+    steps = committed_steps(state_dir / "checkpoints")
+    return read_marker(state_dir / "checkpoints", steps[-1])["fingerprint"] if steps else None
+
+
+def held_world_size(state_dir: Path) -> int | None:
+    """The world size the newest committed checkpoint in `state_dir` was saved with (None: no checkpoint)."""
+    steps = committed_steps(Path(state_dir) / "checkpoints")
+    return read_marker(Path(state_dir) / "checkpoints", steps[-1]).get("world_size") if steps else None
+
+
+def _holds_anything(state_dir: Path) -> bool:
+    return any((state_dir / item).exists() for item in RUN_ITEMS)
+
+
+def _move_run(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for item in RUN_ITEMS:
+        if (src / item).exists():
+            os.replace(src / item, dst / item)
+
+
+def _free_name(path: Path) -> Path:
+    """`path`, or `path`-<UTC time> when that is taken."""
+    return path.with_name(f"{path.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}") if path.exists() else path
+
+
+def _finished_steps(state_dir: Path) -> int | None:
+    finished = state_dir / FINISHED
+    return json.loads(finished.read_text())["steps"] if finished.is_file() else None
+
+
+def changed_parts(old: dict, new: dict) -> list[str]:
+    """'train.lr', 'model', 'data' … : what differs between two fingerprints."""
+    parts = []
+    for key in sorted(set(old) | set(new)):
+        if isinstance(old.get(key), dict) and isinstance(new.get(key), dict):
+            parts += [f"{key}.{k}" for k in sorted(set(old[key]) | set(new[key])) if old[key].get(k) != new[key].get(k)]
+        elif old.get(key) != new.get(key):
+            parts.append(key)
+    return parts
+
+
+def prepare_state(state_dir: Path, fingerprint: dict, total_steps: int, digest: str, needed_steps: list[int],
+                  world_size: int, allow_reshape: bool = False) -> list[str]:
+    """Make `state_dir` hold the run this fingerprint resumes (or nothing, to start fresh); returns log lines.
+
+    Rank 0 only, with the state lock held, before any rank reads a checkpoint.
+    """
+    state_dir = Path(state_dir)
+    runs, new_id = state_dir / "runs", fingerprint_id(fingerprint)
+    held = _held_fingerprint(state_dir) if _holds_anything(state_dir) else None
+    held_size = held_world_size(state_dir)
+    if _holds_anything(state_dir) and held != fingerprint:
+        messages = [_set_aside_other_settings(state_dir, held, fingerprint)]
+    elif held_size is not None and held_size != world_size:
+        messages = [_world_size_changed(state_dir, new_id, held_size, world_size, allow_reshape,
+                                        _finished_steps(state_dir) == total_steps)]
+    elif _finished_steps(state_dir) == total_steps:
+        messages = [_finished_run(state_dir, new_id, total_steps, digest, needed_steps)]
+    else:
+        messages = []
+    if not _holds_anything(state_dir):
+        messages += _bring_back(runs, new_id, world_size, allow_reshape, state_dir)
+    # Nothing else is written: a run refused after this (say, a checkpoint beyond train.max_steps) leaves the folder
+    # as it was. FINISHED.json stays until this job finishes and rewrites it; it only counts for its exact step count.
+    active = {"fingerprint": fingerprint, "id": new_id}
+    if not (state_dir / ACTIVE).is_file() or json.loads((state_dir / ACTIVE).read_text()) != active:
+        atomic_write_json(state_dir / ACTIVE, active, sort_keys=True)
+    return messages
+
+
+def _set_aside_other_settings(state_dir: Path, held: dict | None, fingerprint: dict) -> str:
+    """Another fingerprint: the held run moves to runs/<its id>/."""
+    old_id = fingerprint_id(held) if held else "unknown"
+    target = _free_name(state_dir / "runs" / old_id)
+    _move_run(state_dir, target)
+    what = ", ".join(changed_parts(held, fingerprint)) if held else "no fingerprint recorded"
+    return (f"the settings changed since the run in {state_dir} ({what}): that run is kept in {target}; this run "
+            f"({fingerprint_id(fingerprint)}) starts fresh")
+
+
+def _world_size_changed(state_dir: Path, new_id: str, held_size: int, world_size: int, allow_reshape: bool,
+                        finished: bool) -> str:
+    """Same settings at another world size: resume reshaped (train.allow_reshape, unfinished), else set it aside."""
+    if allow_reshape and not finished:
+        return (f"the run in {state_dir} was saved at world size {held_size}, this run has {world_size} "
+                "(train.gpus × train.nodes): resuming it reshaped (train.allow_reshape)")
+    target = _free_name(state_dir / "runs" / f"{new_id}-world{held_size}")
+    _move_run(state_dir, target)
+    why = ("it had finished, so there is nothing to continue" if allow_reshape else
+           "set train.allow_reshape: true to continue it at the new size instead")
+    return (f"the world size changed since the run in {state_dir} (train.gpus × train.nodes: {held_size} → "
+            f"{world_size}): that run is kept in {target} and resumes when the world size is {held_size} again; "
+            f"this run ({new_id}) starts fresh ({why})")
+
+
+def _finished_run(state_dir: Path, new_id: str, total_steps: int, digest: str, needed_steps: list[int]) -> str:
+    """Same settings, finished at exactly these steps: rewrite the outputs from the final checkpoint, unless the plan
+    keeps checkpoints the run never saved (train.checkpoint_every edited); then it trains again beside the old run."""
+    finished = json.loads((state_dir / FINISHED).read_text())
+    kept = set(committed_steps(state_dir / "checkpoints"))
+    if finished.get("plan_digest") == digest or set(needed_steps) <= kept:
+        how = ("resuming at its final checkpoint to rewrite the outputs, no step is trained again"
+               if total_steps in kept else
+               f"its final checkpoint is gone, so the steps after {max(kept, default=0)} (its newest) are trained "
+               "again")
+        return (f"the run in {state_dir} already finished step {total_steps}: {how} (to train from step 0 instead, "
+                f"move {state_dir} away first)")
+    target = state_dir / "runs" / f"{new_id}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    _move_run(state_dir, target)
+    return (f"the run in {state_dir} already finished step {total_steps}, but the plan keeps checkpoints "
+            f"{sorted(set(needed_steps) - kept)} that it does not have: training again from scratch; the finished "
+            f"run is kept in {target}")
+
+
+def _bring_back(runs: Path, new_id: str, world_size: int, allow_reshape: bool, state_dir: Path) -> list[str]:
+    """Move a kept run of these settings back into the empty `state_dir`: the one set aside at this world size,
+    else the one set aside for other settings, when its world size is this one (or train.allow_reshape)."""
+    for kept in (runs / f"{new_id}-world{world_size}", runs / new_id):
+        if not kept.is_dir():
+            continue
+        size = held_world_size(kept)
+        if size is not None and size != world_size and not allow_reshape:
+            continue
+        _move_run(kept, state_dir)
+        kept.rmdir()
+        return [f"these settings were trained before: resuming the run kept in {kept}"]
+    return []
+
+
+def mark_finished(state_dir: Path, steps: int, digest: str) -> None:
+    """Record that the run in `state_dir` completed `steps` steps under the plan with this digest."""
+    atomic_write_json(Path(state_dir) / FINISHED, {"steps": steps, "plan_digest": digest, "finished_at": time.time()},
+                      sort_keys=True)
+
+
+def plan_digest(plan) -> str:
+    """Digest of a plan (a Plan) as the plan rule wrote it."""
+    written = plan.to_dict()
+    return hashlib.sha256(json.dumps(written, sort_keys=True, default=str).encode()).hexdigest()
+
+
+__all__ = ["changed_parts", "fingerprint_id", "held_world_size", "mark_finished", "plan_digest", "prepare_state"]
