@@ -33,8 +33,8 @@ def build(variant: str, implementation: str):
     seeded weights (compiled lazily, at its first step)."""
     import torch
 
-    from pretrain_bench.config.settings import TORCH_ADAMW_KWARGS
     from pretrain_bench.train.compiling import compile_model
+    from pretrain_bench.train.engines.spec import TORCH_ADAMW_KWARGS
     from pretrain_bench.train.models.llama import build_model, resolve_shape
 
     model = build_model(resolve_shape("tiny", MODEL_OVERRIDES, VOCAB), SEQ_LEN, SEED, implementation=implementation)

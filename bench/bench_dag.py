@@ -71,7 +71,7 @@ def snakemake_alone(runs: int) -> dict:
 
 def main(out: Path, runs: int = 5) -> dict:
     from pretrain_bench.bench.matrix import plan_matrix
-    from pretrain_bench.config.experiment import load_config
+    from pretrain_bench.workflow.experiment import load_config
 
     config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     config["train"]["device"] = "cuda"

@@ -51,8 +51,8 @@ MODEL_OVERRIDES = {"hidden_size": 384, "num_attention_heads": 6, "num_key_value_
 def build_data() -> tuple[dict, Path, Path]:
     """The tiny config with the bench's model, and its shards' index.json and tokenizer folder (built by Snakemake
     under results/data/ where missing)."""
-    from pretrain_bench.config.experiment import load_config
     from pretrain_bench.data.products import DataProducts
+    from pretrain_bench.workflow.experiment import load_config
 
     config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     config["name"] = NAME
@@ -245,8 +245,8 @@ def model_class(config: dict, data: tuple[Path, Path], steps: int, warmup: int, 
     import torch
     import torch.nn.functional as F
 
-    from pretrain_bench.config.settings import TORCH_ADAMW_KWARGS
     from pretrain_bench.data.loader import PackedTokens, RankBatches
+    from pretrain_bench.train.engines.spec import TORCH_ADAMW_KWARGS
     from pretrain_bench.train.models.llama import build_model, resolve_shape
 
     torch.set_num_threads(os.cpu_count())
@@ -335,11 +335,12 @@ def reference_loop(config: dict, data: tuple[Path, Path], steps: int, warmup: in
     import torch
     import torch.nn.functional as F
 
-    from pretrain_bench.config.settings import TORCH_ADAMW_KWARGS, TrainSettings
     from pretrain_bench.core.devices import denormals_flushed, flush_denormals
     from pretrain_bench.data.loader import PackedTokens, RankBatches
     from pretrain_bench.train.engines.base import lr_schedule
+    from pretrain_bench.train.engines.spec import TORCH_ADAMW_KWARGS
     from pretrain_bench.train.models.llama import resolve_shape
+    from pretrain_bench.train.settings import TrainSettings
 
     torch.set_num_threads(os.cpu_count())
     if flush:

@@ -5,7 +5,7 @@ learning-rate schedule) at one rank, CPU, fp32, compile off:
 
 - plain: bench_trainer's hand-written loop (forward, loss, backward, clip, fused AdamW, zero_grad);
 - bare DeepSpeed (`bare_deepspeed_loop`): a minimal hand-written loop around `deepspeed.initialize` with the same
-  ds_config the trainer hands DeepSpeed (pretrain_bench.config.settings.deepspeed_config, so the same ZeRO settings and
+  ds_config the trainer hands DeepSpeed (pretrain_bench.train.settings.deepspeed_config, so the same ZeRO settings and
   the same torch AdamW), the same model and nothing of our trainer: forward, loss, `engine.backward`, `engine.step`,
   the loss read each step;
 - our trainer (bench_trainer's run through the launcher, as a benchmark cell runs).
@@ -62,12 +62,13 @@ def bare_deepspeed_loop(config: dict, data: tuple[Path, Path], steps: int, warmu
     import torch
     import torch.nn.functional as F
 
-    from pretrain_bench.config.settings import TrainSettings, deepspeed_config
     from pretrain_bench.core.devices import flush_denormals
     from pretrain_bench.data.loader import PackedTokens, RankBatches
     from pretrain_bench.train.engines.base import lr_schedule
     from pretrain_bench.train.engines.deepspeed_engine import skip_muon_import
+    from pretrain_bench.train.engines.spec import deepspeed_config
     from pretrain_bench.train.models.llama import build_model, resolve_shape
+    from pretrain_bench.train.settings import TrainSettings
 
     torch.set_num_threads(os.cpu_count())
     flush_denormals()  # as the trainer's CPU ranks and the plain loop do (bench_trainer --loop-denormals flush)

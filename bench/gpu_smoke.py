@@ -91,10 +91,10 @@ LAYOUT_KEYS = ("engine", "zero_stage", "offload_optimizer", "offload_param", "ac
 def default_setup(config: dict) -> tuple[dict, str]:
     """(layout, why): the train layout (LAYOUT_KEYS) the pre-flight chooses for `config`'s main run on the
     articles' box, and the pre-flight's one-line summary of that choice."""
-    from pretrain_bench.config.settings import TrainSettings
     from pretrain_bench.train.memory.fit import fit_run
     from pretrain_bench.train.memory.model import planned_budget
     from pretrain_bench.train.plan import plan_config
+    from pretrain_bench.train.settings import TrainSettings
 
     train = {**config["train"], "device": "cuda"}  # the articles' box has GPUs, whatever train.device says
     chosen, record = fit_run(plan_config({**config, "train": train}), TrainSettings.from_config(train),
@@ -105,7 +105,7 @@ def default_setup(config: dict) -> tuple[dict, str]:
 
 def default_config() -> dict:
     """config.yaml as the workflow sees it (the schema's defaults filled in): the default experiment."""
-    from pretrain_bench.config.experiment import load_config
+    from pretrain_bench.workflow.experiment import load_config
 
     return load_config(ROOT / "config.yaml")
 
@@ -261,7 +261,7 @@ def machine_facts(device: str, work: Path) -> dict:
 
 def smoke(out: Path, device: str, size: Size, work: Path) -> int:
     """Every run on `device`, the JSON rewritten after each; 0 when all ran."""
-    from pretrain_bench.config.settings import ConfigError
+    from pretrain_bench.train.settings import ConfigError
 
     work.mkdir(parents=True, exist_ok=True)
     index, tokenizer = build_data(work, size)

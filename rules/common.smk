@@ -11,10 +11,10 @@ gc.freeze()
 
 from snakemake.exceptions import WorkflowError
 
-from pretrain_bench.config.experiment import Config
+from pretrain_bench.workflow.experiment import Config
 from pretrain_bench.config.schema import AXES as bench_axes, coerce_command_line_types, fill_defaults_and_validate, load_schema
 from pretrain_bench.core.devices import GPU_LOCK_DIR as DEVICE_LOCK_DIR
-from pretrain_bench.config.settings import ConfigError
+from pretrain_bench.train.settings import ConfigError
 
 
 # The schema parsed once, for the command-line types and for validation (Snakemake's validate() would parse it a

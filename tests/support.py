@@ -19,9 +19,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from pretrain_bench.config.experiment import load_config
 from pretrain_bench.data.products import DataProducts
 from pretrain_bench.data.tokenizer import EOS_TOKEN
+from pretrain_bench.workflow.experiment import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAKEFILE = ROOT / "Snakefile"
@@ -233,7 +233,7 @@ def crash_after_first_checkpoint(plan_path: Path, run_dir: Path, log: Path, rank
 
     import psutil
 
-    from pretrain_bench.train.checkpoint import committed_steps
+    from pretrain_bench.train.checkpoints.files import committed_steps
 
     proc = start(plan_path, ranks, log)
     deadline = time.monotonic() + 600

@@ -13,11 +13,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from pretrain_bench.config.settings import ConfigError
 from pretrain_bench.core.devices import GPU_LOCK_DIR, SlotError
 from pretrain_bench.core.logs import console_log
 from pretrain_bench.train.launcher import launch
 from pretrain_bench.train.plan import Plan
+from pretrain_bench.train.settings import ConfigError
 from pretrain_bench.train.state_lock import StateInUse
 
 

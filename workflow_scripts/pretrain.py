@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     plan = Plan.from_json(args.plan)
     skip_unchosen_trackers(plan.train.loggers)  # before anything imports DeepSpeed
 
-    from pretrain_bench.train.checkpoint import CheckpointError
+    from pretrain_bench.train.checkpoints.files import CheckpointError
     from pretrain_bench.train.rank import TrainingAborted
     from pretrain_bench.train.trainer import run_training
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_bench.train.checkpoint import committed_steps
+from pretrain_bench.train.checkpoints.files import committed_steps
 from support import (
     DATA_NAME,
     SNAKEFILE,

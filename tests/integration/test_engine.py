@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_bench.train.checkpoint import committed_steps
+from pretrain_bench.train.checkpoints.files import committed_steps
 from pretrain_bench.train.plan import Plan, make_plan
 from support import (
     crash_after_first_checkpoint,

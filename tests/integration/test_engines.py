@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 
-from pretrain_bench.train.checkpoint import committed_steps
-from pretrain_bench.train.checkpointer import load_fp32_state_dict
+from pretrain_bench.train.checkpoints.checkpointer import load_fp32_state_dict
+from pretrain_bench.train.checkpoints.files import committed_steps
 from pretrain_bench.train.plan import Plan
 from support import crash_after_first_checkpoint, losses, plan_for, run
 
@@ -104,7 +104,7 @@ def test_ddp_resumes_at_another_world_size_without_conversion(data, trained, tmp
 
 
 def test_keys_an_engine_cannot_honour_are_refused_before_launch(data, tmp_path):
-    from pretrain_bench.config.settings import ConfigError
+    from pretrain_bench.train.settings import ConfigError
 
     with pytest.raises(ConfigError, match=r"train.zero_stage 2 means nothing under train.engine ddp"):
         plan_for(data, tmp_path / "a", engine="ddp", zero_stage=2)

@@ -116,7 +116,8 @@ import json, os, sys
 from pathlib import Path
 import deepspeed, torch
 from pretrain_bench.train.models.llama import build_model, resolve_shape
-from pretrain_bench.config.settings import TrainSettings, deepspeed_config
+from pretrain_bench.train.settings import TrainSettings
+from pretrain_bench.train.engines.spec import deepspeed_config
 
 plan = json.loads(Path(sys.argv[1]).read_text())
 out, steps = sys.argv[2], [int(step) for step in sys.argv[3:]]
@@ -225,7 +226,7 @@ def test_a_missing_checkpoint_fails_naming_its_path(run):
 
 def test_an_incomplete_zero_checkpoint_fails_naming_its_path(run, tmp_path, monkeypatch):
     from pretrain_bench.evaluate.export import export_checkpoint
-    from pretrain_bench.train.checkpoint import CheckpointError
+    from pretrain_bench.train.checkpoints.files import CheckpointError
 
     monkeypatch.chdir(run["pipeline"].workdir)  # where the plan's relative paths lead, as in the run's jobs
     folder = tmp_path / "checkpoints" / f"step{FIRST}"

@@ -139,7 +139,7 @@ def test_a_checkpoint_written_anew_is_evaluated_anew(trained_further):
 def test_the_learning_rate_after_a_raised_max_steps_follows_the_new_total(trained_further):
     """What the README states: steps after the resume take the schedule computed for the new train.max_steps (the
     cosine stretched to 15 steps), so the rate rises at the resume point from where the 10-step schedule ended."""
-    from pretrain_bench.config.settings import TrainSettings, learning_rate
+    from pretrain_bench.train.settings import TrainSettings, learning_rate
 
     records = read_jsonl(trained_further.results / "train" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 16))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pretrain_bench.evaluate.export import export_checkpoint
-from pretrain_bench.train.checkpointer import load_fp32_state_dict
+from pretrain_bench.train.checkpoints.checkpointer import load_fp32_state_dict
 from pretrain_bench.train.plan import Plan
 
 pytestmark = pytest.mark.engine

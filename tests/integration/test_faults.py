@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_bench.train import checkpoint as ckpt
+from pretrain_bench.train.checkpoints import files as ckpt
 from pretrain_bench.train.forked_ranks import FORK_SERVER_NAME
 from support import (  # data: the tiny data (tests/conftest.py)
     DATA_NAME,

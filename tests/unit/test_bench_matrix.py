@@ -8,12 +8,12 @@ import pytest
 import yaml
 
 from pretrain_bench.bench.matrix import BenchSettings, Cell, cells, plan_matrix, runnable, time_estimate
-from pretrain_bench.config.experiment import load_config
 from pretrain_bench.config.schema import ModelSettings
-from pretrain_bench.config.settings import ConfigError, TrainSettings
 from pretrain_bench.core import devices
 from pretrain_bench.train.memory.model import GIB, Budget
 from pretrain_bench.train.plan import cell_train, make_plan, plan_config
+from pretrain_bench.train.settings import ConfigError, TrainSettings
+from pretrain_bench.workflow.experiment import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

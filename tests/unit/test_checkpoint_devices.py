@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_bench.config.settings import ConfigError, TrainSettings, check_settings
 from pretrain_bench.core.devices import SlotError, allocate_slots, gpu_slots
-from pretrain_bench.train import checkpoint as ckpt
+from pretrain_bench.train.checkpoints import files as ckpt
 from pretrain_bench.train.launcher import forks_ranks, rank_environment, torchrun_command
 from pretrain_bench.train.metrics import summarise_steps, truncate_jsonl
 from pretrain_bench.train.run_context import LaunchContext
+from pretrain_bench.train.settings import ConfigError, TrainSettings, check_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 

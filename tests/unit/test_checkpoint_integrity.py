@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pretrain_bench.config.schema import schema_default
-from pretrain_bench.config.settings import VERIFY_MODES
-from pretrain_bench.train import checkpoint as ckpt
+from pretrain_bench.train.checkpoints import files as ckpt
+from pretrain_bench.train.settings import VERIFY_MODES
 from support import mounted_tmpfs, tree_digest
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain_bench.config.settings import TrainSettings
-from pretrain_bench.train import checkpoint as ckpt
-from pretrain_bench.train.checkpointer import Checkpointer, ResumePoint
-from pretrain_bench.train.engines import DCP_FOLDER, EngineRun, FSDPEngine, engine_state_file
+from pretrain_bench.train.checkpoints import files as ckpt
+from pretrain_bench.train.checkpoints.checkpointer import Checkpointer, ResumePoint
+from pretrain_bench.train.engines.registry import DCP_FOLDER, EngineRun, FSDPEngine, engine_state_file
 from pretrain_bench.train.models.llama import ModelShape, build_model
+from pretrain_bench.train.settings import TrainSettings
 from pretrain_bench.train.step import PhaseTimer, train_step
 from support import RandomBatches
 

@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from pretrain_bench.config.checks import FLASH_INSTALL_HINT, check_attention
-from pretrain_bench.config.experiment import Config
 from pretrain_bench.config.schema import ConfigError, ModelSettings
-from pretrain_bench.config.settings import TrainSettings
 from pretrain_bench.train.compiling import COMPILE_SCOPES, CompileClock, compile_model, compile_scope
 from pretrain_bench.train.models.llama import build_model, resolve_shape
+from pretrain_bench.train.settings import TrainSettings
+from pretrain_bench.workflow.experiment import Config
 from support import tiny_config
 
 SHAPE = resolve_shape("tiny", {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,

@@ -65,8 +65,8 @@ def test_settings_built_in_code_take_the_schemas_defaults():
     minimal config that validation filled in."""
     from pretrain_bench.bench.matrix import BenchSettings
     from pretrain_bench.config.schema import ModelSettings, schema_defaults
-    from pretrain_bench.config.settings import TrainSettings
     from pretrain_bench.evaluate.evaluation import EvalSettings, GenerationSettings
+    from pretrain_bench.train.settings import TrainSettings
 
     config = {"name": "t", "corpus": {"sources": [{"uri": "builtin://python-stdlib"}]}, "tokenizer": {},
               "shards": {}, "model": {"preset": "tiny"}, "train": {}, "evaluate": {"generation": {}}, "report": {},
@@ -112,8 +112,8 @@ def test_config_yaml_sets_only_what_defines_the_experiment_and_departs_from_the_
 
 
 def test_the_config_becomes_every_blocks_settings_once_and_is_checked_then():
-    from pretrain_bench.config.experiment import Config, load_config
     from pretrain_bench.config.schema import ConfigError, CorpusSettings
+    from pretrain_bench.workflow.experiment import Config, load_config
 
     config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     settings = Config.from_config(config)
@@ -133,16 +133,16 @@ def test_key_groups_are_the_fields_metadata():
     train.memory_fit may change) are tags on TrainSettings' fields, and the resume fingerprint they decide is the one
     earlier runs' checkpoints carry."""
     from pretrain_bench.config.schema import ModelSettings, keys_with
-    from pretrain_bench.config.settings import (
+    from pretrain_bench.train.checkpoints.run_state import fingerprint_id
+    from pretrain_bench.train.plan import PLANNING_KEYS, Plan, RunPaths
+    from pretrain_bench.train.rank import resume_fingerprint
+    from pretrain_bench.train.settings import (
         CELL_IRRELEVANT_KEYS,
         FIT_KEYS,
         RESUMABLE_KEYS,
         TRAINS_FURTHER_KEYS,
         TrainSettings,
     )
-    from pretrain_bench.train.plan import PLANNING_KEYS, Plan, RunPaths
-    from pretrain_bench.train.rank import resume_fingerprint
-    from pretrain_bench.train.run_state import fingerprint_id
 
     assert set(RESUMABLE_KEYS) == {
         "max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "max_restarts", "warmup_timing_steps",

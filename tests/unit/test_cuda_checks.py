@@ -94,7 +94,7 @@ os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
                   MASTER_PORT=sys.argv[1])
 import torch, deepspeed
 from deepspeed.comm import comm as ds_comm
-from pretrain_bench.train.engines import deepspeed_comm_ms as comm_ms
+from pretrain_bench.train.engines.registry import deepspeed_comm_ms as comm_ms
 deepspeed.init_distributed(dist_backend="gloo")
 ds_comm.configure(enabled=True, prof_all=True)  # as the comms_logger block of a measured run's ds_config
 held, totals = [], []
@@ -149,7 +149,7 @@ class TimelineEvent:
 
 
 def test_ddp_comm_on_cuda_is_timed_by_events_that_pass_when_the_all_reduce_has_finished(monkeypatch):
-    from pretrain_bench.train.engines import CommIntervals, CudaEventClock
+    from pretrain_bench.train.engines.registry import CommIntervals, CudaEventClock
 
     monkeypatch.setattr(torch.cuda, "Event", TimelineEvent)
     TimelineEvent.synchronized = []
@@ -175,7 +175,7 @@ def test_ddp_comm_on_cuda_is_timed_by_events_that_pass_when_the_all_reduce_has_f
 def test_ddp_comm_on_cpu_is_the_union_of_host_clock_intervals(monkeypatch):
     import time
 
-    from pretrain_bench.train.engines import CommIntervals, HostClock
+    from pretrain_bench.train.engines.registry import CommIntervals, HostClock
 
     clock = iter([0.0, 0.001, 0.004, 0.006, 0.010, 0.011])  # seconds
     monkeypatch.setattr(time, "perf_counter", lambda: next(clock))

@@ -3,12 +3,12 @@ in the report's tables."""
 import pytest
 
 from pretrain_bench.bench.matrix import BenchSettings, cells, plan_matrix
-from pretrain_bench.config.settings import ConfigError, TrainSettings, check_settings
 from pretrain_bench.report.claims import CLAIMS, claim_eight_nodes
 from pretrain_bench.report.tables import ENGINE_COLUMNS, cell_table, engine_frame, format_frame
 from pretrain_bench.train.memory.fit import fit_run
 from pretrain_bench.train.memory.model import GIB, checkpoint_bytes, estimate, run_shape
 from pretrain_bench.train.run_summary import RunSummary
+from pretrain_bench.train.settings import ConfigError, TrainSettings, check_settings
 from support import ROOT, tiny_config
 
 
@@ -48,7 +48,7 @@ def test_an_unset_zero_stage_follows_the_engine():
 
 
 def test_the_validated_config_says_the_stage_the_engine_implies():
-    from pretrain_bench.config.experiment import Config, load_config
+    from pretrain_bench.workflow.experiment import Config, load_config
 
     config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     for engine, stage in (("ddp", 0), ("fsdp", 3), ("deepspeed", 2)):
@@ -64,8 +64,8 @@ def test_the_validated_config_says_the_stage_the_engine_implies():
 def test_a_deepspeed_run_without_zero_stage_plans_and_fingerprints_as_zero_2_did():
     """What the resume fingerprint (the typed train block) and the plan digest (the plan config) are made of is the
     same whether a DeepSpeed config sets zero_stage: 2 or leaves it to the default."""
-    from pretrain_bench.config.experiment import Config, load_config
     from pretrain_bench.train.plan import plan_config
+    from pretrain_bench.workflow.experiment import Config, load_config
 
     config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     explicit = {**config, "train": {**config["train"], "zero_stage": 2}}
@@ -182,10 +182,10 @@ import json, os, sys, tempfile
 os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT=sys.argv[1])
 import torch, torch.nn.functional as F, deepspeed
-from pretrain_bench.train.engines import DeepSpeedEngine, EngineRun
+from pretrain_bench.train.engines.registry import DeepSpeedEngine, EngineRun
 from pretrain_bench.train.engines import deepspeed_engine
 from pretrain_bench.train.models.llama import build_model, resolve_shape
-from pretrain_bench.config.settings import TrainSettings
+from pretrain_bench.train.settings import TrainSettings
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")
 TORCH_ADAM_STEP = torch.optim.Adam.step  # torch's own, before an engine here replaces it
@@ -290,10 +290,10 @@ from datetime import timedelta
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 import torch, torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
-from pretrain_bench.train.engines import EngineRun
+from pretrain_bench.train.engines.registry import EngineRun
 from pretrain_bench.train.engines.ddp import DDPEngine
 from pretrain_bench.train.models.llama import build_model, resolve_shape
-from pretrain_bench.config.settings import TrainSettings
+from pretrain_bench.train.settings import TrainSettings
 torch.set_num_threads(1)
 DDPEngine.init_distributed("gloo", timedelta(minutes=5))
 

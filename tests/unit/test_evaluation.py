@@ -28,7 +28,7 @@ from pretrain_bench.evaluate.evaluation import (
 )
 from pretrain_bench.evaluate.export import export_hf, read_export_info
 from pretrain_bench.evaluate.harness import build_task_data, last_word_example
-from pretrain_bench.train import checkpoint as ckpt
+from pretrain_bench.train.checkpoints import files as ckpt
 from pretrain_bench.train.heldout import eval_sample_indices
 from pretrain_bench.train.models.llama import ModelShape, build_model
 from support import (

@@ -8,11 +8,11 @@ import weakref
 import pytest
 import torch
 
-from pretrain_bench.config.settings import TrainSettings
 from pretrain_bench.evaluate.export import cast_state_dict, export_hf
-from pretrain_bench.train import checkpoint as ckpt
+from pretrain_bench.train.checkpoints import files as ckpt
 from pretrain_bench.train.memory.model import RUNTIME_BYTES, export_and_evaluation_host_bytes, run_shape
 from pretrain_bench.train.models.llama import ModelShape, build_model
+from pretrain_bench.train.settings import TrainSettings
 from support import ROOT, SNAKEFILE, stdlib_texts, workflow_dir, write_jsonl
 
 
@@ -85,9 +85,9 @@ def test_a_bf16_export_holds_every_weight_of_the_checkpoint_cast(tmp_path):
 @pytest.fixture(scope="module")
 def default_run():
     """The default config (validated, defaults filled) and the shape of its model."""
-    from pretrain_bench.config.experiment import load_config
     from pretrain_bench.train.memory.model import config_vocab_size
     from pretrain_bench.train.plan import plan_config
+    from pretrain_bench.workflow.experiment import load_config
 
     config = load_config(ROOT / "config.yaml")
     settings = TrainSettings.from_config(config["train"])

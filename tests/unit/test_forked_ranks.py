@@ -42,7 +42,7 @@ subprocess.Popen.__init__ = counted
 import torch
 from deepspeed.ops.op_builder.builder import OpBuilder
 from pretrain_bench.train.engines.deepspeed_engine import DeepSpeedEngine
-from pretrain_bench.config.settings import TrainSettings
+from pretrain_bench.train.settings import TrainSettings
 DeepSpeedEngine.preload(TrainSettings(zero_stage=2, offload_optimizer=sys.argv[1], device="cpu"))
 agent = {"asked": len(asked), "loaded": sorted(OpBuilder._loaded_ops)}
 read, write = os.pipe()

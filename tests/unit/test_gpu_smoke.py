@@ -87,7 +87,7 @@ def test_a_failed_peak_measurement_stops_the_smoke_with_the_childs_error(tmp_pat
 
 
 def test_a_run_that_cannot_be_planned_is_recorded_and_the_smoke_goes_on(monkeypatch, tmp_path):
-    from pretrain_bench.config.settings import ConfigError
+    from pretrain_bench.train.settings import ConfigError
 
     smoke = _smoke_module()
 
@@ -133,7 +133,7 @@ def test_zero3_offload_in_fp16_stays_in_the_smoke_beside_the_default_setup():
 
 
 def test_a_default_setup_the_pre_flight_refuses_is_reported_and_the_other_runs_go_on(monkeypatch, tmp_path):
-    from pretrain_bench.config.settings import ConfigError
+    from pretrain_bench.train.settings import ConfigError
 
     smoke = _smoke_module()
 

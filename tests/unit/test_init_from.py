@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain_bench.config.experiment import load_config
 from pretrain_bench.config.schema import ModelSettings
 from pretrain_bench.data.tokenizer import EOS_TOKEN, adopted_tokenizer_path, save_hf_folder, train_bpe
 from pretrain_bench.train.memory.model import config_vocab_size
@@ -21,6 +20,7 @@ from pretrain_bench.train.models.llama import (
     model_shape,
     resolve_shape,
 )
+from pretrain_bench.workflow.experiment import load_config
 
 ROOT = Path(__file__).parents[2]
 

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_bench.config.experiment import load_config
-from pretrain_bench.config.settings import ConfigError, TrainSettings, deepspeed_config
 from pretrain_bench.core import devices
+from pretrain_bench.train.engines.spec import deepspeed_config
 from pretrain_bench.train.memory import model as memory_model
 from pretrain_bench.train.memory.fit import describe, fit_run, ladder
 from pretrain_bench.train.memory.model import GIB, Budget, estimate, run_shape
 from pretrain_bench.train.plan import make_plan, plan_config
+from pretrain_bench.train.settings import ConfigError, TrainSettings
+from pretrain_bench.workflow.experiment import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -185,7 +186,7 @@ def test_the_ladder_keeps_precision_and_global_batch():
 def test_every_rung_is_settings_that_pass_the_checks(device, engine, stage, offload_optimizer, offload_param,
                                                      global_batch):
     """What train.memory_fit chooses is checked no further (plan.make_plan): every rung passes check_settings."""
-    from pretrain_bench.config.settings import check_settings
+    from pretrain_bench.train.settings import check_settings
 
     asked = TrainSettings(gpus=3, device=device, engine=engine, zero_stage=stage, micro_batch_size=8,
                           grad_accum_steps=2, global_batch_size=global_batch, offload_optimizer=offload_optimizer,

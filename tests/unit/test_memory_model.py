@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pretrain_bench.config.experiment import load_config
-from pretrain_bench.config.settings import ConfigError, TrainSettings
 from pretrain_bench.core import devices
 from pretrain_bench.train.memory import model as memory_model
 from pretrain_bench.train.memory.fit import fit_run
 from pretrain_bench.train.memory.model import GB, GIB, Budget, estimate, judge, model_state_bytes
 from pretrain_bench.train.plan import make_plan
+from pretrain_bench.train.settings import ConfigError, TrainSettings
+from pretrain_bench.workflow.experiment import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

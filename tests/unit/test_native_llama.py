@@ -162,7 +162,7 @@ def test_the_key_defaults_to_transformers_and_a_checkpoint_resumes_under_either_
 
 
 def test_what_native_does_not_implement_is_refused_naming_the_key():
-    from pretrain_bench.config.experiment import Config
+    from pretrain_bench.workflow.experiment import Config
     from support import tiny_config
 
     config = tiny_config("native")

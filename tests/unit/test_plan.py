@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from pretrain_bench.config.experiment import load_config
-from pretrain_bench.config.settings import ConfigError
 from pretrain_bench.core import devices
+from pretrain_bench.train.checkpoints.run_state import plan_digest
 from pretrain_bench.train.plan import Plan, RunContext, make_plan, plan_config
-from pretrain_bench.train.run_state import plan_digest
+from pretrain_bench.train.settings import ConfigError
+from pretrain_bench.workflow.experiment import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

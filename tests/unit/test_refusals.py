@@ -15,12 +15,12 @@ import yaml
 from httpfixture import FixtureServer, Route
 from pretrain_bench.bench.matrix import BenchSettings, cell_settings, cells
 from pretrain_bench.config.schema import ModelSettings
-from pretrain_bench.config.settings import ConfigError, TrainSettings, check_settings
 from pretrain_bench.data.download import DownloadError, download
 from pretrain_bench.data.tokenizer import adopt_tokenizer, load_tokenizer
 from pretrain_bench.train import state_lock
-from pretrain_bench.train.checkpoint import CheckpointError
+from pretrain_bench.train.checkpoints.files import CheckpointError
 from pretrain_bench.train.plan import Plan, RunPaths
+from pretrain_bench.train.settings import ConfigError, TrainSettings, check_settings
 from support import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,7 +89,7 @@ def test_state_lock_is_free_again_once_its_holder_dies(tmp_path):
 
 
 def test_a_resume_point_beyond_the_last_step_is_refused_naming_both(tmp_path):
-    from pretrain_bench.train.checkpointer import check_resume_point
+    from pretrain_bench.train.checkpoints.checkpointer import check_resume_point
 
     settings = TrainSettings(gpus=3, max_steps=100, warmup_steps=10, micro_batch_size=8)
     check_resume_point(100, settings, 128, tmp_path)  # the end of the same run: nothing left to do, allowed
@@ -171,7 +171,7 @@ def _deepspeed_sees(extra: dict) -> dict:
     fp32, ZeRO-2, micro-batch 2 × accumulation 2): precision, ZeRO stage, offload, optimizer, batch, clipping."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from pretrain_bench.config.settings import _merge, deepspeed_config
+    from pretrain_bench.train.engines.spec import _merge, deepspeed_config
 
     settings = TrainSettings(gpus=1, device="cpu", comm_backend="gloo", precision="fp32", zero_stage=2,
                              micro_batch_size=2, grad_accum_steps=2)
@@ -275,9 +275,9 @@ import json, os, sys
 os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT=sys.argv[1])
 import deepspeed
-from pretrain_bench.train.engines import DeepSpeedEngine, EngineRun
+from pretrain_bench.train.engines.registry import DeepSpeedEngine, EngineRun
 from pretrain_bench.train.models.llama import build_model, resolve_shape
-from pretrain_bench.config.settings import TrainSettings
+from pretrain_bench.train.settings import TrainSettings
 deepspeed.init_distributed(dist_backend="gloo")
 
 

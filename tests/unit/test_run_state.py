@@ -2,8 +2,8 @@
 import json
 from pathlib import Path
 
-from pretrain_bench.train.checkpoint import committed_steps, write_marker
-from pretrain_bench.train.run_state import fingerprint_id, mark_finished, prepare_state
+from pretrain_bench.train.checkpoints.files import committed_steps, write_marker
+from pretrain_bench.train.checkpoints.run_state import fingerprint_id, mark_finished, prepare_state
 
 ROOT = Path(__file__).resolve().parents[2]
 

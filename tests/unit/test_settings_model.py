@@ -2,9 +2,10 @@ import math
 
 import pytest
 
-from pretrain_bench.config.settings import ConfigError, TrainSettings, check_settings, deepspeed_config
+from pretrain_bench.train.engines.spec import deepspeed_config
 from pretrain_bench.train.models.flops import flops_per_token, gpu_table_peak
 from pretrain_bench.train.models.llama import build_model, count_parameters, resolve_shape
+from pretrain_bench.train.settings import ConfigError, TrainSettings, check_settings
 
 
 def settings(**kw):
@@ -112,7 +113,7 @@ def test_every_run_divides_by_the_machines_one_peak():
 
 
 def test_learning_rate_schedules():
-    from pretrain_bench.config.settings import learning_rate
+    from pretrain_bench.train.settings import learning_rate
 
     def rates(schedule, **kw):
         s = settings(lr=1.0, min_lr=0.1, warmup_steps=10, lr_schedule=schedule, **kw)

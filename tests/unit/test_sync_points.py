@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain_bench.config.settings import TrainSettings
 from pretrain_bench.train import rank as rank_module
-from pretrain_bench.train.checkpointer import Checkpointer
-from pretrain_bench.train.engines import DDPEngine, EngineRun
+from pretrain_bench.train.checkpoints.checkpointer import Checkpointer
+from pretrain_bench.train.engines.registry import DDPEngine, EngineRun
 from pretrain_bench.train.models.llama import ModelShape, build_model
 from pretrain_bench.train.rank import TrainingAborted
+from pretrain_bench.train.settings import TrainSettings
 from pretrain_bench.train.step import PhaseTimer, train_step
 from pretrain_bench.train.trainer import Trainer
 from support import RandomBatches
@@ -136,7 +136,7 @@ def test_the_gather_carries_the_stop_flag_and_a_non_finite_loss_still_aborts_in_
 
 
 def test_deepspeed_throughput_timer_never_synchronises():
-    from pretrain_bench.config.settings import deepspeed_config
+    from pretrain_bench.train.engines.spec import deepspeed_config
 
     config = deepspeed_config(TrainSettings(device="cuda", precision="fp16"), "cuda", total_steps=10)
     assert config["timers"]["throughput"] == {"enabled": False, "synchronized": False}

@@ -2,8 +2,8 @@
 write each step once, and a tracker whose package is missing is refused naming the key and the pip command."""
 import pytest
 
-from pretrain_bench.config.settings import ConfigError, TrainSettings, check_settings
 from pretrain_bench.train.metrics import MetricsSink
+from pretrain_bench.train.settings import ConfigError, TrainSettings, check_settings
 from pretrain_bench.train.trackers import step_series
 from tracker_files import csv_series, mlflow_series, tensorboard_series, wandb_series
 

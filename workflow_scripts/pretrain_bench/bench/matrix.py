@@ -11,9 +11,9 @@ import itertools
 from dataclasses import asdict, dataclass
 
 from pretrain_bench.config.schema import AXES, BenchSettings, ConfigError, ModelSettings
-from pretrain_bench.config.settings import ENGINE_STAGE, TrainSettings, check_settings
 from pretrain_bench.core.devices import resolve_device_cheaply
 from pretrain_bench.core.formats import fmt_duration
+from pretrain_bench.train.engines.spec import ENGINE_SPECS, PLAIN_BASELINE, engine_spec
 from pretrain_bench.train.memory.model import (
     Budget,
     assumed_mark,
@@ -27,6 +27,7 @@ from pretrain_bench.train.memory.model import (
 )
 from pretrain_bench.train.memory.offload import planned_cores
 from pretrain_bench.train.plan import cell_train
+from pretrain_bench.train.settings import TrainSettings, check_settings
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,7 @@ class Cell:
     def name(self, train: dict) -> str:
         """`ranks3-zero2-fp32-gloo` (DeepSpeed) or `ddp-ranks3-fp32-gloo`, plus `-mb<n>` / `-offload` / `-ckpt` (or
         `-no-ckpt`) where the cell differs from the main run there."""
-        if self.engine == "deepspeed":
-            name = f"ranks{self.gpus}-zero{self.zero_stage}-{self.precision}-{self.comm_backend}"
-        else:  # the engine fixes the layout: no ZeRO stage in the name
-            name = f"{self.engine}-ranks{self.gpus}-{self.precision}-{self.comm_backend}"
+        name = engine_spec(self.engine).cell_name(self.gpus, self.zero_stage, self.precision, self.comm_backend)
         if self.micro_batch_size != train["micro_batch_size"]:
             name += f"-mb{self.micro_batch_size}"
         if self.offload_optimizer != "none":
@@ -60,7 +58,7 @@ class Cell:
     def train_overrides(self, bench: BenchSettings) -> dict:
         overrides = {**asdict(self), "max_steps": bench.steps, "max_tokens": None,
                      "warmup_timing_steps": bench.warmup_steps, "warmup_steps": bench.lr_warmup_steps}
-        if self.engine != "deepspeed":  # the main run's DeepSpeed-only keys do not carry over to a DDP/FSDP cell
+        if not engine_spec(self.engine).offloads:  # the main run's DeepSpeed-only keys do not carry over
             overrides.update(offload_param="none", deepspeed={})
         return overrides
 
@@ -72,8 +70,9 @@ def cells(bench: BenchSettings) -> list[Cell]:
     found: dict[Cell, None] = {}
     for values in itertools.product(*(bench.matrix[axis] for axis in AXES)):
         cell = Cell(*values)
-        if cell.engine in ENGINE_STAGE:  # DDP and FSDP have one layout each: the ZeRO and offload axes collapse
-            cell = Cell(**{**asdict(cell), "zero_stage": ENGINE_STAGE[cell.engine], "offload_optimizer": "none"})
+        fixed = engine_spec(cell.engine).fixed_stage
+        if fixed is not None:  # an engine with one layout (DDP, FSDP): the ZeRO and offload axes collapse
+            cell = Cell(**{**asdict(cell), "zero_stage": fixed, "offload_optimizer": "none"})
         found.setdefault(cell)
     return list(found)
 
@@ -119,10 +118,10 @@ def baseline_cells(config: dict, bench: BenchSettings, device: str, declared: li
     if not any(entry["gpus"] > 1 for entry in declared):
         return []
     backend = "gloo" if device == "cpu" else bench.matrix["comm_backend"][0]
-    plain = {entry["precision"] for entry in declared if entry["engine"] == "ddp" and entry["gpus"] == 1}
+    plain = {entry["precision"] for entry in declared if entry["engine"] == PLAIN_BASELINE and entry["gpus"] == 1}
     names = {entry["cell"] for entry in declared}
-    found = [Cell(1, ENGINE_STAGE["ddp"], precision, backend, bench.matrix["micro_batch_size"][0], "none", "ddp",
-                  bench.matrix["activation_checkpointing"][0])
+    found = [Cell(1, engine_spec(PLAIN_BASELINE).fixed_stage, precision, backend, bench.matrix["micro_batch_size"][0],
+                  "none", PLAIN_BASELINE, bench.matrix["activation_checkpointing"][0])
              for precision in bench.matrix["precision"] if precision not in plain]
     return [cell for cell in found if cell.name(config["train"]) not in names]
 
@@ -163,9 +162,7 @@ SEARCH_MICRO_BATCH_FACTOR = 4
 def search_layouts(device: str) -> list[tuple[str, int, str]]:
     """(engine, ZeRO stage, optimizer offload) the search tries: DeepSpeed's stages 0-3, with CPU optimizer offload
     (stages 1-3, CUDA only: on a CPU run the states live in host RAM already), DDP and FSDP."""
-    offloaded = [("deepspeed", stage, "cpu") for stage in (1, 2, 3)] if device == "cuda" else []
-    return ([("deepspeed", stage, "none") for stage in range(4)] + offloaded
-            + [(engine, stage, "none") for engine, stage in ENGINE_STAGE.items()])
+    return [(name, stage, offload) for name, spec in ENGINE_SPECS.items() for stage, offload in spec.layouts(device)]
 
 
 def search_entries(config: dict, bench: BenchSettings, device: str, budget: Budget, vocab_size: int,

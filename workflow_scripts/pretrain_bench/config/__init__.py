@@ -1,3 +1,3 @@
-"""The config: the schema's loader, defaults and validation (schema), the typed settings of each block (schema,
-settings for `train.*`), the whole experiment built once after validation (experiment), and the checks the schema
+"""The config: the schema's loader, defaults and validation, and the typed settings of each block (schema; the
+train block, whose checks need the engines, is train.settings), and the checks the schema
 cannot express that need no model code (checks)."""

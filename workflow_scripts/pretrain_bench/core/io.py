@@ -4,7 +4,7 @@ the dataclass it becomes.
 `atomic_write_text` writes to a temporary file in the target's folder, named per writer (pid and a random part), so
 two processes writing the same path never share a temporary file; it is flushed to disk (fsync) and then renamed
 onto the target (os.replace), so a reader sees the old file or the new one, never half of one. Checkpoints do not use
-it: `pretrain_bench.train.checkpoint` adds its own sizes, hashes and commit marker.
+it: `pretrain_bench.train.checkpoints.files` adds its own sizes, hashes and commit marker.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from pretrain_bench.train import checkpoint as ckpt
+from pretrain_bench.train.checkpoints import files as ckpt
 
 EXPORT_INFO = "pretrain_bench_export.json"
 DTYPES = ("fp32", "bf16", "fp16")
@@ -32,7 +32,7 @@ def torch_dtype(name: str):
 
 def read_checkpoint_weights(ckpt_root: Path, step: int, dtype: str = "fp32") -> dict:
     """The weights of committed checkpoint `step` cast to `dtype`; any failure names the checkpoint folder."""
-    from pretrain_bench.train.checkpointer import load_fp32_state_dict
+    from pretrain_bench.train.checkpoints.checkpointer import load_fp32_state_dict
 
     folder = Path(ckpt_root) / ckpt.tag_for(step)
     ckpt.read_marker(ckpt_root, step)  # missing or uncommitted: CheckpointError naming the folder

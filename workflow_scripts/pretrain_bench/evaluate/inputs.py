@@ -11,7 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from pretrain_bench.train.checkpoint import MARKER, tag_for
+from pretrain_bench.train.checkpoints.files import MARKER, tag_for
 
 STAMP = "evaluated_with"
 

@@ -18,10 +18,10 @@ from pretrain_bench.report.tables import (
     format_row,
     records,
 )
+from pretrain_bench.train.engines.spec import ENGINE_SPECS, engine_spec
 from pretrain_bench.train.memory.model import (
     GIB,
     STATE_FORMULAS,
-    TORCH_STATE_FORMULAS,
     Budget,
     RunShape,
     estimate,
@@ -105,7 +105,9 @@ def formula_texts() -> dict[str, str]:
     and per torch engine."""
     stages = {kind: ", ".join(f"{stage}: {zero_formula(stage, kind)}" for stage in sorted(STATE_FORMULAS[kind]))
               for kind in STATE_FORMULAS}
-    return {**stages, **{engine: short_formula(text) for engine, text in TORCH_STATE_FORMULAS.items()}}
+    torch_engines = {name: short_formula(spec.state_formula)
+                     for name, spec in ENGINE_SPECS.items() if spec.state_formula}
+    return {**stages, **torch_engines}
 
 
 def scaling_flags(scaling: list[dict], cell: str) -> list[str]:
@@ -172,7 +174,7 @@ def claim_three_gpu_speedup(scaling: list[dict]) -> dict:
     one, three = CLAIMS["one_gpu"], CLAIMS["three_gpus"]
     _, fits3, _ = _mem(articles_run(3, 2))
     _, fits3_off, _ = _mem(articles_run(3, 2, offload=True))
-    deepspeed = [r for r in scaling if r["speedup"] and r["engine"] == "deepspeed"]
+    deepspeed = [r for r in scaling if r["speedup"] and engine_spec(r["engine"]).zero_partitioned]
     largest = max(deepspeed, key=lambda r: (r["ranks"], r["speedup"]), default=None)
     shown = format_row(largest, SCALING_COLUMNS) if largest else None
     claimed_eff = three["speedup"] / three["gpus"]
@@ -272,7 +274,7 @@ def claim_eight_nodes(comms: list[dict]) -> dict:
         "claimed": f"{fmt(eight['tokens_per_s'][0])} → {fmt(eight['tokens_per_s'][1])} tokens/s "
                    f"({fmt(eight['speedup'])}×), {fmt(eight['comm_pct'])}% communication, 4 → 8 cards "
                    f"{fmt(eight['scale_4_to_8'])}×",
-        "physics": (f"DDP replicates the model states ({short_formula(TORCH_STATE_FORMULAS['ddp'])}: fp32 params, "
+        "physics": (f"DDP replicates the model states ({short_formula(engine_spec('ddp').state_formula)}: fp32 params, "
                     f"fp32 grads, AdamW moments): {fmt(ddp / GIB, 0)} GiB per GPU; even ZeRO-3 over "
                     f"{eight['nodes']}: {fmt(zero3 / GIB, 0)} GiB vs {eight['gpu_memory_gib']} GiB"),
         "measured": (flagged(f"communication share at {shown['ranks']} ranks ({shown['cell']}): {shown['comm_pct']}%",

@@ -25,6 +25,7 @@ from pretrain_bench.report.cost import cost_columns, cost_frame
 from pretrain_bench.report.physical_checks import OTHER_CPU_LIMIT_PCT, peak_flag, run_busy_flag, run_contention_text
 from pretrain_bench.report.recommendation import ranking, recommend
 from pretrain_bench.report.tables import GIB, ReportFrames, engine_label, format_frame, report_frames
+from pretrain_bench.train.engines.spec import PLAIN_BASELINE
 from pretrain_bench.train.memory.model import labelled
 from pretrain_bench.train.metrics import OTHER_CPU_METHOD
 from pretrain_bench.train.run_summary import RunSummary
@@ -161,7 +162,7 @@ def plain_baseline_text(matrix: dict | None, measured: set[str]) -> str | None:
     the 1-rank cells the speedups divide by, and if not, why; None without a matrix that measures scaling."""
     if not matrix or not any(entry["gpus"] > 1 for entry in matrix["cells"]):
         return None
-    plain = [entry for entry in matrix["cells"] if entry["engine"] == "ddp" and entry["gpus"] == 1]
+    plain = [entry for entry in matrix["cells"] if entry["engine"] == PLAIN_BASELINE and entry["gpus"] == 1]
     ran = [entry["cell"] for entry in plain if entry["cell"] in measured]
     if ran:
         return (f"The plain single-device run (DDP on one rank, whose all-reduce over one rank moves nothing: the "

@@ -22,6 +22,7 @@ from pretrain_bench.report.physical_checks import (
     run_busy_flag,
     run_contention_text,
 )
+from pretrain_bench.train.engines.spec import engine_spec
 from pretrain_bench.train.run_summary import RunSummary
 
 __all__ = ["GIB", "fmt", "fmt_duration", "spread", "ReportFrames", "report_frames", "format_frame"]
@@ -265,10 +266,7 @@ def cell_table(matrix: dict, runs_by_cell: dict[str, list[RunSummary]]) -> pd.Da
 
 def engine_label(entry: dict) -> str:
     """'DeepSpeed ZeRO-2', 'DeepSpeed ZeRO-2 + optimizer offload', 'DDP' or 'FSDP2'."""
-    if entry["engine"] != "deepspeed":
-        return {"ddp": "DDP", "fsdp": "FSDP2"}[entry["engine"]]
-    label = f"DeepSpeed ZeRO-{entry['zero_stage']}"
-    return label + (" + optimizer offload" if entry["offload_optimizer"] != "none" else "")
+    return engine_spec(entry["engine"]).label(entry["zero_stage"], entry["offload_optimizer"])
 
 
 def group_key(entry: dict) -> tuple:
@@ -278,7 +276,7 @@ def group_key(entry: dict) -> tuple:
 
 
 def group_label(entry: dict) -> str:
-    layout = f"ZeRO-{entry['zero_stage']}" if entry["engine"] == "deepspeed" else engine_label(entry)
+    layout = engine_spec(entry["engine"]).layout_label(entry["zero_stage"])
     label = f"{layout}, {entry['precision']}, {entry['comm_backend']}"
     label += f", micro batch {entry['micro_batch_size']}"
     if entry["offload_optimizer"] != "none":

@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import time
 
+from pretrain_bench.train.engines.spec import engine_spec
+
 # summary.json's compile.scope for each scope
 COMPILE_SCOPES = {"blocks": "decoder blocks", "model": "whole model"}
 
 
 def compile_scope(implementation: str, engine: str) -> str:
     """What train.compile compiles for model.implementation and train.engine (the measured choice above)."""
-    return "model" if implementation == "native" and engine != "fsdp" else "blocks"
+    return "model" if implementation == "native" and engine_spec(engine).compiles_whole_model else "blocks"
 
 
 class CompileClock:

@@ -125,7 +125,7 @@ def preload(script: Path, rank_argv: list[str]) -> None:
     plan = Plan.from_json(Path(rank_argv[rank_argv.index("--plan") + 1]))
     skip_unchosen_trackers(plan.train.loggers)
     _MAINS[str(script)] = script_main(str(script))
-    from pretrain_bench.train.engines import engine_class
+    from pretrain_bench.train.engines.registry import engine_class
 
     engine_class(plan.train.engine).preload(plan.train)
     import pretrain_bench.train.trainer  # noqa: F401 -- what the rank imports next

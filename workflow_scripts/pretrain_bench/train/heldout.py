@@ -14,8 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pretrain_bench.config.settings import ConfigError
 from pretrain_bench.data.loader import PackedTokens
+from pretrain_bench.train.settings import ConfigError
 
 
 def heldout_samples(val_tokens: int, seq_len: int, world_size: int, eval_tokens: int, index_path: Path) -> int:

@@ -33,11 +33,11 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from pretrain_bench.config.settings import TrainSettings, check_settings
 from pretrain_bench.core.devices import die_with_parent, gpu_slots, probe_peer_access, resolve_device
 from pretrain_bench.train import state_lock
 from pretrain_bench.train.plan import Plan
 from pretrain_bench.train.run_context import LaunchContext, usable_cpus
+from pretrain_bench.train.settings import TrainSettings, check_settings
 
 logger = logging.getLogger(__name__)
 

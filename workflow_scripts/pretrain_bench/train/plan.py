@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrain_bench.config.schema import BenchSettings, ModelSettings, ReportSettings, TokenizerSettings, keys_with
-from pretrain_bench.config.settings import (
+from pretrain_bench.core.devices import resolve_device_cheaply
+from pretrain_bench.core.io import atomic_write_json, key_differences
+from pretrain_bench.train.memory.fit import fit_run
+from pretrain_bench.train.models.flops import plan_peak
+from pretrain_bench.train.settings import (
     CELL_IRRELEVANT_KEYS,
     TRAINS_FURTHER_KEYS,
     ConfigError,
     TrainSettings,
     check_settings,
 )
-from pretrain_bench.core.devices import resolve_device_cheaply
-from pretrain_bench.core.io import atomic_write_json, key_differences
-from pretrain_bench.train.memory.fit import fit_run
-from pretrain_bench.train.models.flops import plan_peak
 
 # plan.json's copy of memory_fit under the name older readers of plan.json use (written, not read back).
 PREFLIGHT_KEY = "preflight"

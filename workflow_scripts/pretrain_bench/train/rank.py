@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain_bench.config.schema import ModelSettings, keys_with
-from pretrain_bench.config.settings import RESUMABLE_KEYS, TrainSettings
+from pretrain_bench.train.settings import RESUMABLE_KEYS, TrainSettings
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ barrier, and the two closing barriers.
 
 Fault injection for tests: PRETRAIN_BENCH_INJECT_NAN_AT_STEP=N makes the last rank report a NaN loss at step N,
 exercising the abort path (no checkpoint after it, the last good one kept) without having to diverge a model;
-PRETRAIN_BENCH_INJECT_ENOSPC_AT_STEP=N (see `pretrain_bench.train.checkpointer`) fails the last rank's checkpoint files
-of step N with ENOSPC.
+PRETRAIN_BENCH_INJECT_ENOSPC_AT_STEP=N (see `pretrain_bench.train.checkpoints.checkpointer`) fails the last rank's
+checkpoint files of step N with ENOSPC.
 """
 from __future__ import annotations
 
@@ -29,16 +29,16 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from pretrain_bench.config.settings import check_settings
 from pretrain_bench.core.devices import denormals_flushed, emulated_bf16_note, flush_denormals
 from pretrain_bench.core.io import atomic_write_json, read_jsonl
 from pretrain_bench.core.logs import log_startup
 from pretrain_bench.core.provenance import provenance
-from pretrain_bench.train import checkpoint as ckpt
 from pretrain_bench.train import state_lock
-from pretrain_bench.train.checkpointer import Checkpointer, ResumePoint
+from pretrain_bench.train.checkpoints import files as ckpt
+from pretrain_bench.train.checkpoints.checkpointer import Checkpointer, ResumePoint
+from pretrain_bench.train.checkpoints.run_state import fingerprint_id, mark_finished, plan_digest, prepare_state
 from pretrain_bench.train.compiling import CompileClock, compile_model, compile_scope
-from pretrain_bench.train.engines import Engine, EngineRun, engine_class
+from pretrain_bench.train.engines.registry import Engine, EngineRun, engine_class
 from pretrain_bench.train.heldout import HeldOutSlice
 from pretrain_bench.train.metrics import (
     MetricsSink,
@@ -62,8 +62,8 @@ from pretrain_bench.train.rank import (
 )
 from pretrain_bench.train.rank import log as rank_log
 from pretrain_bench.train.run_context import LaunchContext, rank_placement, usable_cpus
-from pretrain_bench.train.run_state import fingerprint_id, mark_finished, plan_digest, prepare_state
 from pretrain_bench.train.run_summary import RunSummary
+from pretrain_bench.train.settings import check_settings
 from pretrain_bench.train.step import PhaseTimer, train_step
 
 

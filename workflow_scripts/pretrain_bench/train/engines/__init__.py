@@ -14,34 +14,7 @@ torch.distributed.checkpoint folder (`dcp/`, one file per rank plus .metadata), 
 rank also writes engine_rank<r>.pt (scheduler, loss scaler, skipped steps) — except DeepSpeed, which keeps those in
 its own files. Each engine class reads its own layout back (`holds_checkpoint`, `read_model_state`) for the HF
 export (`checkpointer.load_fp32_state_dict`).
+
+What the planning knows of each engine is its spec (spec.py: layout, checks, DeepSpeed's config, memory terms, fit
+rungs, labels), read without importing torch; the engine classes themselves are registered by name in registry.py.
 """
-from __future__ import annotations
-
-from pretrain_bench.config.settings import ENGINES
-from pretrain_bench.train.engines.base import Engine, EngineRun, engine_state_file, lr_schedule, mmap_loads
-from pretrain_bench.train.engines.ddp import DDP_MODEL_FILE, DDP_OPTIMIZER_FILE, DDPEngine
-from pretrain_bench.train.engines.deepspeed_engine import (
-    DS_MODEL_FILE,
-    DeepSpeedEngine,
-    deepspeed_comm_ms,
-    skip_muon_import,
-    universal_tag,
-)
-from pretrain_bench.train.engines.fsdp import DCP_FOLDER, FSDPEngine, read_dcp_model
-from pretrain_bench.train.engines.torch_engine import CommIntervals, CudaEventClock, HostClock, TorchEngine
-
-ENGINE_CLASSES: dict[str, type[Engine]] = {"deepspeed": DeepSpeedEngine, "ddp": DDPEngine, "fsdp": FSDPEngine}
-assert tuple(ENGINE_CLASSES) == ENGINES, "settings.ENGINES names the engines of this package"
-
-
-def engine_class(name: str) -> type[Engine]:
-    """The engine of train.engine `name`."""
-    if name not in ENGINE_CLASSES:
-        raise ValueError(f"unknown train.engine {name!r}; choose one of {list(ENGINES)}")
-    return ENGINE_CLASSES[name]
-
-
-__all__ = ["DCP_FOLDER", "DDP_MODEL_FILE", "DDP_OPTIMIZER_FILE", "DS_MODEL_FILE", "ENGINE_CLASSES", "CommIntervals",
-           "CudaEventClock", "DDPEngine", "DeepSpeedEngine", "Engine", "EngineRun", "FSDPEngine", "HostClock",
-           "TorchEngine", "deepspeed_comm_ms", "engine_class", "engine_state_file", "lr_schedule", "mmap_loads",
-           "read_dcp_model", "skip_muon_import", "universal_tag"]

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from pretrain_bench.train.checkpoint import tag_for
+from pretrain_bench.train.checkpoints.files import tag_for
 
 
 def engine_state_file(rank: int) -> str:
@@ -20,7 +20,7 @@ def engine_state_file(rank: int) -> str:
 
 def lr_schedule(settings, total_steps: int):
     """A factory of the run's LambdaLR (see settings.learning_rate)."""
-    from pretrain_bench.config.settings import learning_rate
+    from pretrain_bench.train.settings import learning_rate
 
     def schedule(optimizer):
         # A plain function (not a callable object): LambdaLR then saves no state of it in checkpoints, so a

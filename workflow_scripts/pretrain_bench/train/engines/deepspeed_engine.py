@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain_bench.train.checkpoint import UNIVERSAL_SUFFIX, CheckpointError, tag_for
+from pretrain_bench.train.checkpoints.files import UNIVERSAL_SUFFIX, CheckpointError, tag_for
 from pretrain_bench.train.engines.base import Engine, EngineRun, lr_schedule, mmap_loads, number
 
 DS_MODEL_FILE = "mp_rank_00_model_states.pt"  # DeepSpeed's module (and, at ZeRO-0, its whole state)
@@ -212,7 +212,7 @@ class DeepSpeedEngine(Engine):
     def __init__(self, model, settings, run: EngineRun):
         import deepspeed
 
-        from pretrain_bench.config.settings import deepspeed_config
+        from pretrain_bench.train.engines.spec import deepspeed_config
 
         self.config = deepspeed_config(settings, run.device, run.total_steps, fused_adam=fused_adam_prebuilt(),
                                        pin_memory=run.pin_memory, comms_logger=run.measure_comm)

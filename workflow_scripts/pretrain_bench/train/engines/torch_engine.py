@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from pretrain_bench.config.settings import TORCH_ADAMW_KWARGS
 from pretrain_bench.train.engines.base import Engine, EngineRun, engine_state_file, lr_schedule
+from pretrain_bench.train.engines.spec import TORCH_ADAMW_KWARGS
 
 
 class TorchEngine(Engine):

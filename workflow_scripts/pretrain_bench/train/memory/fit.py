@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from pretrain_bench.config.settings import FIT_KEYS, ConfigError, TrainSettings
 from pretrain_bench.core.devices import resolve_device_cheaply
+from pretrain_bench.train.engines.spec import engine_spec
 from pretrain_bench.train.memory.model import (
     GIB,
     Budget,
@@ -39,6 +39,7 @@ from pretrain_bench.train.memory.model import (
     labelled,
     run_shape,
 )
+from pretrain_bench.train.settings import FIT_KEYS, ConfigError, TrainSettings
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Rung:
 
 def describe(s: TrainSettings) -> str:
     """'ZeRO-2 + CPU optimizer offload + activation checkpointing, micro-batch 8 × 1'."""
-    text = {"ddp": "DDP", "fsdp": "FSDP"}.get(s.engine, f"ZeRO-{s.zero_stage}")
+    text = engine_spec(s.engine).short_label(s.zero_stage)
     where = {"cpu": "CPU", "nvme": "NVMe"}
     if s.offload_param != "none":
         text += f" + {where[s.offload_param]} parameter offload"
@@ -62,18 +63,8 @@ def describe(s: TrainSettings) -> str:
 
 def ladder(s: TrainSettings, device: str) -> list[Rung]:
     """The ordered changes `auto` tries (see the module docstring); none repeats the settings asked for."""
-    offloads = []
-    if device == "cuda" and s.engine == "deepspeed":  # DDP and FSDP keep their layout; offloading is DeepSpeed's
-        if s.zero_stage < 3 and s.offload_optimizer == "none" and s.offload_param == "none":
-            offloads.append(replace(s, zero_stage=3))  # every state partitioned across the GPUs, none on the host
-        if s.offload_optimizer == "none":
-            offloads.append(replace(s, zero_stage=max(s.zero_stage, 2), offload_optimizer="cpu"))
-        if (s.zero_stage, s.offload_optimizer) != (3, "cpu") and s.offload_param == "none":
-            offloads.append(replace(s, zero_stage=3, offload_optimizer="cpu"))
-        if (s.zero_stage, s.offload_optimizer, s.offload_param) != (3, "cpu", "cpu"):
-            offloads.append(replace(s, zero_stage=3, offload_optimizer="cpu", offload_param="cpu"))
-        if (s.zero_stage, s.offload_optimizer, s.offload_param) != (3, "nvme", "nvme"):
-            offloads.append(replace(s, zero_stage=3, offload_optimizer="nvme", offload_param="nvme"))
+    # the engine's offload rungs, on CUDA (a CPU run's states live in host RAM already); DDP and FSDP have none
+    offloads = [replace(s, **rung) for rung in engine_spec(s.engine).offload_rungs(s)] if device == "cuda" else []
     smaller = [replace(s, micro_batch_size=mb, grad_accum_steps=s.grad_accum_steps * (s.micro_batch_size // mb))
                for mb in range(s.micro_batch_size - 1, 0, -1) if s.micro_batch_size % mb == 0]
     checkpointing = [] if s.activation_checkpointing else [replace(s, activation_checkpointing=True)]

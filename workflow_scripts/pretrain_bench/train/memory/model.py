@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pretrain_bench.config.schema import ModelSettings
-from pretrain_bench.config.settings import ConfigError, TrainSettings
 from pretrain_bench.core import devices
+from pretrain_bench.train.engines.spec import engine_spec
 from pretrain_bench.train.models.llama import count_parameters, model_shape
+from pretrain_bench.train.settings import ConfigError, TrainSettings
 
 GIB = 1024**3
 GB = 10**9
@@ -310,15 +311,8 @@ def model_state_bytes(psi: int, ranks: int, stage: int, precision: str, offload_
 
 
 def checkpoint_bytes(psi: int, precision: str, zero_stage: int, engine: str = "deepspeed") -> int:
-    """Bytes of one DeepSpeed checkpoint on disk, all ranks together: the module once in the training precision
-    (mp_rank_00_model_states.pt) and every rank's optimizer partition (fp32 master copy and Adam moments, K Ψ as in
-    model_state_bytes); 7B in mixed precision: 2Ψ + 12Ψ ≈ 97 GB. DDP and FSDP keep fp32 parameters and the two AdamW
-    moments: 4Ψ + 8Ψ, in whatever precision they compute."""
-    if engine != "deepspeed":
-        return 12 * psi
-    param_b = 4 if precision == "fp32" else 2
-    opt_b = (8 if zero_stage in (0, 3) else 12) if precision == "fp32" else 12
-    return int((param_b + opt_b) * psi)
+    """Bytes of one checkpoint on disk, all ranks together (the engine's: EngineSpec.checkpoint_bytes)."""
+    return engine_spec(engine).checkpoint_bytes(psi, precision, zero_stage)
 
 
 def activation_bytes(run: RunShape) -> int:
@@ -377,14 +371,6 @@ def buffer_bytes(run: RunShape) -> tuple[int, str]:
     return sum(value for value, _ in terms.values()), "; ".join(source for _, source in terms.values())
 
 
-# DDP and FSDP (train.engine ddp | fsdp) train fp32 parameters whatever the compute precision: parameters 4Ψ,
-# gradients 4Ψ (fp32, the reduction's dtype) and AdamW's two moments 8Ψ; DDP replicates them, FSDP shards them.
-TORCH_STATE_FORMULAS = {
-    "ddp": "16Ψ (4Ψ fp32 params + 4Ψ fp32 grads, DDP's buckets themselves + 8Ψ AdamW), replicated on every rank",
-    "fsdp": "16Ψ/N (4Ψ/N fp32 params + 4Ψ/N fp32 grads + 8Ψ/N AdamW), sharded by FSDP",
-}
-
-
 def root_parameters(run: RunShape) -> int:
     """Parameters outside the decoder layers: embeddings, LM head (unless tied) and the final norm."""
     return run.parameters - run.layers * _per_layer_params(run)
@@ -392,15 +378,14 @@ def root_parameters(run: RunShape) -> int:
 
 def torch_state_bytes(psi: int, ranks: int, engine: str) -> dict:
     """Bytes per rank of parameters, gradients and AdamW states under DDP (replicated) or FSDP (sharded)."""
-    n = 1 if engine == "ddp" else ranks
-    return {"params": 4 * psi // n, "grads": 4 * psi // n, "optimizer": 8 * psi // n}
+    return engine_spec(engine).state_bytes(psi, ranks)
 
 
 def torch_engine_terms(run: RunShape) -> tuple[dict, dict]:
     """(states, buffers) per rank of a DDP or FSDP run: states {term: bytes}, buffers {term: (bytes, source)}."""
     psi, b = run.parameters, 4 if run.precision == "fp32" else 2
     states = torch_state_bytes(psi, run.ranks, run.engine)
-    if run.engine == "ddp":
+    if not engine_spec(run.engine).shards_states:
         buffers = {}
         if run.precision != "fp32":
             # autocast casts each fp32 weight once per forward; the 16-bit copies are saved for the backward
@@ -420,13 +405,14 @@ def torch_engine_terms(run: RunShape) -> tuple[dict, dict]:
 
 
 def estimate(run: RunShape) -> Estimate:
-    if run.engine != "deepspeed":
+    spec = engine_spec(run.engine)
+    if not spec.zero_partitioned:
         states, buffers = torch_engine_terms(run)
         return Estimate(params=int(states["params"]), grads=int(states["grads"]),
                         optimizer=int(states["optimizer"]), activations=activation_bytes(run),
                         buffers=int(sum(v for v, _ in buffers.values())), runtime=RUNTIME_BYTES[run.device],
                         # the whole model is built in fp32 on the rank's device before DDP/FSDP take it
-                        init=4 * run.parameters, host_states=0, state_formula=TORCH_STATE_FORMULAS[run.engine],
+                        init=4 * run.parameters, host_states=0, state_formula=spec.state_formula,
                         buffer_formula="; ".join(src for _, src in buffers.values()) or "none beyond the states")
     states = model_state_bytes(run.parameters, run.ranks, run.zero_stage, run.precision, run.offload_optimizer,
                                run.offload_param, largest=run.largest_parameter,
@@ -598,31 +584,14 @@ def alternatives(run: RunShape, budget: Budget, max_gpus: int = 1024) -> list[di
         options.append({"label": label, "settings": settings_text, "fits": verdict.fits, "text": verdict.text,
                         "host_need_bytes": verdict.host_need_bytes, "per_rank_bytes": est.per_rank})
 
-    if run.engine != "deepspeed":
-        if run.engine == "ddp":
-            consider("FSDP", replace(run, engine="fsdp", zero_stage=3), "train.engine: fsdp, train.zero_stage: 3")
-        consider("DeepSpeed ZeRO-3 with optimizer offload",
-                 replace(run, engine="deepspeed", zero_stage=3, offload_optimizer="cpu"),
-                 "train.engine: deepspeed, train.zero_stage: 3, train.offload_optimizer: cpu")
-        if not run.activation_checkpointing:
-            consider("activation checkpointing", replace(run, activation_checkpointing=True),
-                     "train.activation_checkpointing: true")
-        return sorted(options, key=lambda o: not o["fits"])
-    offload_stage = max(run.zero_stage, 2)
-    if run.offload_optimizer != "cpu":
-        consider("optimizer offload", replace(run, zero_stage=offload_stage, offload_optimizer="cpu"),
-                 "train.offload_optimizer: cpu" + ("" if run.zero_stage >= 2 else ", train.zero_stage: 2"))
-    if run.zero_stage != 3:
-        consider("ZeRO-3", replace(run, zero_stage=3), "train.zero_stage: 3")
-        consider("ZeRO-3 with optimizer offload", replace(run, zero_stage=3, offload_optimizer="cpu"),
-                 "train.zero_stage: 3, train.offload_optimizer: cpu")
-    if run.zero_stage != 3 or run.offload_param != "cpu":
-        consider("ZeRO-3 with optimizer and parameter offload",
-                 replace(run, zero_stage=3, offload_optimizer="cpu", offload_param="cpu"),
-                 "train.zero_stage: 3, train.offload_optimizer: cpu, train.offload_param: cpu")
+    spec = engine_spec(run.engine)
+    for change in spec.fit_changes(run.zero_stage, run.offload_optimizer, run.offload_param):
+        consider(change.label, replace(run, **change.changes), change.settings_text)
     if not run.activation_checkpointing:
         consider("activation checkpointing", replace(run, activation_checkpointing=True),
                  "train.activation_checkpointing: true")
+    if not spec.zero_partitioned:
+        return sorted(options, key=lambda o: not o["fits"])
     layers = _max_layers(run, budget)
     if layers and layers < run.layers:
         per_layer = _per_layer_params(run)
@@ -662,8 +631,8 @@ def explain(run: RunShape, est: Estimate, verdict: Verdict, budget: Budget, what
         f"pre-flight: {what} is predicted not to fit: {verdict.text} ({labelled(budget.device_source)}).",
         f"  model states alone need {est.model_states / GB:,.1f} GB ({gib(est.model_states)} GiB) {where} "
         f"for Ψ = {run.parameters / 1e9:,.2f}e9 parameters, "
-        f"{'ZeRO-' + str(run.zero_stage) if run.engine == 'deepspeed' else run.engine.upper()}, {run.precision}, "
-        f"N = {run.ranks} ({'ZeRO paper: ' if run.engine == 'deepspeed' else ''}{est.state_formula});",
+        f"{engine_spec(run.engine).short_label(run.zero_stage)}, {run.precision}, "
+        f"N = {run.ranks} ({'ZeRO paper: ' if engine_spec(run.engine).zero_partitioned else ''}{est.state_formula});",
         f"  plus activations ~{gib(est.activations)} GiB (micro batch {run.micro_batch_size} × seq_len "
         f"{run.seq_len}), buffers {gib(est.buffers)} GiB ({est.buffer_formula}), runtime {gib(est.runtime)} GiB.",
         "What would fit:",

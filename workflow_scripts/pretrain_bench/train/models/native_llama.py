@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pretrain_bench.config.checks import check_native_kernel
-from pretrain_bench.config.settings import ConfigError
+from pretrain_bench.train.settings import ConfigError
 
 # LlamaConfig's default initializer_range: the standard deviation of every linear and embedding weight at init.
 INITIALIZER_RANGE = 0.02

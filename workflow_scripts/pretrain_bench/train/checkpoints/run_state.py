@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from pretrain_bench.core.io import atomic_write_json
-from pretrain_bench.train.checkpoint import committed_steps, read_marker
+from pretrain_bench.train.checkpoints.files import committed_steps, read_marker
 
 ACTIVE = "ACTIVE.json"
 FINISHED = "FINISHED.json"

@@ -5,12 +5,12 @@ starts, and the launcher can repeat the checks once it knows the real device.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, fields
 
 from pretrain_bench.config.checks import missing_trackers
 from pretrain_bench.config.schema import ConfigError, default_field, keys_with, schema_enum
+from pretrain_bench.train.engines.spec import check_engine, resolve_zero_stage
 
 LR_SCHEDULES = schema_enum("train", "lr_schedule")
 VERIFY_MODES = ("full", "sampled")  # train.verify_checkpoints: how a checkpoint is verified before it is trusted
@@ -129,81 +129,6 @@ TRAINS_FURTHER_KEYS = keys_with(TrainSettings, "trains_further")
 FIT_KEYS = keys_with(TrainSettings, "fit")
 
 
-# ds_config keys that decide what trains (precision, ZeRO stage and offload, optimizer and schedule, batch, the
-# gradient's reduction) or that the pipeline needs for its own measurements, in every spelling DeepSpeed 0.19.8 reads
-# (deepspeed/runtime/config.py, precision_config.py, zero/config.py): train.deepspeed may not set them, and the error
-# names the pipeline key to use instead, so summary.json's precision, zero_stage and batch are what ran. A nested
-# key is "parent.child".
-_PRECISION = "train.precision"
-_DATA_PARALLEL = "nothing: the pipeline trains data-parallel over all train.gpus × train.nodes ranks"
-OWNED_DEEPSPEED_KEYS = {
-    "train_batch_size": "train.global_batch_size (or micro_batch_size × grad_accum_steps × ranks)",
-    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
-    "gradient_accumulation_steps": "train.grad_accum_steps",
-    "managed_gradient_accumulation": "train.grad_accum_steps (the engine accumulates its micro-steps itself)",
-    "gradient_clipping": "train.grad_clip",
-    "optimizer": "train.lr, train.weight_decay, train.adam_betas and train.adam_eps",
-    "zero_allow_untested_optimizer": "train.lr, train.weight_decay, train.adam_betas and train.adam_eps (the "
-                                     "optimizer is the pipeline's AdamW)",
-    "zero_force_ds_cpu_optimizer": "train.offload_optimizer (DeepSpeed's CPU Adam runs with it)",
-    "scheduler": "train.lr_schedule, train.warmup_steps, train.min_lr and train.decay_fraction",
-    "fp16": _PRECISION + " (fp16, bf16 or fp32)",
-    "bf16": _PRECISION + " (fp16, bf16 or fp32)",
-    "bfloat16": _PRECISION + ": bf16 (bfloat16 is DeepSpeed's older name of bf16)",
-    "amp": _PRECISION,
-    "torch_autocast": _PRECISION + " (the DDP and FSDP engines train bf16/fp16 through autocast)",
-    "data_types": _PRECISION + " (data_types sets the gradient-accumulation and parameter dtypes)",
-    "gradient_allreduce_op": "nothing: every engine averages gradients over the ranks",
-    "zero_optimization.stage": "train.zero_stage",
-    "zero_optimization.offload_optimizer": "train.offload_optimizer (and train.nvme_path)",
-    "zero_optimization.offload_param": "train.offload_param (and train.nvme_path)",
-    "zero_optimization.cpu_offload": "train.offload_optimizer (cpu_offload is DeepSpeed's older name of it)",
-    "zero_optimization.cpu_offload_param": "train.offload_param (cpu_offload_param is DeepSpeed's older name of it)",
-    "zero_optimization.cpu_offload_use_pin_memory": "train.offload_optimizer / train.offload_param",
-    "zero_optimization.zenflow": "nothing: ZenFlow skips and delays optimizer updates of the pipeline's AdamW",
-    "tensor_parallel": _DATA_PARALLEL,
-    "sequence_parallel_size": _DATA_PARALLEL,
-    "expert_parallel": _DATA_PARALLEL,
-    "activation_checkpointing": "train.activation_checkpointing",
-    "comms_logger": "nothing: the pipeline's communication share (summary comm_fraction) is measured with it",
-    "checkpoint": "train.allow_reshape",
-}
-
-
-def _instead(key: str) -> str:
-    """'train.deepspeed.<key>: set <pipeline key> instead' (or 'remove it (<why>)' where no key replaces it)."""
-    use = OWNED_DEEPSPEED_KEYS[key]
-    return f"train.deepspeed.{key}: " + (f"remove it ({use.removeprefix('nothing: ')})" if use.startswith("nothing: ")
-                                         else f"set {use} instead")
-
-
-def owned_deepspeed_keys(extra: dict) -> list[str]:
-    """The keys of a train.deepspeed mapping that the pipeline owns, as "train.deepspeed.<key>: set <key> instead"
-    texts."""
-    found = []
-    for key, value in extra.items():
-        if key in OWNED_DEEPSPEED_KEYS:
-            found.append(_instead(key))
-        elif key == "zero_optimization" and not isinstance(value, dict):
-            # DeepSpeed reads `true` as ZeRO stage 1 (and a number as nothing it can parse)
-            found.append(f"train.deepspeed.zero_optimization: {json.dumps(value)} is not a mapping "
-                         f"(DeepSpeed reads true as "
-                         f"ZeRO stage 1): set train.zero_stage instead, and tune ZeRO in a mapping "
-                         f"(zero_optimization: {{reduce_bucket_size: ...}})")
-        elif isinstance(value, dict):
-            found += [_instead(f"{key}.{child}") for child in value if f"{key}.{child}" in OWNED_DEEPSPEED_KEYS]
-    return found
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    """base with extra's values; mappings are merged key by key (so zero_optimization keeps its stage)."""
-    merged = dict(base)
-    for key, value in extra.items():
-        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) \
-            else value
-    return merged
-
-
 def learning_rate(step: int, s: TrainSettings, total_steps: int) -> float:
     """The learning rate of optimizer step `step` (0-based: the rate the first step uses is learning_rate(0)).
 
@@ -270,9 +195,6 @@ def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | N
     missing = missing_trackers(s.loggers)
     if missing:
         raise ConfigError("; ".join(missing))
-    owned = owned_deepspeed_keys(s.deepspeed)
-    if owned:
-        raise ConfigError("train.deepspeed sets what the pipeline owns: " + "; ".join(owned))
     device = device or (s.device if s.device != "auto" else None)
     if device == "cpu":
         if s.precision == "fp16":
@@ -288,120 +210,3 @@ def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | N
     if device == "cuda" and s.rank_start == "fork":
         raise ConfigError("train.rank_start fork is for CPU ranks: CUDA cannot be used in a process forked from one "
                           "that has initialised it, as DeepSpeed's import does; use auto or exec on CUDA")
-
-
-ENGINES = schema_enum("train", "engine")
-# The ZeRO stage naming each PyTorch engine's layout of the model states: DDP replicates parameters, gradients and
-# optimizer states on every rank (ZeRO-0's layout); FSDP shards all three (ZeRO-3's). The memory model, the pre-flight
-# and the tables read train.zero_stage that way.
-ENGINE_STAGE = {"ddp": 0, "fsdp": 3}
-# train.zero_stage's value under DeepSpeed when the config leaves it null: ZeRO-2, the source articles' setup.
-DEEPSPEED_DEFAULT_STAGE = 2
-
-
-def resolve_zero_stage(engine: str, zero_stage: int | None) -> int | None:
-    """train.zero_stage as a run uses it: the stage set, or where it is null the engine's layout (ENGINE_STAGE: ddp
-    0, fsdp 3) or DeepSpeed's default (DEEPSPEED_DEFAULT_STAGE). An unknown engine keeps null (check_engine names
-    it)."""
-    if zero_stage is not None:
-        return zero_stage
-    return ENGINE_STAGE.get(engine, DEEPSPEED_DEFAULT_STAGE if engine == "deepspeed" else None)
-
-
-def fill_resolved_defaults(config: dict) -> dict:
-    """In place, right after validation: a null train.zero_stage becomes the stage its engine implies
-    (resolve_zero_stage); returns config. Every reader of the validated config (the plan config, the benchmark
-    matrix's axes, the cells) then sees what TrainSettings sees, and a DeepSpeed run that leaves the key out plans,
-    fingerprints and digests as it did when the schema's default was 2."""
-    train = config["train"]
-    train["zero_stage"] = resolve_zero_stage(train["engine"], train["zero_stage"])
-    return config
-
-
-ENGINE_LAYOUT = {"ddp": "DDP replicates parameters, gradients and optimizer states on every rank (ZeRO-0's layout)",
-                 "fsdp": "FSDP shards parameters, gradients and optimizer states across the ranks (ZeRO-3's layout)"}
-
-
-def check_engine(s: TrainSettings) -> None:
-    """Keys that mean nothing for train.engine are refused with the reason, never silently ignored."""
-    if s.engine not in ENGINES:
-        raise ConfigError(f"train.engine {s.engine!r} is not one of {list(ENGINES)}")
-    if s.engine == "deepspeed":
-        return
-    stage = ENGINE_STAGE[s.engine]
-    if s.zero_stage != stage:
-        raise ConfigError(f"train.zero_stage {s.zero_stage} means nothing under train.engine {s.engine}: "
-                          f"{ENGINE_LAYOUT[s.engine]}. Leave train.zero_stage out (or null: the engine's "
-                          f"{stage}), or set train.engine: deepspeed for ZeRO-{s.zero_stage}")
-    for key in ("offload_optimizer", "offload_param"):
-        if getattr(s, key) != "none":
-            raise ConfigError(f"train.{key} {getattr(s, key)} means nothing under train.engine {s.engine}: "
-                              "offloading is DeepSpeed's (ZeRO-Offload/Infinity); set it to none or use "
-                              "train.engine: deepspeed")
-    if s.deepspeed:
-        raise ConfigError(f"train.deepspeed {sorted(s.deepspeed)} means nothing under train.engine {s.engine}: "
-                          "it is merged into DeepSpeed's config; remove it or use train.engine: deepspeed")
-
-
-# torch.optim.AdamW as every engine builds it (DeepSpeed's torch_adam path passes these through): torch's fused
-# kernel, one pass over each parameter's state on CPU and CUDA alike. The default on CPU is the single-tensor loop,
-# which makes five passes and allocates temporaries; on ZeRO-1/2's flat fp32 partition (tens of MB, out of cache)
-# it cost about 10 % of a step of the bench model (bench/bench_trainer.py), fused about 1.5 %.
-TORCH_ADAMW_KWARGS = {"fused": True}
-
-
-def deepspeed_config(s: TrainSettings, device: str, total_steps: int, fused_adam: bool = False,
-                     pin_memory: bool = True, comms_logger: bool = True) -> dict:
-    """The DeepSpeed JSON config for these settings (written next to the run as ds_config.json), with
-    train.deepspeed merged in. The learning-rate schedule is not in it: the trainer hands DeepSpeed a LambdaLR over
-    `learning_rate`, because DeepSpeed has no warmup-stable-decay and its schedules warm up in different ways.
-
-    fused_adam: DeepSpeed's FusedAdam is prebuilt in this install; without it (and without offload, where
-    DeepSpeedCPUAdam runs) torch's own AdamW is used, which needs no compiler.
-    pin_memory: pin offloaded host buffers (CUDA only); the launcher turns it off where torch would round them.
-    comms_logger: time every collective (it synchronises each one: on for benchmark cells and CPU runs only).
-    """
-    zero: dict = {"stage": s.zero_stage}
-    if s.zero_stage >= 1:
-        zero.update(overlap_comm=device == "cuda", contiguous_gradients=True, reduce_scatter=True)
-    for key in ("offload_optimizer", "offload_param"):
-        target = getattr(s, key)
-        if target != "none":
-            zero[key] = {"device": target, "pin_memory": device == "cuda" and pin_memory}
-            if target == "nvme":
-                zero[key]["nvme_path"] = s.nvme_path
-    config = {
-        "train_micro_batch_size_per_gpu": s.micro_batch_size,
-        "gradient_accumulation_steps": s.grad_accum_steps,
-        "train_batch_size": s.derived_global_batch,
-        "gradient_clipping": s.grad_clip,
-        "steps_per_print": 10**9,  # our own progress line replaces DeepSpeed's
-        "wall_clock_breakdown": False,
-        # DeepSpeed's throughput timer synchronises the device at the start and end of every micro-step
-        # (utils/timer.py ThroughputTimer, with timers.throughput.synchronized); the trainer times steps itself.
-        "timers": {"throughput": {"enabled": False, "synchronized": False}},
-        "zero_optimization": zero,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": s.lr,
-                "betas": list(s.adam_betas),
-                "eps": s.adam_eps,
-                "weight_decay": s.weight_decay,
-                # FusedAdam needs CUDA and, unless prebuilt, nvcc at the first step; DeepSpeed's torch_adam switch
-                # selects torch.optim.AdamW instead, with torch's fused kernel (TORCH_ADAMW_KWARGS).
-                **({"torch_adam": True, **TORCH_ADAMW_KWARGS}
-                   if s.offload_optimizer == "none" and (device == "cpu" or not fused_adam) else {}),
-            },
-        },
-        "comms_logger": {"enabled": comms_logger, "verbose": False, "prof_all": comms_logger, "debug": False},
-    }
-    if s.precision == "fp16":
-        # Dynamic loss scaling: loss_scale 0 means dynamic in DeepSpeed.
-        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                          "hysteresis": 2, "min_loss_scale": 1}
-    elif s.precision == "bf16":
-        config["bf16"] = {"enabled": True}
-    if s.activation_checkpointing:
-        config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
-    return _merge(config, s.deepspeed)

@@ -2,9 +2,9 @@
 falls back to the newest checkpoint that verifies (setting damaged and non-finite ones aside), restores and prunes.
 `load_fp32_state_dict` reads a committed checkpoint back whatever engine wrote it, for the HF export.
 
-The files, the commit marker and their verification are `pretrain_bench.train.checkpoint`'s; which files an engine
-writes and how it loads them are the engine's (`pretrain_bench.train.engines`). Every rank makes the same collective
-calls here in the same order: the resume point's gather, and each save's gather and barrier.
+The files, the commit marker and their verification are `pretrain_bench.train.checkpoints.files`'s; which files an
+engine writes and how it loads them are the engine's (`pretrain_bench.train.engines`). Every rank makes the same
+collective calls here in the same order: the resume point's gather, and each save's gather and barrier.
 """
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pretrain_bench.config.settings import TrainSettings
-from pretrain_bench.train import checkpoint as ckpt
-from pretrain_bench.train.engines import ENGINE_CLASSES, Engine
+from pretrain_bench.train.checkpoints import files as ckpt
+from pretrain_bench.train.engines.registry import ENGINE_CLASSES, Engine
 from pretrain_bench.train.rank import gather_floats
+from pretrain_bench.train.settings import TrainSettings
 
 # Fault injection for tests: the last rank's checkpoint files of step N fail with ENOSPC after a few KiB, as a full
 # disk would, where a test cannot mount a small file system.

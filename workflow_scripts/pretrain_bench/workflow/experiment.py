@@ -24,7 +24,8 @@ from pretrain_bench.config.schema import (
     fill_defaults_and_validate,
     project_schema,
 )
-from pretrain_bench.config.settings import TrainSettings, check_settings, fill_resolved_defaults
+from pretrain_bench.train.engines.spec import fill_resolved_defaults
+from pretrain_bench.train.settings import TrainSettings, check_settings
 
 
 @dataclass(frozen=True)

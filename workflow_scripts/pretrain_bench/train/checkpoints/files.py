@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pretrain_bench.config.schema import schema_default
-from pretrain_bench.config.settings import VERIFY_MODES
+from pretrain_bench.train.settings import VERIFY_MODES
 
 MARKER = "COMMITTED.json"
 UNIVERSAL_SUFFIX = "-universal"  # step<N>-universal: DeepSpeed's world-size-independent copy of step<N>, pruned with it
