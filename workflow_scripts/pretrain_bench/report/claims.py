@@ -48,8 +48,8 @@ CLAIMS = {
                    "epoch_days": 5, "source": SOURCE + ": table, 3 GPUs (ZeRO-2) column"},
     "zero2_memory_cut": {"cut_pct": 20, "source": SOURCE + ": 'ZeRO-2 cut per-card memory by 20%'"},
     "nccl_vs_gloo": {"nccl_faster_pct": 30, "source": SOURCE + ": 'NCCL is 30% faster than Gloo'"},
-    "eight_nodes": {"nodes": 8, "gpu": "RTX 4090 D", "gpu_memory_gib": 24, "engine": "DDP", "parameters": 70e9,
-                    "tokens_per_s": (512, 3584), "speedup": 7, "comm_pct": 12, "scale_4_to_8": 1.9,
+    "eight_nodes": {"nodes": 8, "gpu": "RTX 4090 D", "gpu_memory_gib": 24, "engine": "DDP", "train_engine": "ddp",
+                    "parameters": 70e9, "tokens_per_s": (512, 3584), "speedup": 7, "comm_pct": 12, "scale_4_to_8": 1.9,
                     "source": SOURCE + ": the 8-server article"},
 }
 
@@ -262,11 +262,11 @@ def claim_eight_nodes(comms: list[dict]) -> dict:
     """Row 7: the 8-server article (DDP, 70B), against the model states and this run's communication share."""
     eight = CLAIMS["eight_nodes"]
     # DDP keeps fp32 parameters, fp32 gradients and AdamW's moments on every card (torch_state_bytes)
-    ddp = _states(torch_state_bytes(int(eight["parameters"]), eight["nodes"], "ddp"))
+    ddp = _states(torch_state_bytes(int(eight["parameters"]), eight["nodes"], eight["train_engine"]))
     zero3 = _states(model_state_bytes(int(eight["parameters"]), eight["nodes"], 3, "fp16"))
     budget = eight["gpu_memory_gib"] * GIB
     # the claim is about DDP: its cells' communication share when any ran, else the widest cell's
-    ddp_comms = [r for r in comms if r["engine"] == "ddp"]
+    ddp_comms = [r for r in comms if r["engine"] == eight["train_engine"]]
     comm_top = max(ddp_comms or comms, key=lambda r: r["ranks"], default=None)
     shown = format_row(comm_top, COMMUNICATION_COLUMNS) if comm_top else None
     return {
@@ -274,8 +274,9 @@ def claim_eight_nodes(comms: list[dict]) -> dict:
         "claimed": f"{fmt(eight['tokens_per_s'][0])} → {fmt(eight['tokens_per_s'][1])} tokens/s "
                    f"({fmt(eight['speedup'])}×), {fmt(eight['comm_pct'])}% communication, 4 → 8 cards "
                    f"{fmt(eight['scale_4_to_8'])}×",
-        "physics": (f"DDP replicates the model states ({short_formula(engine_spec('ddp').state_formula)}: fp32 params, "
-                    f"fp32 grads, AdamW moments): {fmt(ddp / GIB, 0)} GiB per GPU; even ZeRO-3 over "
+        "physics": (f"DDP replicates the model states "
+                    f"({short_formula(engine_spec(eight['train_engine']).state_formula)}: fp32 params, fp32 grads, "
+                    f"AdamW moments): {fmt(ddp / GIB, 0)} GiB per GPU; even ZeRO-3 over "
                     f"{eight['nodes']}: {fmt(zero3 / GIB, 0)} GiB vs {eight['gpu_memory_gib']} GiB"),
         "measured": (flagged(f"communication share at {shown['ranks']} ranks ({shown['cell']}): {shown['comm_pct']}%",
                              comm_top["flags"]) if shown else "no multi-rank cell ran"),
