@@ -58,8 +58,15 @@ test: $(INSTALLED) lint
 
 # The fast loop while editing: unit tests and the workflow lint (a few minutes on 2 cores). `make test` is the whole
 # suite, what CI runs; `pytest -m pipeline|engine|slurm` picks one kind of integration test.
-check: $(INSTALLED) lint
+check: $(INSTALLED) lint docs
 	$(BIN)/python -m pytest tests/unit -q -n $(TEST_WORKERS)
+
+# The documentation site (mkdocs.yml, docs/) into site/: --strict fails on any warning (a broken link or anchor, a page
+# missing from the nav); the config reference must be what schemas/config.schema.yaml generates now.
+.PHONY: docs
+docs: $(STAMP)
+	$(BIN)/python docs/gen_config_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet -d site
 
 test-unit: $(INSTALLED)
 	$(BIN)/python -m pytest tests/unit -q
