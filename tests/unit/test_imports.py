@@ -19,7 +19,7 @@ PACKAGE_DIR = Path(pretrain_bench.__file__).parent
 PACKAGE = "pretrain_bench"
 # The layers, lowest first: a module may import from its own layer and the layers below it, never from one above.
 # This is the one place the order is written down (docs/contributing.md points here).
-LAYERS = ("core", "config", "data", "train", "evaluate", "bench", "report")
+LAYERS = ("core", "config", "data", "train", "evaluate", "bench", "report", "workflow")
 # A folder of the package holds at most this many modules: past it, a reader can no longer hold it in their head.
 MAX_MODULES_PER_FOLDER = 16
 
