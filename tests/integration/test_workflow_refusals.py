@@ -18,7 +18,8 @@ def dry_run(workdir, *args, gpu=3, configfiles=("config/tiny-cpu.yaml",)):
 def refusal(proc) -> str:
     """The error Snakemake printed, from the line naming where it was raised on, checked to be short."""
     assert proc.returncode != 0, proc.stdout[-2000:]
-    text = proc.stderr[proc.stderr.index("Error in file"):] if "Error in file" in proc.stderr else proc.stderr
+    out = proc.stdout + proc.stderr  # Snakemake prints a Snakefile's error on stdout
+    text = out[out.index("Error in file"):] if "Error in file" in out else out
     assert len(text.strip().splitlines()) <= MAX_ERROR_LINES, text
     assert "Failed validating" not in text and "schema[" not in text and "Traceback" not in text, text
     return text
@@ -45,7 +46,8 @@ def test_config_errors_name_the_dotted_key_in_a_few_lines(tmp_path):
     text = refusal(dry_run(workdir, configfiles=("config/tiny-cpu.yaml", overlay)))
     assert "report.gpu_hour_price: 2.5 is not allowed" in text and "allowed: a mapping or null" in text
     text = refusal(dry_run(workdir, "--config", 'evaluate={"generation": {"top_kk": 4}}'))
-    assert "evaluate.generation.top_kk: not a config key (given: 4); did you mean 'top_k'?" in text
+    # (--config reads the value as the string '4')
+    assert "evaluate.generation.top_kk: not a config key (given: '4'); did you mean 'top_k'?" in text
 
 
 def test_nan_and_periodic_names_are_refused_naming_the_key(tmp_path):
@@ -69,6 +71,7 @@ def test_a_failed_job_ends_the_terminal_with_its_cause_not_a_traceback(tmp_path)
                                 configfiles=("config/tiny-cpu.yaml", overlay))
     proc = subprocess.run(command, cwd=workdir, capture_output=True, text=True, env=snakemake_env(), timeout=900)
     assert proc.returncode != 0
-    tail = proc.stderr[proc.stderr.index("What the stopped job(s) said"):]
+    out = proc.stdout + proc.stderr
+    tail = out[out.index("What the stopped job(s) said"):]
     assert "rule download_corpus (logs/data/corpus-" in tail
     assert str(bad) in tail and "Traceback" not in tail and 'File "' not in tail

@@ -179,6 +179,7 @@ launch: /usr/bin/python -m pretrain_bench.train.forked_ranks --nproc-per-node=1 
 [2026-12-04 16:39:29,001] [INFO] [real_accelerator.py:254:get_accelerator] Setting ds_accelerator to cpu
 /x/torch/distributed.py:12: UserWarning: something of torch's
   warnings.warn(
+start-up: {"what": "first training step", "rank": 0}
 step 40/160 loss 5.9434 lr 1.36e-02 4,277 tokens/s step 0.359s ETA 56s
 2026-12-04 16:39:30,120 INFO pretrain_bench.train.checkpointer: checkpoint step 40 saved in results/r/state
 2026-12-04 16:39:30,121 INFO deepspeed: not ours

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from pretrain_bench.core.logs import STARTUP_PREFIX
+
 # How many of a job's own lines the terminal shows: the last ones, where the outcome and the next command are.
 TAIL_LINES = 8
 # A record of pretrain_bench.core.logs.FORMAT ("2026-12-04 16:39:28,123 INFO pretrain_bench.x: message"): kept (as
@@ -44,7 +46,7 @@ def own_lines(text: str) -> list[str]:
                 continue
             level = record["level"]
             line = record["message"] if level == "INFO" else f"{level}: {record['message']}"
-        elif _FOREIGN.match(line):
+        if _FOREIGN.match(line) or line.startswith(STARTUP_PREFIX):  # a start-up record is for bench_pipeline.py
             continue
         if not kept or kept[-1] != line:
             kept.append(line)
