@@ -125,7 +125,7 @@ def _allowed(error, node: dict) -> str:
         parts.append("numbers " + " and ".join(bounds))
     if "pattern" in node:
         literal = re.fullmatch(r"\^(\w+)\$", node["pattern"])
-        if not literal:
+        if not literal and error.validator == "pattern":  # a long regex, shown only when it is what failed
             parts.append(f"strings matching {node['pattern']}")
         elif error.validator == "pattern":
             parts[-1] += _did_you_mean(error.instance, [literal.group(1)])
