@@ -55,7 +55,7 @@ def test_defaults_and_errors_are_those_of_snakemakes_validate():
         assert fill_defaults_and_validate(config, load_schema(SCHEMA)) == theirs
         assert "max_steps" in config["train"] and "device" in config["evaluate"]
 
-    config["train"]["gpus"] = "eight"
+    config["train"]["micro_batch_size"] = "eight"  # (train.gpus takes the string auto)
     with pytest.raises(jsonschema.ValidationError, match="'eight' is not of type 'integer'"):
         fill_defaults_and_validate(config, load_schema(SCHEMA))
 

@@ -140,7 +140,7 @@ def judge_cell(config: dict, cell: Cell, bench: BenchSettings, device: str, budg
         return {**entry, "status": "unsupported", "reason": f"needs {cell.gpus} GPUs, {budget.gpu_count} detected"}
     if available_ranks is not None and cell.gpus > available_ranks:
         return {**entry, "status": "unsupported",
-                "reason": f"needs {cell.gpus} ranks, snakemake --resources gpu={available_ranks}"}
+                "reason": f"needs {cell.gpus} GPUs, --resources gpu={available_ranks}"}
     run = run_shape(config, settings, device, vocab_size)
     est = estimate(run)
     verdict = judge(est, run, budget)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import re
 from pathlib import Path
 
 import yaml
@@ -287,7 +288,9 @@ def _coerce_object(values: dict, schema: dict) -> None:
 def _coerce(value, schema: dict):
     types = schema.get("type", [])
     types = [types] if isinstance(types, str) else list(types)
-    if isinstance(value, str) and types and "string" not in types:
+    # a string where the key also takes a string, but not this one (train.gpus: an integer or "auto"): "4" is 4
+    if isinstance(value, str) and types and ("string" not in types
+                                             or ("pattern" in schema and not re.search(schema["pattern"], value))):
         try:
             parsed = yaml.safe_load(value)
         except yaml.YAMLError:
@@ -299,8 +302,10 @@ def _coerce(value, schema: dict):
                     break
                 except ValueError:
                     pass
-        wanted = tuple(t for name in types for t in (_PYTHON_TYPES[name] if isinstance(_PYTHON_TYPES[name], tuple)
-                                                     else (_PYTHON_TYPES[name],)))
+        # the types the key takes other than a string (a string it takes here failed its pattern)
+        wanted = tuple(t for name in types if name != "string"
+                       for t in (_PYTHON_TYPES[name] if isinstance(_PYTHON_TYPES[name], tuple)
+                                 else (_PYTHON_TYPES[name],)))
         # bool is an int in Python: "true" must not pass as an integer, nor "1" as a boolean
         if isinstance(parsed, wanted) and not (isinstance(parsed, bool) and "boolean" not in types):
             return parsed

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 
 from pretrain_bench.config.checks import missing_trackers
 from pretrain_bench.config.schema import ConfigError, default_field, keys_with, schema_enum
+from pretrain_bench.core.devices import nvidia_smi_memory
 from pretrain_bench.train.engines.spec import check_engine, resolve_zero_stage
 
 LR_SCHEDULES = schema_enum("train", "lr_schedule")
@@ -30,7 +31,7 @@ class TrainSettings:
                        asked (FIT_KEYS)
     """
 
-    gpus: int = default_field("train", "gpus", fingerprint=False)
+    gpus: int = default_field("train", "gpus", fingerprint=False)  # "auto": resolve_gpus, without a gpu resource
     nodes: int = default_field("train", "nodes", fingerprint=False)
     rdzv_endpoint: str | None = default_field("train", "rdzv_endpoint", fingerprint=False)
     device: str = default_field("train", "device")
@@ -79,6 +80,9 @@ class TrainSettings:
         # train.zero_stage null (the schema's default) is the engine's layout: resolved once, here, so every reader,
         # the resume fingerprint and the plan see a stage number
         object.__setattr__(self, "zero_stage", resolve_zero_stage(self.engine, self.zero_stage))
+        # train.gpus auto (the schema's default) in settings built without a config in view: as resolve_gpus decides
+        # without a `gpu` resource
+        object.__setattr__(self, "gpus", resolve_gpus(self.gpus, self.device, self.nodes, None))
 
     @classmethod
     def from_config(cls, train: dict) -> TrainSettings:
@@ -210,3 +214,38 @@ def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | N
     if device == "cuda" and s.rank_start == "fork":
         raise ConfigError("train.rank_start fork is for CPU ranks: CUDA cannot be used in a process forked from one "
                           "that has initialised it, as DeepSpeed's import does; use auto or exec on CUDA")
+
+
+def resolve_gpus(gpus: int | str, device: str, nodes: int, gpu_resource: int | None) -> int:
+    """train.gpus as ranks per node. `gpu_resource`: Snakemake's `--resources gpu=N` when given (the GPUs of the whole
+    job, every node's), else None.
+
+    auto: N divided over the nodes; without a resource, the GPUs nvidia-smi sees when `device` is cuda or auto, else
+    1 (a CPU run, or a GPU config planned on a machine without GPUs). A number is kept as given, but a job asking for
+    more GPUs than the resource holds is refused, naming both: Snakemake would cap the job's request and still
+    launch every rank."""
+    if gpus == "auto":
+        if gpu_resource is not None:
+            if gpu_resource < nodes:
+                raise ConfigError(f"train.gpus auto: --resources gpu={gpu_resource} leaves no GPU per node for "
+                                  f"train.nodes {nodes}; give at least --resources gpu={nodes}")
+            return gpu_resource // nodes
+        return (len(nvidia_smi_memory()) or 1) if device != "cpu" else 1
+    if gpu_resource is not None and gpus * nodes > gpu_resource:
+        asked = f"train.gpus {gpus}" + (f" × train.nodes {nodes} = {gpus * nodes} GPUs" if nodes > 1 else "")
+        raise ConfigError(f"{asked} but --resources gpu={gpu_resource}: the job would be capped to "
+                          f"{gpu_resource} GPUs and still start {gpus * nodes} ranks. Give --resources "
+                          f"gpu={gpus * nodes}, or set train.gpus: auto (ranks from --resources gpu)")
+    return gpus
+
+
+def fill_resolved_defaults(config: dict, gpu_resource: int | None = None) -> dict:
+    """In place, right after validation: a null train.zero_stage becomes the stage its engine implies
+    (resolve_zero_stage), train.gpus a number of ranks per node (resolve_gpus, with Snakemake's `--resources gpu=N`
+    as `gpu_resource` when given); returns config. Every reader of the validated config (the plan config, the
+    benchmark matrix's axes, the cells) then sees what TrainSettings sees, and a DeepSpeed run that leaves the key out
+    plans, fingerprints and digests as it did when the schema's default was 2."""
+    train = config["train"]
+    train["zero_stage"] = resolve_zero_stage(train["engine"], train["zero_stage"])
+    train["gpus"] = resolve_gpus(train["gpus"], train["device"], train["nodes"], gpu_resource)
+    return config

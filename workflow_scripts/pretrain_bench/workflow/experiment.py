@@ -21,11 +21,10 @@ from pretrain_bench.config.schema import (
     ShardSettings,
     TokenizerSettings,
     coerce_command_line_types,
-    fill_defaults_and_validate,
     project_schema,
 )
-from pretrain_bench.train.engines.spec import fill_resolved_defaults
-from pretrain_bench.train.settings import TrainSettings, check_settings
+from pretrain_bench.config.validation import validate_config
+from pretrain_bench.train.settings import TrainSettings, check_settings, fill_resolved_defaults
 
 
 @dataclass(frozen=True)
@@ -43,10 +42,11 @@ class Config:
     report: ReportSettings
 
     @classmethod
-    def from_config(cls, config: dict) -> Config:
+    def from_config(cls, config: dict, gpu_resource: int | None = None) -> Config:
         """From a validated config (the schema's defaults filled in); raises ConfigError. Writes into `config` the
-        defaults that depend on other keys (settings.fill_resolved_defaults), so the dict says what the settings do."""
-        fill_resolved_defaults(config)
+        defaults that depend on other keys (settings.fill_resolved_defaults: train.gpus auto from `gpu_resource`,
+        Snakemake's `--resources gpu=N` when given), so the dict says what the settings do."""
+        fill_resolved_defaults(config, gpu_resource)
         model, train = ModelSettings.from_config(config["model"]), TrainSettings.from_config(config["train"])
         check_settings(train, seq_len=model.seq_len)
         check_attention(model.attn_implementation, train.precision, model.implementation)
@@ -61,11 +61,12 @@ def load_config(*paths: Path | str) -> dict:
     """The config of `snakemake --configfile <paths...>` after validation: the files merged in order, mapping into
     mapping as Snakemake merges them (snakemake.utils.update_config), with the schema's defaults filled in.
     For code outside the workflow (tests, tools) that needs the config the workflow sees (defaults that depend on
-    other keys resolved as Config.from_config resolves them)."""
+    other keys resolved as Config.from_config resolves them, train.gpus auto as without --resources gpu). Raises
+    ConfigError with a short message naming the dotted key."""
     from snakemake.utils import update_config
 
     config: dict = {}
     for path in paths:
         update_config(config, yaml.safe_load(Path(path).read_text()) or {})
     schema = project_schema()
-    return fill_resolved_defaults(fill_defaults_and_validate(coerce_command_line_types(config, schema), schema))
+    return fill_resolved_defaults(validate_config(coerce_command_line_types(config, schema), schema))

@@ -227,16 +227,6 @@ def resolve_zero_stage(engine: str, zero_stage: int | None) -> int | None:
     return ENGINE_SPECS[engine].resolve_stage(zero_stage) if engine in ENGINE_SPECS else zero_stage
 
 
-def fill_resolved_defaults(config: dict) -> dict:
-    """In place, right after validation: a null train.zero_stage becomes the stage its engine implies
-    (resolve_zero_stage); returns config. Every reader of the validated config (the plan config, the benchmark
-    matrix's axes, the cells) then sees what TrainSettings sees, and a DeepSpeed run that leaves the key out plans,
-    fingerprints and digests as it did when the schema's default was 2."""
-    train = config["train"]
-    train["zero_stage"] = resolve_zero_stage(train["engine"], train["zero_stage"])
-    return config
-
-
 def check_engine(s) -> None:
     """train.engine is known, and the keys that mean nothing under it are refused."""
     engine_spec(s.engine).check(s)
