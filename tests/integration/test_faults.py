@@ -195,6 +195,30 @@ def test_damaged_checkpoints_fall_back_and_steps_never_go_backwards(data, six_st
     assert json.loads((run_dir / "out" / "summary.json").read_text())["steps"] == 8
 
 
+def test_an_empty_marker_in_the_newest_checkpoint_falls_back_to_the_one_before_on_every_rank(data, tmp_path):
+    """A power cut during the last save: its COMMITTED.json never reached the disk (empty), and the run never
+    finished. Every rank reaches the same decision (no gloo "Connection closed by peer"): the rerun sets that
+    checkpoint aside, resumes from the one before, finishes, and trains the steps after it exactly as the
+    uninterrupted run did."""
+    run_dir = tmp_path / "run"
+    state, root = run_dir / "state", run_dir / "state" / "checkpoints"
+    plan = plan_for(data, run_dir, max_steps=6, checkpoint_every=2)  # the tiny config's 3 ranks
+    assert run(plan, 3, tmp_path / "a.log") == 0, (tmp_path / "a.log").read_text()[-3000:]
+    uninterrupted = recorded_losses(run_dir)
+    assert ckpt.committed_steps(root) == [2, 4, 6] and len(uninterrupted) == 6
+    (root / "step6" / ckpt.MARKER).write_text("")
+    (state / "FINISHED.json").unlink()  # the power cut came before the run could finish
+    (run_dir / "out" / "summary.json").unlink()
+    assert run(plan, 3, tmp_path / "b.log") == 0, (tmp_path / "b.log").read_text()[-3000:]
+    log = (tmp_path / "b.log").read_text()
+    assert f"warning: {root / 'step6' / ckpt.MARKER} is empty" in log, log[-3000:]
+    assert f"resumed from {root / 'step4'} (step 4)" in log and "Connection closed by peer" not in log
+    summary = json.loads((run_dir / "out" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 4 and summary["steps"] == 6
+    assert (root / "step6.damaged").is_dir() and ckpt.committed_steps(root) == [2, 4, 6]
+    assert recorded_losses(run_dir) == uninterrupted, "steps 5 and 6 trained again, bit for bit"
+
+
 # --- Interrupts through Snakemake, and the reruns after them -------------------------------------------------------
 INTERRUPT_NAME = DATA_NAME  # in a working directory of its own, from a copy of the tiny data
 INTERRUPT_STEPS = 12  # an interrupt after step 3 stops it well before its end (within 5 steps)

@@ -3,7 +3,7 @@ import json
 from pathlib import Path
 
 from pretrain_bench.train.checkpoint import committed_steps, write_marker
-from pretrain_bench.train.run_state import fingerprint_id, mark_finished, prepare_state
+from pretrain_bench.train.run_state import fingerprint_id, held_world_size, mark_finished, prepare_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,3 +101,18 @@ def test_a_world_size_edit_resumes_reshaped_where_allowed_but_never_reshapes_a_f
     mark_finished(tmp_path, 20, "plan-a")
     messages = prepare_state(tmp_path, FP, 20, "plan-c", [10, 20], 3, allow_reshape=True)
     assert "nothing to continue" in messages[0] and committed_steps(tmp_path / "checkpoints") == []
+
+
+def test_an_empty_marker_in_the_newest_checkpoint_is_passed_over_as_the_resume_will(tmp_path):
+    """A save whose COMMITTED.json never reached the disk: the decision before the resume reads the checkpoint
+    before it (the resume sets the empty one aside), rather than stopping rank 0 on it."""
+    fake_run(tmp_path, FP, [10, 20])
+    (tmp_path / "checkpoints" / "step20" / "COMMITTED.json").write_text("")
+    assert held_world_size(tmp_path) == 2
+    assert prepare_state(tmp_path, FP, 40, "plan-a", [10, 20, 30, 40], 2) == []  # resumes; the resume falls back
+    (tmp_path / "ACTIVE.json").unlink()  # a state folder from before ACTIVE.json: the fingerprint from step 10
+    assert prepare_state(tmp_path, FP, 40, "plan-a", [10, 20, 30, 40], 2) == []
+    # a finished run whose final marker is empty trains the steps after its newest readable checkpoint again
+    mark_finished(tmp_path, 20, "plan-a")
+    messages = prepare_state(tmp_path, FP, 20, "plan-a", [10, 20], 2)
+    assert "its final checkpoint is gone, so the steps after 10 (its newest) are trained again" in messages[0]

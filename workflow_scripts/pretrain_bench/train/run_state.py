@@ -1,6 +1,6 @@
 """Which training run the state folder holds, and what a rerun does with it.
 
-results/<name>/state/ holds one run's resumable state (checkpoints/, metrics.jsonl, tensorboard/), outside the
+results/<name>/state/ holds one run's resumable state (checkpoints/, metrics.jsonl, each tracker's folder), outside the
 pretrain rule's declared outputs. ACTIVE.json names the run it belongs to by its resume fingerprint (what must not
 change between a checkpoint and the run that resumes it: model, data, and the train settings that shape the
 weights). When the pretrain job starts, rank 0 decides before anything loads:
@@ -31,12 +31,14 @@ import time
 from pathlib import Path
 
 from pretrain_bench.core.io import atomic_write_json
-from pretrain_bench.train.checkpoint import committed_steps, read_marker
+from pretrain_bench.train.checkpoint import newest_readable_marker, readable_markers
+from pretrain_bench.train.trackers import TRACKER_FOLDERS
 
 ACTIVE = "ACTIVE.json"
 FINISHED = "FINISHED.json"
-# What belongs to one run; run.lock (held by the running job) and nvme/ (scratch) stay where they are.
-RUN_ITEMS = ("checkpoints", "metrics.jsonl", "tensorboard", ACTIVE, FINISHED)
+# What belongs to one run: its checkpoints, metrics, every tracker's folder (train.loggers) and markers; run.lock
+# (held by the running job) and nvme/ (scratch) stay where they are.
+RUN_ITEMS = ("checkpoints", "metrics.jsonl", *TRACKER_FOLDERS, ACTIVE, FINISHED)
 
 
 def fingerprint_id(fingerprint: dict) -> str:
@@ -49,14 +51,16 @@ def _held_fingerprint(state_dir: Path) -> dict | None:
     active = state_dir / ACTIVE
     if active.is_file():
         return json.loads(active.read_text())["fingerprint"]
-    steps = committed_steps(state_dir / "checkpoints")
-    return read_marker(state_dir / "checkpoints", steps[-1])["fingerprint"] if steps else None
+    marker = newest_readable_marker(state_dir / "checkpoints")
+    return marker["fingerprint"] if marker else None
 
 
 def held_world_size(state_dir: Path) -> int | None:
-    """The world size the newest committed checkpoint in `state_dir` was saved with (None: no checkpoint)."""
-    steps = committed_steps(Path(state_dir) / "checkpoints")
-    return read_marker(Path(state_dir) / "checkpoints", steps[-1]).get("world_size") if steps else None
+    """The world size the newest committed checkpoint in `state_dir` was saved with (None: no checkpoint). A marker
+    that does not read (a save that never reached the disk) is passed over: the resume sets that checkpoint aside
+    and falls back to the one before it (checkpoint.newest_verified)."""
+    marker = newest_readable_marker(Path(state_dir) / "checkpoints")
+    return marker.get("world_size") if marker else None
 
 
 def _holds_anything(state_dir: Path) -> bool:
@@ -149,7 +153,7 @@ def _finished_run(state_dir: Path, new_id: str, total_steps: int, digest: str, n
     """Same settings, finished at exactly these steps: rewrite the outputs from the final checkpoint, unless the plan
     keeps checkpoints the run never saved (train.checkpoint_every edited); then it trains again beside the old run."""
     finished = json.loads((state_dir / FINISHED).read_text())
-    kept = set(committed_steps(state_dir / "checkpoints"))
+    kept = set(readable_markers(state_dir / "checkpoints"))
     if finished.get("plan_digest") == digest or set(needed_steps) <= kept:
         how = ("resuming at its final checkpoint to rewrite the outputs, no step is trained again"
                if total_steps in kept else

@@ -65,6 +65,7 @@ from pretrain_bench.train.run_context import LaunchContext, rank_placement, usab
 from pretrain_bench.train.run_state import fingerprint_id, mark_finished, plan_digest, prepare_state
 from pretrain_bench.train.run_summary import RunSummary
 from pretrain_bench.train.step import PhaseTimer, train_step
+from pretrain_bench.train.trackers import OUTPUT_TRACKER_FOLDERS
 
 
 class StepFigures(NamedTuple):
@@ -214,18 +215,29 @@ class Trainer:
                     refusal = str(error)
         if gather_floats([float(bool(refusal))], self.run_device)[0][0]:
             raise ckpt.CheckpointError(refusal or f"rank 0 was refused {self.state_dir}: another training run holds it")
+        problem = ""
         if rank == 0:
-            # Safe under the state lock: no other run can be saving there.
-            self.checkpointer.remove_incomplete()
-            if not self.plan.resume:
-                self.checkpointer.clear()
-                self.metrics_path.unlink(missing_ok=True)
-            else:  # which run this job continues, starts fresh, or trains again (see run_state)
-                for message in prepare_state(self.state_dir, self.fingerprint, self.total_steps, self.digest,
-                                             settings.checkpoint_steps(self.seq_len), self.world,
-                                             settings.allow_reshape):
-                    self.log(message)
-        dist.barrier()
+            try:
+                self.prepare_state()
+            except (OSError, ValueError, KeyError, ckpt.CheckpointError) as error:
+                problem = f"preparing {self.state_dir} failed: {type(error).__name__}: {error}"
+        # Every rank reaches rank 0's decision: a failure there stops all of them with its message, rather than
+        # leaving the others to die in the next collective ("Connection closed by peer").
+        if gather_floats([float(bool(problem))], self.run_device)[0][0]:
+            raise ckpt.CheckpointError(problem or f"rank 0 failed preparing {self.state_dir} (its error is above)")
+
+    def prepare_state(self) -> None:
+        """Rank 0, under the state lock (no other run can be saving there): remove incomplete saves, then decide
+        which run this job continues, starts fresh, or trains again (see run_state)."""
+        self.checkpointer.remove_incomplete()
+        if not self.plan.resume:
+            self.checkpointer.clear()
+            self.metrics_path.unlink(missing_ok=True)
+            return
+        settings = self.settings
+        for message in prepare_state(self.state_dir, self.fingerprint, self.total_steps, self.digest,
+                                     settings.checkpoint_steps(self.seq_len), self.world, settings.allow_reshape):
+            self.log(message)
 
     def build_model(self) -> None:
         """The batches of this rank and the model (from model.init_from's weights or a seed), built in the precision
@@ -469,7 +481,7 @@ class Trainer:
         dist.barrier()
         if self.rank == 0:
             shutil.copyfile(self.metrics_path, self.out_dir / "metrics.jsonl")
-            for tracker_folder in ("tensorboard", "csv"):  # train.loggers' files (W&B and MLflow keep their own)
+            for tracker_folder in OUTPUT_TRACKER_FOLDERS:  # train.loggers' files (W&B and MLflow keep their own)
                 if (self.state_dir / tracker_folder).is_dir():
                     shutil.copytree(self.state_dir / tracker_folder, self.out_dir / tracker_folder, dirs_exist_ok=True)
             atomic_write_json(self.out_dir / "summary.json", summary)
