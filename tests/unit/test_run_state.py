@@ -116,3 +116,25 @@ def test_an_empty_marker_in_the_newest_checkpoint_is_passed_over_as_the_resume_w
     mark_finished(tmp_path, 20, "plan-a")
     messages = prepare_state(tmp_path, FP, 20, "plan-a", [10, 20], 2)
     assert "its final checkpoint is gone, so the steps after 10 (its newest) are trained again" in messages[0]
+
+
+def test_every_trackers_folder_moves_with_its_run_and_comes_back_with_it(tmp_path):
+    from pretrain_bench.train.trackers import TRACKER_FOLDERS, TRACKERS
+
+    assert set(TRACKER_FOLDERS) == {tracker.folder for tracker in TRACKERS.values()} >= {"tensorboard", "csv",
+                                                                                          "wandb", "mlruns"}
+    fake_run(tmp_path, FP, [10])
+    for folder in TRACKER_FOLDERS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "rows").write_text(f"{folder} of the first run")
+    prepare_state(tmp_path, OTHER, 20, "plan-b", [10, 20], 2)
+    kept = tmp_path / "runs" / fingerprint_id(FP)
+    for folder in TRACKER_FOLDERS:
+        assert not (tmp_path / folder).exists(), f"{folder}/ stayed behind for the next run to append to"
+        assert (kept / folder / "rows").read_text() == f"{folder} of the first run"
+    fake_run(tmp_path, OTHER, [10])
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "csv" / "rows").write_text("csv of the second run")
+    prepare_state(tmp_path, FP, 20, "plan-a", [10, 20], 2)  # back to the first settings: its trackers come back
+    assert (tmp_path / "csv" / "rows").read_text() == "csv of the first run"
+    assert (tmp_path / "runs" / fingerprint_id(OTHER) / "csv" / "rows").read_text() == "csv of the second run"
