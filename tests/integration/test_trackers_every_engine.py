@@ -76,7 +76,9 @@ def test_two_engine_switches_keep_every_trackers_rows_with_their_run(data, tmp_p
             assert int(row["step"]) == record["step"] == 4, (engine, folder)
             assert float(row["train/step_time_s"]) == record["step_time_s"], (engine, folder, "another run's row")
         assert json.loads((out / "summary.json").read_text())["engine"] == engine
-    assert "already finished step 4" in log.read_text(), "the DeepSpeed run came back finished, nothing retrained"
+    log = log.read_text()
+    assert "resuming the run kept in" in log and "already finished step 4" in log, log[-3000:]
+    assert "step 1/4" not in log, "the DeepSpeed run came back finished: nothing is trained again"
     kept = state / "runs" / fingerprints["ddp"]
     assert fingerprints["ddp"] != fingerprints["deepspeed"]  # the engine is in the fingerprint
     for folder in TRACKER_FOLDERS:

@@ -138,3 +138,36 @@ def test_every_trackers_folder_moves_with_its_run_and_comes_back_with_it(tmp_pat
     prepare_state(tmp_path, FP, 20, "plan-a", [10, 20], 2)  # back to the first settings: its trackers come back
     assert (tmp_path / "csv" / "rows").read_text() == "csv of the first run"
     assert (tmp_path / "runs" / fingerprint_id(OTHER) / "csv" / "rows").read_text() == "csv of the second run"
+
+
+def test_a_finished_run_keeps_its_summary_for_the_jobs_that_rewrite_its_outputs(tmp_path):
+    import shutil
+
+    from pretrain_bench.train.run_state import already_finished, kept_summary
+    from pretrain_bench.train.run_summary import RunSummary
+
+    fake_run(tmp_path, FP, [10, 20])
+    fields = {name: None for name in RunSummary.__dataclass_fields__ if name != "version"}
+    summary = tmp_path / "out-summary.json"
+    summary.write_text(json.dumps(RunSummary(**{**fields, "tokens_per_s": 1234.5678, "comm_fraction": 0.29,
+                                                "provenance": {"other_cpu": 0.1}}).to_dict(), indent=1))
+    mark_finished(tmp_path, 20, "plan-a", summary)
+    assert (tmp_path / "summary.json").read_bytes() == summary.read_bytes()
+    kept = kept_summary(tmp_path, 20, "plan-a")
+    assert kept.same_plan and kept.summary == json.loads(summary.read_text())
+    assert not kept_summary(tmp_path, 20, "plan-b").same_plan  # an edit outside the weights: figures kept, not bytes
+    assert kept_summary(tmp_path, 40, "plan-a") is None, "more steps asked: the run trains further"
+    note = already_finished(tmp_path, 20, "plan-a")
+    assert f"the run in {tmp_path} already finished step 20" in note and "no step is trained again" in note
+    assert already_finished(tmp_path, 20, "plan-b") is None and already_finished(tmp_path, 40, "plan-a") is None
+    (tmp_path / "checkpoints" / "step20" / "COMMITTED.json").write_text("")
+    assert already_finished(tmp_path, 20, "plan-a") is None, "its final checkpoint does not read: steps are retrained"
+    # a summary of another version is not kept: the job writes it anew (run_summary.regenerate_command)
+    old = json.loads(summary.read_text()) | {"version": 1}
+    (tmp_path / "summary.json").write_text(json.dumps(old))
+    assert kept_summary(tmp_path, 20, "plan-a") is None
+    # the summary moves with its run and comes back with it
+    shutil.copyfile(summary, tmp_path / "summary.json")
+    prepare_state(tmp_path, OTHER, 20, "plan-b", [10, 20], 2)
+    assert (tmp_path / "runs" / fingerprint_id(FP) / "summary.json").is_file()
+    assert not (tmp_path / "summary.json").exists()

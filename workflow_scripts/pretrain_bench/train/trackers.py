@@ -142,6 +142,37 @@ TRACKER_FOLDERS = tuple(tracker.folder for tracker in TRACKERS.values())
 OUTPUT_TRACKER_FOLDERS = tuple(tracker.folder for tracker in TRACKERS.values() if tracker.in_outputs)
 
 
+class TrackerFolderError(ValueError):
+    """A chosen tracker's folder cannot be written; the message names the folder and the logger."""
+
+
+def tracker_folder(name: str, root: Path, environ=os.environ) -> Path | None:
+    """The folder under `root` that tracker `name` writes (None: MLflow writing to MLFLOW_TRACKING_URI's store)."""
+    if name == "mlflow" and environ.get("MLFLOW_TRACKING_URI"):
+        return None
+    return Path(root) / TRACKERS[name].folder
+
+
+def check_tracker_folders(loggers, root: Path, environ=os.environ) -> None:
+    """Refuse, before any rank starts, a chosen tracker whose folder under `root` (made where missing) cannot be
+    written: a read-only mount, a folder of another user, a file where the folder should be. Probed by writing a
+    file, since permission bits alone say nothing of a read-only file system or of root."""
+    import tempfile
+
+    for name in loggers:
+        folder = tracker_folder(name, root, environ)
+        if folder is None:
+            continue
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder, prefix=".write-probe-"):
+                pass
+        except OSError as error:
+            raise TrackerFolderError(
+                f"{folder} cannot be written ({error.strerror or error}), and train.loggers chooses {name}, which "
+                f"writes there: make it writable, move it away, or leave {name} out of train.loggers") from None
+
+
 def open_trackers(loggers, root: Path, start_step: int, run: dict) -> list:
     """The chosen trackers, opened under `root`. `run`: name, project, id (stable across resumes) and config."""
     opened = []

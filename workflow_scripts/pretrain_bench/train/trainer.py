@@ -62,8 +62,15 @@ from pretrain_bench.train.rank import (
 )
 from pretrain_bench.train.rank import log as rank_log
 from pretrain_bench.train.run_context import LaunchContext, rank_placement, usable_cpus
-from pretrain_bench.train.run_state import fingerprint_id, mark_finished, plan_digest, prepare_state
-from pretrain_bench.train.run_summary import RunSummary
+from pretrain_bench.train.run_state import (
+    KeptSummary,
+    fingerprint_id,
+    kept_summary,
+    mark_finished,
+    plan_digest,
+    prepare_state,
+)
+from pretrain_bench.train.run_summary import RunSummary, keep_training_figures
 from pretrain_bench.train.step import PhaseTimer, train_step
 from pretrain_bench.train.trackers import OUTPUT_TRACKER_FOLDERS
 
@@ -130,6 +137,7 @@ class Trainer:
         self.load_after: list[float] | None = None  # run(): rank 0's load averages after the last step
         self.other_cpu: dict | None = None  # run(): what else used rank 0's node's cores during the loop (rank 0)
         self.placement: list[dict] | None = None  # run(): every rank's cores and threads (rank 0 only)
+        self.kept: KeptSummary | None = None  # summarise(): the finished run's summary, rewritten as it is
 
     def log(self, message: str) -> None:
         rank_log(self.rank, message)
@@ -411,9 +419,22 @@ class Trainer:
         return None, "no steady-state steps in this process (resumed at the end)"
 
     def summarise(self) -> dict | None:
-        """summary.json's contents (rank 0; None elsewhere), from metrics.jsonl and this run's figures."""
+        """summary.json's contents (rank 0; None elsewhere). A job that resumed a finished run at its final checkpoint
+        trained nothing, so measured nothing: it keeps the summary of the run that trained (run_state.kept_summary),
+        whole under the same plan, else the figures only training measures. Otherwise from metrics.jsonl and this
+        run's figures."""
         if self.rank != 0:
             return None
+        kept = (kept_summary(self.state_dir, self.total_steps, self.digest)
+                if self.start_step == self.total_steps and self.plan.save_checkpoints else None)
+        if kept and kept.same_plan:
+            self.kept = kept
+            return kept.summary
+        summary = self.measured_summary()
+        return keep_training_figures(summary, kept.summary) if kept else summary
+
+    def measured_summary(self) -> dict:
+        """summary.json's contents from metrics.jsonl and this run's figures (rank 0)."""
         plan, settings, world, shape, params = self.plan, self.settings, self.world, self.shape, self.params
         records = one_record_per_step(read_jsonl(self.metrics_path))
         steady = summarise_steps(records, settings.warmup_timing_steps, self.tokens_per_step)
@@ -484,9 +505,12 @@ class Trainer:
             for tracker_folder in OUTPUT_TRACKER_FOLDERS:  # train.loggers' files (W&B and MLflow keep their own)
                 if (self.state_dir / tracker_folder).is_dir():
                     shutil.copytree(self.state_dir / tracker_folder, self.out_dir / tracker_folder, dirs_exist_ok=True)
-            atomic_write_json(self.out_dir / "summary.json", summary)
-            if self.plan.save_checkpoints:
-                mark_finished(self.state_dir, self.total_steps, self.digest)
+            if self.kept:  # the finished run's own summary.json, byte for byte; FINISHED.json stays as it was
+                shutil.copyfile(self.kept.path, self.out_dir / "summary.json")
+            else:
+                atomic_write_json(self.out_dir / "summary.json", summary)
+                if self.plan.save_checkpoints:
+                    mark_finished(self.state_dir, self.total_steps, self.digest, self.out_dir / "summary.json")
             self.log(f"done: {summary['tokens_per_s']:,.0f} tokens/s steady state, loss "
                      f"{summary['loss']['first']:.3f} → {summary['loss']['last']:.3f}")
         dist.barrier()
