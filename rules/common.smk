@@ -41,13 +41,16 @@ MODEL, TRAIN, EVALUATE, BENCH, REPORT = SETTINGS.model, SETTINGS.train, SETTINGS
     SETTINGS.report
 
 
+from pretrain_bench.data.init_from import local_path
+
+
 def check_other_run_input(key, path, name, marker):
     """`key` (model.init_from, tokenizer.path) naming a path under results/<other name>/ names another run's output,
     read as it is: this config never builds it (see wildcard_constraints). Missing (`marker` inside it missing, or
     the path itself when marker is None), the error says how that run builds it, before any job runs."""
     if not path or path.startswith("hf://"):
         return
-    folder = Path(path.removeprefix("file://"))
+    folder = local_path(path)  # `..` resolved lexically: results/<new>/../<other> while results/<new> is not there
     try:
         parts = folder.resolve().relative_to(Path("results").resolve()).parts
     except ValueError:
@@ -84,7 +87,7 @@ try:
 except CorpusError as error:
     raise WorkflowError(f"corpus.sources: {error}")
 # A local model.init_from folder is an input of planning: a newer export there replans (and so continues again).
-INIT_FROM_INPUT = [] if (MODEL.init_from or "hf://").startswith("hf://") else [MODEL.init_from.removeprefix("file://")]
+INIT_FROM_INPUT = [] if (MODEL.init_from or "hf://").startswith("hf://") else [str(local_path(MODEL.init_from))]
 
 # Multi-rank rules start torchrun through this script (it needs its sibling pretrain_bench/ beside it, so it is
 # run from the workflow folder rather than from Snakemake's source cache).

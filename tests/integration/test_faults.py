@@ -16,6 +16,7 @@ import pytest
 
 from pretrain_bench.train import checkpoint as ckpt
 from pretrain_bench.train.forked_ranks import FORK_SERVER_NAME
+from pretrain_bench.train.run_summary import MEASURED_WHILE_TRAINING, PROVENANCE_MEASURED_WHILE_TRAINING
 from support import (  # data: the tiny data (tests/conftest.py)
     DATA_NAME,
     LAUNCHER,
@@ -224,7 +225,7 @@ def test_a_read_only_tracker_folder_is_refused_by_the_launcher_naming_it(data, t
     """A read-only csv/ under the state folder: the launcher names it on the terminal before any rank starts, rather
     than rank 0's OSError from trackers.py and the other ranks' gloo "Connection closed by peer"."""
     run_dir = tmp_path / "run"
-    plan = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=2, checkpoint_every=2,
+    plan = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=4, checkpoint_every=2,
                     loggers=["tensorboard", "csv"])
     log, terminal = tmp_path / "pretrain.log", tmp_path / "terminal"
     with read_only_folder(run_dir / "state" / "csv"):
@@ -389,7 +390,14 @@ def test_rewriting_a_finished_runs_outputs_keeps_its_summary_and_says_so_on_the_
         assert (f"the run in results/{INTERRUPT_NAME}/state already finished step 4: its outputs are written again "
                 "from its final checkpoint with the figures it measured, no step is trained again") in said, said
         assert "step 1/4" not in log and "step 3/4" not in log and "resumed from" in log
-        assert summary.read_bytes() == trained, name
+        if name == "forcerun":
+            assert summary.read_bytes() == trained, "the same plan: the summary the training wrote, byte for byte"
+        else:  # the plan is made again, with the machine's peak measured again: the training's figures are kept
+            rewritten, first = json.loads(summary.read_text()), json.loads(trained)
+            for key in (*MEASURED_WHILE_TRAINING, "tokens_per_s", "step_time_s", "loss", "peak_mem_bytes"):
+                assert rewritten[key] == first[key], key
+            for key in PROVENANCE_MEASURED_WHILE_TRAINING:
+                assert rewritten["provenance"][key] == first["provenance"][key], key
         assert tree_digest(results / "state" / "checkpoints") == checkpoints
 
 

@@ -1,6 +1,7 @@
 """What a rerun does with the state folder: resume, start fresh beside the old run, or train again."""
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from pretrain_bench.train.checkpoint import committed_steps, write_marker
 from pretrain_bench.train.run_state import fingerprint_id, held_world_size, mark_finished, prepare_state
@@ -140,10 +141,29 @@ def test_every_trackers_folder_moves_with_its_run_and_comes_back_with_it(tmp_pat
     assert (tmp_path / "runs" / fingerprint_id(OTHER) / "csv" / "rows").read_text() == "csv of the second run"
 
 
-def test_a_finished_run_keeps_its_summary_for_the_jobs_that_rewrite_its_outputs(tmp_path):
+class FakePlan:
+    """What run_state reads of a plan: its fingerprint (resume_fingerprint monkeypatched), steps, world size and the
+    checkpoints it keeps; `tag` makes its digest differ."""
+
+    def __init__(self, fingerprint, steps, world, needed=(10, 20), tag=""):
+        self.fingerprint, self.tag = fingerprint, tag
+        self.model = SimpleNamespace(seq_len=1)
+        self.train = SimpleNamespace(total_steps=lambda seq_len: steps, world_size=world,
+                                     checkpoint_steps=lambda seq_len: list(needed))
+
+    def to_dict(self):
+        return {"fingerprint": self.fingerprint, "steps": self.train.total_steps(1), "world": self.train.world_size,
+                "needed": self.train.checkpoint_steps(1), "tag": self.tag}
+
+    def __repr__(self):
+        return repr(self.to_dict())
+
+
+def test_a_finished_run_keeps_its_summary_for_the_jobs_that_rewrite_its_outputs(tmp_path, monkeypatch):
     import shutil
 
-    from pretrain_bench.train.run_state import already_finished, kept_summary
+    from pretrain_bench.train import run_state
+    from pretrain_bench.train.run_state import already_finished, kept_summary, plan_digest
     from pretrain_bench.train.run_summary import RunSummary
 
     fake_run(tmp_path, FP, [10, 20])
@@ -157,11 +177,21 @@ def test_a_finished_run_keeps_its_summary_for_the_jobs_that_rewrite_its_outputs(
     assert kept.same_plan and kept.summary == json.loads(summary.read_text())
     assert not kept_summary(tmp_path, 20, "plan-b").same_plan  # an edit outside the weights: figures kept, not bytes
     assert kept_summary(tmp_path, 40, "plan-a") is None, "more steps asked: the run trains further"
-    note = already_finished(tmp_path, 20, "plan-a")
+    assert kept_summary(tmp_path, 20, "plan-a").same_plan
+    # the terminal's note, taken as prepare_state takes the decision: same run, finished at these steps, final
+    # checkpoint there
+    monkeypatch.setattr(run_state, "resume_fingerprint", lambda plan: plan.fingerprint)
+    asked = FakePlan(FP, steps=20, world=2)
+    mark_finished(tmp_path, 20, plan_digest(asked), summary)
+    note = already_finished(tmp_path, asked)
     assert f"the run in {tmp_path} already finished step 20" in note and "no step is trained again" in note
-    assert already_finished(tmp_path, 20, "plan-b") is None and already_finished(tmp_path, 40, "plan-a") is None
+    assert prepare_state(tmp_path, FP, 20, plan_digest(asked), [10, 20], 2)[0].startswith(
+        f"the run in {tmp_path} already finished step 20: resuming at its final checkpoint")
+    for other in (FakePlan(OTHER, 20, 2), FakePlan(FP, 40, 2), FakePlan(FP, 20, 3), FakePlan(FP, 20, 2, [5, 20])):
+        assert already_finished(tmp_path, other) is None, other
+    assert already_finished(tmp_path, FakePlan(FP, 20, 2, tag="warmup_timing_steps edited")), "same checkpoints"
     (tmp_path / "checkpoints" / "step20" / "COMMITTED.json").write_text("")
-    assert already_finished(tmp_path, 20, "plan-a") is None, "its final checkpoint does not read: steps are retrained"
+    assert already_finished(tmp_path, asked) is None, "its final checkpoint does not read: steps are retrained"
     # a summary of another version is not kept: the job writes it anew (run_summary.regenerate_command)
     old = json.loads(summary.read_text()) | {"version": 1}
     (tmp_path / "summary.json").write_text(json.dumps(old))

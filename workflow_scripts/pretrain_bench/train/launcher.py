@@ -398,11 +398,10 @@ def launch(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_dir: Path
                 record_refusal(log, plan_path, str(error))
             raise
     if lock and plan.resume and plan.save_checkpoints:
-        from pretrain_bench.train.run_state import already_finished, plan_digest
+        from pretrain_bench.train.run_state import already_finished
 
         # on the terminal, before the job's output goes to its log: the job rewrites outputs, it trains nothing
-        if note := already_finished(Path(plan.paths.state_dir), settings.total_steps(plan.model.seq_len),
-                                    plan_digest(plan)):
+        if note := already_finished(Path(plan.paths.state_dir), plan):
             logger.info(note)
     if log:
         redirect_to_attempt_log(log, plan_path)

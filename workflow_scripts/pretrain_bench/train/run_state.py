@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from pretrain_bench.config.schema import ModelSettings, keys_with
+from pretrain_bench.config.settings import RESUMABLE_KEYS
 from pretrain_bench.core.io import atomic_write_json
 from pretrain_bench.train.checkpoint import newest_readable_marker, readable_markers
 from pretrain_bench.train.run_summary import RunSummary
@@ -45,6 +47,17 @@ SUMMARY = "summary.json"  # the finished run's summary.json as it wrote it (the 
 # What belongs to one run: its checkpoints, metrics, every tracker's folder (train.loggers) and markers; run.lock
 # (held by the running job) and nvme/ (scratch) stay where they are.
 RUN_ITEMS = ("checkpoints", "metrics.jsonl", *TRACKER_FOLDERS, ACTIVE, FINISHED, SUMMARY)
+
+
+def resume_fingerprint(plan) -> dict:
+    """What must not change between a checkpoint and the run that resumes it."""
+    train = {k: v for k, v in plan.train.as_dict().items() if k not in RESUMABLE_KEYS}
+    # the attention kernel may change on resume, as train.compile may: the same maths through another kernel
+    model = {k: v for k, v in plan.model.as_dict().items() if k not in keys_with(ModelSettings, "fingerprint", False)}
+    fingerprint = {"model": model, "train": train, "data": plan.data_sha256}
+    if plan.init_from:  # other weights at the same path or hf:// revision are another run
+        fingerprint["init_from"] = plan.init_from["identity"]
+    return fingerprint
 
 
 def fingerprint_id(fingerprint: dict) -> str:
@@ -226,18 +239,23 @@ def kept_summary(state_dir: Path, steps: int, digest: str) -> KeptSummary | None
     return KeptSummary(path, summary, finished.get("plan_digest") == digest)
 
 
-def already_finished(state_dir: Path, steps: int, digest: str) -> str | None:
-    """What the terminal is told when the run in `state_dir` finished exactly `steps` steps under this plan and keeps
-    its final checkpoint: its outputs are written again from it and no step is trained (None otherwise)."""
-    state_dir = Path(state_dir)
-    finished = _finished(state_dir)
-    if not finished or finished["steps"] != steps or finished.get("plan_digest") != digest:
+def already_finished(state_dir: Path, plan) -> str | None:
+    """What the terminal is told when the run in `state_dir` is the one `plan` asks for, finished at exactly its steps,
+    with its final checkpoint: its outputs are written again from that checkpoint and no step is trained (None
+    otherwise). The same decision prepare_state takes when the job starts."""
+    state_dir, settings = Path(state_dir), plan.train
+    total_steps = settings.total_steps(plan.model.seq_len)
+    if not _holds_anything(state_dir) or _held_fingerprint(state_dir) != resume_fingerprint(plan):
         return None
-    if steps not in readable_markers(state_dir / "checkpoints"):
+    if held_world_size(state_dir) not in (None, settings.world_size) or _finished_steps(state_dir) != total_steps:
         return None
-    return (f"the run in {state_dir} already finished step {steps}: its outputs are written again from its final "
-            "checkpoint with the figures it measured, no step is trained again (to train from step 0 instead, move "
-            f"{state_dir} away first)")
+    finished, kept = _finished(state_dir), set(readable_markers(state_dir / "checkpoints"))
+    needed = settings.checkpoint_steps(plan.model.seq_len)
+    if total_steps not in kept or not (finished.get("plan_digest") == plan_digest(plan) or set(needed) <= kept):
+        return None
+    return (f"the run in {state_dir} already finished step {total_steps}: its outputs are written again from its "
+            f"final checkpoint with the figures it measured, no step is trained again (to train from step 0 instead, "
+            f"move {state_dir} away first)")
 
 
 def _finished(state_dir: Path) -> dict | None:
@@ -255,4 +273,4 @@ def plan_digest(plan) -> str:
 
 
 __all__ = ["KeptSummary", "already_finished", "changed_parts", "fingerprint_id", "held_world_size", "kept_summary",
-           "mark_finished", "plan_digest", "prepare_state"]
+           "mark_finished", "plan_digest", "prepare_state", "resume_fingerprint"]

@@ -154,18 +154,23 @@ def tracker_folder(name: str, root: Path, environ=os.environ) -> Path | None:
 
 
 def check_tracker_folders(loggers, root: Path, environ=os.environ) -> None:
-    """Refuse, before any rank starts, a chosen tracker whose folder under `root` (made where missing) cannot be
-    written: a read-only mount, a folder of another user, a file where the folder should be. Probed by writing a
-    file, since permission bits alone say nothing of a read-only file system or of root."""
+    """Refuse, before any rank starts, a chosen tracker whose folder under `root` cannot be written (where it does
+    not exist yet: the folder it will be made in): a read-only mount, a folder of another user, a file where the
+    folder should be. Probed by writing a file, since permission bits alone say nothing of a read-only file system or
+    of root; nothing is made (an empty tracker folder would count as a run's state, run_state)."""
     import tempfile
 
     for name in loggers:
         folder = tracker_folder(name, root, environ)
         if folder is None:
             continue
+        probe = folder
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=folder, prefix=".write-probe-"):
+            if not probe.is_dir():
+                raise NotADirectoryError(20, "a file where the folder should be")
+            with tempfile.TemporaryFile(dir=probe, prefix=".write-probe-"):
                 pass
         except OSError as error:
             raise TrackerFolderError(
