@@ -5,9 +5,9 @@ maybe save() … → summarise() → finish(). The engine (`pretrain_bench.train
 with a commit marker and resumes from the newest checkpoint that verifies; the trainer writes metrics.jsonl and
 summary.json.
 
-Every rank makes the same collective calls in the same order (gloo deadlocks otherwise): the refusal and resume-point
-gathers, DeepSpeed's initialisation and load, each step's loss gather (and held-out gather), each save's gather and
-barrier, and the two closing barriers.
+Every rank makes the same collective calls in the same order (gloo deadlocks otherwise): the refusal,
+state-preparation and resume-point gathers, DeepSpeed's initialisation and load, each step's loss gather (and held-out
+gather), each save's gather and barrier, and the two closing barriers.
 
 Fault injection for tests: PRETRAIN_BENCH_INJECT_NAN_AT_STEP=N makes the last rank report a NaN loss at step N,
 exercising the abort path (no checkpoint after it, the last good one kept) without having to diverge a model;
