@@ -290,6 +290,27 @@ def mounted_tmpfs(parent: Path, size: str, why_skip: str):
         subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
+@contextlib.contextmanager
+def read_only_folder(folder: Path):
+    """`folder` made read-only for real: a read-only tmpfs mounted on it (root, whom permission bits do not stop),
+    else its write permission taken away."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
+                          capture_output=True).returncode:
+            pytest.skip("cannot mount a read-only tmpfs here")
+        try:
+            yield folder
+        finally:
+            subprocess.run(["umount", "-l", str(folder)], check=True)
+    else:
+        folder.chmod(0o555)
+        try:
+            yield folder
+        finally:
+            folder.chmod(0o755)
+
+
 # Awkward documents every corpus meets sooner or later: non-ASCII, tabs and CRLF, a literal special-token string.
 TRICKY_TEXTS = [
     "naïve café — 中文字符 and emoji 😀👩‍👩‍👧 in one line\n",

@@ -16,6 +16,7 @@ import pytest
 
 from pretrain_bench.train.checkpoints import files as ckpt
 from pretrain_bench.train.forked_ranks import FORK_SERVER_NAME
+from pretrain_bench.train.run_summary import MEASURED_WHILE_TRAINING, PROVENANCE_MEASURED_WHILE_TRAINING
 from support import (  # data: the tiny data (tests/conftest.py)
     DATA_NAME,
     LAUNCHER,
@@ -26,6 +27,7 @@ from support import (  # data: the tiny data (tests/conftest.py)
     mounted_tmpfs,
     plan_for,
     read_jsonl,
+    read_only_folder,
     recorded_losses,
     run,
     snakemake_command,
@@ -195,6 +197,48 @@ def test_damaged_checkpoints_fall_back_and_steps_never_go_backwards(data, six_st
     assert json.loads((run_dir / "out" / "summary.json").read_text())["steps"] == 8
 
 
+def test_an_empty_marker_in_the_newest_checkpoint_falls_back_to_the_one_before_on_every_rank(data, tmp_path):
+    """A power cut during the last save: its COMMITTED.json never reached the disk (empty), and the run never
+    finished. Every rank reaches the same decision (no gloo "Connection closed by peer"): the rerun sets that
+    checkpoint aside, resumes from the one before, finishes, and trains the steps after it exactly as the
+    uninterrupted run did."""
+    run_dir = tmp_path / "run"
+    state, root = run_dir / "state", run_dir / "state" / "checkpoints"
+    plan = plan_for(data, run_dir, max_steps=6, checkpoint_every=2)  # the tiny config's 3 ranks
+    assert run(plan, 3, tmp_path / "a.log") == 0, (tmp_path / "a.log").read_text()[-3000:]
+    uninterrupted = recorded_losses(run_dir)
+    assert ckpt.committed_steps(root) == [2, 4, 6] and len(uninterrupted) == 6
+    (root / "step6" / ckpt.MARKER).write_text("")
+    (state / "FINISHED.json").unlink()  # the power cut came before the run could finish
+    (run_dir / "out" / "summary.json").unlink()
+    assert run(plan, 3, tmp_path / "b.log") == 0, (tmp_path / "b.log").read_text()[-3000:]
+    log = (tmp_path / "b.log").read_text()
+    assert f"warning: {root / 'step6' / ckpt.MARKER} is empty" in log, log[-3000:]
+    assert f"resumed from {root / 'step4'} (step 4)" in log and "Connection closed by peer" not in log
+    summary = json.loads((run_dir / "out" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 4 and summary["steps"] == 6
+    assert (root / "step6.damaged").is_dir() and ckpt.committed_steps(root) == [2, 4, 6]
+    assert recorded_losses(run_dir) == uninterrupted, "steps 5 and 6 trained again, bit for bit"
+
+
+def test_a_read_only_tracker_folder_is_refused_by_the_launcher_naming_it(data, tmp_path):
+    """A read-only csv/ under the state folder: the launcher names it on the terminal before any rank starts, rather
+    than rank 0's OSError from trackers.py and the other ranks' gloo "Connection closed by peer"."""
+    run_dir = tmp_path / "run"
+    plan = plan_for(data, run_dir, gpus=2, global_batch_size=None, max_steps=4, checkpoint_every=2,
+                    loggers=["tensorboard", "csv"])
+    log, terminal = tmp_path / "pretrain.log", tmp_path / "terminal"
+    with read_only_folder(run_dir / "state" / "csv"):
+        proc = start_logged(plan, 2, log, terminal)
+        assert proc.wait(600) == 2, terminal.read_text()[-3000:]
+    said = terminal.read_text()
+    assert (f"{run_dir / 'state' / 'csv'} cannot be written (Read-only file system), and train.loggers chooses csv"
+            in said or "Permission denied" in said), said
+    assert "Traceback" not in said and "Connection closed by peer" not in said
+    assert "cannot be written" in log.read_text(), "the job's log says why too"
+    assert not (run_dir / "state" / "checkpoints").exists(), "no rank started"
+
+
 # --- Interrupts through Snakemake, and the reruns after them -------------------------------------------------------
 INTERRUPT_NAME = DATA_NAME  # in a working directory of its own, from a copy of the tiny data
 INTERRUPT_STEPS = 12  # an interrupt after step 3 stops it well before its end (within 5 steps)
@@ -275,6 +319,7 @@ def test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_f
     # the final checkpoint
     checkpoints = tree_digest(run_dir / "state" / "checkpoints")
     state_metrics = (run_dir / "state" / "metrics.jsonl").read_text()
+    trained = (run_dir / "train" / "summary.json").read_bytes()
     for args in ((), ("--forcerun", "pretrain")):
         (run_dir / "train" / "summary.json").unlink(missing_ok=True)
         (run_dir / "train" / "metrics.jsonl").unlink(missing_ok=True)
@@ -283,9 +328,7 @@ def test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_f
                 "no step is trained again") in log, log[-3000:]
         assert f"move results/{INTERRUPT_NAME}/state away first" in log, "how to train from step 0 instead"
         assert f"step {saved[0] + 1}/" not in log and "starts fresh" not in log
-        rewritten = json.loads((run_dir / "train" / "summary.json").read_text())
-        assert rewritten["resumed_from_step"] == INTERRUPT_STEPS and rewritten["loss"] == summary["loss"]
-        assert rewritten["tokens_per_s"] == summary["tokens_per_s"]
+        assert (run_dir / "train" / "summary.json").read_bytes() == trained, "the figures of the run that trained"
         assert (run_dir / "train" / "metrics.jsonl").read_text().splitlines() == [json.dumps(r) for r in records]
         assert not (run_dir / "state" / "runs").exists()
         assert tree_digest(run_dir / "state" / "checkpoints") == checkpoints
@@ -319,8 +362,43 @@ def test_an_interrupt_stops_training_with_a_checkpoint_the_rerun_resumes_and_a_f
     log = finish_snakemake(workdir, overlay, tmp_path / "incomplete.log", "--rerun-incomplete")
     assert (f"already finished step {INTERRUPT_STEPS}: resuming at its final checkpoint to rewrite the outputs, "
             "no step is trained again") in log, log[-3000:]
-    assert json.loads((run_dir / "train" / "summary.json").read_text())["resumed_from_step"] == INTERRUPT_STEPS
+    assert (run_dir / "train" / "summary.json").read_bytes() == trained
     assert tree_digest(run_dir / "state" / "checkpoints") == checkpoints
+
+
+def test_rewriting_a_finished_runs_outputs_keeps_its_summary_and_says_so_on_the_terminal(workdir, tmp_path):
+    """`--forcerun pretrain`, and a rerun after `--delete-all-output`, on a finished run: the job trains no step, so
+    its summary.json is the one the training wrote, byte for byte (not figures measured over a 0.1-second non-run),
+    and the terminal, not only the job's log, says the run was already finished."""
+    results = workdir / "results" / INTERRUPT_NAME
+    short = {"max_steps": 4, "checkpoint_every": 2, "warmup_steps": 2, "warmup_timing_steps": 1}
+    overlay = write_yaml(tmp_path / "overlay.yaml", {**INTERRUPT_OVERLAY, "train": {**INTERRUPT_OVERLAY["train"],
+                                                                                   **short}})
+    finish_snakemake(workdir, overlay, tmp_path / "first.log")
+    summary = results / "train" / "summary.json"
+    trained, checkpoints = summary.read_bytes(), tree_digest(results / "state" / "checkpoints")
+    assert json.loads(trained)["comm_fraction"] is not None
+    for name, args in (("forcerun", ("--forcerun", "pretrain")), ("deleted", ())):
+        if name == "deleted":
+            cmd = snakemake_command("--delete-all-output", "--", f"results/{INTERRUPT_NAME}/train/summary.json",
+                                    configfiles=(TINY_CONFIG, overlay))
+            subprocess.run(cmd, cwd=workdir, env=snakemake_env(), check=True, capture_output=True, timeout=600)
+            assert not summary.exists() and (results / "state" / "checkpoints").is_dir()
+        terminal = tmp_path / f"{name}.terminal"
+        log = finish_snakemake(workdir, overlay, terminal, *args)
+        said = terminal.read_text()
+        assert (f"the run in results/{INTERRUPT_NAME}/state already finished step 4: its outputs are written again "
+                "from its final checkpoint with the figures it measured, no step is trained again") in said, said
+        assert "step 1/4" not in log and "step 3/4" not in log and "resumed from" in log
+        if name == "forcerun":
+            assert summary.read_bytes() == trained, "the same plan: the summary the training wrote, byte for byte"
+        else:  # the plan is made again, with the machine's peak measured again: the training's figures are kept
+            rewritten, first = json.loads(summary.read_text()), json.loads(trained)
+            for key in (*MEASURED_WHILE_TRAINING, "tokens_per_s", "step_time_s", "loss", "peak_mem_bytes"):
+                assert rewritten[key] == first[key], key
+            for key in PROVENANCE_MEASURED_WHILE_TRAINING:
+                assert rewritten["provenance"][key] == first["provenance"][key], key
+        assert tree_digest(results / "state" / "checkpoints") == checkpoints
 
 
 def rank_processes(proc: subprocess.Popen) -> list:

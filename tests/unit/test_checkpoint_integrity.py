@@ -229,3 +229,14 @@ def test_checkpoints_set_aside_for_a_reason_are_kept_numbered_and_found_by_that_
     assert ckpt.set_aside_steps(tmp_path, "nonfinite") == [4, 4]
     assert ckpt.set_aside_steps(tmp_path, "damaged") == [2]
     assert ckpt.committed_steps(tmp_path) == [] and ckpt.set_aside_steps(tmp_path / "none", "damaged") == []
+
+
+def test_readable_markers_pass_over_an_empty_or_cut_marker(tmp_path, small_samples):
+    for step in (2, 4, 6):
+        save_checkpoint(tmp_path, step)
+    (tmp_path / "step6" / ckpt.MARKER).write_text("")
+    (tmp_path / "step4" / ckpt.MARKER).write_text('{"step": 4, "fi')
+    assert sorted(ckpt.readable_markers(tmp_path)) == [2]
+    assert ckpt.newest_readable_marker(tmp_path)["step"] == 2
+    (tmp_path / "step2" / ckpt.MARKER).write_text("")
+    assert ckpt.newest_readable_marker(tmp_path) is None

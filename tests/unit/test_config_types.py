@@ -133,9 +133,8 @@ def test_key_groups_are_the_fields_metadata():
     train.memory_fit may change) are tags on TrainSettings' fields, and the resume fingerprint they decide is the one
     earlier runs' checkpoints carry."""
     from pretrain_bench.config.schema import ModelSettings, keys_with
-    from pretrain_bench.train.checkpoints.run_state import fingerprint_id
+    from pretrain_bench.train.checkpoints.run_state import fingerprint_id, resume_fingerprint
     from pretrain_bench.train.plan import PLANNING_KEYS, Plan, RunPaths
-    from pretrain_bench.train.rank import resume_fingerprint
     from pretrain_bench.train.settings import (
         CELL_IRRELEVANT_KEYS,
         FIT_KEYS,

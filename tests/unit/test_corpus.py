@@ -535,6 +535,24 @@ def test_script_is_refused_while_another_process_runs_the_same_job(tmp_path):
     manifest = load_script().main(str(log), str(tmp_path / "out"), corpus, cache)
     assert manifest["documents"] == len(DOCS) and "corpus:" in log.read_text()
     assert len(list(log.with_name("download_corpus.attempts").glob("*.log"))) == 2  # each job's log kept
+    assert sorted(path.name for path in log.parent.iterdir()) == ["download_corpus.attempts",
+                                                                  "download_corpus.log"], "no .tmp name left behind"
+
+
+def test_a_data_jobs_log_leaves_no_temporary_name_behind(tmp_path):
+    """stage_job_log points the declared log at the attempt's file when the job starts and again when it ends; the
+    second time the name is already that file's, and rename() between two names of one file does nothing (POSIX),
+    which used to leave `<job>.log.<pid>.tmp` behind after every data job."""
+    import logging
+
+    from pretrain_bench.train.state_lock import stage_job_log
+
+    log = tmp_path / "logs" / "shard_tokens.log"
+    for attempt in range(2):
+        with stage_job_log(str(log), "shard_tokens"):
+            logging.getLogger("pretrain_bench").info("attempt %d", attempt)
+    assert sorted(path.name for path in log.parent.iterdir()) == ["shard_tokens.attempts", "shard_tokens.log"]
+    assert "attempt 1" in log.read_text()
 
 
 def corpus_workflow(folder: Path, sources_yaml: str):
@@ -597,3 +615,22 @@ def test_a_new_file_matching_a_source_glob_rebuilds_the_corpus(tmp_path):
     assert manifest["documents"] == 3 and sorted(manifest["sources"][0]["details"]["file_sha256"]) == [
         "texts/0.txt", "texts/1.txt", "texts/2.txt"]
     assert "Nothing to be done" in run("-n")
+
+
+@pytest.mark.parametrize("pattern", ["results/data/*/train.jsonl", "**/*.jsonl", "results/data/corpus-x/train.jsonl",
+                                     "elsewhere/../results/data/corpus-x/train.jsonl"])
+def test_a_source_under_results_is_refused_naming_it(tmp_path, monkeypatch, pattern):
+    """The pipeline's own outputs as a source: the corpus would be an input of itself, deleted and rebuilt by the
+    next run with its source inside it. Refused when the workflow is parsed (local_source_files), naming the source."""
+    from pretrain_bench.data.sources import local_source_files
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results" / "data" / "corpus-x").mkdir(parents=True)
+    write_jsonl(tmp_path / "results" / "data" / "corpus-x" / "train.jsonl", [{"text": d} for d in DOCS])
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(CorpusError) as caught:
+        local_source_files([{"uri": f"file://{pattern}"}])
+    assert str(caught.value).startswith(f"file://{pattern}: ") and "is under results/" in str(caught.value)
+    (tmp_path / "mine").mkdir()
+    write_jsonl(tmp_path / "mine" / "a.jsonl", [{"text": d} for d in DOCS])
+    assert local_source_files([{"uri": "file://mine/*.jsonl"}]) == ["mine/a.jsonl"]

@@ -204,3 +204,19 @@ def test_weights_whose_shapes_disagree_with_config_json_are_refused_at_plan_time
     shape = model_shape(ModelSettings(preset="tiny", init_from=str(folder)), 300)
     with pytest.raises(InitFromError, match="gate_proj.weight has shape"):
         load_pretrained(build_model(shape, 64, seed=0), folder)
+
+
+def test_a_path_through_a_folder_not_made_yet_is_resolved_lexically(hf_folder, tmp_path, monkeypatch):
+    """model.init_from: results/p34/../p29b/train/hf names results/p29b/train/hf, while results/p34 (the run being
+    configured) does not exist yet: `..` is resolved as written, not by the file system, which fails through a missing
+    folder."""
+    import shutil
+
+    from pretrain_bench.data.init_from import init_from_folder, local_path
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(hf_folder, tmp_path / "results" / "p29b" / "train" / "hf")
+    uri = "results/p34/../p29b/train/hf"
+    assert not (tmp_path / "results" / "p34").exists() and not Path(uri, "config.json").exists()
+    assert local_path(uri) == local_path(f"file://{uri}") == Path("results/p29b/train/hf")
+    assert init_from_folder(uri, weights=False) == Path("results/p29b/train/hf")

@@ -149,7 +149,7 @@ def test_the_key_defaults_to_transformers_and_a_checkpoint_resumes_under_either_
     maths), so earlier runs' fingerprints stay as they were; the plan records it."""
     from types import SimpleNamespace
 
-    from pretrain_bench.train.rank import resume_fingerprint
+    from pretrain_bench.train.checkpoints.run_state import resume_fingerprint
 
     assert ModelSettings(preset="tiny").implementation == "transformers"
     fingerprints = []

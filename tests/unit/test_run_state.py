@@ -1,9 +1,10 @@
 """What a rerun does with the state folder: resume, start fresh beside the old run, or train again."""
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from pretrain_bench.train.checkpoints.files import committed_steps, write_marker
-from pretrain_bench.train.checkpoints.run_state import fingerprint_id, mark_finished, prepare_state
+from pretrain_bench.train.checkpoints.run_state import fingerprint_id, held_world_size, mark_finished, prepare_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,3 +102,102 @@ def test_a_world_size_edit_resumes_reshaped_where_allowed_but_never_reshapes_a_f
     mark_finished(tmp_path, 20, "plan-a")
     messages = prepare_state(tmp_path, FP, 20, "plan-c", [10, 20], 3, allow_reshape=True)
     assert "nothing to continue" in messages[0] and committed_steps(tmp_path / "checkpoints") == []
+
+
+def test_an_empty_marker_in_the_newest_checkpoint_is_passed_over_as_the_resume_will(tmp_path):
+    """A save whose COMMITTED.json never reached the disk: the decision before the resume reads the checkpoint
+    before it (the resume sets the empty one aside), rather than stopping rank 0 on it."""
+    fake_run(tmp_path, FP, [10, 20])
+    (tmp_path / "checkpoints" / "step20" / "COMMITTED.json").write_text("")
+    assert held_world_size(tmp_path) == 2
+    assert prepare_state(tmp_path, FP, 40, "plan-a", [10, 20, 30, 40], 2) == []  # resumes; the resume falls back
+    (tmp_path / "ACTIVE.json").unlink()  # a state folder from before ACTIVE.json: the fingerprint from step 10
+    assert prepare_state(tmp_path, FP, 40, "plan-a", [10, 20, 30, 40], 2) == []
+    # a finished run whose final marker is empty trains the steps after its newest readable checkpoint again
+    mark_finished(tmp_path, 20, "plan-a")
+    messages = prepare_state(tmp_path, FP, 20, "plan-a", [10, 20], 2)
+    assert "its final checkpoint is gone, so the steps after 10 (its newest) are trained again" in messages[0]
+
+
+def test_every_trackers_folder_moves_with_its_run_and_comes_back_with_it(tmp_path):
+    from pretrain_bench.train.trackers import TRACKER_FOLDERS, TRACKERS
+
+    assert set(TRACKER_FOLDERS) == {tracker.folder for tracker in TRACKERS.values()} >= {"tensorboard", "csv",
+                                                                                          "wandb", "mlruns"}
+    fake_run(tmp_path, FP, [10])
+    for folder in TRACKER_FOLDERS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "rows").write_text(f"{folder} of the first run")
+    prepare_state(tmp_path, OTHER, 20, "plan-b", [10, 20], 2)
+    kept = tmp_path / "runs" / fingerprint_id(FP)
+    for folder in TRACKER_FOLDERS:
+        assert not (tmp_path / folder).exists(), f"{folder}/ stayed behind for the next run to append to"
+        assert (kept / folder / "rows").read_text() == f"{folder} of the first run"
+    fake_run(tmp_path, OTHER, [10])
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "csv" / "rows").write_text("csv of the second run")
+    prepare_state(tmp_path, FP, 20, "plan-a", [10, 20], 2)  # back to the first settings: its trackers come back
+    assert (tmp_path / "csv" / "rows").read_text() == "csv of the first run"
+    assert (tmp_path / "runs" / fingerprint_id(OTHER) / "csv" / "rows").read_text() == "csv of the second run"
+
+
+class FakePlan:
+    """What run_state reads of a plan: its fingerprint (resume_fingerprint monkeypatched), steps, world size and the
+    checkpoints it keeps; `tag` makes its digest differ."""
+
+    def __init__(self, fingerprint, steps, world, needed=(10, 20), tag=""):
+        self.fingerprint, self.tag = fingerprint, tag
+        self.model = SimpleNamespace(seq_len=1)
+        self.train = SimpleNamespace(total_steps=lambda seq_len: steps, world_size=world,
+                                     checkpoint_steps=lambda seq_len: list(needed))
+
+    def to_dict(self):
+        return {"fingerprint": self.fingerprint, "steps": self.train.total_steps(1), "world": self.train.world_size,
+                "needed": self.train.checkpoint_steps(1), "tag": self.tag}
+
+    def __repr__(self):
+        return repr(self.to_dict())
+
+
+def test_a_finished_run_keeps_its_summary_for_the_jobs_that_rewrite_its_outputs(tmp_path, monkeypatch):
+    import shutil
+
+    from pretrain_bench.train.checkpoints import run_state
+    from pretrain_bench.train.checkpoints.run_state import already_finished, kept_summary, plan_digest
+    from pretrain_bench.train.run_summary import RunSummary
+
+    fake_run(tmp_path, FP, [10, 20])
+    fields = {name: None for name in RunSummary.__dataclass_fields__ if name != "version"}
+    summary = tmp_path / "out-summary.json"
+    summary.write_text(json.dumps(RunSummary(**{**fields, "tokens_per_s": 1234.5678, "comm_fraction": 0.29,
+                                                "provenance": {"other_cpu": 0.1}}).to_dict(), indent=1))
+    mark_finished(tmp_path, 20, "plan-a", summary)
+    assert (tmp_path / "summary.json").read_bytes() == summary.read_bytes()
+    kept = kept_summary(tmp_path, 20, "plan-a")
+    assert kept.same_plan and kept.summary == json.loads(summary.read_text())
+    assert not kept_summary(tmp_path, 20, "plan-b").same_plan  # an edit outside the weights: figures kept, not bytes
+    assert kept_summary(tmp_path, 40, "plan-a") is None, "more steps asked: the run trains further"
+    assert kept_summary(tmp_path, 20, "plan-a").same_plan
+    # the terminal's note, taken as prepare_state takes the decision: same run, finished at these steps, final
+    # checkpoint there
+    monkeypatch.setattr(run_state, "resume_fingerprint", lambda plan: plan.fingerprint)
+    asked = FakePlan(FP, steps=20, world=2)
+    mark_finished(tmp_path, 20, plan_digest(asked), summary)
+    note = already_finished(tmp_path, asked)
+    assert f"the run in {tmp_path} already finished step 20" in note and "no step is trained again" in note
+    assert prepare_state(tmp_path, FP, 20, plan_digest(asked), [10, 20], 2)[0].startswith(
+        f"the run in {tmp_path} already finished step 20: resuming at its final checkpoint")
+    for other in (FakePlan(OTHER, 20, 2), FakePlan(FP, 40, 2), FakePlan(FP, 20, 3), FakePlan(FP, 20, 2, [5, 20])):
+        assert already_finished(tmp_path, other) is None, other
+    assert already_finished(tmp_path, FakePlan(FP, 20, 2, tag="warmup_timing_steps edited")), "same checkpoints"
+    (tmp_path / "checkpoints" / "step20" / "COMMITTED.json").write_text("")
+    assert already_finished(tmp_path, asked) is None, "its final checkpoint does not read: steps are retrained"
+    # a summary of another version is not kept: the job writes it anew (run_summary.regenerate_command)
+    old = json.loads(summary.read_text()) | {"version": 1}
+    (tmp_path / "summary.json").write_text(json.dumps(old))
+    assert kept_summary(tmp_path, 20, "plan-a") is None
+    # the summary moves with its run and comes back with it
+    shutil.copyfile(summary, tmp_path / "summary.json")
+    prepare_state(tmp_path, OTHER, 20, "plan-b", [10, 20], 2)
+    assert (tmp_path / "runs" / fingerprint_id(FP) / "summary.json").is_file()
+    assert not (tmp_path / "summary.json").exists()

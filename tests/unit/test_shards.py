@@ -169,3 +169,34 @@ def test_failed_shard_leaves_no_files(tokenizer_dir, tmp_path):
     with pytest.raises(ValueError, match=r"train\.jsonl: line at byte \d+ is not a JSON object"):
         shard_split(corpus, tokenizer_dir, tmp_path, "train", 1, batch_bytes=100)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["train.jsonl"]
+
+
+def test_a_full_disk_while_sharding_names_the_file_and_the_space_it_needs(tokenizer_dir, tmp_path, monkeypatch):
+    """ENOSPC on the shard's write (simulated: a full disk after a few batches) names the shard, the free space, and
+    about how much the shard needs; no partial file is left."""
+    import errno
+    import io
+
+    from pretrain_bench.core.io import DiskFull
+
+    corpus = write_jsonl(tmp_path / "train.jsonl", TEXTS)
+    full = shard_split(corpus, tokenizer_dir, tmp_path / "whole", "train", 1, batch_bytes=20_000)
+    size = (full[0].with_suffix(".bin")).stat().st_size
+    class FullDisk(io.FileIO):
+        """The shard's file on a disk that fills up after a third of the shard's bytes."""
+
+        def write(self, data):
+            if self.tell() + len(memoryview(data).cast("B")) > size // 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().write(data)
+
+    monkeypatch.setattr("pretrain_bench.data.shards.open", lambda path, mode: FullDisk(path, mode), raising=False)
+    out = tmp_path / "full"
+    with pytest.raises(DiskFull) as caught:
+        shard_split(corpus, tokenizer_dir, out, "train", 1, batch_bytes=20_000)
+    message = str(caught.value)
+    assert f"no space left on device writing {out / 'train-00000.bin'} (" in message and "bytes free" in message
+    needed = int(message.split("it needs about ")[1].split(" bytes")[0].replace(",", ""))
+    assert 0.5 * size < needed < 2 * size, (needed, size)
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(out / "train-00000.bin")
+    assert list(out.iterdir()) == [], "no partial shard left"

@@ -5,6 +5,7 @@ import pytest
 from pretrain_bench.train.metrics import MetricsSink
 from pretrain_bench.train.settings import ConfigError, TrainSettings, check_settings
 from pretrain_bench.train.trackers import step_series
+from support import read_only_folder
 from tracker_files import csv_series, mlflow_series, tensorboard_series, wandb_series
 
 LOGGERS = ("tensorboard", "csv", "wandb", "mlflow")
@@ -98,3 +99,18 @@ def test_trackers_are_not_imported_unless_chosen(offline):
             "print(sorted(m for m in ('wandb', 'mlflow', 'tensorboardX') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("logger", ["csv", "wandb", "mlflow"])
+def test_a_read_only_tracker_folder_is_named_before_any_rank_starts(tmp_path, logger):
+    from pretrain_bench.train.trackers import TRACKERS, TrackerFolderError, check_tracker_folders
+
+    folder = tmp_path / TRACKERS[logger].folder
+    check_tracker_folders(["tensorboard", logger], tmp_path, environ={})  # writable: nothing said
+    with read_only_folder(folder):
+        with pytest.raises(TrackerFolderError) as caught:
+            check_tracker_folders(["tensorboard", logger], tmp_path, environ={})
+        assert f"{folder} cannot be written (" in str(caught.value) and f"chooses {logger}" in str(caught.value)
+        check_tracker_folders(["tensorboard"], tmp_path, environ={})  # not chosen: not checked
+        if logger == "mlflow":  # MLflow writing to a store of the user's: mlruns/ is not written
+            check_tracker_folders([logger], tmp_path, environ={"MLFLOW_TRACKING_URI": "http://mlflow.example"})

@@ -9,13 +9,36 @@ it: `pretrain_bench.train.checkpoints.files` adds its own sizes, hashes and comm
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
 import secrets
+import shutil
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+
+class DiskFull(OSError):
+    """A write that ran out of space, naming the file and the free space it needs (`disk_full`)."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def disk_full(path: Path, needed_bytes: int | None, error: OSError | None = None) -> DiskFull:
+    """The error for `path` whose write ran out of space: the file, the free space on its file system, and (where
+    known) about how much more it needs."""
+    probe = Path(path).parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    need = f"; it needs about {needed_bytes:,} bytes in all: free that much there and run again" if needed_bytes else ""
+    full = DiskFull(errno.ENOSPC, f"no space left on device writing {path} ({free:,} bytes free on the file system "
+                                  f"of {probe}){need}")
+    full.filename = str(path)
+    return full
 
 
 def atomic_write_text(path: Path, text: str) -> None:

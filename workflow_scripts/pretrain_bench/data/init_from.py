@@ -25,6 +25,13 @@ def parse_hf_uri(uri: str) -> tuple[str, str | None]:
     return repo, revision or None
 
 
+def local_path(uri: str) -> Path:
+    """A local model.init_from or tokenizer.path (a path, or file://path) with `..` resolved lexically, as the user
+    means it: `results/p34/../p29b/train/hf` is results/p29b/train/hf, even while results/p34 does not exist (the
+    file system resolves `..` only through a folder that exists)."""
+    return Path(os.path.normpath(uri.removeprefix("file://")))
+
+
 def init_from_folder(uri: str, *, weights: bool = True) -> Path:
     """The local folder of model.init_from: a path as given, or an hf:// model's snapshot in the HF cache.
 
@@ -33,7 +40,7 @@ def init_from_folder(uri: str, *, weights: bool = True) -> Path:
     a model not in the cache fails at once with the command that pre-downloads it.
     """
     if not uri.startswith("hf://"):
-        folder = Path(uri.removeprefix("file://"))
+        folder = local_path(uri)
         if not (folder / "config.json").is_file():
             raise InitFromError(f"model.init_from {uri}: no config.json there (expected an HF model folder, e.g. "
                                 "results/<name>/train/hf)")

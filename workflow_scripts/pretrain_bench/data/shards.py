@@ -9,6 +9,7 @@ followed by EOS, readable with `np.memmap(path, dtype)`; same inputs give byte-i
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain_bench.core.io import atomic_write_text
+from pretrain_bench.core.io import atomic_write_text, disk_full
 from pretrain_bench.core.progress import Progress
 from pretrain_bench.data.tokenizer import iter_texts, load_tokenizer
 
@@ -105,8 +106,15 @@ def encode_shard(corpus_jsonl: Path, tokenizer_dir: Path, out_bin: Path, out_jso
                 # the lambda reads the running counts when the progress line is written, which is what it should show
                 progress.advance(batch_text_bytes, lambda: f"{documents:,} documents, {tokens:,} tokens")  # noqa: B023
         os.replace(tmp_bin, out_bin)
-    except BaseException:
+    except OSError as error:
         tmp_bin.unlink(missing_ok=True)  # Snakemake removes a failed job's outputs, not our temporary file
+        if error.errno != errno.ENOSPC:
+            raise
+        # the whole shard's size (its partial file is removed), estimated from the share of its slice encoded so far
+        written, done = tokens * dtype.itemsize, min(1.0, text_bytes / max(stop - start, 1))
+        raise disk_full(out_bin, int(written / done) if written and done else None) from error
+    except BaseException:
+        tmp_bin.unlink(missing_ok=True)
         raise
 
     sidecar = {

@@ -185,8 +185,24 @@ def local_files(uri: str) -> list[str]:
     else:
         paths = [pattern]
     for path in paths:
+        check_outside_results(path, uri)
         check_local_file(path, uri)
     return paths
+
+
+# The pipeline's own outputs, relative to the working directory (the workflow's results/).
+RESULTS_FOLDER = "results"
+
+
+def check_outside_results(path: str, uri: str) -> None:
+    """A CorpusError naming `uri` when `path` lies under the working directory's results/: the pipeline's own outputs
+    (a corpus, shards, another run's files) as a source would make the corpus an input of itself, which Snakemake
+    deletes and rebuilds on the next run, taking the source with it."""
+    results = os.path.abspath(RESULTS_FOLDER)
+    if os.path.commonpath([os.path.abspath(path), results]) == results:
+        raise CorpusError(f"{uri}: {path} is under {RESULTS_FOLDER}/, the pipeline's own outputs, which the pipeline "
+                          "deletes and rebuilds; a corpus cannot read them. Copy the files you mean outside "
+                          f"{RESULTS_FOLDER}/ and name that copy")
 
 
 def check_local_file(path: str, uri: str) -> None:

@@ -388,6 +388,21 @@ def launch(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_dir: Path
             if log:
                 record_refusal(log, plan_path, str(error))
             raise
+    if lock:  # rank 0 writes the trackers' folders: a folder it cannot write is named now, not by a rank's traceback
+        from pretrain_bench.train.trackers import TrackerFolderError, check_tracker_folders
+
+        try:
+            check_tracker_folders(settings.loggers, Path(plan.paths.state_dir))
+        except TrackerFolderError as error:
+            if log:
+                record_refusal(log, plan_path, str(error))
+            raise
+    if lock and plan.resume and plan.save_checkpoints:
+        from pretrain_bench.train.checkpoints.run_state import already_finished
+
+        # on the terminal, before the job's output goes to its log: the job rewrites outputs, it trains nothing
+        if note := already_finished(Path(plan.paths.state_dir), plan):
+            logger.info(note)
     if log:
         redirect_to_attempt_log(log, plan_path)
     code = _launch_locked(plan, plan_path, ranks, script, lock_dir, settings, node_rank=node_rank,

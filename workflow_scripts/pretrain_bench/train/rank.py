@@ -1,6 +1,6 @@
 """What one training rank needs besides the loop: the abort error, SIGTERM and SIGINT as a flag, rank-0 logging, reads
-of device values to the host and collectives outside DeepSpeed's comms logger, the resume fingerprint and the held-out
-summary. (What only an engine needs lives in the engines package, the RNG state of a checkpoint in
+of device values to the host and collectives outside DeepSpeed's comms logger, and the held-out summary (the resume
+fingerprint is run_state's). (What only an engine needs lives in the engines package, the RNG state of a checkpoint in
 checkpointer.py.)"""
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from pretrain_bench.config.schema import ModelSettings, keys_with
-from pretrain_bench.train.settings import RESUMABLE_KEYS, TrainSettings
+from pretrain_bench.train.settings import TrainSettings
 
 logger = logging.getLogger(__name__)
 
@@ -90,17 +89,6 @@ def gather_floats(values: list, device: str) -> list[list[float]]:
     gathered = torch.empty(world * len(values), dtype=torch.float64, device=device)
     dist.all_gather_single(gathered, numbers)
     return host_values(gathered.view(world, len(values)))
-
-
-def resume_fingerprint(plan) -> dict:
-    """What must not change between a checkpoint and the run that resumes it."""
-    train = {k: v for k, v in plan.train.as_dict().items() if k not in RESUMABLE_KEYS}
-    # the attention kernel may change on resume, as train.compile may: the same maths through another kernel
-    model = {k: v for k, v in plan.model.as_dict().items() if k not in keys_with(ModelSettings, "fingerprint", False)}
-    fingerprint = {"model": model, "train": train, "data": plan.data_sha256}
-    if plan.init_from:  # other weights at the same path or hf:// revision are another run
-        fingerprint["init_from"] = plan.init_from["identity"]
-    return fingerprint
 
 
 def heldout_summary(records: list[dict], settings: TrainSettings, heldout) -> dict | None:

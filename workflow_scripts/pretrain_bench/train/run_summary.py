@@ -117,6 +117,24 @@ class RunSummary:
         return cls.from_dict(json.loads(Path(path).read_text()), path)
 
 
+# What only the process that trained the steps measures: its communication time, its compile time, its CPU placement,
+# and the machine's load around its loop. A job that resumes a finished run at its final checkpoint trains nothing, so
+# it keeps these from the run that trained (run_state.kept_summary) instead of measuring them over no step.
+MEASURED_WHILE_TRAINING = ("comm_fraction", "comm_method", "resumed_from_step", "compile", "oversubscribed",
+                           "threads_per_rank")
+PROVENANCE_MEASURED_WHILE_TRAINING = ("load_before", "load_after", "other_cpu", "placement", "hardware",
+                                      "slurm_job_id")
+
+
+def keep_training_figures(summary: dict, trained: dict) -> dict:
+    """`summary` (of a job that trained no step) with the figures measured while training taken from `trained`, the
+    summary of the run that trained the steps."""
+    kept = {**summary, **{key: trained[key] for key in MEASURED_WHILE_TRAINING}}
+    kept["provenance"] = {**summary["provenance"], **{key: trained["provenance"].get(key)
+                                                      for key in PROVENANCE_MEASURED_WHILE_TRAINING}}
+    return kept
+
+
 def regenerate_command(path: Path | str) -> str:
     """The Snakemake command that writes the summary at `path` again: results/<name>/bench/<cell>/rep<k>/summary.json
     is a benchmark repeat's (rule bench_cell), results/<name>/train/summary.json the main run's (rule pretrain)."""

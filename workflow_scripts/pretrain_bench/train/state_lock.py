@@ -103,6 +103,9 @@ def attempt_path(log: Path) -> Path:
 
 def point_log_at(log: Path, attempt: Path) -> None:
     """Make `log` a hard link to `attempt`, replacing whatever it named (never writing into that file)."""
+    with contextlib.suppress(OSError):
+        if os.path.samefile(log, attempt):
+            return  # already its name
     tmp = log.with_name(f"{log.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     try:
@@ -110,3 +113,5 @@ def point_log_at(log: Path, attempt: Path) -> None:
     except OSError:  # a file system without hard links
         tmp.symlink_to(attempt.resolve())
     os.replace(tmp, log)
+    # rename() between two names of one file does nothing and succeeds (POSIX), leaving the temporary name behind
+    tmp.unlink(missing_ok=True)

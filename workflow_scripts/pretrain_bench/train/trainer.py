@@ -5,9 +5,9 @@ maybe save() … → summarise() → finish(). The engine (`pretrain_bench.train
 with a commit marker and resumes from the newest checkpoint that verifies; the trainer writes metrics.jsonl and
 summary.json.
 
-Every rank makes the same collective calls in the same order (gloo deadlocks otherwise): the refusal and resume-point
-gathers, DeepSpeed's initialisation and load, each step's loss gather (and held-out gather), each save's gather and
-barrier, and the two closing barriers.
+Every rank makes the same collective calls in the same order (gloo deadlocks otherwise): the refusal,
+state-preparation and resume-point gathers, DeepSpeed's initialisation and load, each step's loss gather (and held-out
+gather), each save's gather and barrier, and the two closing barriers.
 
 Fault injection for tests: PRETRAIN_BENCH_INJECT_NAN_AT_STEP=N makes the last rank report a NaN loss at step N,
 exercising the abort path (no checkpoint after it, the last good one kept) without having to diverge a model;
@@ -36,7 +36,15 @@ from pretrain_bench.core.provenance import provenance
 from pretrain_bench.train import state_lock
 from pretrain_bench.train.checkpoints import files as ckpt
 from pretrain_bench.train.checkpoints.checkpointer import Checkpointer, ResumePoint
-from pretrain_bench.train.checkpoints.run_state import fingerprint_id, mark_finished, plan_digest, prepare_state
+from pretrain_bench.train.checkpoints.run_state import (
+    KeptSummary,
+    fingerprint_id,
+    kept_summary,
+    mark_finished,
+    plan_digest,
+    prepare_state,
+    resume_fingerprint,
+)
 from pretrain_bench.train.compiling import CompileClock, compile_model, compile_scope
 from pretrain_bench.train.engines.registry import Engine, EngineRun, engine_class
 from pretrain_bench.train.heldout import HeldOutSlice
@@ -58,13 +66,13 @@ from pretrain_bench.train.rank import (
     allow_pinning,
     gather_floats,
     heldout_summary,
-    resume_fingerprint,
 )
 from pretrain_bench.train.rank import log as rank_log
 from pretrain_bench.train.run_context import LaunchContext, rank_placement, usable_cpus
-from pretrain_bench.train.run_summary import RunSummary
+from pretrain_bench.train.run_summary import RunSummary, keep_training_figures
 from pretrain_bench.train.settings import check_settings
 from pretrain_bench.train.step import PhaseTimer, train_step
+from pretrain_bench.train.trackers import OUTPUT_TRACKER_FOLDERS
 
 
 class StepFigures(NamedTuple):
@@ -129,6 +137,7 @@ class Trainer:
         self.load_after: list[float] | None = None  # run(): rank 0's load averages after the last step
         self.other_cpu: dict | None = None  # run(): what else used rank 0's node's cores during the loop (rank 0)
         self.placement: list[dict] | None = None  # run(): every rank's cores and threads (rank 0 only)
+        self.kept: KeptSummary | None = None  # summarise(): the finished run's summary, rewritten as it is
 
     def log(self, message: str) -> None:
         rank_log(self.rank, message)
@@ -214,18 +223,29 @@ class Trainer:
                     refusal = str(error)
         if gather_floats([float(bool(refusal))], self.run_device)[0][0]:
             raise ckpt.CheckpointError(refusal or f"rank 0 was refused {self.state_dir}: another training run holds it")
+        problem = ""
         if rank == 0:
-            # Safe under the state lock: no other run can be saving there.
-            self.checkpointer.remove_incomplete()
-            if not self.plan.resume:
-                self.checkpointer.clear()
-                self.metrics_path.unlink(missing_ok=True)
-            else:  # which run this job continues, starts fresh, or trains again (see run_state)
-                for message in prepare_state(self.state_dir, self.fingerprint, self.total_steps, self.digest,
-                                             settings.checkpoint_steps(self.seq_len), self.world,
-                                             settings.allow_reshape):
-                    self.log(message)
-        dist.barrier()
+            try:
+                self.prepare_state()
+            except (OSError, ValueError, KeyError, ckpt.CheckpointError) as error:
+                problem = f"preparing {self.state_dir} failed: {type(error).__name__}: {error}"
+        # Every rank reaches rank 0's decision: a failure there stops all of them with its message, rather than
+        # leaving the others to die in the next collective ("Connection closed by peer").
+        if gather_floats([float(bool(problem))], self.run_device)[0][0]:
+            raise ckpt.CheckpointError(problem or f"rank 0 failed preparing {self.state_dir} (its error is above)")
+
+    def prepare_state(self) -> None:
+        """Rank 0, under the state lock (no other run can be saving there): remove incomplete saves, then decide
+        which run this job continues, starts fresh, or trains again (see run_state)."""
+        self.checkpointer.remove_incomplete()
+        if not self.plan.resume:
+            self.checkpointer.clear()
+            self.metrics_path.unlink(missing_ok=True)
+            return
+        settings = self.settings
+        for message in prepare_state(self.state_dir, self.fingerprint, self.total_steps, self.digest,
+                                     settings.checkpoint_steps(self.seq_len), self.world, settings.allow_reshape):
+            self.log(message)
 
     def build_model(self) -> None:
         """The batches of this rank and the model (from model.init_from's weights or a seed), built in the precision
@@ -399,9 +419,22 @@ class Trainer:
         return None, "no steady-state steps in this process (resumed at the end)"
 
     def summarise(self) -> dict | None:
-        """summary.json's contents (rank 0; None elsewhere), from metrics.jsonl and this run's figures."""
+        """summary.json's contents (rank 0; None elsewhere). A job that resumed a finished run at its final checkpoint
+        trained nothing, so measured nothing: it keeps the summary of the run that trained (run_state.kept_summary),
+        whole under the same plan, else the figures only training measures. Otherwise from metrics.jsonl and this
+        run's figures."""
         if self.rank != 0:
             return None
+        kept = (kept_summary(self.state_dir, self.total_steps, self.digest)
+                if self.start_step == self.total_steps and self.plan.save_checkpoints else None)
+        if kept and kept.same_plan:
+            self.kept = kept
+            return kept.summary
+        summary = self.measured_summary()
+        return keep_training_figures(summary, kept.summary) if kept else summary
+
+    def measured_summary(self) -> dict:
+        """summary.json's contents from metrics.jsonl and this run's figures (rank 0)."""
         plan, settings, world, shape, params = self.plan, self.settings, self.world, self.shape, self.params
         records = one_record_per_step(read_jsonl(self.metrics_path))
         steady = summarise_steps(records, settings.warmup_timing_steps, self.tokens_per_step)
@@ -469,12 +502,15 @@ class Trainer:
         dist.barrier()
         if self.rank == 0:
             shutil.copyfile(self.metrics_path, self.out_dir / "metrics.jsonl")
-            for tracker_folder in ("tensorboard", "csv"):  # train.loggers' files (W&B and MLflow keep their own)
+            for tracker_folder in OUTPUT_TRACKER_FOLDERS:  # train.loggers' files (W&B and MLflow keep their own)
                 if (self.state_dir / tracker_folder).is_dir():
                     shutil.copytree(self.state_dir / tracker_folder, self.out_dir / tracker_folder, dirs_exist_ok=True)
-            atomic_write_json(self.out_dir / "summary.json", summary)
-            if self.plan.save_checkpoints:
-                mark_finished(self.state_dir, self.total_steps, self.digest)
+            if self.kept:  # the finished run's own summary.json, byte for byte; FINISHED.json stays as it was
+                shutil.copyfile(self.kept.path, self.out_dir / "summary.json")
+            else:
+                atomic_write_json(self.out_dir / "summary.json", summary)
+                if self.plan.save_checkpoints:
+                    mark_finished(self.state_dir, self.total_steps, self.digest, self.out_dir / "summary.json")
             self.log(f"done: {summary['tokens_per_s']:,.0f} tokens/s steady state, loss "
                      f"{summary['loss']['first']:.3f} → {summary['loss']['last']:.3f}")
         dist.barrier()

@@ -18,6 +18,7 @@ from pretrain_bench.bench.matrix import Cell, plan_matrix
 from pretrain_bench.config.schema import AXES, ConfigError, coerce_command_line_types, load_schema
 from pretrain_bench.config.validation import validate_config
 from pretrain_bench.core.devices import resolve_device_cheaply
+from pretrain_bench.data.init_from import local_path
 from pretrain_bench.data.products import DataProducts, missing_tokenizer_problem
 from pretrain_bench.data.sources import CorpusError, local_source_files
 from pretrain_bench.data.tokenizer import adopted_tokenizer_path
@@ -46,7 +47,7 @@ def check_other_run_input(key: str, path: str | None, name: str, marker: str | N
     the path itself when marker is None), the error says how that run builds it, before any job runs."""
     if not path or path.startswith("hf://"):
         return
-    folder = Path(path.removeprefix("file://"))
+    folder = local_path(path)  # `..` resolved lexically: results/<new>/../<other> while results/<new> is not there
     try:
         parts = folder.resolve().relative_to(Path("results").resolve()).parts
     except ValueError:
@@ -103,7 +104,7 @@ class Pipeline:
             raise PlanError(f"corpus.sources: {error}") from None
         # a local model.init_from folder is an input of planning: a newer export there replans (and continues again)
         init_from = s.model.init_from or "hf://"
-        self.init_from_input = [] if init_from.startswith("hf://") else [init_from.removeprefix("file://")]
+        self.init_from_input = [] if init_from.startswith("hf://") else [str(local_path(init_from))]
         # 4) evaluation's device: where evaluate.device says (null: train.device); a job on a GPU holds one slot
         self.eval_device = s.evaluate.device or s.train.device
         self.eval_gpus = 1 if resolve_device_cheaply(self.eval_device) == "cuda" else 0

@@ -41,8 +41,9 @@ class ResumePoint:
 class Checkpointer:
     """The checkpoints under `root` of one run of `settings` on this rank.
 
-    `fingerprint` is what must not change between a checkpoint and the run that resumes it (rank.resume_fingerprint);
-    `saves`: this run writes checkpoints (benchmark cells do not); `log`: rank 0's notices."""
+    `fingerprint` is what must not change between a checkpoint and the run that resumes it
+    (run_state.resume_fingerprint); `saves`: this run writes checkpoints (benchmark cells do not); `log`: rank 0's
+    notices."""
 
     def __init__(self, root: Path, settings: TrainSettings, *, seq_len: int, rank: int, world: int, run_device: str,
                  fingerprint: dict, saves: bool, log: Callable[[str], None]):

@@ -247,6 +247,25 @@ def read_marker(root: Path, step: int) -> dict:
     return marker
 
 
+def readable_markers(root: Path) -> dict[int, dict]:
+    """The markers of the committed checkpoints under root whose marker reads, by step (ascending). A marker that is
+    empty or cut short (a save that never reached the disk) is passed over, as `newest_verified` later sets its folder
+    aside: what a run decides before it resumes must not stop at a checkpoint the resume itself falls back from."""
+    markers = {}
+    for step in committed_steps(root):
+        try:
+            markers[step] = read_marker(root, step)
+        except CheckpointError:
+            continue
+    return markers
+
+
+def newest_readable_marker(root: Path) -> dict | None:
+    """The marker of the newest committed checkpoint whose marker reads (None: none does); see readable_markers."""
+    markers = readable_markers(root)
+    return markers[max(markers)] if markers else None
+
+
 def _file_problem(path: Path, record: dict, mode: str) -> str | None:
     """What is wrong with one listed file (None when it matches its record)."""
     if not path.is_file():

@@ -1,6 +1,6 @@
 """Which training run the state folder holds, and what a rerun does with it.
 
-results/<name>/state/ holds one run's resumable state (checkpoints/, metrics.jsonl, tensorboard/), outside the
+results/<name>/state/ holds one run's resumable state (checkpoints/, metrics.jsonl, each tracker's folder), outside the
 pretrain rule's declared outputs. ACTIVE.json names the run it belongs to by its resume fingerprint (what must not
 change between a checkpoint and the run that resumes it: model, data, and the train settings that shape the
 weights). When the pretrain job starts, rank 0 decides before anything loads:
@@ -15,10 +15,12 @@ weights). When the pretrain job starts, rank 0 decides before anything loads:
   moves to state/runs/<id>-world<its size>/ and training starts fresh (an edit back to that size resumes it);
 - same fingerprint and already finished at exactly the steps now asked (outputs deleted or marked incomplete,
   `--forcerun pretrain`, or an edit where the weights do not change, say `train.warmup_timing_steps`): it is never
-  trained again; the run resumes at its final checkpoint and rewrites its outputs. Only when the plan changed and
-  keeps checkpoints the run does not have (`train.checkpoint_every` edited) does it move to
-  state/runs/<id>-<UTC time>/ and train again. To train the same settings again from step 0, move the state
-  folder away first.
+  trained again; the run resumes at its final checkpoint and rewrites its outputs. Its summary keeps what the run
+  that trained measured (SUMMARY, kept here when it finished): byte for byte under the same plan, else the figures
+  only a training process measures (run_summary.MEASURED_WHILE_TRAINING); the launcher says so on the terminal.
+  Only when the plan changed and keeps checkpoints the run does not have (`train.checkpoint_every` edited) does it
+  move to state/runs/<id>-<UTC time>/ and train again. To train the same settings again from step 0, move the
+  state folder away first.
 
 Nothing is deleted; every move is logged with both paths.
 """
@@ -27,16 +29,35 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
+from typing import NamedTuple
 
+from pretrain_bench.config.schema import ModelSettings, keys_with
 from pretrain_bench.core.io import atomic_write_json
-from pretrain_bench.train.checkpoints.files import committed_steps, read_marker
+from pretrain_bench.train.checkpoints.files import newest_readable_marker, readable_markers
+from pretrain_bench.train.run_summary import RunSummary
+from pretrain_bench.train.settings import RESUMABLE_KEYS
+from pretrain_bench.train.trackers import TRACKER_FOLDERS
 
 ACTIVE = "ACTIVE.json"
 FINISHED = "FINISHED.json"
-# What belongs to one run; run.lock (held by the running job) and nvme/ (scratch) stay where they are.
-RUN_ITEMS = ("checkpoints", "metrics.jsonl", "tensorboard", ACTIVE, FINISHED)
+SUMMARY = "summary.json"  # the finished run's summary.json as it wrote it (the outputs may be deleted, not this)
+# What belongs to one run: its checkpoints, metrics, every tracker's folder (train.loggers) and markers; run.lock
+# (held by the running job) and nvme/ (scratch) stay where they are.
+RUN_ITEMS = ("checkpoints", "metrics.jsonl", *TRACKER_FOLDERS, ACTIVE, FINISHED, SUMMARY)
+
+
+def resume_fingerprint(plan) -> dict:
+    """What must not change between a checkpoint and the run that resumes it."""
+    train = {k: v for k, v in plan.train.as_dict().items() if k not in RESUMABLE_KEYS}
+    # the attention kernel may change on resume, as train.compile may: the same maths through another kernel
+    model = {k: v for k, v in plan.model.as_dict().items() if k not in keys_with(ModelSettings, "fingerprint", False)}
+    fingerprint = {"model": model, "train": train, "data": plan.data_sha256}
+    if plan.init_from:  # other weights at the same path or hf:// revision are another run
+        fingerprint["init_from"] = plan.init_from["identity"]
+    return fingerprint
 
 
 def fingerprint_id(fingerprint: dict) -> str:
@@ -49,14 +70,16 @@ def _held_fingerprint(state_dir: Path) -> dict | None:
     active = state_dir / ACTIVE
     if active.is_file():
         return json.loads(active.read_text())["fingerprint"]
-    steps = committed_steps(state_dir / "checkpoints")
-    return read_marker(state_dir / "checkpoints", steps[-1])["fingerprint"] if steps else None
+    marker = newest_readable_marker(state_dir / "checkpoints")
+    return marker["fingerprint"] if marker else None
 
 
 def held_world_size(state_dir: Path) -> int | None:
-    """The world size the newest committed checkpoint in `state_dir` was saved with (None: no checkpoint)."""
-    steps = committed_steps(Path(state_dir) / "checkpoints")
-    return read_marker(Path(state_dir) / "checkpoints", steps[-1]).get("world_size") if steps else None
+    """The world size the newest committed checkpoint in `state_dir` was saved with (None: no checkpoint). A marker
+    that does not read (a save that never reached the disk) is passed over: the resume sets that checkpoint aside
+    and falls back to the one before it (checkpoint.newest_verified)."""
+    marker = newest_readable_marker(Path(state_dir) / "checkpoints")
+    return marker.get("world_size") if marker else None
 
 
 def _holds_anything(state_dir: Path) -> bool:
@@ -111,7 +134,10 @@ def prepare_state(state_dir: Path, fingerprint: dict, total_steps: int, digest: 
     else:
         messages = []
     if not _holds_anything(state_dir):
-        messages += _bring_back(runs, new_id, world_size, allow_reshape, state_dir)
+        back = _bring_back(runs, new_id, world_size, allow_reshape, state_dir)
+        if back and _finished_steps(state_dir) == total_steps:  # a finished run came back: not trained again
+            back.append(_finished_run(state_dir, new_id, total_steps, digest, needed_steps))
+        messages += back
     # Nothing else is written: a run refused after this (say, a checkpoint beyond train.max_steps) leaves the folder
     # as it was. FINISHED.json stays until this job finishes and rewrites it; it only counts for its exact step count.
     active = {"fingerprint": fingerprint, "id": new_id}
@@ -149,7 +175,7 @@ def _finished_run(state_dir: Path, new_id: str, total_steps: int, digest: str, n
     """Same settings, finished at exactly these steps: rewrite the outputs from the final checkpoint, unless the plan
     keeps checkpoints the run never saved (train.checkpoint_every edited); then it trains again beside the old run."""
     finished = json.loads((state_dir / FINISHED).read_text())
-    kept = set(committed_steps(state_dir / "checkpoints"))
+    kept = set(readable_markers(state_dir / "checkpoints"))
     if finished.get("plan_digest") == digest or set(needed_steps) <= kept:
         how = ("resuming at its final checkpoint to rewrite the outputs, no step is trained again"
                if total_steps in kept else
@@ -179,10 +205,65 @@ def _bring_back(runs: Path, new_id: str, world_size: int, allow_reshape: bool, s
     return []
 
 
-def mark_finished(state_dir: Path, steps: int, digest: str) -> None:
-    """Record that the run in `state_dir` completed `steps` steps under the plan with this digest."""
+def mark_finished(state_dir: Path, steps: int, digest: str, summary: Path | None = None) -> None:
+    """Record that the run in `state_dir` completed `steps` steps under the plan with this digest, keeping a copy of
+    its `summary` file (summary.json) for the jobs that rewrite its outputs without training (kept_summary)."""
+    if summary is not None:
+        tmp = Path(state_dir) / f"{SUMMARY}.{os.getpid()}.tmp"
+        shutil.copyfile(summary, tmp)
+        os.replace(tmp, Path(state_dir) / SUMMARY)
     atomic_write_json(Path(state_dir) / FINISHED, {"steps": steps, "plan_digest": digest, "finished_at": time.time()},
                       sort_keys=True)
+
+
+class KeptSummary(NamedTuple):
+    """The summary a finished run kept in its state folder (mark_finished)."""
+
+    path: Path
+    summary: dict
+    same_plan: bool  # finished under the plan with this digest: the file is the outputs' summary.json, byte for byte
+
+
+def kept_summary(state_dir: Path, steps: int, digest: str) -> KeptSummary | None:
+    """The summary of the run in `state_dir` when it finished exactly `steps` steps and kept one this code reads
+    (None otherwise: a run finished before summaries were kept, or one of another summary version, which the job
+    then writes anew)."""
+    state_dir = Path(state_dir)
+    finished, path = _finished(state_dir), state_dir / SUMMARY
+    if not finished or finished["steps"] != steps or not path.is_file():
+        return None
+    try:
+        summary = RunSummary.read(path).to_dict()
+    except (OSError, ValueError):  # SummaryError is a ValueError, as a file cut short is
+        return None
+    return KeptSummary(path, summary, finished.get("plan_digest") == digest)
+
+
+def already_finished(state_dir: Path, plan) -> str | None:
+    """What the terminal is told when the run in `state_dir` is the one `plan` asks for, finished at exactly its steps,
+    with its final checkpoint: its outputs are written again from that checkpoint and no step is trained (None
+    otherwise). The same decision prepare_state takes when the job starts."""
+    state_dir, settings = Path(state_dir), plan.train
+    total_steps = settings.total_steps(plan.model.seq_len)
+    if not _holds_anything(state_dir) or _held_fingerprint(state_dir) != resume_fingerprint(plan):
+        return None
+    if held_world_size(state_dir) not in (None, settings.world_size) or _finished_steps(state_dir) != total_steps:
+        return None
+    finished, kept = _finished(state_dir), set(readable_markers(state_dir / "checkpoints"))
+    needed = settings.checkpoint_steps(plan.model.seq_len)
+    if total_steps not in kept or not (finished.get("plan_digest") == plan_digest(plan) or set(needed) <= kept):
+        return None
+    return (f"the run in {state_dir} already finished step {total_steps}: its outputs are written again from its "
+            f"final checkpoint with the figures it measured, no step is trained again (to train from step 0 instead, "
+            f"move {state_dir} away first)")
+
+
+def _finished(state_dir: Path) -> dict | None:
+    path = Path(state_dir) / FINISHED
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
 
 
 def plan_digest(plan) -> str:
@@ -191,4 +272,5 @@ def plan_digest(plan) -> str:
     return hashlib.sha256(json.dumps(written, sort_keys=True, default=str).encode()).hexdigest()
 
 
-__all__ = ["changed_parts", "fingerprint_id", "held_world_size", "mark_finished", "plan_digest", "prepare_state"]
+__all__ = ["KeptSummary", "already_finished", "changed_parts", "fingerprint_id", "held_world_size", "kept_summary",
+           "mark_finished", "plan_digest", "prepare_state", "resume_fingerprint"]
