@@ -22,5 +22,7 @@ rule report:
     params:
         target_corpus_tokens=REPORT.target_corpus_tokens,
         gpu_hour_price=REPORT.gpu_hour_price,
+        # the --configfile arguments of this invocation: the report's command to measure the benchmark again names them
+        configfiles=[str(path) for path in workflow.overwrite_configfiles],
     script:
         "../workflow_scripts/build_report.py"
