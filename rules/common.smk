@@ -185,6 +185,10 @@ BENCH_CELLS = {entry["cell"]: entry for entry in BENCH_MATRIX["cells"] if entry[
 BENCH_ENABLED = bool(BENCH_MATRIX["cells"])
 # A timed cell takes every core, so nothing else (no other cell, no training, no evaluation) shares the machine.
 BENCH_THREADS = 1 if BENCH.allow_concurrent else workflow.cores
+# The machine's peak FLOP/s, measured once per machine and software and shared by every run name (bench/peak.py).
+from pretrain_bench.bench.peak import MachinePeak
+
+PEAK = MachinePeak.here(BENCH_MATRIX["device"])
 
 
 def main_plan_config():

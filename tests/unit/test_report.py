@@ -731,11 +731,21 @@ def test_a_benchmark_measured_while_other_processes_used_30_percent_of_the_cores
 
 
 def test_a_clean_matrix_keeps_its_headline_and_a_busy_fastest_cell_is_passed_over(tmp_path):
-    tables = build_report(**write_run(tmp_path, typed(3), MATRIX, RUNS), configfiles=["config/tiny-cpu.yaml"])
+    identity = {"device": "cpu", "machine": "x86_64", "cpu_count": 2, "processor": "test", "usable_cpus": 2,
+                "torch": "2.13.0"}  # bench.peak.machine_identity, as rule measure_peak records it
+    peak = {**MATRIX["peak"], "identity": identity, "measured_at": "2026-01-02T03:04:05+00:00",
+            "load_before": [0.1, 0.1, 0.1], "load_after": [0.1, 0.1, 0.1], "other_cpu": other_cpu(1.0)}
+    kwargs = write_run(tmp_path, typed(3), MATRIX, RUNS, peak)
+    tables = build_report(**kwargs, configfiles=["config/tiny-cpu.yaml"])
     found = tables["recommendation"]
     assert found["trusted"] and found["rerun"] is None
     assert found["sentence"].startswith("On this hardware the fastest setup that fits is ranks3-zero2-fp32-gloo (")
-    assert "To measure the benchmark again" not in (tmp_path / "report" / "report.md").read_text()
+    md = kwargs["out_md"].read_text()
+    assert "To measure the benchmark again" not in md
+    # the peak: measured, and where it came from
+    assert (f"Machine peak, measured once for this machine and software by rule measure_peak ({kwargs['peak_path']}, "
+            "2026-01-02T03:04:05+00:00, torch 2.13.0), shared by every run name on it: 0.150 TFLOP/s — measured: "
+            "test;") in md
     assert all(not line.startswith("Not trustworthy") for line in tables["headline"]["lines"])
     assert all("neither supports nor refutes" not in row["verdict"] for row in tables["claims"])
     # the fastest cell measured while something else ran: the next one heads, and the busy one is named

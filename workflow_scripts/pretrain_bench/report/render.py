@@ -164,6 +164,18 @@ def eval_during_training(summary: RunSummary) -> str | None:
                    "timings and tokens/s above.")
 
 
+def peak_origin(peak: dict, path: Path | None) -> str:
+    """Where the machine's peak came from: 'measured once for this machine and software by rule measure_peak
+    (results/data/machine-<id>/peak.json, 2026-01-02T03:04:05+00:00, torch 2.13.0), shared by every run name on it'
+    (what an older peak.json records of it, where it lacks the identity)."""
+    where = ", ".join(str(part) for part in (path, peak.get("measured_at"),
+                                             f"torch {peak['identity']['torch']}" if peak.get("identity") else None)
+                      if part)
+    scope = " for this machine and software" if peak.get("identity") else ""
+    shared = ", shared by every run name on it" if peak.get("identity") else ""
+    return f"measured once{scope} by rule measure_peak" + (f" ({where})" if where else "") + shared
+
+
 def plain_baseline_text(matrix: dict | None, measured: set[str]) -> str | None:
     """Whether the matrix measured a plain single-device run (DDP on one rank, bench_matrix.baseline_cells) among
     the 1-rank cells the speedups divide by, and if not, why; None without a matrix that measures scaling."""
@@ -234,6 +246,7 @@ def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path],
         "main_engine": engine_label(vars(summary)),
         "plain_baseline": plain_baseline_text(matrix, set(runs_by_cell)), "labelled": labelled,
         "other_cpu_method": OTHER_CPU_METHOD, "other_cpu_limit": OTHER_CPU_LIMIT_PCT,
+        "peak_origin": peak_origin(frames.peak, Path(peak_path) if peak_path else None) if frames.peak else None,
     }
     out_md, out_html = Path(out_md), Path(out_html)
     out_md.parent.mkdir(parents=True, exist_ok=True)
