@@ -132,7 +132,7 @@ def recommend(runs_by_cell: dict[str, list[RunSummary]], main: RunSummary | None
     result = {"ranking": table, "trusted": bool(trusted), "rerun": rerun if passed_over else None,
               "main_pct": None, "main": None}
     if not trusted:
-        result.update(cell=None, setup=None, tokens_per_s=None, flags=[], sentence=(
+        result.update(cell=None, setup=None, tokens_per_s=None, sentence=(
             f"No trustworthy measurement exists: every one of the {len(rows)} measured benchmark cell(s) failed a "
             f"physical check, so none is recommended. Why: {reasons_text(passed_over)}."))
     else:
@@ -144,8 +144,7 @@ def recommend(runs_by_cell: dict[str, list[RunSummary]], main: RunSummary | None
         if passed_over:
             sentence += (f" Passed over, as not trustworthy: {', '.join(row['cell'] for row in passed_over)} "
                          "(their flags are in the physical checks column).")
-        result.update(cell=best["cell"], setup=best["setup"], tokens_per_s=best["tokens_per_s"], flags=[],
-                      sentence=sentence)
+        result.update(cell=best["cell"], setup=best["setup"], tokens_per_s=best["tokens_per_s"], sentence=sentence)
     if main is not None and main.tokens_per_s:
         measured = (f"Your configured run uses {setup_text(main)}: {fmt(main.tokens_per_s, 0)} tokens/s (the main "
                     "run, measured)")
