@@ -6,20 +6,24 @@
 # scratch state lives in bench-state/, outside the declared outputs.
 
 
+# The machine's peak lives under results/data/machine-<id>/ (PEAK, rules/common.smk), the id a digest of the
+# machine and software it depends on: every run name on this machine reads the same figure, measured once.
 rule measure_peak:
     output:
-        peak=report("results/{name}/bench/peak.json", category="Benchmark"),
+        peak=report(PEAK.path, category="Benchmark"),
     log:
-        "logs/{name}/bench/measure_peak.log",
+        f"logs/{PEAK.folder}/measure_peak.log",
     benchmark:
-        "benchmarks/{name}/bench/measure_peak.tsv"
+        f"benchmarks/{PEAK.folder}/measure_peak.tsv"
     conda:
         "../envs/pretrain.yaml"
     threads: BENCH_THREADS
     resources:
         gpu=1 if BENCH_MATRIX["device"] == "cuda" else 0,  # one GPU slot while it measures, as an evaluation
     params:
-        device=TRAIN.device,  # one peak per machine: no run's precision (pretrain_bench.bench.peak)
+        # one peak per machine: no run's precision, nor its train.device as written (pretrain_bench.bench.peak)
+        device=PEAK.identity["device"],
+        identity=PEAK.identity,  # recorded beside the figure
         lock_dir=GPU_LOCK_DIR,
     script:
         "../workflow_scripts/measure_peak.py"
@@ -27,7 +31,7 @@ rule measure_peak:
 
 rule bench_matrix:
     input:
-        peak="results/{name}/bench/peak.json",
+        peak=PEAK.path,
     output:
         matrix=report("results/{name}/bench/matrix.json", category="Benchmark"),
     log:
@@ -47,7 +51,7 @@ rule plan_bench_cell:
     input:
         index=DATA.index,
         tokenizer=DATA.tokenizer_json,
-        peak="results/{name}/bench/peak.json",
+        peak=PEAK.path,
     output:
         plan="results/{name}/bench/{cell}/rep{rep}/plan.json",
     log:

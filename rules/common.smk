@@ -36,6 +36,7 @@ CORPUS_FILES, INIT_FROM_INPUT = PIPELINE.corpus_files, PIPELINE.init_from_input
 ADOPTED_TOKENIZER, VOCAB_SIZE = PIPELINE.adopted_tokenizer, PIPELINE.vocab_size
 BENCH_MATRIX, BENCH_THREADS = PIPELINE.matrix, PIPELINE.bench_threads
 EVAL_GPUS, LM_EVAL_TASKS, EVALUATE_SETTINGS = PIPELINE.eval_gpus, PIPELINE.lm_eval_tasks, PIPELINE.evaluate_settings
+PEAK = PIPELINE.peak  # results/data/machine-<id>/peak.json: one per machine and software
 GPU_LOCK_DIR = str(DEVICE_LOCK_DIR)  # the launcher's too: training ranks and evaluations never share a device
 
 # Multi-rank rules start torchrun through this script (it needs its sibling pretrain_bench/ beside it, so it is

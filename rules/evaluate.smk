@@ -70,9 +70,15 @@ rule export_final:
         "../workflow_scripts/export_final.py"
 
 
+# The shipped lm-eval tasks' folder: their data from the val split, beside a copy of the task files, so that it is
+# lm-eval's --include_path for the pipeline and for lm-eval's own command line (docs/lm-eval.md).
+from pretrain_bench.evaluate.task_folder import TASK_FILES as LM_EVAL_TASK_FILES
+
+
 rule lm_eval_data:
     input:
         val=f"results/{DATA.corpus}/val.jsonl",
+        tasks=[str(path) for path in LM_EVAL_TASK_FILES],  # an edit of a task file rebuilds the folder
     output:
         directory("results/{name}/lm_eval/data"),
     log:

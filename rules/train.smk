@@ -13,8 +13,8 @@ rule plan_pretrain:
     input:
         index=DATA.index,
         tokenizer=DATA.tokenizer_json,
-        # the machine's peak FLOP/s, measured once per run name: every run's MFU divides by the same figure
-        peak="results/{name}/bench/peak.json",
+        # the machine's peak FLOP/s, measured once per machine and software: every run's MFU divides by it
+        peak=PEAK.path,
         manifest=DATA.manifest,  # the export's model card lists the sources
         init_from=INIT_FROM_INPUT,  # model.init_from's local folder (another run's export is read, never built)
     output:

@@ -6,7 +6,7 @@ log = logging.getLogger("pretrain_bench.build_report")
 
 
 def main(summary, metrics, evals, matrix, bench, out_md, out_html, plot_dir, target_corpus_tokens, lm_eval=(),
-         peak=None, gpu_hour_price=None):
+         peak=None, gpu_hour_price=None, configfiles=()):
     from pretrain_bench.core.logs import log_startup
     from pretrain_bench.report.render import build_report
 
@@ -14,7 +14,8 @@ def main(summary, metrics, evals, matrix, bench, out_md, out_html, plot_dir, tar
     build_report(Path(summary), Path(metrics), [Path(p) for p in evals], Path(out_md), Path(out_html),
                  Path(plot_dir), target_corpus_tokens=target_corpus_tokens, matrix_path=_single(matrix),
                  bench_paths=[Path(p) for p in bench], lm_eval_paths=[Path(p) for p in lm_eval],
-                 peak_path=Path(peak) if peak else None, gpu_hour_price=gpu_hour_price)
+                 peak_path=Path(peak) if peak else None, gpu_hour_price=gpu_hour_price,
+                 configfiles=list(configfiles))
     log.info("%s", f"report: {out_md} and {out_html}")
 
 
@@ -31,4 +32,5 @@ if "snakemake" in globals():
         main(snakemake.input.summary, snakemake.input.metrics, snakemake.input.evals,
              snakemake.input.matrix, snakemake.input.bench, snakemake.output.md,
              snakemake.output.html, snakemake.output.plots, snakemake.params.target_corpus_tokens,
-             snakemake.input.lm_eval, snakemake.input.peak, snakemake.params.gpu_hour_price)
+             snakemake.input.lm_eval, snakemake.input.peak, snakemake.params.gpu_hour_price,
+             snakemake.params.configfiles)

@@ -78,20 +78,27 @@ def test_the_recommendation_equals_a_recomputation_from_the_cells_summaries(sear
     runs = summaries(searched.results, runnable)
     runs = {cell: reps[:1] for cell, reps in runs.items()}  # the report reads benchmark.repeats (1) of each cell
     medians = {cell: statistics.median(s["tokens_per_s"] for s in reps) for cell, reps in runs.items()}
-    best = max(medians, key=medians.get)
-    tokens = [s["tokens_per_s"] for s in runs[best]]
-    memory = [max(s["peak_mem_bytes"]) / 1024**3 for s in runs[best]]
     md = (searched.results / "report" / "report.md").read_text()
     section = md[md.index("What to run on this hardware"):md.index("### Cost")]
-    assert (f"On this hardware the fastest setup that fits is {best} (1 rank(s), " in section), section[:2000]
-    assert f": {fmt_spread(tokens, 0)} tokens/s, {fmt_spread(memory, 2)} GiB per rank, MFU " in section
+    # every measured cell ranked, fastest first, with the physical checks it failed ("—": none)
+    rows = [[cell.strip(" `") for cell in line.strip("|").split(" | ")] for line in section.splitlines()
+            if line.startswith("| ") and line.split(" | ")[0].strip("| `") in medians]
+    assert [row[0] for row in rows] == sorted(medians, key=medians.get, reverse=True)
+    clean = [row[0] for row in rows if row[-1] == "—"]
     main = json.loads((searched.results / "train" / "summary.json").read_text())
+    if not clean:  # this machine was busy throughout: nothing is recommended, and the report says how to measure again
+        assert "No trustworthy measurement exists" in section and "fastest setup" not in section
+        assert "--forcerun bench_cell" in section
+        return
+    best = max(clean, key=medians.get)  # a flagged cell never heads the recommendation
+    tokens = [s["tokens_per_s"] for s in runs[best]]
+    memory = [max(s["peak_mem_bytes"]) / 1024**3 for s in runs[best]]
+    assert re.search(rf"On this hardware the fastest setup that fits( \(of the {len(clean)} cell\(s\) whose "
+                     rf"measurements passed every physical check\))? is {re.escape(best)} \(1 rank\(s\), ",
+                     section), section[:2000]
+    assert f": {fmt_spread(tokens, 0)} tokens/s, {fmt_spread(memory, 2)} GiB per rank, MFU " in section
     assert (f"{fmt(main['tokens_per_s'], 0)} tokens/s (the main run, measured), at "
             f"{fmt(main['tokens_per_s'] / medians[best] * 100, 0)} % of that.") in section
-    # every measured cell ranked, fastest first
-    ranked = [line.split(" | ")[0].strip("| `") for line in section.splitlines()
-              if line.startswith("| ") and line.split(" | ")[0].strip("| `") in medians]
-    assert ranked == sorted(medians, key=medians.get, reverse=True)
     # and each is priced, beside the main run and the source articles' claimed setups
     cost = md[md.index("### Cost"):md.index("## The benchmark matrix")]
     assert all(f"| {cell} | measured (benchmark median) |" in cost for cell in medians)
@@ -102,12 +109,22 @@ def test_a_later_dry_run_names_the_recommended_setup(searched):
     """Another run name on the same machine and model: `snakemake -n` prints the earlier benchmark's recommendation,
     the fastest median over every summary under results/ (this run's, and the pipeline's second repeats and 2-rank
     cells beside them)."""
-    runs: dict[str, list[float]] = {}
-    for path in (searched.workdir / "results").glob("*/bench/*/rep*/summary.json"):
-        runs.setdefault(path.parents[1].name, []).append(json.loads(path.read_text())["tokens_per_s"])
-    best = max(runs, key=lambda cell: statistics.median(runs[cell]))
+    from pretrain_bench.report.recommendation import ranking
+    from pretrain_bench.train.run_summary import RunSummary
+
+    runs: dict[str, list[RunSummary]] = {}
+    for path in sorted((searched.workdir / "results").glob("*/bench/*/rep*/summary.json")):
+        runs.setdefault(f"{path.parents[3].name}/{path.parents[1].name}", []).append(RunSummary.read(path))
+    # the fastest median among the cells that passed the physical checks (a flagged one never heads it)
+    clean = {cell: statistics.median(s.tokens_per_s for s in runs[cell])
+             for cell in ranking(runs).query("trusted")["cell"]}
     proc = run_snakemake(searched.workdir, "-n", "--config", "name=itest-later", configfiles=searched.configfiles)
     out = proc.stdout + proc.stderr
     line = next(line for line in out.splitlines() if "recommended from the earlier benchmark" in line)
-    assert re.search(rf"\({NAME} under results/\): On this hardware the fastest setup that fits is "
-                     rf"{NAME}/{re.escape(best)} \(", line), line
+    if not clean:
+        assert f"({NAME} under results/): No trustworthy measurement exists" in line, line
+        return
+    best = max(clean, key=clean.get)
+    assert re.search(rf"\({NAME} under results/\): On this hardware the fastest setup that fits( \(of the "
+                     rf"{len(clean)} cell\(s\) whose measurements passed every physical check\))? is "
+                     rf"{re.escape(best)} \(", line), line

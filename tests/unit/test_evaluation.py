@@ -260,10 +260,15 @@ def test_task_data_holds_every_val_document_and_one_example_each(run, tmp_path):
 def test_unknown_lm_eval_task_is_named(tmp_path):
     from pretrain_bench.evaluate.harness import task_manager
 
-    manager = task_manager(["pretrain_bench_last_word"], tmp_path)
+    # the folder rule lm_eval_data writes: the shipped task files beside their data
+    folder = tmp_path / "tasks"
+    build_task_data(write_jsonl(tmp_path / "val.jsonl", ["a document long enough to hold a last word example"]), folder)
+    assert {"pretrain_bench_last_word.yaml", "pretrain_bench_doc_perplexity.yaml", "local_data.py"} <= {
+        path.name for path in folder.iterdir()}
+    manager = task_manager(["pretrain_bench_last_word"], folder)
     assert {"pretrain_bench_last_word", "pretrain_bench_doc_perplexity"} <= set(manager.all_tasks)
     with pytest.raises(ValueError, match=r"evaluate.lm_eval.tasks: unknown task\(s\) \['pretrain_bench_lastword'\]"):
-        task_manager(["pretrain_bench_last_word", "pretrain_bench_lastword"], tmp_path)
+        task_manager(["pretrain_bench_last_word", "pretrain_bench_lastword"], folder)
 
 
 def test_bf16_evaluation_falls_back_to_fp16_on_gpus_without_bf16(monkeypatch):
@@ -275,3 +280,17 @@ def test_bf16_evaluation_falls_back_to_fp16_on_gpus_without_bf16(monkeypatch):
     precision, note = supported_precision("bf16", "cuda:0")
     assert precision == "fp16" and "not supported by Tesla V100-SXM2-16GB: evaluated in fp16" in note
     assert supported_precision("fp32", "cuda:0") == ("fp32", None)
+
+
+def test_the_model_card_says_the_export_is_zero_to_fp32s_state_and_why_its_safetensors_flag_fails_on_tied_weights():
+    from pretrain_bench.evaluate.model_card import weights_lines
+    from pretrain_bench.train.models.llama import PRESETS
+
+    tied, untied = PRESETS["tiny"], PRESETS["llama-125m"]
+    (zero, *_) = weights_lines(tied, "fp32", zero_partitioned=True)
+    assert zero.startswith("`model.safetensors` holds the checkpoint's fp32 master weights: the consolidated state "
+                           "DeepSpeed's `zero_to_fp32.py` writes")
+    assert "`zero_to_fp32.py --safe_serialization` fails on exactly that sharing" in zero
+    assert "zero_to_fp32" not in weights_lines(tied, "fp32", zero_partitioned=False)[0]  # DDP, FSDP, ZeRO-0
+    (cast, *_) = weights_lines(untied, "bf16", zero_partitioned=True)
+    assert "fp32 master weights, cast to bf16:" in cast and "tied" not in cast

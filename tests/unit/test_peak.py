@@ -91,3 +91,18 @@ def test_bf16_sizes_after_one_where_it_ran_under_half_fp32s_speed_are_left_out(m
     assert timed[3:] == [("bf16", 512), ("bf16", 1024), ("bf16", 2048)]
     assert best == 4e12 and method.startswith("best bf16 square matmul x @ wᵀ (512² ×2, 1024² ×2, 2048² ×2 calls); "
                                               "fp32 square matmul")
+
+
+def test_the_peak_is_keyed_by_the_machine_and_software_not_by_a_run_name(monkeypatch):
+    """One file per machine and software under results/data/: the same identity gives the same path whatever the run;
+    another torch, device or core count gives another."""
+    from pretrain_bench.bench.peak import MachinePeak, machine_identity
+
+    here = MachinePeak.here("cpu")
+    assert here == MachinePeak.here("cpu") and here.identity == machine_identity("cpu")
+    assert here.path == f"results/{here.folder}/peak.json" and here.folder.startswith("data/machine-")
+    assert {"device", "machine", "processor", "cpu_count", "usable_cpus", "torch"} <= set(here.identity)
+    for key, other in (("torch", "0.0.1"), ("device", "cuda"), ("usable_cpus", here.identity["usable_cpus"] + 1)):
+        assert MachinePeak.of({**here.identity, key: other}).path != here.path, key
+    monkeypatch.setattr(peak.metadata, "version", lambda package: "9.9.9")
+    assert MachinePeak.here("cpu").identity["torch"] == "9.9.9" and MachinePeak.here("cpu").path != here.path

@@ -394,29 +394,43 @@ def test_an_impossible_figure_is_never_quoted_without_its_flag(tmp_path):
     matrix = {**MATRIX, "cells": [entry(1, 2), entry(3, 2)]}
     tables = build_tables(busy(typed(3), 1.0, (0.2, 3.1), measured), [], 1e12, matrix, runs, peak=peak)
     line = tables["headline"]["lines"][0]
-    assert "412% scaling efficiency" in line
-    assert "⚠ efficiency 412 % over its 1-rank cell ranks1-zero2-fp32-gloo is above 100 %: not physical" in line
-    assert line.count("⚠ other processes used 75 % of the 2 cores") == 1
+    assert line.startswith("Not trustworthy (failed a physical check): ZeRO-2") and "412% scaling efficiency" in line
+    assert line.count("⚠ efficiency 412 % over its 1-rank cell ranks1-zero2-fp32-gloo is above 100 %: not "
+                      "physical") == 1
+    assert "over the fastest 1-rank cell ranks1-zero2-fp32-gloo is above" not in line  # the same cell: stated once
+    assert line.count("⚠ ranks1-zero2-fp32-gloo, divided by: other processes used 75 % of the 2 cores") == 1
     assert tables["headline"]["superlinear"] == ["ranks3-zero2-fp32-gloo"]
     scaling = {r["cell"]: r for r in tables["scaling"]}
     assert scaling["ranks3-zero2-fp32-gloo"]["load"] == "; ".join(
         ["1-min 7.50 before, 3.40 after, other processes 2 % of the 2 cores"] * 2)
     # the 3-rank row's speedup divides by the busy 1-rank cell: it carries that cell's flag, not one of its own
     assert scaling["ranks3-zero2-fp32-gloo"]["flags"].count("other processes used 75 % of the 2 cores") == 1
-    assert scaling["ranks1-zero2-fp32-gloo"]["flags"] == "other processes used 75 % of the 2 cores"
+    # the 1-rank cell: busy, and the baseline of an efficiency above 100 %
+    assert scaling["ranks1-zero2-fp32-gloo"]["flags"] == (
+        "other processes used 75 % of the 2 cores; slowed by something else: ranks3-zero2-fp32-gloo's scaling "
+        "efficiency over it is 412 % (above 100 %)")
     claims_rows = {r["claim"]: r for r in tables["claims"]}
     for claim in ("1 GPU: throughput and memory", "3 GPUs, ZeRO-2: speedup", "time per epoch"):
-        assert "⚠ other processes used 75 % of the 2 cores" in claims_rows[claim]["measured"], claim
+        assert "other processes used 75 % of the 2 cores" in claims_rows[claim]["measured"], claim
+        assert claims_rows[claim]["measured"].startswith("Not trustworthy (failed a physical check): "), claim
+        assert claims_rows[claim]["verdict"].endswith("this run's figure failed a physical check: it neither "
+                                                      "supports nor refutes the claim"), claim
     assert "⚠ efficiency 412 %" in claims_rows["3 GPUs, ZeRO-2: speedup"]["measured"]
-    # the recommendation (the 3-rank cell, itself quiet) divides its MFU by the peak measured while something else ran
+    assert not claims_rows["3 GPUs, ZeRO-2: memory per GPU"]["flags"]  # memory: what the run allocated
+    # no cell heads the recommendation: the 1-rank cell was busy, both took part in a 412 % efficiency, and both MFUs
+    # divide by the peak measured while something else ran
     recommendation = tables["recommendation"]["sentence"]
-    assert recommendation.startswith("On this hardware the fastest setup that fits is ranks3-zero2-fp32-gloo")
-    assert "⚠ peak measured while other processes used 80 % of the 2 cores, so this MFU is inflated" in recommendation
+    assert "fastest setup" not in recommendation and not tables["recommendation"]["trusted"]
+    assert recommendation.startswith("No trustworthy measurement exists: every one of the 2 measured benchmark cell(s) "
+                                     "failed a physical check")
+    assert "peak measured while other processes used 80 % of the 2 cores, so this MFU is inflated" in recommendation
     assert tables["peak_flag"] and "⚠" not in tables["recommendation"]["main"]  # it quotes no MFU, others were idle
+    assert tables["recommendation"]["main"].endswith("1,000 tokens/s (the main run, measured).")  # no "% of that"
     cost = {r["setup"]: r["flags"] for r in tables["cost"]["rows"]}  # the cost quotes tokens/s, no MFU
     one_rank = cost["ranks1-zero2-fp32-gloo"]
-    assert one_rank == "other processes used 75 % of the 2 cores"
-    assert cost["ranks3-zero2-fp32-gloo"] == cost["the main run"] == "—"
+    assert one_rank.startswith("other processes used 75 % of the 2 cores")
+    assert cost["ranks3-zero2-fp32-gloo"].startswith("efficiency 412 % over its 1-rank cell")
+    assert cost["the main run"] == "—"
     # and the same figures, flags and all, in the rendered report
     (tmp_path / "summary.json").write_text(json.dumps(busy(typed(3), 1.0, (0.2, 3.1), measured).to_dict()))
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 8.0, "tokens_per_s": 900.0,
@@ -436,9 +450,12 @@ def test_an_impossible_figure_is_never_quoted_without_its_flag(tmp_path):
                  peak_path=tmp_path / "peak.json")
     md = (out / "report.md").read_text()
     glance = md[md.index("**At a glance**"):md.index("## The benchmark matrix")]
-    assert "412% scaling efficiency" in glance and "⚠ efficiency 412 %" in glance and "⚠ other processes used" in glance
+    assert "412% scaling efficiency" in glance and "⚠ efficiency 412 %" in glance
+    assert "- Not trustworthy (failed a physical check): ZeRO-2" in glance
+    assert "divided by: other processes used" in glance
     top = md[:md.index("**At a glance**")]
-    assert "fastest setup that fits is ranks3-zero2-fp32-gloo" in top and "⚠ peak measured while other processes" in top
+    assert "fastest setup" not in top and "**No trustworthy measurement.** No trustworthy measurement exists" in top
+    assert "peak measured while other processes used 80 %" in top
     assert "**Peak measured while something else ran**: peak measured while other processes used 80 % of the 2 " \
            "cores, so this MFU is inflated." in md
     assert "load 1-min 7.97 before, 8.10 after, other processes 80 % of the 2 cores during it" in md
@@ -575,8 +592,9 @@ def test_a_backend_comparison_under_load_is_flagged_at_a_glance():
     runs = {"ranks2-zero2-fp32-nccl": [typed(2, tokens_per_s=1300.0, comm=0.2, backend="nccl")],
             "ranks2-zero2-fp32-gloo": [busy(typed(2, tokens_per_s=1000.0, comm=0.3), 40.0, (0.5, 4.2))]}
     line = next(text for text in build_tables(typed(2), [], 1e12, matrix, runs)["headline"]["lines"]
-                if text.startswith("NCCL vs Gloo"))
-    assert line == "NCCL vs Gloo at 2 ranks, ZeRO-2: NCCL 30.0% faster [⚠ other processes used 40 % of the 2 cores]"
+                if "NCCL vs Gloo" in text)
+    assert line == ("Not trustworthy (failed a physical check): NCCL vs Gloo at 2 ranks, ZeRO-2: NCCL 30.0% faster "
+                    "[⚠ other processes used 40 % of the 2 cores]")
 
 
 def test_a_series_slower_at_one_rank_than_the_fastest_1_rank_cell_is_labelled_with_its_overhead():
@@ -653,3 +671,111 @@ def test_the_memory_budget_the_pre_flight_assumed_is_labelled_assumed_in_the_rep
     assert ("Memory budget: 24.0 GiB per GPU (assumed: benchmark.device_memory_gib, no GPU detected here); host RAM "
             "128.0 GiB (assumed: benchmark.host_memory_gib, no GPU detected here).") in md
     assert "has 24.0 GiB (assumed)" in md
+
+
+def write_run(folder: Path, main: RunSummary, matrix: dict, runs: dict[str, list[RunSummary]],
+              peak: dict | None = None) -> dict:
+    """The JSON files rule report reads, under `folder`, as build_report's keyword arguments."""
+    (folder / "summary.json").write_text(json.dumps(main.to_dict()))
+    (folder / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 8.0, "tokens_per_s": 900.0,
+                                                      "step_time_s": 1.0, "after_resume": False}) + "\n")
+    (folder / "matrix.json").write_text(json.dumps(matrix))
+    bench = []
+    for cell, reps in runs.items():
+        for rep, run in enumerate(reps, start=1):
+            path = folder / "bench" / cell / f"rep{rep}" / "summary.json"
+            path.parent.mkdir(parents=True)
+            path.write_text(json.dumps(run.to_dict()))
+            bench.append(path)
+    if peak:
+        (folder / "peak.json").write_text(json.dumps(peak))
+    out = folder / "report"
+    return {"summary_path": folder / "summary.json", "metrics_path": folder / "metrics.jsonl", "eval_paths": [],
+            "out_md": out / "report.md", "out_html": out / "report.html", "plot_dir": out / "plots",
+            "target_corpus_tokens": 1e12, "matrix_path": folder / "matrix.json", "bench_paths": bench,
+            "peak_path": folder / "peak.json" if peak else None}
+
+
+def test_a_benchmark_measured_while_other_processes_used_30_percent_of_the_cores_recommends_nothing(tmp_path):
+    """Every cell measured while other processes used 28–33 % of the 2 cores: the report names no fastest setup,
+    neither at the top nor at a glance, says why no measurement can be trusted (with the figures) and gives the
+    command that measures the benchmark again, with the run's own config files."""
+    runs = {cell: [busy(run, share) for run, share in zip(reps, (28.0, 33.0))] for cell, reps in RUNS.items()}
+    kwargs = write_run(tmp_path, typed(3), MATRIX, runs)
+    configfiles = [str(Path.cwd() / "config" / "tiny-cpu.yaml"), "/elsewhere/my overlay.yaml"]
+    tables = build_report(**kwargs, configfiles=configfiles)
+    command = ("snakemake --cores all --resources gpu=3 --configfile config/tiny-cpu.yaml --configfile "
+               "'/elsewhere/my overlay.yaml' --forcerun bench_cell -- results/unit/report/report.md")
+    md, html = kwargs["out_md"].read_text(), kwargs["out_html"].read_text()
+    top = md[:md.index("### Cost")]
+    assert "fastest setup" not in md and "fastest setup" not in html
+    assert ("**No trustworthy measurement.** No trustworthy measurement exists: every one of the 4 measured benchmark "
+            "cell(s) failed a physical check, so none is recommended. Why: other processes used 28–33 % of the 2 "
+            "cores (ranks3-zero2-fp32-gloo, ranks2-zero2-fp32-gloo, ranks1-zero2-fp32-gloo, "
+            "ranks1-zero1-fp32-gloo).") in top
+    assert f"To measure the benchmark again on a quiet machine (every cell, then this report; training, evaluations " \
+           f"and data are kept): `{command}`." in top
+    assert f"<code>{command.replace(chr(39), '&#39;')}</code>" in html
+    assert tables["recommendation"]["rerun"] == command
+    # each cell's flag once, over its two repeats, in the ranking's physical checks column
+    assert {row["cell"]: row["flags"] for row in tables["recommendation"]["ranking"]} == {
+        cell: "other processes used 28–33 % of the 2 cores" for cell in RUNS}
+    # at a glance: the scaling line is there only as not trustworthy
+    glance = md[md.index("**At a glance**"):md.index("## The benchmark matrix")]
+    assert "- Not trustworthy (failed a physical check): ZeRO-2, fp32, gloo, micro batch 8: 1 → 3 ranks" in glance
+    # the claims that quote a timing say their figure decides nothing
+    by_claim = {row["claim"]: row for row in tables["claims"]}
+    for claim in ("1 GPU: throughput and memory", "3 GPUs, ZeRO-2: speedup", "time per epoch"):
+        assert by_claim[claim]["measured"].startswith("Not trustworthy (failed a physical check): "), claim
+        assert "it neither supports nor refutes the claim" in by_claim[claim]["verdict"], claim
+
+
+def test_a_clean_matrix_keeps_its_headline_and_a_busy_fastest_cell_is_passed_over(tmp_path):
+    identity = {"device": "cpu", "machine": "x86_64", "cpu_count": 2, "processor": "test", "usable_cpus": 2,
+                "torch": "2.13.0"}  # bench.peak.machine_identity, as rule measure_peak records it
+    peak = {**MATRIX["peak"], "identity": identity, "measured_at": "2026-01-02T03:04:05+00:00",
+            "load_before": [0.1, 0.1, 0.1], "load_after": [0.1, 0.1, 0.1], "other_cpu": other_cpu(1.0)}
+    kwargs = write_run(tmp_path, typed(3), MATRIX, RUNS, peak)
+    tables = build_report(**kwargs, configfiles=["config/tiny-cpu.yaml"])
+    found = tables["recommendation"]
+    assert found["trusted"] and found["rerun"] is None
+    assert found["sentence"].startswith("On this hardware the fastest setup that fits is ranks3-zero2-fp32-gloo (")
+    md = kwargs["out_md"].read_text()
+    assert "To measure the benchmark again" not in md
+    # the peak: measured, and where it came from
+    assert (f"Machine peak, measured once for this machine and software by rule measure_peak ({kwargs['peak_path']}, "
+            "2026-01-02T03:04:05+00:00, torch 2.13.0), shared by every run name on it: 0.150 TFLOP/s — measured: "
+            "test;") in md
+    assert all(not line.startswith("Not trustworthy") for line in tables["headline"]["lines"])
+    assert all("neither supports nor refutes" not in row["verdict"] for row in tables["claims"])
+    # the fastest cell measured while something else ran: the next one heads, and the busy one is named
+    runs = {**RUNS, "ranks3-zero2-fp32-gloo": [busy(run, 30.0) for run in RUNS["ranks3-zero2-fp32-gloo"]]}
+    found = build_tables(typed(3), [], 1e12, MATRIX, runs, configfiles=["config/tiny-cpu.yaml"])["recommendation"]
+    assert found["sentence"].startswith("On this hardware the fastest setup that fits (of the 3 cell(s) whose "
+                                        "measurements passed every physical check) is ranks2-zero2-fp32-gloo (")
+    assert found["sentence"].endswith("Passed over, as not trustworthy: ranks3-zero2-fp32-gloo (their flags are in "
+                                      "the physical checks column).")
+    assert found["rerun"] == ("snakemake --cores all --resources gpu=3 --configfile config/tiny-cpu.yaml --forcerun "
+                              "bench_cell -- results/unit/report/report.md")
+
+
+def test_a_cell_busy_in_some_repeats_or_above_the_peak_is_flagged_once():
+    """A flag per cell, not per repeat: a cell busy in one of its two repeats says so once; a cell whose MFU would be
+    above 100 % (the summary holds none, only its note) is flagged with the figure and never recommended."""
+    noted = "MFU would be 250%: the run achieved more than the peak it was given"
+    above = [RunSummary.from_dict(summary(3, tokens_per_s=2000.0) | {"mfu": None, "mfu_note": noted,
+                                                                     "peak_flops_per_rank": 2000.0 * 1.2e7 / 2.5 / 3})
+             for _ in range(2)]
+    runs = {**RUNS, "ranks2-zero2-fp32-gloo": [busy(RUNS["ranks2-zero2-fp32-gloo"][0], 45.0),
+                                               RUNS["ranks2-zero2-fp32-gloo"][1]],
+            "ranks3-zero2-fp32-gloo": above}
+    tables = build_tables(typed(3), [], 1e12, MATRIX, runs)
+    ranking = {row["cell"]: row["flags"] for row in tables["recommendation"]["ranking"]}
+    assert ranking["ranks2-zero2-fp32-gloo"] == "other processes used 45 % of the 2 cores in 1 of 2 repeats"
+    assert ranking["ranks3-zero2-fp32-gloo"] == ("MFU would be 250 % (above 100 %): the timing or the peak it divides "
+                                                 "by is wrong")
+    mfu = {row["cell"]: row["flags"] for row in tables["mfu"]}
+    assert mfu["ranks3-zero2-fp32-gloo"] == ranking["ranks3-zero2-fp32-gloo"]
+    assert tables["recommendation"]["sentence"].startswith("On this hardware the fastest setup that fits (of the 2 "
+                                                           "cell(s) whose measurements passed every physical check) "
+                                                           "is ranks1-zero2-fp32-gloo")

@@ -201,3 +201,36 @@ def test_a_finished_run_keeps_its_summary_for_the_jobs_that_rewrite_its_outputs(
     prepare_state(tmp_path, OTHER, 20, "plan-b", [10, 20], 2)
     assert (tmp_path / "runs" / fingerprint_id(FP) / "summary.json").is_file()
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_a_world_size_edit_back_to_a_kept_size_says_once_that_the_kept_run_resumes(tmp_path):
+    """Finished at 3 ranks, then at 2 (the 3-rank run kept), then back at 3: the 2-rank run is set aside and the
+    3-rank run resumes, said in one line that never says 'starts fresh'."""
+    fake_run(tmp_path, FP, [10, 20], world_size=3)
+    mark_finished(tmp_path, 20, "plan-a")
+    world3 = tmp_path / "runs" / f"{fingerprint_id(FP)}-world3"
+    world2 = tmp_path / "runs" / f"{fingerprint_id(FP)}-world2"
+    (fresh,) = prepare_state(tmp_path, FP, 20, "plan-b", [10, 20], 2)
+    assert f"that run is kept in {world3}" in fresh and fresh.endswith("starts fresh (set train.allow_reshape: true "
+                                                                       "to continue it at the new size instead)")
+    fake_run(tmp_path, FP, [10, 20], world_size=2)
+    mark_finished(tmp_path, 20, "plan-b")
+    messages = prepare_state(tmp_path, FP, 20, "plan-a", [10, 20], 3)
+    assert messages[0] == (f"the world size changed since the run in {tmp_path} (train.gpus × train.nodes: 2 → 3): "
+                           f"that run is kept in {world2} and resumes when the world size is 2 again; resuming the run "
+                           f"kept in {world3} (these settings, saved at world size 3)")
+    # the run that came back had finished: the second line says no step of it is trained again
+    assert len(messages) == 2 and messages[1].startswith(f"the run in {tmp_path} already finished step 20")
+    assert committed_steps(tmp_path / "checkpoints") == [10, 20] and not world3.exists()
+    assert committed_steps(world2 / "checkpoints") == [10, 20]
+
+
+def test_settings_edited_back_set_the_other_run_aside_and_resume_the_kept_one_in_one_line(tmp_path):
+    fake_run(tmp_path, FP, [10])
+    prepare_state(tmp_path, OTHER, 20, "plan-b", [10, 20], 2)
+    fake_run(tmp_path, OTHER, [10])
+    messages = prepare_state(tmp_path, FP, 20, "plan-a", [10, 20], 2)
+    kept_fp, kept_other = (tmp_path / "runs" / fingerprint_id(fp) for fp in (FP, OTHER))
+    assert messages == [f"the settings changed since the run in {tmp_path} (train.lr): that run is kept in "
+                        f"{kept_other}; resuming the run kept in {kept_fp} (these settings, saved at world size 2)"]
+    assert not any("starts fresh" in message for message in messages)

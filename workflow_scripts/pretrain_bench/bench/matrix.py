@@ -318,10 +318,12 @@ def cell_counts(matrix: dict) -> dict:
 def planning_peak(config: dict, device: str, name: str) -> tuple[float | None, str]:
     """(peak FLOP/s per rank, source) for the cost preview, without running anything: report.peak_tflops, else the
     datasheet of the GPUs found here (or of benchmark.assumed_gpu when none is), else on CPU the peak that rule
-    measure_peak measured in an earlier run of this name."""
+    measure_peak measured earlier for this machine and software (bench.peak.MachinePeak), or in an earlier run of
+    this name before the figure was shared (results/<name>/bench/peak.json)."""
     import json
     from pathlib import Path
 
+    from pretrain_bench.bench.peak import MachinePeak
     from pretrain_bench.core.devices import gpu_names
     from pretrain_bench.train.models.flops import gpu_table_peak
 
@@ -336,9 +338,9 @@ def planning_peak(config: dict, device: str, name: str) -> tuple[float | None, s
         if not table:
             return None, f"no datasheet peak for {gpu} ({where})"
         return table if names else (table[0], f"{table[1]} ({where})")
-    measured = Path("results") / name / "bench" / "peak.json"
-    if measured.is_file():
-        return json.loads(measured.read_text())["peak_flops"], f"measured earlier: {measured}"
+    for measured in (Path(MachinePeak.here(device).path), Path("results") / name / "bench" / "peak.json"):
+        if measured.is_file():
+            return json.loads(measured.read_text())["peak_flops"], f"measured earlier: {measured}"
     return None, "CPU peak not measured yet"
 
 

@@ -1,4 +1,5 @@
-"""The machine's peak FLOP/s, measured once per run name (rule measure_peak) for the report and time estimates.
+"""The machine's peak FLOP/s, measured once per machine and software (rule measure_peak) for the report and time
+estimates.
 
 CUDA: the datasheet figure for a known GPU (16-bit tensor cores, fp32 accumulate) and a measured bf16 matmul on
 one GPU. CPU: matmuls measured on all cores at once in one process (the ceiling every CPU cell shares), in each
@@ -8,28 +9,89 @@ The 1-minute load before and after the measurement is recorded beside it (`load_
 of the cores that other processes used meanwhile (`other_cpu`, metrics.OtherCpu): a peak measured while something
 else ran is too low (physical_checks.peak_flag).
 Each run's own MFU still uses the peak its summary.json names; this file is the reference beside it.
+
+Every run name on the machine shares the figure: it lives beside the shared data products, at
+results/data/machine-<id>/peak.json (`MachinePeak`), <id> a digest of what the figure depends on
+(`machine_identity`: the device, this machine's architecture, CPU model, core counts and GPU, and torch's version),
+and the file records that identity and when it was measured. Another run name, or the same one with other settings,
+reads it as it is; a new torch, another GPU or a job confined to fewer cores measures anew. The identity is taken
+where Snakemake builds the DAG: under a cluster scheduler that is the submitting host, and the figure's own
+`hardware` names the node it was measured on.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib import metadata
 from pathlib import Path
 from typing import NamedTuple
 
-from pretrain_bench.core.devices import GPU_LOCK_DIR, cpu_bf16_is_native, usable_cpu_count
+from pretrain_bench.core.devices import (
+    GPU_LOCK_DIR,
+    cpu_bf16_is_native,
+    gpu_names,
+    hardware_description,
+    usable_cpu_count,
+)
 from pretrain_bench.evaluate.evaluation import evaluation_device
 from pretrain_bench.train.metrics import OtherCpu, load_average
 from pretrain_bench.train.run_context import usable_cpus
 
+ID_HEX_DIGITS = 10
 
-def measure_hardware_peak(requested_device: str, lock_dir: Path = GPU_LOCK_DIR) -> dict:
+
+def machine_identity(device: str) -> dict:
+    """What the machine's peak depends on, without importing torch (DAG time stays fast): the device, this machine
+    (core.devices.hardware_description without torch; the GPU's name from nvidia-smi), the cores this process may
+    use (a measurement uses all of them) and torch's version."""
+    identity = {**hardware_description("cpu"), "device": device, "usable_cpus": usable_cpu_count(),
+                "torch": metadata.version("torch")}
+    if device == "cuda":
+        names = gpu_names()
+        identity["gpu_name"] = names[0] if names else None
+    return identity
+
+
+@dataclass(frozen=True)
+class MachinePeak:
+    """Where one machine and software's peak lives: results/<folder>/peak.json, shared by every run name."""
+
+    identity: dict  # machine_identity: what the figure depends on, recorded in the file beside it
+    folder: str  # data/machine-<id>, relative to results/ (logs/ and benchmarks/ mirror it)
+
+    @classmethod
+    def of(cls, identity: dict) -> MachinePeak:
+        text = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+        return cls(identity, f"data/machine-{hashlib.sha256(text.encode()).hexdigest()[:ID_HEX_DIGITS]}")
+
+    @classmethod
+    def here(cls, device: str) -> MachinePeak:
+        """This machine's, for runs on `device` (cuda|cpu, resolved)."""
+        return cls.of(machine_identity(device))
+
+    @property
+    def path(self) -> str:
+        return f"results/{self.folder}/peak.json"
+
+
+def measure_hardware_peak(requested_device: str, lock_dir: Path = GPU_LOCK_DIR, identity: dict | None = None
+                          ) -> dict:
+    """The peak, with the load around its measurement, the time it was measured and, given, the identity that keys
+    it (`machine_identity`)."""
     with evaluation_device(requested_device, lock_dir) as run_device:  # on a GPU: one slot, like an evaluation
-        return _measure(run_device)
+        result = _measure(run_device)
+    result["measured_at"] = datetime.now(UTC).isoformat(timespec="seconds")
+    if identity is not None:
+        result["identity"] = identity
+    return result
 
 
 def _measure(run_device: str) -> dict:
     import torch
 
-    from pretrain_bench.core.devices import hardware_description
     from pretrain_bench.train.models.flops import gpu_table_peak, measure_matmul_peak
 
     device = torch.device(run_device).type

@@ -5,8 +5,9 @@ Its weights are the checkpoint's fp32 master weights (for ZeRO 1-3 gathered from
 DeepSpeed's zero_to_fp32), cast to `dtype`; its config names the tokenizer's end-of-text and padding ids so that
 `generate` stops where the training stream separated documents; generation_config.json carries the same ids.
 `pretrain_bench_export.json` beside the weights says which checkpoint it came from, and README.md (the model card)
-what the model is, its data with their sha256, its held-out loss when known and the pipeline's commit. Exporting only
-reads the checkpoint.
+what the model is, its data with their sha256, its held-out loss when known, the pipeline's commit and the lm-eval
+command that scores it. Exporting only reads the checkpoint. The fp32 export is the consolidated state DeepSpeed's
+zero_to_fp32.py would write, tied embeddings stored once (docs/export.md).
 """
 from __future__ import annotations
 
@@ -110,7 +111,8 @@ def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Pa
     if plan is not None:
         from pretrain_bench.evaluate.model_card import card_facts, render_card
 
-        (tmp / "README.md").write_text(render_card(shape, card_facts(plan, step, marker.get("tokens")), dtype))
+        facts = card_facts(plan, step, marker.get("tokens"), export=str(target))
+        (tmp / "README.md").write_text(render_card(shape, facts, dtype))
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target

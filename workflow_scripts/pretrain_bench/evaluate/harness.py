@@ -1,7 +1,9 @@
 """lm-evaluation-harness on a checkpoint's HF export: offline, with task definitions this project ships.
 
 The shipped tasks (lm_eval_tasks/*.yaml) read JSON-lines files built from the run's own val split, so they need
-no download and measure the run on text it never trained on:
+no download and measure the run on text it never trained on. Rule lm_eval_data writes them into one folder with the
+task files (`build_task_data`): that folder is lm-eval's --include_path, for the pipeline and for lm-eval's own
+command line alike (pretrain_bench.evaluate.task_folder, docs/lm-eval.md):
 - `pretrain_bench_last_word`: LAMBADA-style last-word prediction. Each val document gives one passage: its start,
   cut after the last whole word (`[A-Za-z_][A-Za-z0-9_]+` after a space) that ends within `LAST_WORD_CHARS`
   characters; the context is the passage without that word, the target " word".
@@ -24,14 +26,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
 from pretrain_bench.core.io import atomic_write_json
 from pretrain_bench.data.tokenizer import iter_texts
+from pretrain_bench.evaluate.task_folder import SHIPPED_TASKS, TASK_FILES
 
-TASKS_DIR = Path(__file__).parent / "lm_eval_tasks"
-SHIPPED_TASKS = ("pretrain_bench_last_word", "pretrain_bench_doc_perplexity")
 LAST_WORD_CHARS = 400  # passage length cap; about seq_len 128 tokens of code or prose
 MIN_CONTEXT_CHARS = 32
 _WORD = re.compile(r"(?<= )[A-Za-z_][A-Za-z0-9_]+\b")
@@ -51,9 +53,12 @@ def last_word_example(text: str, max_chars: int = LAST_WORD_CHARS, min_context: 
 
 
 def build_task_data(val_jsonl: Path, out_dir: Path) -> dict:
-    """Write last_word.jsonl and documents.jsonl (val documents in corpus order) into out_dir; returns counts."""
+    """Write last_word.jsonl and documents.jsonl (val documents in corpus order) into out_dir, beside a copy of the
+    shipped task files (TASK_FILES), so that out_dir is an lm-eval --include_path of its own; returns counts."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    for path in TASK_FILES:
+        shutil.copyfile(path, out_dir / path.name)
     documents, examples = 0, 0
     with open(out_dir / "documents.jsonl", "w", encoding="utf-8") as docs, \
             open(out_dir / "last_word.jsonl", "w", encoding="utf-8") as words:
@@ -73,13 +78,13 @@ def build_task_data(val_jsonl: Path, out_dir: Path) -> dict:
 
 
 def task_manager(tasks: list[str], data_dir: Path):
-    """An lm-eval TaskManager that knows the shipped tasks (and lm-eval's own only when a task needs them)."""
+    """An lm-eval TaskManager that knows the shipped tasks, from the folder rule lm_eval_data wrote (`data_dir`, as
+    lm-eval's --include_path would), and lm-eval's own only when a task needs them."""
     from lm_eval.tasks import TaskManager
 
     # lm-eval's own index takes seconds to build: only when a task is not one of ours (by its prefix).
     builtin = [task for task in tasks if not task.startswith("pretrain_bench_")]
-    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=bool(builtin),
-                          metadata={"data_dir": str(Path(data_dir).resolve())})
+    manager = TaskManager(include_path=str(Path(data_dir).resolve()), include_defaults=bool(builtin))
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         raise ValueError(f"evaluate.lm_eval.tasks: unknown task(s) {unknown}; this project ships {list(SHIPPED_TASKS)}"

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from pretrain_bench.core.io import read_jsonl
 from pretrain_bench.core.provenance import git_commit
+from pretrain_bench.evaluate.task_folder import SHIPPED_TASKS, lm_eval_command, task_folder
+from pretrain_bench.train.engines.spec import engine_spec
 from pretrain_bench.train.models.llama import count_parameters
 
 REPOSITORY = Path(__file__).resolve().parents[3]
@@ -30,8 +32,9 @@ def heldout_at(metrics_path: Path, step: int, index: dict) -> dict | None:
     return {"loss": record["val_loss"], "perplexity": record["val_perplexity"], "bits_per_byte": bits_per_byte}
 
 
-def card_facts(plan, step: int, tokens: int | None) -> dict:
-    """What the card of checkpoint `step` of the run `plan` describes."""
+def card_facts(plan, step: int, tokens: int | None, export: str | None = None) -> dict:
+    """What the card of checkpoint `step` of the run `plan` describes; `export`: the folder the card goes into, as
+    the working directory names it (for the lm-eval command)."""
     index_path = Path(plan.paths.index)
     index = json.loads(index_path.read_text())
     manifest_path = plan.paths.manifest  # the plan rule's input (None for benchmark cells)
@@ -44,6 +47,9 @@ def card_facts(plan, step: int, tokens: int | None) -> dict:
         "splits": {split: manifest[split] for split in ("train", "val")} if manifest else None,
         "git_commit": git_commit(REPOSITORY),
         "data_id": plan.data["data_id"] if plan.data else None,
+        "export": export, "lm_eval_folder": task_folder(plan.name),
+        # the checkpoint holds ZeRO partitions that the export consolidates as zero_to_fp32.py does
+        "zero_partitioned": engine_spec(plan.train.engine).zero_partitioned and plan.train.zero_stage >= 1,
     }
 
 
@@ -70,6 +76,7 @@ def render_card(shape, facts: dict, dtype: str) -> str:
         f"| trained sequence length | {facts['seq_len']} tokens |",
         f"| tied embeddings | {'yes' if shape.tie_word_embeddings else 'no'} |",
         f"| weights dtype | {dtype} |", "",
+        *weights_lines(shape, dtype, facts["zero_partitioned"]),
         "## Training", "",
         f"- optimizer steps: {facts['step']:,}; tokens trained: "
         + (f"{facts['tokens']:,}" if facts["tokens"] is not None else "unknown")
@@ -97,4 +104,36 @@ def render_card(shape, facts: dict, dtype: str) -> str:
     else:
         lines += ["Not evaluated at this step while training (train.eval_every); `results/<name>/eval/step<N>.json` "
                   "holds the evaluation of each kept checkpoint once the evaluate rule ran."]
+    lines += ["", *lm_eval_lines(facts)]
     return "\n".join(lines) + "\n"
+
+
+def weights_lines(shape, dtype: str, zero_partitioned: bool) -> list[str]:
+    """What the weights file is (docs/export.md): for a DeepSpeed ZeRO 1-3 run (`zero_partitioned`), the consolidated
+    fp32 state DeepSpeed's zero_to_fp32.py writes; else the weights the engine saved."""
+    cast = "" if dtype == "fp32" else f", cast to {dtype}"
+    if zero_partitioned:
+        text = (f"`model.safetensors` holds the checkpoint's fp32 master weights{cast}: the consolidated state "
+                "DeepSpeed's `zero_to_fp32.py` writes, gathered from every rank's optimizer partitions by the same "
+                "DeepSpeed function, so there is no need to run that script on the checkpoint.")
+    else:
+        text = f"`model.safetensors` holds the model weights the engine saved in the checkpoint{cast}."
+    if shape.tie_word_embeddings:
+        text += (" The input embedding and the output head are one tied tensor, stored once (`lm_head.weight` follows "
+                 "`model.embed_tokens.weight` on loading)" + ("; `zero_to_fp32.py --safe_serialization` fails on "
+                                                              "exactly that sharing, since safetensors refuses two "
+                                                              "names for one tensor." if zero_partitioned else "."))
+    return [text, "", "See docs/export.md in pretrain-bench.", ""]
+
+
+def lm_eval_lines(facts: dict) -> list[str]:
+    """How to score this export with lm-eval's own command line on the run's shipped tasks (docs/lm-eval.md)."""
+    folder = facts["lm_eval_folder"]
+    export = facts["export"] or "<this folder>"
+    return ["## Evaluate with lm-eval", "",
+            "From the pipeline's working directory (where `results/` is), offline, with lm-evaluation-harness "
+            "installed:", "", "```bash", lm_eval_command(export, folder, facts["seq_len"]), "```", "",
+            f"`{folder}` holds the run's shipped tasks ({', '.join(f'`{task}`' for task in SHIPPED_TASKS)}) and "
+            "their data, built from its val split by rule lm_eval_data: it exists when evaluate.lm_eval names "
+            f"tasks, or after `snakemake ... -- {folder}`. `max_length` is the trained sequence length. See "
+            "docs/lm-eval.md in pretrain-bench."]

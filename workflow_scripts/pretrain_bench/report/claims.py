@@ -8,7 +8,7 @@ number by hand, nor a formula: their text comes from the memory model's tables (
 from __future__ import annotations
 
 from pretrain_bench.core.formats import fmt, fmt_duration
-from pretrain_bench.report.physical_checks import flagged
+from pretrain_bench.report.physical_checks import untrusted
 from pretrain_bench.report.tables import (
     BACKEND_COLUMNS,
     COMMUNICATION_COLUMNS,
@@ -115,10 +115,15 @@ def scaling_flags(scaling: list[dict], cell: str) -> list[str]:
     return next((r["flags"] for r in scaling if r["cell"] == cell), [])
 
 
+UNTRUSTED_VERDICT = "this run's figure failed a physical check: it neither supports nor refutes the claim"
+
+
 def check_claims(frames: ReportFrames) -> list[dict]:
-    """Rows: claim, claimed figures, what physics allows (7B on 24 GB cards), what this run measured, verdict."""
+    """Rows: claim, claimed figures, what physics allows (7B on 24 GB cards), what this run measured, verdict. A row
+    whose measured figure failed a physical check (its `flags`) quotes it as not trustworthy, and its verdict says
+    that figure decides nothing."""
     scaling, memory = records(frames.scaling), records(frames.memory)
-    return [
+    rows = [
         claim_one_gpu(scaling),
         claim_three_gpu_memory(memory),
         claim_three_gpu_speedup(scaling),
@@ -127,6 +132,7 @@ def check_claims(frames: ReportFrames) -> list[dict]:
         claim_epoch_time(scaling, frames.target_corpus_tokens),
         claim_eight_nodes(records(frames.communication)),
     ]
+    return [{**row, "verdict": f"{row['verdict']}; {UNTRUSTED_VERDICT}"} if row["flags"] else row for row in rows]
 
 
 def claim_one_gpu(scaling: list[dict]) -> dict:
@@ -142,9 +148,10 @@ def claim_one_gpu(scaling: list[dict]) -> dict:
         "physics": (f"7B, fp16, no offload: {fmt(need)} GiB needed vs {SETUP['gpu_memory_gib']} GiB; with ZeRO-2 "
                     f"optimizer offload: {text_off}. Compute: {fmt(share * 100)}% of the {SETUP['gpu']}'s "
                     f"{GPU_PEAK_TFLOPS_16BIT[SETUP['gpu']]} TFLOP/s peak"),
-        "measured": "; ".join(flagged(f"{r['series']}: {r['tokens_per_s']} tokens/s, {r['mem_gib']} GiB",
-                                      scaling_flags(scaling, r["cell"])) for r in base)
+        "measured": "; ".join(untrusted(f"{r['series']}: {r['tokens_per_s']} tokens/s, {r['mem_gib']} GiB",
+                                        scaling_flags(scaling, r["cell"])) for r in base)
         or "no 1-rank cell ran",
+        "flags": [flag for r in base for flag in scaling_flags(scaling, r["cell"])],
         "verdict": ("memory impossible without offload" if not fits else "possible")
         + ("; possible only with optimizer offload" if fits_off and not fits else "")
         + ("; compute plausible" if share < 0.6 else "; compute implausible"),
@@ -164,6 +171,7 @@ def claim_three_gpu_memory(memory: list[dict]) -> dict:
                     f"{fmt(need3_off)} GiB (16-bit parameters stay replicated)"),
         "measured": "; ".join(f"{r['cell']}: {r['measured_gib']} GiB (predicted {r['predicted_gib']})"
                               for r in zero2) or "no ZeRO-2 cell ran",
+        "flags": [],  # peak memory: what the run allocated, whatever else ran beside it
         "verdict": ("below what ZeRO-2 can reach for 7B even with offload"
                     if three["memory_gb"] < min(need3, need3_off) else "possible"),
     }
@@ -185,10 +193,11 @@ def claim_three_gpu_speedup(scaling: list[dict]) -> dict:
                    f"× from the two throughputs)",
         "physics": f"at most {three['gpus']}× (weak scaling: batch {one['batch']} → {three['batch']}); "
                    f"{fmt(_flops_share(three['tokens_per_s'], 3) * 100)}% of peak per GPU",
-        "measured": flagged(f"{shown['series']}: {shown['speedup']} on {shown['ranks']} ranks "
-                            f"({shown['efficiency_pct']}% efficiency; {shown['speedup_best']} over the fastest "
-                            f"1-rank cell, {largest['best_cell']})", largest["flags"])
+        "measured": untrusted(f"{shown['series']}: {shown['speedup']} on {shown['ranks']} ranks "
+                              f"({shown['efficiency_pct']}% efficiency; {shown['speedup_best']} over the fastest "
+                              f"1-rank cell, {largest['best_cell']})", largest["flags"])
         if shown else "no 1-rank baseline ran",
+        "flags": largest["flags"] if shown else [],
         "verdict": ("ZeRO-2 as described does not fit (row 2): this throughput cannot come from that setup"
                     + (" unless the optimizer was offloaded, which the articles do not mention" if fits3_off else "")
                     if not fits3 else "plausible"),
@@ -217,6 +226,7 @@ def claim_zero2_memory_cut(memory: list[dict]) -> dict:
                      f"({format_row(zero2[1], MEMORY_COLUMNS)['measured_gib']} → "
                      f"{format_row(top, MEMORY_COLUMNS)['measured_gib']} GiB)"
                      if measured_cut is not None else "needs ZeRO-2 cells at 1 and N ranks"),
+        "flags": [],  # peak memory, as row 2
         "verdict": (f"the model predicts a {'larger' if cut > claimed_cut else 'smaller'} cut of model states"
                     + ("; the 1-GPU starting point is itself impossible (row 1)" if not fits else "")),
     }
@@ -233,8 +243,10 @@ def claim_nccl_vs_gloo(backends: list[dict], device: str) -> dict:
         "physics": "NCCL runs collectives on the GPUs, directly between them over NVLink or PCIe P2P where the "
                    "cards have it (RTX 4090s do not: NCCL then stages through host memory too); Gloo always stages "
                    "through host memory and reduces on the CPU — the gap grows with the bytes per step",
-        "measured": "; ".join(f"{r['ranks']} ranks ZeRO-{r['zero_stage']}: NCCL {r['nccl_faster_pct']}% faster"
-                              for r in shown) or f"not measured: no cell ran with both backends on {here}",
+        "measured": "; ".join(untrusted(f"{r['ranks']} ranks ZeRO-{r['zero_stage']}: NCCL {r['nccl_faster_pct']}% "
+                                        "faster", row["flags"]) for r, row in zip(shown, backends))
+        or f"not measured: no cell ran with both backends on {here}",
+        "flags": [flag for row in backends for flag in row["flags"]],
         "verdict": "measured here" if backends else "not testable on this machine",
     }
 
@@ -252,8 +264,9 @@ def claim_epoch_time(scaling: list[dict], target_corpus_tokens: float) -> dict:
         "physics": (f"{fmt(one['epoch_days'])} days at {fmt(one['tokens_per_s'])} tokens/s is {fmt(implied)} tokens; "
                     f"an epoch of {fmt(target_corpus_tokens)} tokens (report.target_corpus_tokens) at that rate takes "
                     f"{fmt_duration(target_corpus_tokens / one['tokens_per_s'])}"),
-        "measured": "; ".join(flagged(f"{r['cell']}: {r['epoch']} (extrapolated)", scaling_flags(scaling, r["cell"]))
-                              for r in shown) or "no cell ran",
+        "measured": "; ".join(untrusted(f"{r['cell']}: {r['epoch']} (extrapolated)",
+                                        scaling_flags(scaling, r["cell"])) for r in shown) or "no cell ran",
+        "flags": [flag for r in shown for flag in scaling_flags(scaling, r["cell"])],
         "verdict": f"inconsistent with the claimed throughput by {fmt(target_corpus_tokens / implied, 0)}×",
     }
 
@@ -278,8 +291,9 @@ def claim_eight_nodes(comms: list[dict]) -> dict:
                     f"({short_formula(engine_spec(eight['train_engine']).state_formula)}: fp32 params, fp32 grads, "
                     f"AdamW moments): {fmt(ddp / GIB, 0)} GiB per GPU; even ZeRO-3 over "
                     f"{eight['nodes']}: {fmt(zero3 / GIB, 0)} GiB vs {eight['gpu_memory_gib']} GiB"),
-        "measured": (flagged(f"communication share at {shown['ranks']} ranks ({shown['cell']}): {shown['comm_pct']}%",
-                             comm_top["flags"]) if shown else "no multi-rank cell ran"),
+        "measured": (untrusted(f"communication share at {shown['ranks']} ranks ({shown['cell']}): "
+                               f"{shown['comm_pct']}%", comm_top["flags"]) if shown else "no multi-rank cell ran"),
+        "flags": comm_top["flags"] if shown else [],
         "verdict": ("impossible as described" if ddp > budget else "possible")
         + ("; impossible with any ZeRO stage without offload" if zero3 > budget else ""),
     }

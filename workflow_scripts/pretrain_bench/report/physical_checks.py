@@ -12,6 +12,11 @@ recommendation and the claims all read the flags from here):
   limit): every MFU that divides by that peak is inflated.
 - scaling efficiency above 100 %: for weak scaling (a fixed micro batch per rank) N ranks cannot do more than N
   times the work of one, so the baseline was slowed by something else.
+- an MFU above 100 %: the run did more than the peak it divided by allows, so its timing or that peak is wrong.
+
+A cell with any flag is not trustworthy: it never heads the recommendation, and the "at a glance" lines and the
+claims quote it only as such (`untrusted`). Each flag is stated once per cell, whatever its number of repeats
+(`repeats_busy_flag`).
 """
 from __future__ import annotations
 
@@ -36,6 +41,30 @@ def busy_flag(other_cpu: dict | None) -> str | None:
     if share is None or share <= OTHER_CPU_LIMIT_PCT:
         return None
     return f"other processes used {fmt(share, 0)} % of the {cores_text(other_cpu['cpus'])}"
+
+
+def repeats_busy_flag(other_cpus: list[dict | None]) -> str | None:
+    """The busy flag of a cell, stated once over its repeats' `other_cpu`: 'other processes used 75 % of the 2 cores',
+    '… 29–35 % of the 2 cores' where the busy repeats differ, '… in 1 of 3 repeats' where not every repeat was busy;
+    None when none was."""
+    busy = [other for other in other_cpus if busy_flag(other)]
+    if not busy:
+        return None
+    shares = sorted(other["share_pct"] for other in busy)
+    low, high = fmt(shares[0], 0), fmt(shares[-1], 0)
+    share = low if low == high else f"{low}–{high}"
+    cores = " or ".join(dict.fromkeys(cores_text(other["cpus"]) for other in busy))
+    some = f" in {len(busy)} of {len(other_cpus)} repeats" if len(busy) < len(other_cpus) else ""
+    return f"other processes used {share} % of the {cores}{some}"
+
+
+def mfu_over_peak_flag(mfus_above_one: list[float]) -> str | None:
+    """'MFU would be 169 % (above 100 %): the timing or the peak it divides by is wrong' for the highest of a cell's
+    repeats whose MFU exceeds 1 (the ratios themselves, flops.mfu_ratio), or None when none does."""
+    if not mfus_above_one:
+        return None
+    return (f"MFU would be {fmt(max(mfus_above_one) * 100, 0)} % (above 100 %): the timing or the peak it divides by "
+            "is wrong")
 
 
 def load_text(load_before: list | None, load_after: list | None) -> str:
@@ -81,7 +110,22 @@ def efficiency_flag(efficiency_pct: float | None, baseline: str) -> str | None:
             "physical, the baseline was slowed by something else")
 
 
+def baseline_flag(cell: str, efficiency_pct: float) -> str:
+    """The flag of a 1-rank cell that another cell's speedup divided by at an efficiency above 100 %."""
+    return (f"slowed by something else: {cell}'s scaling efficiency over it is {fmt(efficiency_pct, 0)} % (above "
+            f"{fmt(SCALING_LIMIT_PCT, 0)} %)")
+
+
 def flagged(text: str, flags: list[str]) -> str:
     """`text` followed by its flags: 'X [⚠ flag; ⚠ flag]' (just `text` when there is none)."""
     flags = list(dict.fromkeys(f for f in flags if f))
     return f"{text} [{'; '.join('⚠ ' + f for f in flags)}]" if flags else text
+
+
+UNTRUSTED = "Not trustworthy (failed a physical check)"
+
+
+def untrusted(text: str, flags: list[str]) -> str:
+    """A measured figure as the report may quote it: `text` when it passed every check, else 'Not trustworthy (failed
+    a physical check): X [⚠ flag; …]', never as a finding."""
+    return flagged(f"{UNTRUSTED}: {text}", flags) if any(flags) else text

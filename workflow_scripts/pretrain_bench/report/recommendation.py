@@ -1,13 +1,15 @@
 """What to run on this hardware: the fastest measured setup, beside the run as configured.
 
 Built from measured benchmark cells only (each cell's repeats, summary.json): a cell that ran to its end fits, by
-measurement. The fastest is the one with the highest median tokens/s; its spread over the repeats, its memory per
-rank and its MFU are quoted with the flags of the physical checks (pretrain_bench.report.physical_checks). The same
-function serves the report and the dry run (`previous_recommendation`: an earlier benchmark of the same hardware and
-model under results/).
+measurement. The fastest is the one with the highest median tokens/s among the cells that passed every physical
+check (pretrain_bench.report.physical_checks); its spread over the repeats, its memory per rank and its MFU are
+quoted. A flagged cell never heads it: when no cell passed, it says that no trustworthy measurement exists, why, and
+the command that measures the benchmark again. The same function serves the report and the dry run
+(`previous_recommendation`: an earlier benchmark of the same hardware and model under results/).
 """
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pandas as pd
@@ -22,6 +24,7 @@ from pretrain_bench.report.tables import (
     mfu_figure_text,
     mfu_flags,
     records,
+    scaling_frame,
     spread,
 )
 from pretrain_bench.train.run_summary import RunSummary, SummaryError
@@ -33,11 +36,28 @@ def setup_text(run: RunSummary) -> str:
             f"{run.micro_batch_size} × {run.grad_accum_steps} accumulation (global batch {run.global_batch_size})")
 
 
+def scaling_entries(runs_by_cell: dict[str, list[RunSummary]]) -> dict:
+    """A matrix holding what the scaling checks read of each cell (its ranks, engine and settings), from the cell's
+    first summary: the same checks for the report and for the dry run, which has no matrix.json."""
+    keys = ("engine", "zero_stage", "precision", "comm_backend", "micro_batch_size", "offload_optimizer")
+    return {"cells": [{"cell": cell, "gpus": runs[0].world_size, **{key: getattr(runs[0], key) for key in keys}}
+                      for cell, runs in runs_by_cell.items() if runs]}
+
+
+def efficiency_flags(matrix: dict, cells: pd.DataFrame) -> dict[str, list[str]]:
+    """{cell: flags} of the scaling checks (tables.scaling_frame's `efficiency_flags`): an efficiency above 100 %
+    flags the N-rank cell and the 1-rank cell it divided by."""
+    return {row["cell"]: row["efficiency_flags"] for row in records(scaling_frame(matrix, cells, 1.0))}
+
+
 def ranking(runs_by_cell: dict[str, list[RunSummary]], peak: dict | None = None) -> pd.DataFrame:
-    """Every measured cell, fastest first (median tokens/s over its repeats), with its spreads and the flags of its
-    timings (other processes on its cores, repeats that disagree) and of its MFU (those and a peak measured while
-    other processes used the cores)."""
-    cells = cell_table({"cells": [{"cell": cell} for cell in runs_by_cell]}, runs_by_cell)
+    """Every measured cell, fastest first (median tokens/s over its repeats), with its spreads, the flags of its
+    timings (other processes on its cores, repeats that disagree, a scaling efficiency above 100 % it took part in)
+    and of its MFU (those, an MFU above 100 % and a peak measured while other processes used the cores), and whether
+    it passed every check (`trusted`)."""
+    matrix = scaling_entries(runs_by_cell)
+    cells = cell_table(matrix, runs_by_cell)
+    scaling = efficiency_flags(matrix, cells)
     rows = []
     for cell, row in cells.iterrows():
         if row["tokens_per_s"] != row["tokens_per_s"]:  # NaN: no repeat measured a throughput
@@ -47,15 +67,17 @@ def ranking(runs_by_cell: dict[str, list[RunSummary]], peak: dict | None = None)
         timing_flags = list(row["busy_flags"])
         if noisy > NOISY_SPREAD:
             timing_flags.append(f"repeats disagree by ±{fmt(noisy * 50, 0)}% of their median")
+        timing_flags = list(dict.fromkeys(timing_flags + scaling.get(cell, [])))
+        flags = list(dict.fromkeys(mfu_flags(row["peak_flops_source"], peak, timing_flags + row["over_peak_flags"])))
         first = runs_by_cell[cell][0]
         rows.append({"cell": cell, "setup": setup_text(first), "ranks": first.world_size, "device": first.device,
                      "tokens_per_s": row["tokens_per_s"], "tokens_per_s_values": values,
                      "mem_bytes_values": row["mem_bytes_values"], "mfu_values": row["mfu_values"],
                      "mfu_notes": row["mfu_notes"], "repeats": int(row["repeats"]), "timing_flags": timing_flags,
-                     "flags": mfu_flags(row["peak_flops_source"], peak, timing_flags)})
+                     "flags": flags, "trusted": not flags})
     table = pd.DataFrame.from_records(rows, columns=["cell", "setup", "ranks", "device", "tokens_per_s",
                                                      "tokens_per_s_values", "mem_bytes_values", "mfu_values",
-                                                     "mfu_notes", "repeats", "timing_flags", "flags"])
+                                                     "mfu_notes", "repeats", "timing_flags", "flags", "trusted"])
     return table.sort_values("tokens_per_s", ascending=False, kind="stable").reset_index(drop=True)
 
 
@@ -67,23 +89,71 @@ def figures_text(row: dict) -> str:
             f"per rank, MFU {mfu_figure_text(row['mfu_values'], row['mfu_notes'])}{unit}")
 
 
+def rerun_benchmark_command(name: str, gpus: int, configfiles: list[str] = ()) -> str:
+    """The command that measures every benchmark cell of run `name` again and rebuilds its report, nothing else (rule
+    bench_cell forced; training, evaluation and the data are kept as they are): `configfiles`, the --configfile
+    arguments the run was made with; `gpus`, the most ranks a cell or the main run takes."""
+    files = "".join(f" --configfile {shlex.quote(working_relative(path))}" for path in configfiles)
+    return (f"snakemake --cores all --resources gpu={gpus}{files} --forcerun bench_cell -- "
+            f"results/{name}/report/report.md")
+
+
+def working_relative(path: str) -> str:
+    """`path` relative to the working directory where it lies under it (Snakemake makes --configfile paths
+    absolute), else as it is."""
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def reasons_text(flagged_rows: list[dict]) -> str:
+    """Each flag of the untrusted cells once, with the cells that carry it: 'other processes used 30 % of the 2 cores
+    (ranks1-…, ranks2-…); …'."""
+    cells_by_flag: dict[str, list[str]] = {}
+    for row in flagged_rows:
+        for flag in row["flags"]:
+            cells_by_flag.setdefault(flag, []).append(row["cell"])
+    return "; ".join(f"{flag} ({', '.join(cells)})" for flag, cells in cells_by_flag.items())
+
+
 def recommend(runs_by_cell: dict[str, list[RunSummary]], main: RunSummary | None = None,
-              peak: dict | None = None) -> dict | None:
-    """The fastest measured cell and, given the main run, how the configured run compares; None when no cell
-    measured a throughput."""
+              peak: dict | None = None, rerun: str | None = None) -> dict | None:
+    """The fastest measured cell that passed every physical check and, given the main run, how the configured run
+    compares; None when no cell measured a throughput. A flagged cell never heads it: when none passed, the sentence
+    says that no trustworthy measurement exists and why. `rerun`: the command that measures the cells again
+    (`rerun_benchmark_command`), kept as the result's `rerun` where a cell was passed over."""
     table = ranking(runs_by_cell, peak)
     if table.empty:
         return None
-    best = records(table)[0]
-    sentence = flagged(f"On this hardware the fastest setup that fits is {best['cell']} ({best['setup']}): "
-                       f"{figures_text(best)}, median (min–max) over {best['repeats']} repeat(s).", best["flags"])
-    result = {"cell": best["cell"], "setup": best["setup"], "tokens_per_s": best["tokens_per_s"],
-              "flags": best["flags"], "sentence": sentence, "ranking": table, "main_pct": None, "main": None}
+    rows = records(table)
+    trusted = [row for row in rows if row["trusted"]]
+    passed_over = [row for row in rows if not row["trusted"]]
+    result = {"ranking": table, "trusted": bool(trusted), "rerun": rerun if passed_over else None,
+              "main_pct": None, "main": None}
+    if not trusted:
+        result.update(cell=None, setup=None, tokens_per_s=None, sentence=(
+            f"No trustworthy measurement exists: every one of the {len(rows)} measured benchmark cell(s) failed a "
+            f"physical check, so none is recommended. Why: {reasons_text(passed_over)}."))
+    else:
+        best = trusted[0]
+        among = (f" (of the {len(trusted)} cell(s) whose measurements passed every physical check)"
+                 if passed_over else "")
+        sentence = (f"On this hardware the fastest setup that fits{among} is {best['cell']} ({best['setup']}): "
+                    f"{figures_text(best)}, median (min–max) over {best['repeats']} repeat(s).")
+        if passed_over:
+            sentence += (f" Passed over, as not trustworthy: {', '.join(row['cell'] for row in passed_over)} "
+                         "(their flags are in the physical checks column).")
+        result.update(cell=best["cell"], setup=best["setup"], tokens_per_s=best["tokens_per_s"], sentence=sentence)
     if main is not None and main.tokens_per_s:
-        pct = main.tokens_per_s / best["tokens_per_s"] * 100
-        result.update(main_pct=pct, main=flagged(
-            f"Your configured run uses {setup_text(main)}: {fmt(main.tokens_per_s, 0)} tokens/s (the main run, "
-            f"measured), at {fmt(pct, 0)} % of that.", [run_busy_flag(main.provenance)]))
+        measured = (f"Your configured run uses {setup_text(main)}: {fmt(main.tokens_per_s, 0)} tokens/s (the main "
+                    "run, measured)")
+        if trusted:
+            pct = main.tokens_per_s / trusted[0]["tokens_per_s"] * 100
+            result.update(main_pct=pct, main=flagged(f"{measured}, at {fmt(pct, 0)} % of that.",
+                                                     [run_busy_flag(main.provenance)]))
+        else:
+            result["main"] = flagged(f"{measured}.", [run_busy_flag(main.provenance)])
     return result
 
 

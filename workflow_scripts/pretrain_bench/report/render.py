@@ -23,7 +23,7 @@ from pretrain_bench.report import tables as t
 from pretrain_bench.report.claims import CLAIMS, SETUP, check_claims, formula_texts
 from pretrain_bench.report.cost import cost_columns, cost_frame
 from pretrain_bench.report.physical_checks import OTHER_CPU_LIMIT_PCT, peak_flag, run_busy_flag, run_contention_text
-from pretrain_bench.report.recommendation import ranking, recommend
+from pretrain_bench.report.recommendation import ranking, recommend, rerun_benchmark_command
 from pretrain_bench.report.tables import GIB, ReportFrames, engine_label, format_frame, report_frames
 from pretrain_bench.train.engines.spec import PLAIN_BASELINE
 from pretrain_bench.train.memory.model import labelled
@@ -42,13 +42,19 @@ def load_bench(summary_paths: list[Path]) -> dict[str, list[RunSummary]]:
     return {cell: [s for _, s in sorted(reps, key=lambda item: item[0])] for cell, reps in runs.items()}
 
 
-def format_recommendation(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]]) -> dict | None:
-    """The recommendation (fastest measured setup, and the configured run against it) with its ranking as text."""
-    found = recommend(runs_by_cell, frames.main, frames.peak)
+def format_recommendation(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]],
+                          configfiles: list[str] = ()) -> dict | None:
+    """The recommendation (fastest measured setup that passed the physical checks, and the configured run against
+    it) with its ranking as text; `configfiles`: the run's --configfile arguments, for the command that measures the
+    benchmark again."""
+    gpus = max([frames.main.world_size, *(run.world_size for run in frames.bench)])
+    found = recommend(runs_by_cell, frames.main, frames.peak,
+                      rerun_benchmark_command(frames.main.name, gpus, list(configfiles)))
     if found is None:
         return None
     ranking = format_frame(found["ranking"], RANKING_COLUMNS)
-    return {"sentence": found["sentence"], "main": found["main"], "ranking": ranking}
+    return {"sentence": found["sentence"], "main": found["main"], "ranking": ranking, "trusted": found["trusted"],
+            "rerun": found["rerun"]}
 
 
 RANKING_COLUMNS = {
@@ -71,13 +77,14 @@ def format_cost(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]],
 
 
 def format_tables(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]] | None = None,
-                  price: dict | None = None) -> dict:
+                  price: dict | None = None, configfiles: list[str] = ()) -> dict:
     """Every table of the report as rows of text, as the template prints them: the frames formatted once.
-    price: report.gpu_hour_price ({amount, currency}), or None for device-hours only."""
+    price: report.gpu_hour_price ({amount, currency}), or None for device-hours only; configfiles: the run's
+    --configfile arguments (format_recommendation)."""
     runs_by_cell = runs_by_cell or {}
     main_flags = [flag for flag in [run_busy_flag(frames.main.provenance)] if flag]
     return {
-        "recommendation": format_recommendation(frames, runs_by_cell),
+        "recommendation": format_recommendation(frames, runs_by_cell, configfiles),
         "cost": format_cost(frames, runs_by_cell, price, main_flags),
         "throughput": format_frame(frames.throughput, t.THROUGHPUT_COLUMNS),
         "evaluation": format_frame(frames.evaluation, t.EVALUATION_COLUMNS),
@@ -95,7 +102,8 @@ def format_tables(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]
         "mfu": format_frame(frames.mfu, t.MFU_COLUMNS),
         "headline": t.headline(frames),
         "main_load": run_contention_text(frames.main.provenance),
-        "main_flags": t.mfu_flags(frames.main.peak_flops_source, frames.peak, main_flags),
+        "main_flags": t.mfu_flags(frames.main.peak_flops_source, frames.peak,
+                                  main_flags + t.run_over_peak_flags(frames.main)),
         "peak_load": run_contention_text(frames.peak or {}),
         "peak_flag": peak_flag(frames.peak),
         "claims": check_claims(frames),
@@ -106,10 +114,10 @@ def format_tables(frames: ReportFrames, runs_by_cell: dict[str, list[RunSummary]
 
 def build_tables(summary: RunSummary, evals: list[dict], target_corpus_tokens: float, matrix: dict | None = None,
                  runs_by_cell: dict[str, list[RunSummary]] | None = None, lm_evals: list[dict] = (),
-                 peak: dict | None = None, price: dict | None = None) -> dict:
+                 peak: dict | None = None, price: dict | None = None, configfiles: list[str] = ()) -> dict:
     """Every table of the report, as rows of text (`format_tables` of `report_frames`)."""
     frames = report_frames(summary, evals, target_corpus_tokens, matrix, runs_by_cell, lm_evals, peak)
-    return format_tables(frames, runs_by_cell, price)
+    return format_tables(frames, runs_by_cell, price, configfiles)
 
 
 def _cell(text) -> str:
@@ -157,6 +165,18 @@ def eval_during_training(summary: RunSummary) -> str | None:
                    "timings and tokens/s above.")
 
 
+def peak_origin(peak: dict, path: Path | None) -> str:
+    """Where the machine's peak came from: 'measured once for this machine and software by rule measure_peak
+    (results/data/machine-<id>/peak.json, 2026-01-02T03:04:05+00:00, torch 2.13.0), shared by every run name on it'
+    (what an older peak.json records of it, where it lacks the identity)."""
+    where = ", ".join(str(part) for part in (path, peak.get("measured_at"),
+                                             f"torch {peak['identity']['torch']}" if peak.get("identity") else None)
+                      if part)
+    scope = " for this machine and software" if peak.get("identity") else ""
+    shared = ", shared by every run name on it" if peak.get("identity") else ""
+    return f"measured once{scope} by rule measure_peak" + (f" ({where})" if where else "") + shared
+
+
 def plain_baseline_text(matrix: dict | None, measured: set[str]) -> str | None:
     """Whether the matrix measured a plain single-device run (DDP on one rank, bench_matrix.baseline_cells) among
     the 1-rank cells the speedups divide by, and if not, why; None without a matrix that measures scaling."""
@@ -200,7 +220,9 @@ def draw_plots(frames: ReportFrames, records: list[dict], evals: list[dict], plo
 def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path], out_md: Path, out_html: Path,
                  plot_dir: Path, *, target_corpus_tokens: float, matrix_path: Path | None = None,
                  bench_paths: list[Path] = (), lm_eval_paths: list[Path] = (), peak_path: Path | None = None,
-                 gpu_hour_price: dict | None = None) -> dict:
+                 gpu_hour_price: dict | None = None, configfiles: list[str] = ()) -> dict:
+    """Render the report from the run's JSON files; configfiles: the --configfile arguments the run was made with
+    (for the command the report gives to measure the benchmark again)."""
     summary = RunSummary.read(summary_path)
     records = read_jsonl(metrics_path)
     evals = [json.loads(Path(p).read_text()) for p in eval_paths]
@@ -209,7 +231,7 @@ def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path],
     lm_evals = [json.loads(Path(p).read_text()) for p in lm_eval_paths]
     peak = json.loads(Path(peak_path).read_text()) if peak_path else None
     frames = report_frames(summary, evals, target_corpus_tokens, matrix, runs_by_cell, lm_evals, peak)
-    tables = format_tables(frames, runs_by_cell, gpu_hour_price)
+    tables = format_tables(frames, runs_by_cell, gpu_hour_price, configfiles)
     plots = draw_plots(frames, records, evals, Path(plot_dir))
 
     bench = frames.bench
@@ -225,6 +247,7 @@ def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path],
         "main_engine": engine_label(vars(summary)),
         "plain_baseline": plain_baseline_text(matrix, set(runs_by_cell)), "labelled": labelled,
         "other_cpu_method": OTHER_CPU_METHOD, "other_cpu_limit": OTHER_CPU_LIMIT_PCT,
+        "peak_origin": peak_origin(frames.peak, Path(peak_path) if peak_path else None) if frames.peak else None,
     }
     out_md, out_html = Path(out_md), Path(out_html)
     out_md.parent.mkdir(parents=True, exist_ok=True)

@@ -16,13 +16,16 @@ import pandas as pd
 
 from pretrain_bench.core.formats import fmt, fmt_duration, fmt_spread
 from pretrain_bench.report.physical_checks import (
+    baseline_flag,
     efficiency_flag,
-    flagged,
+    mfu_over_peak_flag,
     peak_flag,
-    run_busy_flag,
+    repeats_busy_flag,
     run_contention_text,
+    untrusted,
 )
 from pretrain_bench.train.engines.spec import engine_spec
+from pretrain_bench.train.models.flops import mfu_ratio
 from pretrain_bench.train.run_summary import RunSummary
 
 __all__ = ["GIB", "fmt", "fmt_duration", "spread", "ReportFrames", "report_frames", "format_frame"]
@@ -222,7 +225,7 @@ LM_EVAL_COLUMNS = {
 FIGURES = ("tokens_per_s", "step_time_s", "mem_bytes", "mfu", "comm_fraction", "peak_flops_per_rank")
 REPEAT_COLUMNS = ("cell", "repeat", *FIGURES, "oversubscribed", "global_batch_size", "tokens_per_step",
                   "mfu_note", "precision_note", "comm_method", "peak_flops_source", "flops_per_token", "load",
-                  "busy_flag")
+                  "other_cpu", "mfu_ratio")
 
 
 def repeats_frame(matrix: dict, runs_by_cell: dict[str, list[RunSummary]]) -> pd.DataFrame:
@@ -234,13 +237,28 @@ def repeats_frame(matrix: dict, runs_by_cell: dict[str, list[RunSummary]]) -> pd
              "tokens_per_step": run.tokens_per_step, "mfu_note": run.mfu_note,
              "precision_note": run.precision_note, "comm_method": run.comm_method,
              "peak_flops_source": run.peak_flops_source, "flops_per_token": run.flops_per_token,
-             "load": run_contention_text(run.provenance),
-             "busy_flag": run_busy_flag(run.provenance)}
+             "load": run_contention_text(run.provenance), "other_cpu": run.provenance.get("other_cpu"),
+             "mfu_ratio": run_mfu_ratio(run)}
             for entry in matrix["cells"] for number, run in enumerate(runs_by_cell.get(entry["cell"], []), 1)]
     table = frame(rows, REPEAT_COLUMNS)
     # None (not measured) as NaN, so that every figure column is numeric
     table[list(FIGURES)] = table[list(FIGURES)].apply(pd.to_numeric)
     return table
+
+
+def run_mfu_ratio(run: RunSummary) -> float | None:
+    """A run's MFU as computed, above 1 included (its summary then holds none, only the note saying why), or None
+    without a throughput, FLOPs per token or peak to compute it from."""
+    if not (run.tokens_per_s and run.flops_per_token and run.peak_flops_per_rank):
+        return None
+    return mfu_ratio(run.tokens_per_s, run.flops_per_token, run.peak_flops_per_rank, run.world_size)
+
+
+def run_over_peak_flags(run: RunSummary) -> list[str]:
+    """The flag of a run whose MFU would exceed 100 % (physical_checks.mfu_over_peak_flag), as a list."""
+    ratio = run_mfu_ratio(run)
+    flag = mfu_over_peak_flag([ratio] if ratio is not None and ratio > 1.0 else [])
+    return [flag] if flag else []
 
 
 def cell_table(matrix: dict, runs_by_cell: dict[str, list[RunSummary]]) -> pd.DataFrame:
@@ -260,7 +278,11 @@ def cell_table(matrix: dict, runs_by_cell: dict[str, list[RunSummary]]) -> pd.Da
     table["mfu_notes"] = grouped["mfu_note"].agg(lambda column: column.dropna().tolist())
     table["precision_notes"] = grouped["precision_note"].agg(lambda column: list(dict.fromkeys(column.dropna())))
     table["loads"] = grouped["load"].agg(list)  # per repeat: the 1-min load before and after it, others' CPU share
-    table["busy_flags"] = grouped["busy_flag"].agg(lambda column: list(dict.fromkeys(column.dropna())))
+    # the physical checks of the cell's own timings, each stated once over its repeats
+    table["busy_flags"] = grouped["other_cpu"].agg(lambda column: [flag for flag in [repeats_busy_flag(list(column))]
+                                                                   if flag])
+    table["over_peak_flags"] = grouped["mfu_ratio"].agg(
+        lambda column: [flag for flag in [mfu_over_peak_flag([v for v in column.dropna() if v > 1.0])] if flag])
     return table
 
 
@@ -319,11 +341,10 @@ def scaling_frame(matrix: dict, cells: pd.DataFrame, target_corpus_tokens: float
             speedup_best = tps / best_tps if best_tps and tps else None
             efficiency = speedup / entry["gpus"] * 100 if speedup else None
             efficiency_best = speedup_best / entry["gpus"] * 100 if speedup_best else None
-            # a timing is as trustworthy as the busiest of the runs it is divided by
-            timed = [entry["cell"]] + [b["cell"] for b in (base, best) if b and entry["gpus"] > 1]
-            flags = [flag for name in dict.fromkeys(timed) for flag in cells.at[name, "busy_flags"]]
-            flags += [efficiency_flag(efficiency, f"its 1-rank cell {base['cell']}") if base else None,
-                      efficiency_flag(efficiency_best, f"the fastest 1-rank cell {best['cell']}") if best else None]
+            # a timing is as trustworthy as the busiest of the runs it is divided by (their flags name them)
+            divisors = dict.fromkeys(b["cell"] for b in (base, best) if b and entry["gpus"] > 1)
+            flags = list(cells.at[entry["cell"], "busy_flags"])
+            flags += [f"{name}, divided by: {flag}" for name in divisors for flag in cells.at[name, "busy_flags"]]
             rows.append({
                 "series": group_label(entry), "cell": entry["cell"], "ranks": entry["gpus"],
                 "engine": entry["engine"], "global_batch_size": _number(cell["global_batch_size"]),
@@ -335,12 +356,24 @@ def scaling_frame(matrix: dict, cells: pd.DataFrame, target_corpus_tokens: float
                 "mem_bytes_values": cell["mem_bytes_values"],
                 "epoch_s": target_corpus_tokens / tps if tps else None,
                 "oversubscribed": bool(cell["oversubscribed"]), "loads": cell["loads"],
-                "flags": [flag for flag in dict.fromkeys(flags) if flag],
+                "flags": flags, "efficiency_flags": [],
             })
+    # an efficiency above 100 % flags both cells of its ratio: the N-rank cell, and the 1-rank cell it divided by,
+    # which something else slowed
+    by_cell = {row["cell"]: row for row in rows}
+    for row in rows:
+        ratios = {row["baseline_cell"]: (row["efficiency_pct"], "its 1-rank cell")}
+        ratios.setdefault(row["best_cell"], (row["efficiency_best_pct"], "the fastest 1-rank cell"))  # once per cell
+        for baseline, (pct, which) in ratios.items():
+            if baseline not in (None, row["cell"]) and (flag := efficiency_flag(pct, f"{which} {baseline}")):
+                row["efficiency_flags"].append(flag)
+                by_cell[baseline]["efficiency_flags"].append(baseline_flag(row["cell"], pct))
+    for row in rows:
+        row["flags"] = list(dict.fromkeys(row["flags"] + row["efficiency_flags"]))
     return frame(rows, ("series", "cell", "ranks", "engine", "global_batch_size", "repeats", "tokens_per_s",
                         "tokens_per_s_values", "speedup", "efficiency_pct", "baseline_cell", "speedup_best",
                         "efficiency_best_pct", "best_cell", "mem_bytes_values", "epoch_s", "oversubscribed", "loads",
-                        "flags"))
+                        "flags", "efficiency_flags"))
 
 
 SCALING_COLUMNS = {
@@ -538,7 +571,8 @@ def mfu_frame(matrix: dict, cells: pd.DataFrame, peak: dict | None = None) -> pd
                      "mfu_notes": cell["mfu_notes"], "peak_flops_per_rank_values": cell["peak_flops_per_rank_values"],
                      "peak_flops_source": cell["peak_flops_source"],
                      "flops_per_token": _number(cell["flops_per_token"]),
-                     "flags": mfu_flags(cell["peak_flops_source"], peak, cell["busy_flags"])})
+                     "flags": mfu_flags(cell["peak_flops_source"], peak,
+                                        cell["busy_flags"] + cell["over_peak_flags"])})
     return frame(rows, ("cell", "ranks", "mfu_values", "mfu_notes", "peak_flops_per_rank_values",
                         "peak_flops_source", "flops_per_token", "flags"))
 
@@ -612,8 +646,8 @@ def headline(frames: ReportFrames) -> dict:
         if one and top is not one:
             lines.append(scaling_line(label, one, top))
     for row, text in zip(records(frames.backends), format_frame(frames.backends, BACKEND_COLUMNS)):
-        lines.append(flagged(f"NCCL vs Gloo at {text['ranks']} ranks, ZeRO-{text['zero_stage']}: NCCL "
-                             f"{text['nccl_faster_pct']}% faster", row["flags"]))
+        lines.append(untrusted(f"NCCL vs Gloo at {text['ranks']} ranks, ZeRO-{text['zero_stage']}: NCCL "
+                               f"{text['nccl_faster_pct']}% faster", row["flags"]))
     lines.extend(emulated_precision_lines(frames))
     if frames.left_out:
         lines.append("left out: " + "; ".join(f"{count} cell(s): {reason}"
@@ -644,7 +678,8 @@ def emulated_precision_lines(frames: ReportFrames) -> list[str]:
 def scaling_line(label: str, one: dict, top: dict) -> str:
     """'<series>: 1 → 3 ranks, 223 → 2,757 tokens/s (12.35×, 412% scaling efficiency over its 1-rank cell; 0.73×,
     24% over the fastest 1-rank cell, ddp-ranks1-fp32-gloo; its 1-rank cell runs 94% below the fastest 1-rank cell,
-    which flatters its speedup over its own 1-rank cell by 16.90×) [⚠ flags]': never without the top cell's flags."""
+    which flatters its speedup over its own 1-rank cell by 16.90×)'; where the top cell failed a physical check,
+    said to be not trustworthy, with its flags (physical_checks.untrusted)."""
     text = format_row(top, SCALING_COLUMNS)
     line = (f"{label}: 1 → {text['ranks']} ranks, {fmt(median(one['tokens_per_s_values']), 0)} → "
             f"{fmt(median(top['tokens_per_s_values']), 0)} tokens/s ({text['speedup']}, "
@@ -653,7 +688,7 @@ def scaling_line(label: str, one: dict, top: dict) -> str:
         line += (f"; {text['speedup_best']}, {text['efficiency_best_pct']}% over the fastest 1-rank cell, "
                  f"{top['best_cell']}")
         line += one_rank_overhead(one)
-    return flagged(line + ")", top["flags"])
+    return untrusted(line + ")", top["flags"])
 
 
 def one_rank_overhead(one: dict) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pretrain_bench.bench.matrix import Cell, plan_matrix
+from pretrain_bench.bench.peak import MachinePeak
 from pretrain_bench.config.schema import AXES, ConfigError, coerce_command_line_types, load_schema
 from pretrain_bench.config.validation import validate_config
 from pretrain_bench.core.devices import resolve_device_cheaply
@@ -118,6 +119,8 @@ class Pipeline:
         except ConfigError as error:
             raise PlanError(f"invalid configuration: {error}") from None
         self.data = DataProducts.from_settings(s.corpus, s.tokenizer, s.shards, self.adopted_tokenizer)
+        # the machine's peak FLOP/s, measured once per machine and software, shared by every run name (bench/peak.py)
+        self.peak = MachinePeak.here(self.matrix["device"])
         self.bench_cells = {entry["cell"]: entry for entry in self.matrix["cells"] if entry["status"] == "run"}
         self.bench_enabled = bool(self.matrix["cells"])
         # a timed cell takes every core, so nothing else (no other cell, no training, no evaluation) shares them

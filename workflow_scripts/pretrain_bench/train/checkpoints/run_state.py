@@ -116,7 +116,8 @@ def changed_parts(old: dict, new: dict) -> list[str]:
 
 def prepare_state(state_dir: Path, fingerprint: dict, total_steps: int, digest: str, needed_steps: list[int],
                   world_size: int, allow_reshape: bool = False) -> list[str]:
-    """Make `state_dir` hold the run this fingerprint resumes (or nothing, to start fresh); returns log lines.
+    """Make `state_dir` hold the run this fingerprint resumes (or nothing, to start fresh); returns log lines, one per
+    decision: where a held run is set aside and a kept one of these settings comes back, one line says both.
 
     Rank 0 only, with the state lock held, before any rank reads a checkpoint.
     """
@@ -124,20 +125,30 @@ def prepare_state(state_dir: Path, fingerprint: dict, total_steps: int, digest: 
     runs, new_id = state_dir / "runs", fingerprint_id(fingerprint)
     held = _held_fingerprint(state_dir) if _holds_anything(state_dir) else None
     held_size = held_world_size(state_dir)
+    set_aside: SetAside | None = None  # what was done with the held run, when it moved away
+    messages: list[str] = []
     if _holds_anything(state_dir) and held != fingerprint:
-        messages = [_set_aside_other_settings(state_dir, held, fingerprint)]
+        set_aside = _set_aside_other_settings(state_dir, held, fingerprint)
     elif held_size is not None and held_size != world_size:
-        messages = [_world_size_changed(state_dir, new_id, held_size, world_size, allow_reshape,
-                                        _finished_steps(state_dir) == total_steps)]
+        if allow_reshape and _finished_steps(state_dir) != total_steps:
+            messages = [f"the run in {state_dir} was saved at world size {held_size}, this run has {world_size} "
+                        "(train.gpus × train.nodes): resuming it reshaped (train.allow_reshape)"]
+        else:
+            set_aside = _world_size_changed(state_dir, new_id, held_size, world_size, allow_reshape)
     elif _finished_steps(state_dir) == total_steps:
         messages = [_finished_run(state_dir, new_id, total_steps, digest, needed_steps)]
-    else:
-        messages = []
-    if not _holds_anything(state_dir):
-        back = _bring_back(runs, new_id, world_size, allow_reshape, state_dir)
-        if back and _finished_steps(state_dir) == total_steps:  # a finished run came back: not trained again
-            back.append(_finished_run(state_dir, new_id, total_steps, digest, needed_steps))
-        messages += back
+    brought = None if _holds_anything(state_dir) else _bring_back(runs, new_id, world_size, allow_reshape, state_dir)
+    size = held_world_size(state_dir) if brought else None
+    resumed = (f"resuming the run kept in {brought} (these settings"
+               + (f", saved at world size {size})" if size else ")") if brought else None)
+    if set_aside is not None:
+        # one line: where the held run went, then what this run does (resumes the kept one, or starts fresh)
+        fresh = f"this run ({new_id}) starts fresh" + (f" ({set_aside.why_fresh})" if set_aside.why_fresh else "")
+        messages = [f"{set_aside.what}; {resumed or fresh}"]
+    elif resumed:
+        messages.append(f"these settings were trained before: {resumed}")
+    if brought and _finished_steps(state_dir) == total_steps:  # a finished run came back: not trained again
+        messages.append(_finished_run(state_dir, new_id, total_steps, digest, needed_steps))
     # Nothing else is written: a run refused after this (say, a checkpoint beyond train.max_steps) leaves the folder
     # as it was. FINISHED.json stays until this job finishes and rewrites it; it only counts for its exact step count.
     active = {"fingerprint": fingerprint, "id": new_id}
@@ -146,29 +157,33 @@ def prepare_state(state_dir: Path, fingerprint: dict, total_steps: int, digest: 
     return messages
 
 
-def _set_aside_other_settings(state_dir: Path, held: dict | None, fingerprint: dict) -> str:
+class SetAside(NamedTuple):
+    """What became of a held run this one does not continue: `what` (why it moved and where), and `why_fresh`, the
+    reason said when this run then starts fresh (None: the move says it)."""
+
+    what: str
+    why_fresh: str | None
+
+
+def _set_aside_other_settings(state_dir: Path, held: dict | None, fingerprint: dict) -> SetAside:
     """Another fingerprint: the held run moves to runs/<its id>/."""
     old_id = fingerprint_id(held) if held else "unknown"
     target = _free_name(state_dir / "runs" / old_id)
     _move_run(state_dir, target)
     what = ", ".join(changed_parts(held, fingerprint)) if held else "no fingerprint recorded"
-    return (f"the settings changed since the run in {state_dir} ({what}): that run is kept in {target}; this run "
-            f"({fingerprint_id(fingerprint)}) starts fresh")
+    return SetAside(f"the settings changed since the run in {state_dir} ({what}): that run is kept in {target}", None)
 
 
-def _world_size_changed(state_dir: Path, new_id: str, held_size: int, world_size: int, allow_reshape: bool,
-                        finished: bool) -> str:
-    """Same settings at another world size: resume reshaped (train.allow_reshape, unfinished), else set it aside."""
-    if allow_reshape and not finished:
-        return (f"the run in {state_dir} was saved at world size {held_size}, this run has {world_size} "
-                "(train.gpus × train.nodes): resuming it reshaped (train.allow_reshape)")
+def _world_size_changed(state_dir: Path, new_id: str, held_size: int, world_size: int,
+                        allow_reshape: bool) -> SetAside:
+    """Same settings at another world size, not resumed reshaped: the held run moves to runs/<id>-world<its size>/."""
     target = _free_name(state_dir / "runs" / f"{new_id}-world{held_size}")
     _move_run(state_dir, target)
     why = ("it had finished, so there is nothing to continue" if allow_reshape else
            "set train.allow_reshape: true to continue it at the new size instead")
-    return (f"the world size changed since the run in {state_dir} (train.gpus × train.nodes: {held_size} → "
-            f"{world_size}): that run is kept in {target} and resumes when the world size is {held_size} again; "
-            f"this run ({new_id}) starts fresh ({why})")
+    return SetAside(f"the world size changed since the run in {state_dir} (train.gpus × train.nodes: {held_size} → "
+                    f"{world_size}): that run is kept in {target} and resumes when the world size is {held_size} "
+                    "again", why)
 
 
 def _finished_run(state_dir: Path, new_id: str, total_steps: int, digest: str, needed_steps: list[int]) -> str:
@@ -190,9 +205,10 @@ def _finished_run(state_dir: Path, new_id: str, total_steps: int, digest: str, n
             f"run is kept in {target}")
 
 
-def _bring_back(runs: Path, new_id: str, world_size: int, allow_reshape: bool, state_dir: Path) -> list[str]:
+def _bring_back(runs: Path, new_id: str, world_size: int, allow_reshape: bool, state_dir: Path) -> Path | None:
     """Move a kept run of these settings back into the empty `state_dir`: the one set aside at this world size,
-    else the one set aside for other settings, when its world size is this one (or train.allow_reshape)."""
+    else the one set aside for other settings, when its world size is this one (or train.allow_reshape). Returns
+    where it was kept (None: nothing came back)."""
     for kept in (runs / f"{new_id}-world{world_size}", runs / new_id):
         if not kept.is_dir():
             continue
@@ -201,8 +217,8 @@ def _bring_back(runs: Path, new_id: str, world_size: int, allow_reshape: bool, s
             continue
         _move_run(kept, state_dir)
         kept.rmdir()
-        return [f"these settings were trained before: resuming the run kept in {kept}"]
-    return []
+        return kept
+    return None
 
 
 def mark_finished(state_dir: Path, steps: int, digest: str, summary: Path | None = None) -> None:

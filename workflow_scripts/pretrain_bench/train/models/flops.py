@@ -83,13 +83,18 @@ def measure_matmul_peak(dtype_name: str = "fp32", size: int = 1024, repeats: int
     return 2.0 * size**3 / min(matmul_timings(dtype_name, size, repeats, device))
 
 
+def mfu_ratio(tokens_per_s: float, flops_per_token_: float, peak_per_rank: float, ranks: int) -> float:
+    """Model FLOPs utilisation as computed, above 1 included: tokens/s × FLOPs per token ÷ (ranks × peak per rank)."""
+    return tokens_per_s * flops_per_token_ / (peak_per_rank * ranks)
+
+
 def model_flops_utilisation(tokens_per_s: float | None, flops_per_token_: float, peak_per_rank: float | None,
                             ranks: int, peak_source: str) -> tuple[float | None, str | None]:
     """(MFU, None), or (None, why not): an MFU above 100 % is impossible, so a peak below what the run achieved is
     not this run's peak, and no figure is printed rather than a wrong one."""
     if not tokens_per_s or not peak_per_rank:
         return None, "no throughput or no peak to divide by"
-    mfu = tokens_per_s * flops_per_token_ / (peak_per_rank * ranks)
+    mfu = mfu_ratio(tokens_per_s, flops_per_token_, peak_per_rank, ranks)
     if mfu > 1.0:
         return None, (f"MFU would be {mfu:.0%}: the run achieved more than the peak it was given "
                       f"({peak_per_rank / 1e12:,.3g} TFLOP/s per rank, {peak_source}), so that is not its peak; "
