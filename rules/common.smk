@@ -155,6 +155,11 @@ def evaluation_outputs(name):
 # out (unsupported on this device, or predicted not to fit). bench/matrix.json records the same decisions.
 from snakemake.logging import logger
 
+from pretrain_bench.train.state_lock import snakemake_lock_note
+
+if LOCK_NOTE := snakemake_lock_note(Path(".snakemake/locks"), workflow.execution_settings):
+    logger.warning(LOCK_NOTE)
+
 from pretrain_bench.bench.matrix import Cell, cells_text, cost_preview, plan_matrix, planning_peak, preview_text
 from pretrain_bench.train.memory.fit import fit_run, summary_line
 from pretrain_bench.train.memory.model import config_vocab_size
@@ -178,9 +183,11 @@ except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}")
 # The corpus, tokenizer and shards this config reads, under results/data/ by the digest of the settings that shape
 # each (pretrain_bench/data/products.py): every run with equal data settings shares them.
-from pretrain_bench.data.products import DataProducts
+from pretrain_bench.data.products import DataProducts, served_product_problem
 
 DATA = DataProducts.from_settings(CORPUS, TOKENIZER, SHARDS, ADOPTED_TOKENIZER)
+if DATA_PROBLEM := served_product_problem(DATA, workflow.dag_settings):  # a damaged product, named before any job
+    raise WorkflowError(DATA_PROBLEM)
 BENCH_CELLS = {entry["cell"]: entry for entry in BENCH_MATRIX["cells"] if entry["status"] == "run"}
 BENCH_ENABLED = bool(BENCH_MATRIX["cells"])
 # A timed cell takes every core, so nothing else (no other cell, no training, no evaluation) shares the machine.

@@ -22,7 +22,9 @@ from pathlib import Path
 import orjson
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from pretrain_bench.core.io import atomic_write_text
 from pretrain_bench.core.progress import Progress, heartbeat
+from pretrain_bench.data.products import WRITTEN_RECORD, written_digests
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +195,8 @@ def load_tokenizer(folder: Path) -> tuple[Tokenizer, dict]:
 
 
 def save_hf_folder(tokenizer: Tokenizer, specials: dict, out_dir: Path) -> None:
-    """tokenizer.json + tokenizer_config.json loadable by AutoTokenizer/PreTrainedTokenizerFast, each file atomic."""
+    """tokenizer.json + tokenizer_config.json loadable by AutoTokenizer/PreTrainedTokenizerFast, each file atomic,
+    and the sha256 of what was written (products.WRITTEN_RECORD), which tells a later edit from the product."""
     # transformers takes ~2 s to import; only this function needs it, the shard jobs never do.
     from transformers import PreTrainedTokenizerFast
 
@@ -208,9 +211,12 @@ def save_hf_folder(tokenizer: Tokenizer, specials: dict, out_dir: Path) -> None:
     staging = out_dir / f".staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     hf_tokenizer.save_pretrained(staging)
+    written = written_digests(staging)  # of the files as written, before anything else can reach them
+    (out_dir / WRITTEN_RECORD).unlink(missing_ok=True)  # no record names files being replaced
     for file in sorted(staging.iterdir()):
         os.replace(file, out_dir / file.name)
     staging.rmdir()
+    atomic_write_text(out_dir / WRITTEN_RECORD, json.dumps(written, indent=2) + "\n")
 
 
 def adopted_tokenizer_path(config: dict) -> str | None:
