@@ -17,6 +17,7 @@ import zstandard
 
 from pretrain_bench.data.corpus import CorpusError, build_corpus, jsonl_line
 from pretrain_bench.data.download import sha256_file
+from pretrain_bench.data.sources import local_source_files
 
 ROOT = Path(__file__).parents[2]
 
@@ -72,6 +73,27 @@ def test_txt_one_document_per_file_in_sorted_glob_order(tmp_path):
 
 
 PNG_HEAD = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"
+
+
+def test_hidden_files_of_a_glob_are_skipped_and_counted_unless_included(tmp_path):
+    tree = tmp_path / "tree"
+    for name, text in {"a.py": "x = 1\n", "pkg/b.py": "y = 2\n", ".hidden.py": "z = 3\n",
+                       ".git/hooks/c.py": "w = 4\n", "pkg/.cache/d.py": "v = 5\n"}.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(text)
+    source = {"uri": uri(tree / "**" / "*.py")}
+    manifest = build(tmp_path, [source], val_fraction=0.3)
+    assert sorted(written(tmp_path / "out")) == ["x = 1\n", "y = 2\n"]
+    assert manifest["skipped"] == {"binary": 0, "hidden": 3}
+    details = manifest["sources"][0]["details"]
+    assert manifest["sources"][0]["hidden_skipped"] == 3
+    assert details["hidden_files"] == sorted(str(tree / name) for name in (".git/hooks/c.py", ".hidden.py",
+                                                                            "pkg/.cache/d.py"))
+    assert local_source_files([source]) == sorted(str(tree / name) for name in ("a.py", "pkg/b.py"))
+    # include_hidden: read like any other file, and an input of the corpus
+    included = build(tmp_path / "with", [{**source, "include_hidden": True}], val_fraction=0.3)
+    assert included["documents"] == 5 and included["skipped"] == {"binary": 0, "hidden": 0}
+    assert len(local_source_files([{**source, "include_hidden": True}])) == 5
 
 
 def test_any_text_file_is_a_document_and_binary_files_are_skipped_and_counted(tmp_path):
