@@ -183,7 +183,8 @@ except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}")
 # The corpus, tokenizer and shards this config reads, under results/data/ by the digest of the settings that shape
 # each (pretrain_bench/data/products.py): every run with equal data settings shares them.
-from pretrain_bench.data.products import DataProducts, served_product_problem
+from pretrain_bench.data.products import DataProducts
+from pretrain_bench.data.shards import served_product_problem
 
 DATA = DataProducts.from_settings(CORPUS, TOKENIZER, SHARDS, ADOPTED_TOKENIZER)
 if DATA_PROBLEM := served_product_problem(DATA, workflow.dag_settings):  # a damaged product, named before any job

@@ -2,16 +2,22 @@
 digest of what shapes each, shared by every run with the same data settings, through Snakemake."""
 import hashlib
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from pretrain_bench.data.products import missing_tokenizer_problem
+from pretrain_bench.data.shards import verify_index
 from support import (
     TINY_CONFIG,
     data_folders,
     data_products,
+    job_logs,
     run_snakemake,
     scheduled_rules,
+    snakemake_command,
+    snakemake_env,
     tree_digest,
     workflow_dir,
     write_yaml,
@@ -140,3 +146,55 @@ def test_the_dry_run_stops_on_a_tokenizer_path_under_results_data_that_is_not_bu
     assert proc.returncode != 0
     assert "tokenizer.path results/data/corpus-x/tokenizer-y: no run has built that tokenizer yet" in out, out[-3000:]
     assert "-- results/data/corpus-x/tokenizer-y/tokenizer.json" in out and "run 'data'" not in out
+
+
+def test_two_pipelines_building_the_same_data_at_once_both_finish_with_the_products_one_builds(tiny_data, tmp_path):
+    """Two experiments at once (--nolock, one working directory, started in the same second) on one data id: each
+    data job that finds the other pipeline building its product waits for it and uses it; nothing is deleted under
+    the other, and the products are byte for byte those one pipeline builds alone."""
+    products = data_products()
+    workdir = workflow_dir(tmp_path / "workflow")
+    targets = ("--", products.index, products.tokenizer_json)
+    procs = [subprocess.Popen(snakemake_command("--nolock", "--config", f"name=itest-at-once-{n}", *targets),
+                              cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=snakemake_env()) for n in (1, 2)]
+    outputs = [proc.communicate(timeout=1800)[0] for proc in procs]
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, f"{output[-4000:]}\n{job_logs(workdir)}"
+        assert "Removing output files of failed job" not in output
+    assert "waiting for pid" in "".join(outputs) + job_logs(workdir), "the second pipeline waited for the first"
+    built, alone = data_folders(workdir), data_folders(tiny_data)
+    for folder in ("corpus", "tokenizer", "shards"):
+        exclude = ("tokenizer-", "shards-") if folder != "shards" else ()
+        assert product_digests(getattr(built, folder), exclude) == product_digests(getattr(alone, folder), exclude), \
+            folder
+    assert verify_index(workdir / products.index, "full")["splits"]["train"]["tokens"] > 0
+
+
+def product_digests(folder: Path, exclude: tuple[str, ...]) -> dict:
+    """sha256 of each file of a product folder (not of the products nested in it, nor of hidden lock files)."""
+    return {path.relative_to(folder).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()
+            and not path.relative_to(folder).as_posix().startswith(exclude)}
+
+
+def test_continued_pretraining_from_a_siblings_export_reuses_its_tokenizer_and_shards(workdir):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    products = data_products()
+    export = workdir / "results" / "itest-sibling" / "train" / "hf"
+    # the sibling's export, as evaluate.export writes it: a LLaMA model and the data product's tokenizer saved again
+    tokenizer = AutoTokenizer.from_pretrained(workdir / products.tokenizer_json.rsplit("/", 1)[0],
+                                              local_files_only=True)
+    tokenizer.save_pretrained(export)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                 max_position_embeddings=256, tie_word_embeddings=True)).save_pretrained(export)
+    overlay = write_yaml(workdir / "continued.yaml", {"name": "itest-continued",
+                                                       "model": {"init_from": "results/itest-sibling/train/hf"}})
+    proc = run_snakemake(workdir, "-n", "--", "results/itest-continued/train/plan.json",
+                         configfiles=(TINY_CONFIG, overlay))
+    rules = scheduled_rules(proc)
+    assert "plan_pretrain" in rules
+    assert not rules & DATA_RULES, f"{sorted(rules & DATA_RULES)} scheduled for a tokenizer with the same bytes"
+    assert products.index in proc.stdout + proc.stderr, "its plan reads the sibling's shards"

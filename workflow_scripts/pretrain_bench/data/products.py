@@ -31,6 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretrain_bench.config.schema import CorpusSettings, ShardSettings, TokenizerSettings
+from pretrain_bench.data.tokenizer import (
+    WRITTEN_RECORD,
+    adopted_tokenizer_path,
+    tokenizer_content_key,
+    written_digests,
+)
 
 # Part of every digest: raise it when a stage writes something else for the same settings, so that no folder
 # written by the old code is taken for the new one's.
@@ -40,10 +46,7 @@ ID_HEX_DIGITS = 10
 CORPUS_EXECUTION_KEYS = ("jobs",)
 # shards.* keys that say how a reader checks the shards, not what they hold.
 SHARD_EXECUTION_KEYS = ("verify",)
-# What the tokenizer job wrote: {file name: sha256} of the files that make a tokenizer (TOKENIZER_FILES), beside them.
-WRITTEN_RECORD = ".written.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-# Names a product's parts that nothing should run in place of the command this error gives.
+# How the rebuild command an error gives starts (the user's own config files follow --configfile).
 REBUILD_PREFIX = "snakemake --cores all --configfile <this run's config files>"
 
 
@@ -95,37 +98,6 @@ def tokenizer_shaping(tokenizer: TokenizerSettings, adopted: str | None) -> dict
     return {"vocab_size": tokenizer.vocab_size, "train_bytes": tokenizer.train_bytes}
 
 
-def _token_name(value) -> str | None:
-    """A special token as tokenizer_config.json stores it: a string or an AddedToken dict with 'content'."""
-    return value.get("content") if isinstance(value, dict) else value
-
-
-def tokenizer_content_key(path: str | Path) -> str | None:
-    """What decides the token ids a tokenizer gives, as a sha256: its tokenizer.json's bytes and the special tokens
-    its tokenizer_config.json names (the file's other keys, which exports rewrite, do not change an id). `path`: an
-    HF tokenizer folder or a bare tokenizer.json; None when there is no such local file."""
-    path = Path(str(path).removeprefix("file://"))
-    folder, file = (path, path / "tokenizer.json") if path.is_dir() else (None, path)
-    if not file.is_file():
-        return None
-    config = {}
-    if folder is not None and (folder / "tokenizer_config.json").is_file():
-        try:
-            config = json.loads((folder / "tokenizer_config.json").read_text())
-        except ValueError:
-            config = {}  # adopt_tokenizer names the file when it reads it
-    specials = {key: _token_name(config.get(key)) for key in ("eos_token", "pad_token", "bos_token")}
-    digest = hashlib.sha256(file.read_bytes())
-    digest.update(json.dumps(specials, sort_keys=True).encode())
-    return digest.hexdigest()
-
-
-def written_digests(folder: Path) -> dict:
-    """{file name: sha256} of the TOKENIZER_FILES in a tokenizer folder (those present)."""
-    return {name: hashlib.sha256((Path(folder) / name).read_bytes()).hexdigest()
-            for name in TOKENIZER_FILES if (Path(folder) / name).is_file()}
-
-
 @dataclass(frozen=True)
 class DataProducts:
     """The ids of one config's corpus, tokenizer and shards, and the paths they give."""
@@ -149,8 +121,6 @@ class DataProducts:
     @classmethod
     def from_config(cls, config: dict) -> DataProducts:
         """The data products of a validated config (for code outside the workflow: tests, tools)."""
-        from pretrain_bench.data.tokenizer import adopted_tokenizer_path
-
         return cls.from_settings(CorpusSettings.from_config(config["corpus"]),
                                  TokenizerSettings.from_config(config["tokenizer"]),
                                  ShardSettings.from_config(config["shards"]), adopted_tokenizer_path(config))
@@ -287,15 +257,3 @@ def _planned_tokenizer(plan: Path) -> str | None:
         return json.loads(plan.read_text())["data"]["tokenizer"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def served_product_problem(products: DataProducts, dag_settings=None) -> str | None:
-    """Why this config's data cannot be served as it is, before any job runs (so that no failing job makes Snakemake
-    delete a shared product's files): a tokenizer edited in place, or a shard whose bytes changed after its job
-    (`shards.changed_shard_problems`); None when neither. `dag_settings`: Snakemake's (--forcerun, --forceall), so
-    that the command these errors give, which rebuilds the damaged product, is not refused by them."""
-    from pretrain_bench.data.shards import changed_shard_problems
-
-    forcerun, forceall = getattr(dag_settings, "forcerun", ()), getattr(dag_settings, "forceall", False)
-    return (tokenizer_problem(products, forcerun, forceall)
-            or changed_shard_problems(f"results/{products.shards}", products.index, forcerun, forceall))

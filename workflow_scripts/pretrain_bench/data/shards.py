@@ -27,7 +27,7 @@ import numpy as np
 from pretrain_bench.core.digests import HashingFile, full_digest, sampled_digest
 from pretrain_bench.core.io import atomic_write_text
 from pretrain_bench.core.progress import Progress
-from pretrain_bench.data.products import damaged, forced
+from pretrain_bench.data.products import DataProducts, damaged, forced, tokenizer_problem
 from pretrain_bench.data.tokenizer import iter_texts, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -239,3 +239,13 @@ def build_index(sidecar_paths: list[Path], out_path: Path) -> dict:
     atomic_write_text(out_path, json.dumps(index, indent=2) + "\n")
     log.info("index %s: %s", out_path, {split: entry["tokens"] for split, entry in splits.items()})
     return index
+
+
+def served_product_problem(products: DataProducts, dag_settings=None) -> str | None:
+    """Why this config's data cannot be served as it is, before any job runs (so that no failing job makes Snakemake
+    delete a shared product's files): a tokenizer edited in place, or a shard whose bytes changed after its job
+    (`shards.changed_shard_problems`); None when neither. `dag_settings`: Snakemake's (--forcerun, --forceall), so
+    that the command these errors give, which rebuilds the damaged product, is not refused by them."""
+    forcerun, forceall = getattr(dag_settings, "forcerun", ()), getattr(dag_settings, "forceall", False)
+    return (tokenizer_problem(products, forcerun, forceall)
+            or changed_shard_problems(f"results/{products.shards}", products.index, forcerun, forceall))
