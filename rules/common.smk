@@ -157,7 +157,7 @@ from snakemake.logging import logger
 
 from pretrain_bench.train.state_lock import snakemake_lock_note
 
-if LOCK_NOTE := snakemake_lock_note(Path(".snakemake/locks"), workflow.execution_settings):
+if workflow.is_main_process and (LOCK_NOTE := snakemake_lock_note(Path(".snakemake/locks"), sys.argv)):
     logger.warning(LOCK_NOTE)
 
 from pretrain_bench.bench.matrix import Cell, cells_text, cost_preview, plan_matrix, planning_peak, preview_text
@@ -187,7 +187,7 @@ from pretrain_bench.data.products import DataProducts
 from pretrain_bench.data.shards import served_product_problem
 
 DATA = DataProducts.from_settings(CORPUS, TOKENIZER, SHARDS, ADOPTED_TOKENIZER)
-if DATA_PROBLEM := served_product_problem(DATA, workflow.dag_settings):  # a damaged product, named before any job
+if workflow.is_main_process and (DATA_PROBLEM := served_product_problem(DATA, sys.argv)):  # before any job
     raise WorkflowError(DATA_PROBLEM)
 BENCH_CELLS = {entry["cell"]: entry for entry in BENCH_MATRIX["cells"] if entry["status"] == "run"}
 BENCH_ENABLED = bool(BENCH_MATRIX["cells"])

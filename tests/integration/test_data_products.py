@@ -2,8 +2,10 @@
 digest of what shapes each, shared by every run with the same data settings, through Snakemake."""
 import hashlib
 import json
+import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +16,8 @@ from support import (
     data_folders,
     data_products,
     job_logs,
+    plan_for,
+    run,
     run_snakemake,
     scheduled_rules,
     snakemake_command,
@@ -198,3 +202,60 @@ def test_continued_pretraining_from_a_siblings_export_reuses_its_tokenizer_and_s
     assert "plan_pretrain" in rules
     assert not rules & DATA_RULES, f"{sorted(rules & DATA_RULES)} scheduled for a tokenizer with the same bytes"
     assert products.index in proc.stdout + proc.stderr, "its plan reads the sibling's shards"
+
+
+def test_a_shard_overwritten_in_place_stops_the_launch_naming_it_before_any_rank_starts(data, tmp_path):
+    """The issue's probe: same size and mtime kept, so neither Snakemake nor a size check sees it; the launcher's
+    check of the bytes against the digests recorded when the shard was written does (shards.verify: full)."""
+    import shutil
+
+    config, folders = data
+    copy = SimpleNamespace(tokenizer=tmp_path / "tokenizer", shards=tmp_path / "tokenizer" / "shards")
+    shutil.copytree(folders.tokenizer, copy.tokenizer, ignore=shutil.ignore_patterns("shards-*"))
+    shutil.copytree(folders.shards, copy.shards)
+    shard = copy.shards / "train-00001.bin"
+    stat = shard.stat()
+    with open(shard, "r+b") as handle:
+        handle.seek(stat.st_size // 2)
+        handle.write(b"\x07\x00" * 8)  # valid ids, another text
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    plan = plan_for((config, copy), tmp_path / "run", gpus=1)
+    log = tmp_path / "launch.log"
+    assert run(plan, 1, log) == 2
+    out = log.read_text()
+    assert f"the data product {copy.shards} is damaged: {shard} does not match the sha256 its shard job recorded " \
+           "from the bytes it wrote" in out, out[-3000:]
+    assert f"--forcerun {shard} -- {copy.shards / 'index.json'}" in out
+    assert "Traceback" not in out and not (tmp_path / "run" / "state" / "checkpoints").exists()
+
+
+def test_a_damaged_shared_product_is_named_before_any_job_and_its_command_rebuilds_exactly_it(workdir):
+    products = data_products()
+    folders = data_folders(workdir)
+    index = workdir / products.index
+    before = index.read_bytes()
+    shard = folders.shards / "val-00000.bin"
+    with open(shard, "r+b") as handle:  # other bytes of the same size, and a newer mtime: Snakemake reruns the index
+        handle.seek(8)
+        handle.write(b"\x07\x00" * 4)
+    failed = run_snakemake(workdir, "--", products.index, check=False)
+    out = failed.stdout + failed.stderr
+    assert failed.returncode != 0
+    relative = f"results/{products.shards}/val-00000.bin"
+    assert f"the data product results/{products.shards} is damaged: {relative} does not match the sha256" in out, \
+        out[-3000:]
+    command = f"--forcerun {relative} -- {products.index}"
+    assert command in out and "Traceback" not in out
+    assert index.read_bytes() == before, "the shared index is never deleted on the way"
+    # the command it gives (with this run's config files) rebuilds that shard and the index, nothing else
+    rebuilt = run_snakemake(workdir, *command.split())
+    assert scheduled_rules(rebuilt) == {"shard_tokens", "index_shards"}
+    assert (rebuilt.stdout + rebuilt.stderr).count("rule shard_tokens:") == 1
+    assert index.read_bytes() == before and verify_index(index, "full")
+    # a tokenizer edited in place is named too: its shards are never encoded again under the same id
+    tokenizer = workdir / products.tokenizer_json
+    tokenizer.write_text(tokenizer.read_text().replace('"<|pad|>"', '"<pad>"'))
+    failed = run_snakemake(workdir, "-n", "--", products.index, check=False)
+    out = failed.stdout + failed.stderr
+    assert failed.returncode != 0 and f"{products.tokenizer_json} is not the file its tokenizer job wrote" in out
+    assert "Job stats:" not in out, "no job scheduled"

@@ -633,3 +633,17 @@ def test_a_new_file_matching_a_source_glob_rebuilds_the_corpus(tmp_path):
     assert manifest["documents"] == 3 and sorted(manifest["sources"][0]["details"]["file_sha256"]) == [
         "texts/0.txt", "texts/1.txt", "texts/2.txt"]
     assert "Nothing to be done" in run("-n")
+
+
+def test_snakemakes_lock_refusal_is_explained_where_another_snakemake_holds_the_directory(tmp_path):
+    from pretrain_bench.train.state_lock import snakemake_lock_note
+
+    locks = tmp_path / ".snakemake" / "locks"
+    assert snakemake_lock_note(locks, ["snakemake", "--cores", "2"]) is None
+    locks.mkdir(parents=True)
+    (locks / "0.output.lock").write_text("results/data/corpus-a/train.jsonl\n")
+    note = snakemake_lock_note(locks, ["snakemake", "--cores", "2"])
+    assert "add --nolock, which is safe here: each data product has its own lock" in note
+    assert "snakemake --unlock" in note
+    assert snakemake_lock_note(locks, ["snakemake", "--nolock"]) is None
+    assert snakemake_lock_note(locks, ["snakemake", "-n"]) is None

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pretrain_bench.core.digests import digest_file
-from pretrain_bench.data.products import DamagedProductError
+from pretrain_bench.data.products import DamagedProductError, command_line_forcing
 from pretrain_bench.data.shards import (
     build_index,
     changed_shard_problems,
@@ -248,3 +248,11 @@ def test_failed_shard_leaves_no_files(tokenizer_dir, tmp_path):
     with pytest.raises(ValueError, match=r"train\.jsonl: line at byte \d+ is not a JSON object"):
         shard_split(corpus, tokenizer_dir, tmp_path, "train", 1, batch_bytes=100)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["train.jsonl"]
+
+
+def test_the_rebuild_command_is_read_from_snakemakes_command_line_while_the_workflow_is_parsed():
+    argv = ["snakemake", "--cores", "all", "--forcerun", "a.bin", "b.bin", "--configfile", "c.yaml", "--", "index"]
+    assert command_line_forcing(argv) == ({"a.bin", "b.bin"}, False)
+    assert command_line_forcing(["snakemake", "-R", "shard_tokens", "-F"]) == ({"shard_tokens"}, True)
+    assert command_line_forcing(["snakemake", "--forcerun=x.bin", "y.bin", "-n"]) == ({"x.bin", "y.bin"}, False)
+    assert command_line_forcing(["snakemake", "--", "a.bin"]) == (set(), False)

@@ -182,6 +182,25 @@ def same_tokenizer_product(corpus_id: str, adopted: str, results: Path = Path("r
     return None
 
 
+def command_line_forcing(argv: list[str]) -> tuple[set[str], bool]:
+    """(--forcerun/-R targets, --forceall/-F) of a Snakemake command line: the workflow is parsed before Snakemake
+    hands it its DAG settings, so checks made while parsing read them here."""
+    forcerun, forceall, taking = set(), False, False
+    for arg in argv[1:]:
+        if arg in ("--forceall", "-F"):
+            forceall, taking = True, False
+        elif arg in ("--forcerun", "-R"):
+            taking = True
+        elif arg.startswith("--forcerun="):
+            forcerun.add(arg.split("=", 1)[1])
+            taking = True
+        elif arg.startswith("-"):
+            taking = False
+        elif taking:
+            forcerun.add(arg)
+    return forcerun, forceall
+
+
 def forced(path: str, rule: str, forcerun, forceall: bool = False) -> bool:
     """Whether Snakemake was told to rebuild `path` (made by `rule`): --forceall, or --forcerun naming either."""
     return forceall or bool({path, rule} & {str(target) for target in forcerun or ()})

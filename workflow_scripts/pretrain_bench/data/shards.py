@@ -27,7 +27,7 @@ import numpy as np
 from pretrain_bench.core.digests import HashingFile, full_digest, sampled_digest
 from pretrain_bench.core.io import atomic_write_text
 from pretrain_bench.core.progress import Progress
-from pretrain_bench.data.products import DataProducts, damaged, forced, tokenizer_problem
+from pretrain_bench.data.products import DataProducts, command_line_forcing, damaged, forced, tokenizer_problem
 from pretrain_bench.data.tokenizer import iter_texts, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -241,11 +241,11 @@ def build_index(sidecar_paths: list[Path], out_path: Path) -> dict:
     return index
 
 
-def served_product_problem(products: DataProducts, dag_settings=None) -> str | None:
+def served_product_problem(products: DataProducts, argv: list[str]) -> str | None:
     """Why this config's data cannot be served as it is, before any job runs (so that no failing job makes Snakemake
     delete a shared product's files): a tokenizer edited in place, or a shard whose bytes changed after its job
-    (`shards.changed_shard_problems`); None when neither. `dag_settings`: Snakemake's (--forcerun, --forceall), so
-    that the command these errors give, which rebuilds the damaged product, is not refused by them."""
-    forcerun, forceall = getattr(dag_settings, "forcerun", ()), getattr(dag_settings, "forceall", False)
+    (`changed_shard_problems`); None when neither. `argv`: Snakemake's command line, whose --forcerun/--forceall
+    (products.command_line_forcing) may rebuild the damaged product, as the command these errors give does."""
+    forcerun, forceall = command_line_forcing(argv)
     return (tokenizer_problem(products, forcerun, forceall)
             or changed_shard_problems(f"results/{products.shards}", products.index, forcerun, forceall))

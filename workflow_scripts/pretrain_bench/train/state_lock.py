@@ -194,11 +194,11 @@ def point_log_at(log: Path, attempt: Path) -> None:
     os.replace(tmp, log)
 
 
-def snakemake_lock_note(locks: Path, execution_settings=None) -> str | None:
+def snakemake_lock_note(locks: Path, argv: list[str]) -> str | None:
     """A note for the terminal when another Snakemake holds this working directory's lock (its files in `locks`,
-    .snakemake/locks) and this one takes it (no --nolock): Snakemake's own refusal says only "Directory cannot be
-    locked". None otherwise."""
-    if not getattr(execution_settings, "lock", True) or not any(Path(locks).glob("*.lock")):
+    .snakemake/locks) and this one, whose command line is `argv`, takes it (no --nolock, no --dry-run): Snakemake's
+    own refusal says only "Directory cannot be locked". None otherwise."""
+    if {"--nolock", "-n", "--dry-run", "--dryrun", "--unlock"} & set(argv) or not any(Path(locks).glob("*.lock")):
         return None
     return ("another Snakemake holds this working directory's lock (.snakemake/locks). If this one is refused with "
             "\"Directory cannot be locked\": to run two experiments at once, add --nolock, which is safe here: each "
