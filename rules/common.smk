@@ -11,7 +11,9 @@ from snakemake.logging import logger
 from snakemake.settings.types import DeploymentMethod
 
 from pretrain_bench.core.devices import GPU_LOCK_DIR as DEVICE_LOCK_DIR
+from pretrain_bench.data.shards import served_product_problem
 from pretrain_bench.train.launcher import interrupts_stop_training
+from pretrain_bench.train.state_lock import snakemake_lock_note
 from pretrain_bench.workflow.failures import failure_report
 from pretrain_bench.workflow.pipeline import FINAL_EXPORT_DTYPE, Pipeline, PlanError, resource_number
 from pretrain_bench.workflow.preflight import preflight
@@ -30,6 +32,13 @@ try:
 except PlanError as error:
     raise WorkflowError(str(error))
 SETTINGS, NAME, DATA = PIPELINE.settings, PIPELINE.name, PIPELINE.data
+# Before any job: where another Snakemake holds this directory's lock, say that --nolock is safe; a damaged shared data
+# product is named here (pretrain_bench/data/shards.py), never trained on, and never deleted by a failed job.
+if workflow.is_main_process:
+    if LOCK_NOTE := snakemake_lock_note(Path(".snakemake/locks"), sys.argv):
+        logger.warning(LOCK_NOTE)
+    if DATA_PROBLEM := served_product_problem(DATA, sys.argv):
+        raise WorkflowError(DATA_PROBLEM)
 CORPUS, TOKENIZER, SHARDS, MODEL = SETTINGS.corpus, SETTINGS.tokenizer, SETTINGS.shards, SETTINGS.model
 TRAIN, EVALUATE, BENCH, REPORT = SETTINGS.train, SETTINGS.evaluate, SETTINGS.benchmark, SETTINGS.report
 CORPUS_FILES, INIT_FROM_INPUT = PIPELINE.corpus_files, PIPELINE.init_from_input

@@ -4,28 +4,33 @@
 # .../tokenizer-<t>/shards-<s>/, shared by every run with the same data settings.
 
 
-rule train_tokenizer:
-    input:
-        train=f"results/{DATA.corpus}/train.jsonl",
-        # an adopted tokenizer (tokenizer.path, or model.init_from's) is an input too: editing it re-runs the stages
-        # after it
-        adopted=ADOPTED_TOKENIZER or [],
-    output:
-        tokenizer_json=DATA.tokenizer_json,
-        tokenizer_config=f"results/{DATA.tokenizer}/tokenizer_config.json",
-    log:
-        f"logs/{DATA.tokenizer}/train_tokenizer.log",
-    benchmark:
-        f"benchmarks/{DATA.tokenizer}/train_tokenizer.tsv"
-    conda:
-        "../envs/pretrain.yaml"
-    threads: 8
-    params:
-        vocab_size=TOKENIZER.vocab_size,
-        train_bytes=TOKENIZER.train_bytes,
-        path=ADOPTED_TOKENIZER,
-    script:
-        "../workflow_scripts/train_tokenizer.py"
+# An adopted tokenizer (tokenizer.path, or model.init_from's) with the content of a tokenizer product of this corpus
+# (a sibling's export of its own tokenizer) is that product, read as it is: no job writes it again, and its shards are
+# reused (pretrain_bench/data/products.py).
+if not DATA.reused_tokenizer:
+
+    rule train_tokenizer:
+        input:
+            train=f"results/{DATA.corpus}/train.jsonl",
+            # an adopted tokenizer (tokenizer.path, or model.init_from's) is an input too: editing it makes a new
+            # tokenizer id (its content's), and so new shards beside the old
+            adopted=ADOPTED_TOKENIZER or [],
+        output:
+            tokenizer_json=DATA.tokenizer_json,
+            tokenizer_config=f"results/{DATA.tokenizer}/tokenizer_config.json",
+        log:
+            f"logs/{DATA.tokenizer}/train_tokenizer.log",
+        benchmark:
+            f"benchmarks/{DATA.tokenizer}/train_tokenizer.tsv"
+        conda:
+            "../envs/pretrain.yaml"
+        threads: 8
+        params:
+            vocab_size=TOKENIZER.vocab_size,
+            train_bytes=TOKENIZER.train_bytes,
+            path=ADOPTED_TOKENIZER,
+        script:
+            "../workflow_scripts/train_tokenizer.py"
 
 
 rule shard_tokens:

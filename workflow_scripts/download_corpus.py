@@ -3,6 +3,7 @@ the cleaning ran as part jobs, pretrain_bench.data.corpus_parts.merge_parts.
 
 The pretrain_bench library is installed into the environment (make install).
 """
+import json
 from pathlib import Path
 
 from pretrain_bench.config.schema import CorpusSettings
@@ -16,11 +17,14 @@ from pretrain_bench.train.state_lock import stage_job_log
 def main(log_path: str, out_dir: str, corpus: dict, cache_dir: str, parts: int = 1, part_folder: str | None = None
          ) -> dict:
     """Build the corpus the corpus: block describes into out_dir (from `parts` part jobs' files in part_folder when
-    more than one), logging (stderr included) to log_path; returns the manifest. Refused, naming the holder, while
-    another pipeline builds the same corpus (state_lock.stage_job_log)."""
+    more than one), logging (stderr included) to log_path; returns the manifest. While another pipeline builds the
+    same corpus this waits for it and then uses its corpus (state_lock.stage_job_log)."""
     settings = CorpusSettings.from_config(corpus).as_dict()
     cleaning = {key: value for key, value in settings.items() if key not in CORPUS_EXECUTION_KEYS}
-    with stage_job_log(log_path, "download_corpus"):
+    outputs = [f"{out_dir}/{name}" for name in ("train.jsonl", "val.jsonl", "manifest.json")]
+    with stage_job_log(log_path, "download_corpus", outputs) as job:
+        if job.reused:
+            return json.loads(Path(outputs[-1]).read_text())
         log_startup("first work")
         if parts > 1:
             return merge_parts(folder=Path(part_folder), out_dir=Path(out_dir), parts=parts, **cleaning)

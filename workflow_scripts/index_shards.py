@@ -14,5 +14,6 @@ def main(sidecars: list[str], index_json: str) -> None:
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
     from pretrain_bench.train.state_lock import stage_job_log
 
-    with stage_job_log(snakemake.log[0], "index_shards"):
-        main(snakemake.input.meta, snakemake.output.index)
+    with stage_job_log(snakemake.log[0], "index_shards", list(snakemake.output)) as job:
+        if not job.reused:  # else another pipeline built it while this job waited
+            main(snakemake.input.meta, snakemake.output.index)

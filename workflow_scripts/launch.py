@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pretrain_bench.core.devices import GPU_LOCK_DIR, SlotError
 from pretrain_bench.core.logs import console_log
+from pretrain_bench.data.products import DamagedProductError
 from pretrain_bench.train.launcher import launch
 from pretrain_bench.train.plan import Plan
 from pretrain_bench.train.settings import ConfigError
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
         plan = Plan.from_json(args.plan)
         return launch(plan, args.plan, args.ranks, Path(__file__).resolve().parent / "pretrain.py", args.lock_dir,
                       node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint, relaunch=relaunch, log=args.log)
-    except (ConfigError, SlotError, ValueError, StateInUse) as error:
+    except (ConfigError, SlotError, ValueError, StateInUse, DamagedProductError) as error:
         print(f"error: {args.plan}: {error}", file=sys.stderr)
         return 2
 

@@ -19,7 +19,8 @@ def main(corpus_jsonl: str, tokenizer_json: str, out_bin: str, out_json: str, *,
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
     from pretrain_bench.train.state_lock import stage_job_log
 
-    with stage_job_log(snakemake.log[0], "shard_tokens"):
-        main(snakemake.input.corpus, snakemake.input.tokenizer, snakemake.output.bin, snakemake.output.meta,
-             split=snakemake.wildcards.split, shard=snakemake.wildcards.shard,
-             count=snakemake.params.shard_count, threads=snakemake.threads)
+    with stage_job_log(snakemake.log[0], "shard_tokens", list(snakemake.output)) as job:
+        if not job.reused:  # else another pipeline built it while this job waited
+            main(snakemake.input.corpus, snakemake.input.tokenizer, snakemake.output.bin, snakemake.output.meta,
+                 split=snakemake.wildcards.split, shard=snakemake.wildcards.shard,
+                 count=snakemake.params.shard_count, threads=snakemake.threads)

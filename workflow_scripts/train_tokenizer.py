@@ -19,6 +19,7 @@ def main(train_jsonl: str, tokenizer_json: str, *, vocab_size: int, train_bytes:
 if "snakemake" in globals():  # run by Snakemake's script: directive; pytest imports this file without it
     from pretrain_bench.train.state_lock import stage_job_log
 
-    with stage_job_log(snakemake.log[0], "train_tokenizer"):
-        main(snakemake.input.train, snakemake.output.tokenizer_json, vocab_size=snakemake.params.vocab_size,
-             train_bytes=snakemake.params.train_bytes, path=snakemake.params.path, threads=snakemake.threads)
+    with stage_job_log(snakemake.log[0], "train_tokenizer", list(snakemake.output)) as job:
+        if not job.reused:  # else another pipeline built it while this job waited
+            main(snakemake.input.train, snakemake.output.tokenizer_json, vocab_size=snakemake.params.vocab_size,
+                 train_bytes=snakemake.params.train_bytes, path=snakemake.params.path, threads=snakemake.threads)

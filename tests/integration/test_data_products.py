@@ -2,16 +2,26 @@
 digest of what shapes each, shared by every run with the same data settings, through Snakemake."""
 import hashlib
 import json
+import os
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from pretrain_bench.data.products import missing_tokenizer_problem
+from pretrain_bench.data.shards import verify_index
 from support import (
     TINY_CONFIG,
     data_folders,
     data_products,
+    job_logs,
+    plan_for,
+    run,
     run_snakemake,
     scheduled_rules,
+    snakemake_command,
+    snakemake_env,
     tree_digest,
     workflow_dir,
     write_yaml,
@@ -140,3 +150,112 @@ def test_the_dry_run_stops_on_a_tokenizer_path_under_results_data_that_is_not_bu
     assert proc.returncode != 0
     assert "tokenizer.path results/data/corpus-x/tokenizer-y: no run has built that tokenizer yet" in out, out[-3000:]
     assert "-- results/data/corpus-x/tokenizer-y/tokenizer.json" in out and "run 'data'" not in out
+
+
+def test_two_pipelines_building_the_same_data_at_once_both_finish_with_the_products_one_builds(tiny_data, tmp_path):
+    """Two experiments at once (--nolock, one working directory, started in the same second) on one data id: each
+    data job that finds the other pipeline building its product waits for it and uses it; nothing is deleted under
+    the other, and the products are byte for byte those one pipeline builds alone."""
+    products = data_products()
+    workdir = workflow_dir(tmp_path / "workflow")
+    targets = ("--", products.index, products.tokenizer_json)
+    procs = [subprocess.Popen(snakemake_command("--nolock", "--config", f"name=itest-at-once-{n}", *targets),
+                              cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=snakemake_env()) for n in (1, 2)]
+    outputs = [proc.communicate(timeout=1800)[0] for proc in procs]
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == 0, f"{output[-4000:]}\n{job_logs(workdir)}"
+        assert "Removing output files of failed job" not in output
+    assert "waiting for pid" in "".join(outputs) + job_logs(workdir), "the second pipeline waited for the first"
+    built, alone = data_folders(workdir), data_folders(tiny_data)
+    for folder in ("corpus", "tokenizer", "shards"):
+        exclude = ("tokenizer-", "shards-") if folder != "shards" else ()
+        assert product_digests(getattr(built, folder), exclude) == product_digests(getattr(alone, folder), exclude), \
+            folder
+    assert verify_index(workdir / products.index, "full")["splits"]["train"]["tokens"] > 0
+
+
+def product_digests(folder: Path, exclude: tuple[str, ...]) -> dict:
+    """sha256 of each file of a product folder (not of the products nested in it, nor of hidden lock files)."""
+    return {path.relative_to(folder).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()
+            and not path.relative_to(folder).as_posix().startswith(exclude)}
+
+
+def test_continued_pretraining_from_a_siblings_export_reuses_its_tokenizer_and_shards(workdir):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    products = data_products()
+    export = workdir / "results" / "itest-sibling" / "train" / "hf"
+    # the sibling's export, as evaluate.export writes it: a LLaMA model and the data product's tokenizer saved again
+    tokenizer = AutoTokenizer.from_pretrained(workdir / products.tokenizer_json.rsplit("/", 1)[0],
+                                              local_files_only=True)
+    tokenizer.save_pretrained(export)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                 max_position_embeddings=256, tie_word_embeddings=True)).save_pretrained(export)
+    overlay = write_yaml(workdir / "continued.yaml", {"name": "itest-continued",
+                                                       "model": {"init_from": "results/itest-sibling/train/hf"}})
+    proc = run_snakemake(workdir, "-n", "--", "results/itest-continued/train/plan.json",
+                         configfiles=(TINY_CONFIG, overlay))
+    rules = scheduled_rules(proc)
+    assert "plan_pretrain" in rules
+    assert not rules & DATA_RULES, f"{sorted(rules & DATA_RULES)} scheduled for a tokenizer with the same bytes"
+    assert products.index in proc.stdout + proc.stderr, "its plan reads the sibling's shards"
+
+
+def test_a_shard_overwritten_in_place_stops_the_launch_naming_it_before_any_rank_starts(data, tmp_path):
+    """The issue's probe: same size and mtime kept, so neither Snakemake nor a size check sees it; the launcher's
+    check of the bytes against the digests recorded when the shard was written does (shards.verify: full)."""
+    import shutil
+
+    config, folders = data
+    copy = SimpleNamespace(tokenizer=tmp_path / "tokenizer", shards=tmp_path / "tokenizer" / "shards")
+    shutil.copytree(folders.tokenizer, copy.tokenizer, ignore=shutil.ignore_patterns("shards-*"))
+    shutil.copytree(folders.shards, copy.shards)
+    shard = copy.shards / "train-00001.bin"
+    stat = shard.stat()
+    with open(shard, "r+b") as handle:
+        handle.seek(stat.st_size // 2)
+        handle.write(b"\x07\x00" * 8)  # valid ids, another text
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    plan = plan_for((config, copy), tmp_path / "run", gpus=1)
+    log = tmp_path / "launch.log"
+    assert run(plan, 1, log) == 2
+    out = log.read_text()
+    assert f"the data product {copy.shards} is damaged: {shard} does not match the sha256 its shard job recorded " \
+           "from the bytes it wrote" in out, out[-3000:]
+    assert f"--forcerun {shard} -- {copy.shards / 'index.json'}" in out
+    assert "Traceback" not in out and not (tmp_path / "run" / "state" / "checkpoints").exists()
+
+
+def test_a_damaged_shared_product_is_named_before_any_job_and_its_command_rebuilds_exactly_it(workdir):
+    products = data_products()
+    folders = data_folders(workdir)
+    index = workdir / products.index
+    before = index.read_bytes()
+    shard = folders.shards / "val-00000.bin"
+    with open(shard, "r+b") as handle:  # other bytes of the same size, and a newer mtime: Snakemake reruns the index
+        handle.seek(8)
+        handle.write(b"\x07\x00" * 4)
+    failed = run_snakemake(workdir, "--", products.index, check=False)
+    out = failed.stdout + failed.stderr
+    assert failed.returncode != 0
+    relative = f"results/{products.shards}/val-00000.bin"
+    assert f"the data product results/{products.shards} is damaged: {relative} does not match the sha256" in out, \
+        out[-3000:]
+    command = f"--forcerun {relative} -- {products.index}"
+    assert command in out and "Traceback" not in out
+    assert index.read_bytes() == before, "the shared index is never deleted on the way"
+    # the command it gives (with this run's config files) rebuilds that shard and the index, nothing else
+    rebuilt = run_snakemake(workdir, *command.split())
+    assert scheduled_rules(rebuilt) == {"shard_tokens", "index_shards"}
+    assert (rebuilt.stdout + rebuilt.stderr).count("rule shard_tokens:") == 1
+    assert index.read_bytes() == before and verify_index(index, "full")
+    # a tokenizer edited in place is named too: its shards are never encoded again under the same id
+    tokenizer = workdir / products.tokenizer_json
+    tokenizer.write_text(tokenizer.read_text().replace('"<|pad|>"', '"<pad>"'))
+    failed = run_snakemake(workdir, "-n", "--", products.index, check=False)
+    out = failed.stdout + failed.stderr
+    assert failed.returncode != 0 and f"{products.tokenizer_json} is not the file its tokenizer job wrote" in out
+    assert "Job stats:" not in out, "no job scheduled"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pretrain_bench.config.schema import schema_default
+from pretrain_bench.core import digests
 from pretrain_bench.train.checkpoints import files as ckpt
 from pretrain_bench.train.settings import VERIFY_MODES
 from support import mounted_tmpfs, tree_digest
@@ -18,8 +19,8 @@ from support import mounted_tmpfs, tree_digest
 @pytest.fixture
 def small_samples(monkeypatch):
     """Sample windows small enough for test files: 512 bytes at every 4 KiB."""
-    monkeypatch.setattr(ckpt, "SAMPLE_BYTES", 512)
-    monkeypatch.setattr(ckpt, "SAMPLE_STRIDE", 4096)
+    monkeypatch.setattr(digests, "SAMPLE_BYTES", 512)
+    monkeypatch.setattr(digests, "SAMPLE_STRIDE", 4096)
 
 
 def save_checkpoint(root: Path, step: int) -> Path:

@@ -17,6 +17,7 @@ import zstandard
 
 from pretrain_bench.data.corpus import CorpusError, build_corpus, jsonl_line
 from pretrain_bench.data.download import sha256_file
+from pretrain_bench.data.sources import local_source_files
 
 ROOT = Path(__file__).parents[2]
 
@@ -72,6 +73,27 @@ def test_txt_one_document_per_file_in_sorted_glob_order(tmp_path):
 
 
 PNG_HEAD = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"
+
+
+def test_hidden_files_of_a_glob_are_skipped_and_counted_unless_included(tmp_path):
+    tree = tmp_path / "tree"
+    for name, text in {"a.py": "x = 1\n", "pkg/b.py": "y = 2\n", ".hidden.py": "z = 3\n",
+                       ".git/hooks/c.py": "w = 4\n", "pkg/.cache/d.py": "v = 5\n"}.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(text)
+    source = {"uri": uri(tree / "**" / "*.py")}
+    manifest = build(tmp_path, [source], val_fraction=0.3)
+    assert sorted(written(tmp_path / "out")) == ["x = 1\n", "y = 2\n"]
+    assert manifest["skipped"] == {"binary": 0, "hidden": 3}
+    details = manifest["sources"][0]["details"]
+    assert manifest["sources"][0]["hidden_skipped"] == 3
+    assert details["hidden_files"] == sorted(str(tree / name) for name in (".git/hooks/c.py", ".hidden.py",
+                                                                            "pkg/.cache/d.py"))
+    assert local_source_files([source]) == sorted(str(tree / name) for name in ("a.py", "pkg/b.py"))
+    # include_hidden: read like any other file, and an input of the corpus
+    included = build(tmp_path / "with", [{**source, "include_hidden": True}], val_fraction=0.3)
+    assert included["documents"] == 5 and included["skipped"] == {"binary": 0, "hidden": 0}
+    assert len(local_source_files([{**source, "include_hidden": True}])) == 5
 
 
 def test_any_text_file_is_a_document_and_binary_files_are_skipped_and_counted(tmp_path):
@@ -506,37 +528,49 @@ def test_script_main_logs_success_and_failure(tmp_path):
     assert "download_corpus failed" in (tmp_path / "bad.log").read_text()
 
 
-def test_script_is_refused_while_another_process_runs_the_same_job(tmp_path):
-    from pretrain_bench.train.state_lock import StateInUse
-
-    log = tmp_path / "logs" / "download_corpus.log"
+def test_a_job_waits_for_another_pipeline_building_the_same_product_then_uses_it(tmp_path):
+    log = tmp_path / "logs" / "download_corpus.log"  # both pipelines' job, in one working directory (--nolock)
     log.parent.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import logging, sys
-        from pretrain_bench.train.state_lock import stage_job_log
-        with stage_job_log({str(log)!r}, "download_corpus"):
-            logging.getLogger("pretrain_bench").info("the first job is running")
+    out = tmp_path / "out"
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
+    corpus, cache = {"sources": [{"uri": uri(path)}], **DEFAULTS}, str(tmp_path / "cache")
+    script = ROOT / "workflow_scripts" / "download_corpus.py"
+    load = (f"import importlib.util, json, sys\nspec = importlib.util.spec_from_file_location('dc', {str(script)!r})\n"
+            "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n")
+    # the first pipeline's job: takes the product's lock, then builds only once told to
+    holder = subprocess.Popen([sys.executable, "-c", load + textwrap.dedent(f"""
+        build = module.build_corpus
+        def told_to_build(**settings):
             print("holding", flush=True)
             sys.stdin.readline()
+            return build(**settings)
+        module.build_corpus = told_to_build
+        module.main({str(log)!r}, {str(out)!r}, {corpus!r}, {cache!r})
     """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "holding\n"
-        held = log.read_text()
-        path = write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in DOCS])
-        corpus, cache = {"sources": [{"uri": uri(path)}], **DEFAULTS}, str(tmp_path / "cache")
-        with pytest.raises(StateInUse, match=rf"another pipeline \(pid {holder.pid}, .* on host .*\) is running "
-                                             "download_corpus"):
-            load_script().main(str(log), str(tmp_path / "out"), corpus, cache)
-        assert not (tmp_path / "out").exists() and log.read_text() == held
-        assert "the first job is running" in held
+        waiter = subprocess.Popen([sys.executable, "-c", load + textwrap.dedent(f"""
+            print(json.dumps(module.main({str(log)!r}, {str(out)!r}, {corpus!r}, {cache!r})))
+        """)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # the second says whom it waits for, on its terminal and in its log, and writes nothing meanwhile
+        lines = iter(waiter.stderr.readline, "")
+        waiting = next((line for line in lines if line.startswith("download_corpus: waiting")), None)
+        assert waiting.startswith(f"download_corpus: waiting for pid {holder.pid} building {out}/train.jsonl"), \
+            waiting
+        assert not [path.name for path in out.glob("*") if path.suffix != ".lock"], "nothing written meanwhile"
+        holder.communicate("go\n", timeout=120)
+        stdout, stderr = waiter.communicate(timeout=120)
     finally:
-        holder.communicate("done\n", timeout=60)
-    assert holder.returncode == 0
-    manifest = load_script().main(str(log), str(tmp_path / "out"), corpus, cache)
-    assert manifest["documents"] == len(DOCS) and "corpus:" in log.read_text()
-    assert len(list(log.with_name("download_corpus.attempts").glob("*.log"))) == 2  # each job's log kept
-    assert sorted(path.name for path in log.parent.iterdir()) == ["download_corpus.attempts",
-                                                                  "download_corpus.log"], "no .tmp name left behind"
+        holder.kill()
+    assert holder.returncode == 0 and waiter.returncode == 0, stderr
+    built = {name: (out / name).stat().st_mtime_ns for name in ("train.jsonl", "val.jsonl", "manifest.json")}
+    # the second used the finished product (its manifest), built nothing again
+    assert json.loads(stdout)["documents"] == len(DOCS)
+    assert {name: (out / name).stat().st_mtime_ns for name in built} == built
+    attempts = sorted(log.with_name("download_corpus.attempts").glob("*.log"))
+    assert len(attempts) == 2  # each job's log kept
+    waited = next(path.read_text() for path in attempts if "waiting for pid" in path.read_text())
+    assert f"pid {holder.pid} finished building" in waited and "using it" in waited
 
 
 def test_a_data_jobs_log_leaves_no_temporary_name_behind(tmp_path):
@@ -634,3 +668,17 @@ def test_a_source_under_results_is_refused_naming_it(tmp_path, monkeypatch, patt
     (tmp_path / "mine").mkdir()
     write_jsonl(tmp_path / "mine" / "a.jsonl", [{"text": d} for d in DOCS])
     assert local_source_files([{"uri": "file://mine/*.jsonl"}]) == ["mine/a.jsonl"]
+
+
+def test_snakemakes_lock_refusal_is_explained_where_another_snakemake_holds_the_directory(tmp_path):
+    from pretrain_bench.train.state_lock import snakemake_lock_note
+
+    locks = tmp_path / ".snakemake" / "locks"
+    assert snakemake_lock_note(locks, ["snakemake", "--cores", "2"]) is None
+    locks.mkdir(parents=True)
+    (locks / "0.output.lock").write_text("results/data/corpus-a/train.jsonl\n")
+    note = snakemake_lock_note(locks, ["snakemake", "--cores", "2"])
+    assert "add --nolock, which is safe here: each data product has its own lock" in note
+    assert "snakemake --unlock" in note
+    assert snakemake_lock_note(locks, ["snakemake", "--nolock"]) is None
+    assert snakemake_lock_note(locks, ["snakemake", "-n"]) is None

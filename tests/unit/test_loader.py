@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain_bench.data.loader import EpochPermutation, PackedTokens, RankBatches
+from pretrain_bench.data.loader import EpochPermutation, PackedTokens, RankBatches, TokenIdError
+from pretrain_bench.data.products import DamagedProductError
 from pretrain_bench.data.shards import build_index
 
 SEQ_LEN = 8
@@ -147,3 +148,27 @@ def test_epoch_order_memory_does_not_grow_with_the_corpus():
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 1_000_000 and len(set(batch.tolist())) == 64 and int(batch.max()) < 7_812_500_000
+
+
+def test_a_token_id_outside_the_vocabulary_is_a_named_error_not_an_index_error(tmp_path):
+    index = write_counting_shards(tmp_path, [40, 40])
+    recorded = json.loads(index.read_text())
+    recorded["vocab_size"] = 60  # the stream counts to 79: ids 60.. are outside this vocabulary
+    index.write_text(json.dumps(recorded))
+    data = PackedTokens(index, "train", SEQ_LEN)
+    assert data[0].max() < 60
+    with pytest.raises(TokenIdError) as caught:
+        data[7]  # tokens 56..64
+    message = str(caught.value)
+    assert f"{tmp_path}/train-00001.bin holds token id 60 at token 20, outside the vocabulary of 60 ids" in message
+    assert "is damaged" in message and f"--forcerun {tmp_path}/train-00001.bin -- {index}" in message
+
+
+def test_a_truncated_shard_is_a_damaged_product_naming_the_file_and_its_rebuild(tmp_path):
+    index = write_counting_shards(tmp_path, [40, 40])
+    with open(tmp_path / "train-00000.bin", "r+b") as handle:
+        handle.truncate(100)
+    with pytest.raises(DamagedProductError, match=rf"{tmp_path}/train-00000\.bin holds 100 bytes, {index} lists 40 "
+                                                  rf"tokens of 4 bytes\. Rebuild exactly it with:\n  snakemake .* "
+                                                  rf"--forcerun {tmp_path}/train-00000\.bin -- {index}"):
+        PackedTokens(index, "train", SEQ_LEN)

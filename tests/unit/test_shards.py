@@ -2,12 +2,22 @@
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pretrain_bench.data.shards import build_index, dtype_for_vocab, encode_shard, shard_byte_range
+from pretrain_bench.core.digests import digest_file
+from pretrain_bench.data.products import DamagedProductError, command_line_forcing
+from pretrain_bench.data.shards import (
+    build_index,
+    changed_shard_problems,
+    dtype_for_vocab,
+    encode_shard,
+    shard_byte_range,
+    verify_index,
+)
 from pretrain_bench.data.tokenizer import (
     EOS_TOKEN,
     load_tokenizer,
@@ -142,8 +152,77 @@ def test_index_rejects_missing_or_damaged_shards(sharded, tmp_path):
         (tmp_path / path.name).write_text(path.read_text())
         (tmp_path / path.with_suffix(".bin").name).write_bytes(path.with_suffix(".bin").read_bytes())
     (tmp_path / "train-00001.bin").write_bytes(b"\0\0")  # truncated
-    with pytest.raises(ValueError, match=r"train-00001\.bin holds 2 bytes"):
+    with pytest.raises(DamagedProductError, match=r"is damaged: .*train-00001\.bin holds 2 bytes"):
         build_index(sorted(tmp_path.glob("train-*.json")), tmp_path / "index.json")
+
+
+def copy_shards(sharded: Path, into: Path) -> list[Path]:
+    """A copy of the train shards and their sidecars (as their jobs wrote them) in `into`; its sidecars."""
+    for path in sorted(sharded.parent.glob("train-*.json")):
+        (into / path.name).write_text(path.read_text())
+        (into / path.with_suffix(".bin").name).write_bytes(path.with_suffix(".bin").read_bytes())
+    return sorted(into.glob("train-*.json"))
+
+
+def overwrite_same_size(path: Path, at: int) -> None:
+    """Change 2 bytes at offset `at`, keeping the size (and, like a careful hand, the mtime)."""
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    data[at:at + 2] = bytes([(data[at] + 1) % 256, (data[at + 1] + 1) % 256])
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_sidecars_record_the_digests_of_the_bytes_written_and_the_index_never_blesses_changed_bytes(sharded,
+                                                                                                   tmp_path):
+    sidecars = copy_shards(sharded, tmp_path)
+    sidecar = json.loads(sidecars[1].read_text())
+    data = (tmp_path / sidecar["file"]).read_bytes()
+    assert sidecar["sha256"] == hashlib.sha256(data).hexdigest() and sidecar["bytes"] == len(data)
+    assert sidecar["sampled_sha256"] == digest_file(tmp_path / sidecar["file"])["sampled_sha256"]
+    index = build_index(sidecars, tmp_path / "index.json")
+    assert index["splits"]["train"]["shards"][1]["sampled_sha256"] == sidecar["sampled_sha256"]
+    # a shard rewritten with other bytes of the same size, then touched: the index job reruns and refuses it
+    overwrite_same_size(tmp_path / "train-00001.bin", 100)
+    (tmp_path / "train-00001.bin").touch()
+    with pytest.raises(DamagedProductError) as caught:
+        build_index(sidecars, tmp_path / "index.json")
+    message = str(caught.value)
+    assert f"the data product {tmp_path} is damaged: {tmp_path}/train-00001.bin does not match the sha256 its " \
+           "shard job recorded from the bytes it wrote" in message
+    assert f"--forcerun {tmp_path}/train-00001.bin -- {tmp_path}/index.json" in message
+
+
+def test_a_reader_finds_a_same_size_overwrite_in_full_and_a_truncation_either_way(sharded, tmp_path):
+    build_index(copy_shards(sharded, tmp_path), tmp_path / "index.json")
+    assert verify_index(tmp_path / "index.json", "full")["splits"]["train"]["tokens"] > 0
+    overwrite_same_size(tmp_path / "train-00002.bin", 100)
+    with pytest.raises(DamagedProductError, match=r"train-00002\.bin does not match the sha256 its shard job"):
+        verify_index(tmp_path / "index.json", "full")
+    # the sampled check reads the first SAMPLE_BYTES of a 64 MiB stride: these small shards whole
+    with pytest.raises(DamagedProductError, match=r"train-00002\.bin does not match the sampled sha256"):
+        verify_index(tmp_path / "index.json", "sampled")
+    with open(tmp_path / "train-00000.bin", "r+b") as handle:
+        handle.truncate(100)
+    with pytest.raises(DamagedProductError, match=r"train-00000\.bin holds 100 bytes, its shard job wrote"):
+        verify_index(tmp_path / "index.json", "sampled")
+
+
+def test_before_any_job_a_shard_changed_after_its_job_is_named_unless_this_command_rebuilds_it(sharded, tmp_path):
+    copy_shards(sharded, tmp_path)
+    index = str(tmp_path / "index.json")
+    assert changed_shard_problems(str(tmp_path), index) is None
+    shard = tmp_path / "train-00001.bin"
+    shard.touch()  # newer than its sidecar, the same bytes: Snakemake reruns the index, which may go ahead
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    assert changed_shard_problems(str(tmp_path), index) is None
+    overwrite_same_size(shard, 10)
+    problem = changed_shard_problems(str(tmp_path), index)
+    assert problem.startswith(f"the data product {tmp_path} is damaged: {shard} does not match the sha256")
+    assert f"--forcerun {shard} -- {index}" in problem
+    # the command it gives rebuilds the shard: not refused by the same check
+    assert changed_shard_problems(str(tmp_path), index, forcerun={str(shard)}) is None
+    assert changed_shard_problems(str(tmp_path), index, forcerun={"shard_tokens"}) is None
 
 
 def test_large_vocabulary_writes_uint32(tmp_path):
@@ -190,7 +269,7 @@ def test_a_full_disk_while_sharding_names_the_file_and_the_space_it_needs(tokeni
                 raise OSError(errno.ENOSPC, "No space left on device")
             return super().write(data)
 
-    monkeypatch.setattr("pretrain_bench.data.shards.open", lambda path, mode: FullDisk(path, mode), raising=False)
+    monkeypatch.setattr("pretrain_bench.core.digests.open", lambda path, mode: FullDisk(path, mode), raising=False)
     out = tmp_path / "full"
     with pytest.raises(DiskFull) as caught:
         shard_split(corpus, tokenizer_dir, out, "train", 1, batch_bytes=20_000)
@@ -200,3 +279,11 @@ def test_a_full_disk_while_sharding_names_the_file_and_the_space_it_needs(tokeni
     assert 0.5 * size < needed < 2 * size, (needed, size)
     assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(out / "train-00000.bin")
     assert list(out.iterdir()) == [], "no partial shard left"
+
+
+def test_the_rebuild_command_is_read_from_snakemakes_command_line_while_the_workflow_is_parsed():
+    argv = ["snakemake", "--cores", "all", "--forcerun", "a.bin", "b.bin", "--configfile", "c.yaml", "--", "index"]
+    assert command_line_forcing(argv) == ({"a.bin", "b.bin"}, False)
+    assert command_line_forcing(["snakemake", "-R", "shard_tokens", "-F"]) == ({"shard_tokens"}, True)
+    assert command_line_forcing(["snakemake", "--forcerun=x.bin", "y.bin", "-n"]) == ({"x.bin", "y.bin"}, False)
+    assert command_line_forcing(["snakemake", "--", "a.bin"]) == (set(), False)

@@ -2,10 +2,19 @@
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 
+from pretrain_bench.config.schema import CorpusSettings, ShardSettings, TokenizerSettings
+from pretrain_bench.data.products import (
+    WRITTEN_RECORD,
+    DataProducts,
+    tokenizer_content_key,
+    tokenizer_problem,
+    written_digests,
+)
 from pretrain_bench.data.tokenizer import (
     EOS_TOKEN,
     PAD_TOKEN,
@@ -143,3 +152,51 @@ def test_adopting_without_eos_fails_naming_the_path(tmp_path):
     with pytest.raises(ValueError, match="has no tokenizer.json"):
         train_tokenizer(Path("unused"), tmp_path / "out", vocab_size=300, train_bytes=1, path=str(tmp_path))
 
+
+
+def test_an_adopted_tokenizer_is_keyed_by_content_and_found_among_the_corpus_tokenizers(trained, tmp_path,
+                                                                                         monkeypatch):
+    from transformers import AutoTokenizer
+
+    folder, _ = trained
+    monkeypatch.chdir(tmp_path)
+    settings = (CorpusSettings.from_config({"sources": [{"uri": "builtin://python-stdlib"}]}),
+                TokenizerSettings.from_config({}), ShardSettings.from_config({}))
+    trained_products = DataProducts.from_settings(*settings, None)
+    product = Path("results", trained_products.tokenizer)
+    shutil.copytree(folder, product)
+    # a sibling's export: the product's tokenizer loaded and saved again by transformers, as the export does
+    export = tmp_path / "results" / "sibling" / "train" / "hf"
+    AutoTokenizer.from_pretrained(product, local_files_only=True).save_pretrained(export)
+    assert tokenizer_content_key(export) == tokenizer_content_key(product)
+    adopted = DataProducts.from_settings(*settings, str(export))
+    assert adopted.reused_tokenizer and adopted.tokenizer == trained_products.tokenizer
+    assert adopted.data_id == trained_products.data_id, "the same shards"
+    # an edited copy is another tokenizer: a new product beside it, keyed by its content
+    edited = tmp_path / "edited"
+    shutil.copytree(export, edited)
+    vocab = json.loads((edited / "tokenizer.json").read_text())
+    vocab["added_tokens"][0]["content"] = "<|end|>"
+    (edited / "tokenizer.json").write_text(json.dumps(vocab))
+    other = DataProducts.from_settings(*settings, str(edited))
+    assert not other.reused_tokenizer and other.tokenizer != trained_products.tokenizer
+    assert other.corpus == trained_products.corpus
+    assert DataProducts.from_settings(*settings, str(edited)) == other, "the same content, the same id"
+
+
+def test_a_tokenizer_product_edited_in_place_is_damaged_not_re_encoded(trained, tmp_path, monkeypatch):
+    folder, _ = trained
+    monkeypatch.chdir(tmp_path)
+    products = DataProducts("c", "t", "s")
+    product = Path("results", products.tokenizer)
+    shutil.copytree(folder, product)
+    assert json.loads((product / WRITTEN_RECORD).read_text()) == written_digests(product)
+    assert tokenizer_problem(products) is None
+    (product / "tokenizer.json").write_text((product / "tokenizer.json").read_text().replace('"<|pad|>"', '"<pad>"'))
+    problem = tokenizer_problem(products)
+    assert problem.startswith("the data product results/data/corpus-c/tokenizer-t is damaged: "
+                              "results/data/corpus-c/tokenizer-t/tokenizer.json is not the file its tokenizer job "
+                              "wrote")
+    assert "set tokenizer.path to the copy" in problem
+    assert problem.endswith(f"--forcerun {products.tokenizer_json} -- {products.index}")
+    assert tokenizer_problem(products, forcerun={products.tokenizer_json}) is None

@@ -144,6 +144,7 @@ class ShardSettings(ConfigBlock):
     """The `shards:` block of the config (shards.<key> in schemas/config.schema.yaml)."""
 
     count: int = default_field("shards", "count")
+    verify: str = default_field("shards", "verify", plan=True)  # full | sampled: how a run checks what it reads
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,11 +26,11 @@ CONSOLE_FORMAT = "%(message)s"
 
 
 @contextlib.contextmanager
-def job_log(path: str, what: str, fmt: str = FORMAT):
-    """Send stderr and every `logging` record to `path` (line-buffered) for the duration; log a failure of `what`
-    (the adapter's name) there, with its traceback, and re-raise it. Handlers are removed on exit, so tests may call
-    adapters' `main` repeatedly."""
-    with open(path, "w", buffering=1) as stream, contextlib.redirect_stderr(stream):
+def job_log(path: str, what: str, fmt: str = FORMAT, append: bool = False):
+    """Send stderr and every `logging` record to `path` (line-buffered; after what it holds when `append`) for the
+    duration; log a failure of `what` (the adapter's name) there, with its traceback, and re-raise it. Handlers are
+    removed on exit, so tests may call adapters' `main` repeatedly."""
+    with open(path, "a" if append else "w", buffering=1) as stream, contextlib.redirect_stderr(stream):
         handler = logging.StreamHandler(stream)
         handler.setFormatter(logging.Formatter(fmt))
         root = logging.getLogger()

@@ -412,6 +412,9 @@ def _manifest(all_stats, settings: CleaningSettings, files: _SplitFiles, cap: di
         "replaced_chars": sum(stats.replaced_chars for stats in all_stats),
         "nul_removed": sum(stats.nul_removed for stats in all_stats),
         "binary_skipped": sum(stats.binary_skipped for stats in all_stats),
+        # files not read, by reason: binary text files, and files under hidden names a glob skips (include_hidden)
+        "skipped": {"binary": sum(stats.binary_skipped for stats in all_stats),
+                    "hidden": sum(stats.hidden_skipped for stats in all_stats)},
         "settings": asdict(settings),
         "cap": cap,
         "split": {"method": "val when int(sha256(utf8 text)[:8], big-endian) < val_fraction * 2**64",

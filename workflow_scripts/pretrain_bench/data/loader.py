@@ -21,6 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pretrain_bench.data.products import DamagedProductError, damaged
+
+
+class TokenIdError(DamagedProductError):
+    """A shard holds a token id the vocabulary does not have (>= index.json's vocab_size): the embedding would fail
+    with a bare IndexError; the message names the shard, the position and the id."""
+
 
 class PackedTokens:
     """Read-only view of one split's shards as (seq_len + 1)-token samples; memmapped, never loaded whole."""
@@ -36,9 +43,13 @@ class PackedTokens:
         # Empty shards (a slice without documents) cannot be memmapped and hold nothing: leave them out.
         shards = [shard for shard in index["splits"][split]["shards"] if shard["tokens"] > 0]
         self._paths = [index_path.parent / shard["file"] for shard in shards]
+        self._index_path = index_path
         for path, shard in zip(self._paths, shards):
-            if path.stat().st_size != shard["tokens"] * self.dtype.itemsize:
-                raise ValueError(f"{path} does not hold the {shard['tokens']} tokens {index_path} lists")
+            size = path.stat().st_size if path.is_file() else None
+            if size != shard["tokens"] * self.dtype.itemsize:
+                held = "is missing" if size is None else f"holds {size:,} bytes"
+                raise damaged(str(index_path.parent), f"{path} {held}, {index_path} lists {shard['tokens']:,} tokens "
+                              f"of {self.dtype.itemsize} bytes", [str(path)], str(index_path))
         sizes = np.array([shard["tokens"] for shard in shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(sizes)])  # (shards + 1,) stream offset of each shard
         self.num_tokens = int(self._starts[-1])
@@ -63,10 +74,22 @@ class PackedTokens:
         while start < stop:  # a window may straddle shard boundaries
             offset = start - int(self._starts[shard])
             take = min(stop, int(self._starts[shard + 1])) - start
-            pieces.append(self._shard(shard)[offset:offset + take])
+            piece = self._shard(shard)[offset:offset + take]
+            if take and int(piece.max()) >= self.vocab_size:
+                self._bad_id(shard, offset, piece)
+            pieces.append(piece)
             start += take
             shard += 1
         return np.concatenate(pieces).astype(np.int64)
+
+
+    def _bad_id(self, shard: int, offset: int, piece: np.ndarray):
+        at = int(np.argmax(piece >= self.vocab_size))
+        path = self._paths[shard]
+        raise TokenIdError(str(damaged(
+            str(self._index_path.parent), f"{path} holds token id {int(piece[at])} at token {offset + at:,}, "
+            f"outside the vocabulary of {self.vocab_size} ids that {self._index_path} records", [str(path)],
+            str(self._index_path))))
 
 
 class EpochPermutation:

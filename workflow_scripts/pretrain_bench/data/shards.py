@@ -5,12 +5,18 @@ Slices are byte ranges of the split's jsonl (shard i of n covers [size*i//n, siz
 the range its line starts in), so a job needs neither a counting pass nor the whole corpus in memory, and slices
 are balanced by bytes, which is what encoding time follows. The .bin is the raw token stream, every document
 followed by EOS, readable with `np.memmap(path, dtype)`; same inputs give byte-identical files.
+
+Integrity: a shard job hashes the bytes as it writes them (core.digests.HashingFile, never read back) and records
+the sha256 and sampled sha256 in its sidecar; `build_index` copies them into index.json only after checking that each
+.bin still has those bytes (a touched or rewritten shard is never blessed), and `verify_index` checks them again for a
+reader, before the first training step, in full or sampled (shards.verify). A shard whose bytes changed after its
+job is found before any job runs too (`changed_shard_problems`, from the workflow), so that no failing job makes
+Snakemake delete the shared index.json. Each error names the file and the command that rebuilds exactly that shard.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -19,8 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pretrain_bench.core.digests import HashingFile, full_digest, sampled_digest
 from pretrain_bench.core.io import atomic_write_text, disk_full
 from pretrain_bench.core.progress import Progress
+from pretrain_bench.data.products import DataProducts, command_line_forcing, damaged, forced, tokenizer_problem
 from pretrain_bench.data.tokenizer import iter_texts, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -84,42 +92,43 @@ def encode_shard(corpus_jsonl: Path, tokenizer_dir: Path, out_bin: Path, out_jso
     eos = np.array([info["eos_id"]], dtype=dtype)
     start, stop = shard_byte_range(corpus_jsonl.stat().st_size, index, count)
 
-    digest, tokens, documents, text_bytes = hashlib.sha256(), 0, 0, 0
+    tokens, documents, text_bytes = 0, 0, 0
     # Progress counts text bytes against the slice's jsonl bytes: JSON escaping makes the slice somewhat larger than
     # its text, so the share shown ends a little below 100 % and the ETA errs long.
     progress = Progress(f"{split} shard {index}/{count}", log, total=stop - start)
     out_bin.parent.mkdir(parents=True, exist_ok=True)
     tmp_bin = out_bin.with_name(f"{out_bin.name}.tmp-{os.getpid()}")
+    f = HashingFile(tmp_bin)  # the digests recorded are of the bytes written, as they were written
     try:
-        with open(tmp_bin, "wb") as f:
-            texts = iter_texts(corpus_jsonl, start, stop)
-            for batch, encodings in _encoded_batches(texts, encode_batch, batch_bytes):
-                # numpy raises OverflowError rather than wrap should an id not fit the dtype
-                pieces = [piece for encoding in encodings for piece in (np.array(encoding.ids, dtype=dtype), eos)]
-                ids = np.concatenate(pieces)  # (tokens in batch,)
-                f.write(memoryview(ids))
-                digest.update(memoryview(ids))
-                tokens += ids.size
-                documents += len(batch)
-                batch_text_bytes = sum(len(text.encode("utf-8", "surrogatepass")) for text in batch)
-                text_bytes += batch_text_bytes
-                # the lambda reads the running counts when the progress line is written, which is what it should show
-                progress.advance(batch_text_bytes, lambda: f"{documents:,} documents, {tokens:,} tokens")  # noqa: B023
+        texts = iter_texts(corpus_jsonl, start, stop)
+        for batch, encodings in _encoded_batches(texts, encode_batch, batch_bytes):
+            # numpy raises OverflowError rather than wrap should an id not fit the dtype
+            pieces = [piece for encoding in encodings for piece in (np.array(encoding.ids, dtype=dtype), eos)]
+            ids = np.concatenate(pieces)  # (tokens in batch,)
+            f.write(memoryview(ids))
+            tokens += ids.size
+            documents += len(batch)
+            batch_text_bytes = sum(len(text.encode("utf-8", "surrogatepass")) for text in batch)
+            text_bytes += batch_text_bytes
+            # the lambda reads the running counts when the progress line is written, which is what it should show
+            progress.advance(batch_text_bytes, lambda: f"{documents:,} documents, {tokens:,} tokens")  # noqa: B023
+        written = f.close()
         os.replace(tmp_bin, out_bin)
     except OSError as error:
-        tmp_bin.unlink(missing_ok=True)  # Snakemake removes a failed job's outputs, not our temporary file
+        f.discard()  # Snakemake removes a failed job's outputs, not our temporary file
         if error.errno != errno.ENOSPC:
             raise
         # the whole shard's size (its partial file is removed), estimated from the share of its slice encoded so far
         written, done = tokens * dtype.itemsize, min(1.0, text_bytes / max(stop - start, 1))
         raise disk_full(out_bin, int(written / done) if written and done else None) from error
     except BaseException:
-        tmp_bin.unlink(missing_ok=True)
+        f.discard()
         raise
 
     sidecar = {
         "split": split, "shard": index, "count": count, "file": out_bin.name,
-        "tokens": tokens, "documents": documents, "text_bytes": text_bytes, "sha256": digest.hexdigest(),
+        "tokens": tokens, "documents": documents, "text_bytes": text_bytes, "sha256": written["sha256"],
+        "sampled_sha256": written["sampled_sha256"], "bytes": written["size"],
         "dtype": dtype.name, "vocab_size": info["vocab_size"], "eos_id": info["eos_id"], "pad_id": info["pad_id"],
         "byte_range": [start, stop],
     }
@@ -128,8 +137,72 @@ def encode_shard(corpus_jsonl: Path, tokenizer_dir: Path, out_bin: Path, out_jso
     return sidecar
 
 
+def shard_problem(path: Path, record: dict, itemsize: int, mode: str, writer: str) -> str | None:
+    """What is wrong with one shard file against its record (sidecar or index entry), None when nothing: missing,
+    truncated or grown (size), or other bytes than `writer` wrote (sha256, whole in mode 'full', sampled in mode
+    'sampled'; a record from before sampled digests were kept is checked in full). Mode 'size': the size alone."""
+    path = Path(path)
+    if not path.is_file():
+        return f"{path} is missing"
+    size, expected = path.stat().st_size, record["tokens"] * itemsize
+    if size != expected:
+        return f"{path} holds {size:,} bytes, {writer} wrote {expected:,} ({record['tokens']:,} tokens)"
+    if mode == "sampled" and record.get("sampled_sha256"):
+        if sampled_digest(path, size) != record["sampled_sha256"]:
+            return f"{path} does not match the sampled sha256 {writer} recorded from the bytes it wrote"
+    elif mode != "size" and full_digest(path) != record["sha256"]:
+        return f"{path} does not match the sha256 {writer} recorded from the bytes it wrote"
+    return None
+
+
+def verify_index(index_path: Path, mode: str) -> dict:
+    """Check every shard index.json lists against the digests recorded when it was written (shards.verify: 'full'
+    or 'sampled'); returns the index. Raises DamagedProductError naming each bad file and the command that rebuilds
+    them (and the index)."""
+    index_path = Path(index_path)
+    index = json.loads(index_path.read_text())
+    itemsize = np.dtype(index["dtype"]).itemsize
+    entries = [entry for split in index["splits"].values() for entry in split["shards"]]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(entries), os.cpu_count() or 1))) as pool:
+        found = list(pool.map(lambda e: shard_problem(index_path.parent / e["file"], e, itemsize, mode,
+                                                      "its shard job"), entries))
+    problems = [(entry, problem) for entry, problem in zip(entries, found) if problem]
+    if problems:
+        raise damaged(str(index_path.parent), "; ".join(problem for _, problem in problems),
+                      [str(index_path.parent / entry["file"]) for entry, _ in problems], str(index_path))
+    log.info("shards of %s verified (%s): %d files", index_path, mode, len(entries))
+    return index
+
+
+def changed_shard_problems(shards_folder: str, index: str, forcerun=(), forceall: bool = False) -> str | None:
+    """Before any job runs: the shards of `shards_folder` whose .bin changed after their job wrote it (newer than
+    its sidecar, as a touch or an edit leaves it) and whose bytes are not the recorded ones, as the error to stop
+    with; None when none. Snakemake would rerun index_shards for them, and a failing index job would make it delete
+    the shared index.json; a shard this command rebuilds (--forcerun naming it or shard_tokens) is not checked."""
+    folder = Path(shards_folder)
+    problems, bad = [], []
+    for sidecar_path in sorted(folder.glob("*-[0-9][0-9][0-9][0-9][0-9].json")) if folder.is_dir() else ():
+        bin_path = sidecar_path.with_suffix(".bin")
+        try:
+            if bin_path.stat().st_mtime_ns <= sidecar_path.stat().st_mtime_ns:
+                continue
+            sidecar = json.loads(sidecar_path.read_text())
+        except (OSError, ValueError):
+            continue  # not written yet, or being written: its job is to run
+        if forced(str(bin_path), "shard_tokens", forcerun, forceall):
+            continue
+        itemsize = np.dtype(sidecar["dtype"]).itemsize
+        if problem := shard_problem(bin_path, sidecar, itemsize, "full", "its shard job"):
+            problems.append(problem)
+            bad.append(str(bin_path))
+    if not problems:
+        return None
+    return str(damaged(str(folder), "; ".join(problems), bad, index))
+
+
 def build_index(sidecar_paths: list[Path], out_path: Path) -> dict:
-    """Gather shard sidecars into index.json; checks every split is complete and consistent, and each .bin's size."""
+    """Gather shard sidecars into index.json; checks every split is complete and consistent, and that each .bin holds
+    the bytes its shard job wrote (never blessing a shard changed since)."""
     out_path = Path(out_path)
     sidecars = []
     for path in map(Path, sidecar_paths):
@@ -153,16 +226,20 @@ def build_index(sidecar_paths: list[Path], out_path: Path) -> dict:
         count = shards[0]["count"]
         if [s["shard"] for s in shards] != list(range(count)) or any(s["count"] != count for s in shards):
             raise ValueError(f"split {split}: expected shards 0..{count - 1}, got {[s['shard'] for s in shards]}")
-        for s in shards:
-            size = s["path"].stat().st_size
-            if size != s["tokens"] * itemsize:
-                raise ValueError(f"{s['path']} holds {size} bytes, its sidecar says {s['tokens']} x {itemsize}")
+        # hashlib releases the GIL: one shard per core
+        with ThreadPoolExecutor(max_workers=max(1, min(len(shards), os.cpu_count() or 1))) as pool:
+            found = pool.map(lambda s: shard_problem(s["path"], s, itemsize, "full", "its shard job"), shards)
+            problems = [(s, problem) for s, problem in zip(shards, found) if problem]
+        if problems:
+            raise damaged(str(out_path.parent), "; ".join(problem for _, problem in problems),
+                          [str(s["path"]) for s, _ in problems], str(out_path))
         splits[split] = {
             "tokens": sum(s["tokens"] for s in shards),
             "documents": sum(s["documents"] for s in shards),
             "text_bytes": sum(s["text_bytes"] for s in shards),
             "shards": [{"file": os.path.relpath(s["path"], out_path.parent), "tokens": s["tokens"],
-                        "documents": s["documents"], "text_bytes": s["text_bytes"], "sha256": s["sha256"]}
+                        "documents": s["documents"], "text_bytes": s["text_bytes"], "sha256": s["sha256"],
+                        **({"sampled_sha256": s["sampled_sha256"]} if "sampled_sha256" in s else {})}
                        for s in shards],
         }
     index = {"format": INDEX_FORMAT, **shared, "splits": splits}
@@ -170,3 +247,13 @@ def build_index(sidecar_paths: list[Path], out_path: Path) -> dict:
     atomic_write_text(out_path, json.dumps(index, indent=2) + "\n")
     log.info("index %s: %s", out_path, {split: entry["tokens"] for split, entry in splits.items()})
     return index
+
+
+def served_product_problem(products: DataProducts, argv: list[str]) -> str | None:
+    """Why this config's data cannot be served as it is, before any job runs (so that no failing job makes Snakemake
+    delete a shared product's files): a tokenizer edited in place, or a shard whose bytes changed after its job
+    (`changed_shard_problems`); None when neither. `argv`: Snakemake's command line, whose --forcerun/--forceall
+    (products.command_line_forcing) may rebuild the damaged product, as the command these errors give does."""
+    forcerun, forceall = command_line_forcing(argv)
+    return (tokenizer_problem(products, forcerun, forceall)
+            or changed_shard_problems(f"results/{products.shards}", products.index, forcerun, forceall))

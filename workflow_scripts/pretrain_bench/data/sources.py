@@ -74,6 +74,8 @@ class SourceStats:
     replaced_chars: int = 0  # U+FFFD substituted for undecodable bytes or lone surrogates
     nul_removed: int = 0
     binary_skipped: int = 0  # files of a text source skipped as binary (the first few in details["binary_files"])
+    # files of a file:// glob skipped as hidden (include_hidden unset; the first few in details["hidden_files"])
+    hidden_skipped: int = 0
     dropped: dict = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     details: dict = field(default_factory=dict)  # kind-specific provenance: files, dataset fingerprint, ...
 
@@ -166,16 +168,31 @@ def source_units(source: dict) -> list[int]:
         root, relative = _builtin_files(source["uri"])
         return [os.path.getsize(os.path.join(root, name)) for name in relative]
     if kind == "file":
-        return [os.path.getsize(path) for path in local_files(source["uri"])]
+        return [os.path.getsize(path) for path in local_files(source["uri"], source.get("include_hidden", False))]
     return [0]
 
 
-def local_files(uri: str) -> list[str]:
-    """The files a file://path or file://glob source names (a glob's sorted); relative paths are relative to the
-    working directory. Also what the workflow declares as the corpus's inputs, so that editing one reruns it."""
+def _glob_files(pattern: str, include_hidden: bool) -> list[str]:
+    return sorted(path for path in glob.glob(pattern, recursive=True, include_hidden=include_hidden)
+                  if os.path.isfile(path))
+
+
+def hidden_files(uri: str) -> list[str]:
+    """The files a file:// glob matches only with include_hidden (a name, or a folder on the path, starting with
+    "."): what it skips unless the source sets include_hidden."""
+    pattern = uri[len("file://"):]
+    if not any(char in pattern for char in "*?["):
+        return []
+    return sorted(set(_glob_files(pattern, True)) - set(_glob_files(pattern, False)))
+
+
+def local_files(uri: str, include_hidden: bool = False) -> list[str]:
+    """The files a file://path or file://glob source names (a glob's sorted; hidden ones only with include_hidden);
+    relative paths are relative to the working directory. Also what the workflow declares as the corpus's inputs, so
+    that editing one reruns it."""
     pattern = uri[len("file://"):]
     if any(char in pattern for char in "*?["):
-        paths = sorted(path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path))
+        paths = _glob_files(pattern, include_hidden)
         if not paths:
             raise CorpusError(f"{uri}: the glob matched no files")
     elif os.path.isdir(pattern):
@@ -235,15 +252,20 @@ def looks_binary(data: bytes) -> bool:
 def local_source_files(sources: list[dict]) -> list[str]:
     """Every file the file:// entries of corpus.sources name, globs expanded now: the workflow declares them inputs
     of the corpus, so editing one (or a new file matching a glob) rebuilds it and everything after it."""
-    return [path for source in sources if source_kind(source["uri"]) == "file" for path in local_files(source["uri"])]
+    return [path for source in sources if source_kind(source["uri"]) == "file"
+            for path in local_files(source["uri"], source.get("include_hidden", False))]
 
 
 def _read_files(source: dict, stats: SourceStats, decode: _Decoder, select: slice | None = None) -> Iterator[str]:
     """file://path or file://glob: each file in order, its sha256 recorded before it is read. Closed early (the cap),
     the source's sha256 covers the files read, and details.files_read counts them."""
     uri = source["uri"]
-    paths = local_files(uri)
+    paths = local_files(uri, source.get("include_hidden", False))
     stats.details["files"] = len(paths)
+    if not source.get("include_hidden") and (select is None or not select.start):  # once per source, not per part
+        if hidden := hidden_files(uri):
+            stats.hidden_skipped = len(hidden)
+            stats.details["hidden_files"] = hidden[:BINARY_LISTED]
     # Hashed in a pass of their own (the read after it comes from the page cache): the decompressors and parquet's
     # random access read the bytes in no order a running hash could follow.
     digests = stats.details["file_sha256"] = {}

@@ -12,6 +12,7 @@ The corpus jsonl reader lives here because training and sharding (`shards.py`) s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 import orjson
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from pretrain_bench.core.io import atomic_write_text
 from pretrain_bench.core.progress import Progress, heartbeat
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,9 @@ EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 SAMPLE_WINDOWS = 64
 # End-of-text names of widely used tokenizers, tried in order for a bare tokenizer.json (it names no eos_token).
+# What the tokenizer job wrote: {file name: sha256} of the files that make a tokenizer (TOKENIZER_FILES), beside them.
+WRITTEN_RECORD = ".written.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 KNOWN_EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<｜end▁of▁sentence｜>")
 
 
@@ -193,7 +198,8 @@ def load_tokenizer(folder: Path) -> tuple[Tokenizer, dict]:
 
 
 def save_hf_folder(tokenizer: Tokenizer, specials: dict, out_dir: Path) -> None:
-    """tokenizer.json + tokenizer_config.json loadable by AutoTokenizer/PreTrainedTokenizerFast, each file atomic."""
+    """tokenizer.json + tokenizer_config.json loadable by AutoTokenizer/PreTrainedTokenizerFast, each file atomic,
+    and the sha256 of what was written (products.WRITTEN_RECORD), which tells a later edit from the product."""
     # transformers takes ~2 s to import; only this function needs it, the shard jobs never do.
     from transformers import PreTrainedTokenizerFast
 
@@ -208,9 +214,12 @@ def save_hf_folder(tokenizer: Tokenizer, specials: dict, out_dir: Path) -> None:
     staging = out_dir / f".staging-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     hf_tokenizer.save_pretrained(staging)
+    written = written_digests(staging)  # of the files as written, before anything else can reach them
+    (out_dir / WRITTEN_RECORD).unlink(missing_ok=True)  # no record names files being replaced
     for file in sorted(staging.iterdir()):
         os.replace(file, out_dir / file.name)
     staging.rmdir()
+    atomic_write_text(out_dir / WRITTEN_RECORD, json.dumps(written, indent=2) + "\n")
 
 
 def adopted_tokenizer_path(config: dict) -> str | None:
@@ -254,3 +263,28 @@ def train_tokenizer(train_jsonl: Path, out_dir: Path, *, vocab_size: int, train_
     log.info("tokenizer saved to %s: %s", out_dir, info)
     return info
 
+
+def tokenizer_content_key(path: str | Path) -> str | None:
+    """What decides the token ids a tokenizer gives, as a sha256: its tokenizer.json's bytes and the special tokens
+    its tokenizer_config.json names (the file's other keys, which exports rewrite, do not change an id). `path`: an
+    HF tokenizer folder or a bare tokenizer.json; None when there is no such local file."""
+    path = Path(str(path).removeprefix("file://"))
+    folder, file = (path, path / "tokenizer.json") if path.is_dir() else (None, path)
+    if not file.is_file():
+        return None
+    config = {}
+    if folder is not None and (folder / "tokenizer_config.json").is_file():
+        try:
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+        except ValueError:
+            config = {}  # adopt_tokenizer names the file when it reads it
+    specials = {key: _token_content(config.get(key)) for key in ("eos_token", "pad_token", "bos_token")}
+    digest = hashlib.sha256(file.read_bytes())
+    digest.update(json.dumps(specials, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def written_digests(folder: Path) -> dict:
+    """{file name: sha256} of the TOKENIZER_FILES in a tokenizer folder (those present)."""
+    return {name: hashlib.sha256((Path(folder) / name).read_bytes()).hexdigest()
+            for name in TOKENIZER_FILES if (Path(folder) / name).is_file()}

@@ -34,8 +34,10 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from pretrain_bench.core.devices import die_with_parent, gpu_slots, probe_peer_access, resolve_device
+from pretrain_bench.data.products import DamagedProductError
+from pretrain_bench.data.shards import verify_index
 from pretrain_bench.train import state_lock
-from pretrain_bench.train.plan import Plan
+from pretrain_bench.train.plan import Plan, shards_verify_mode
 from pretrain_bench.train.run_context import LaunchContext, usable_cpus
 from pretrain_bench.train.settings import TrainSettings, check_settings
 
@@ -403,6 +405,14 @@ def launch(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_dir: Path
         # on the terminal, before the job's output goes to its log: the job rewrites outputs, it trains nothing
         if note := already_finished(Path(plan.paths.state_dir), plan):
             logger.info(note)
+    # The shards, before any rank starts: a damaged shared product is named here (and on the terminal), never
+    # trained on (shards.verify)
+    try:
+        verify_index(Path(plan.paths.index), shards_verify_mode(plan))
+    except DamagedProductError as error:
+        if log:
+            record_refusal(log, plan_path, str(error))
+        raise
     if log:
         redirect_to_attempt_log(log, plan_path)
     code = _launch_locked(plan, plan_path, ranks, script, lock_dir, settings, node_rank=node_rank,

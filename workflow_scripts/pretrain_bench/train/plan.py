@@ -13,7 +13,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretrain_bench.config.schema import BenchSettings, ModelSettings, ReportSettings, TokenizerSettings, keys_with
+from pretrain_bench.config.schema import (
+    BenchSettings,
+    ModelSettings,
+    ReportSettings,
+    ShardSettings,
+    TokenizerSettings,
+    keys_with,
+    schema_default,
+)
 from pretrain_bench.core.devices import resolve_device_cheaply
 from pretrain_bench.core.io import atomic_write_json, key_differences
 from pretrain_bench.train.memory.fit import fit_run
@@ -114,6 +122,10 @@ def plan_config(config: dict, train: dict | None = None) -> dict:
     def planned(block: str, settings_class) -> dict:
         return {key: config[block][key] for key in keys_with(settings_class, "plan")}
 
+    # shards: only the keys set to other than their default, so that a plan config written before they existed is
+    # the same (an edit of them replans, as one of train.verify_checkpoints does)
+    shards = {key: value for key, value in planned("shards", ShardSettings).items()
+              if value != schema_default("shards", key)}
     return {
         "name": config["name"],
         "model": config["model"],
@@ -121,7 +133,13 @@ def plan_config(config: dict, train: dict | None = None) -> dict:
         "tokenizer": planned("tokenizer", TokenizerSettings),
         "benchmark": planned("benchmark", BenchSettings),
         "report": planned("report", ReportSettings),
+        **({"shards": shards} if shards else {}),
     }
+
+
+def shards_verify_mode(plan: Plan) -> str:
+    """shards.verify of a plan: how its launcher checks the shards before the first step (see plan_config)."""
+    return plan.config.get("shards", {}).get("verify") or schema_default("shards", "verify")
 
 
 def only_trains_further(plan_path: Path, config: dict) -> bool:
@@ -242,4 +260,4 @@ def plan_shape(plan: Plan, tokenizer_vocab: int | None):
 
 
 __all__ = ["ConfigError", "Plan", "RunContext", "RunPaths", "cell_train", "check_val_split", "init_from_record",
-           "make_plan", "only_trains_further", "plan_config", "plan_shape"]
+           "make_plan", "only_trains_further", "plan_config", "plan_shape", "shards_verify_mode"]

@@ -6,11 +6,14 @@ holding its file descriptor dies, however it dies, so a crashed run never blocks
 descriptor to torchrun as well: the lock stays held while torchrun's ranks finish a checkpoint after the launcher
 itself was killed. The file holds the holder's pid, host and start time, for the refusal message.
 
-The data stages (corpus, tokenizer, shards) take the same kind of lock per job through `stage_job_log`: a second
-pipeline running the same job on the same name (say with `snakemake --nolock`) is refused naming the holder, before
-it writes anything. Each job's log is its own file in `<log stem>.attempts/`, the declared log a second name for it:
-Snakemake deletes a job's declared log before it starts it, which, for a job that some other pipeline still runs,
-would take that job's record with it.
+The data stages (corpus, tokenizer, shards) take the same kind of lock per product through `stage_job_log`, in
+results/data/.locks/ (beside the shared products, so pipelines in other working directories that share results/data
+see it too). A pipeline whose job finds another building the same product (two experiments at once with
+`snakemake --nolock`) waits for it with a progress line ("waiting for pid N … building data/corpus-…"), then uses
+the finished product instead of building it again: it never fails, so its Snakemake never deletes the other's
+outputs. Each job's log is its own file in `<log stem>.attempts/`, the declared log a second name for it: Snakemake
+deletes a job's declared log before it starts it, which, for a job that some other pipeline still runs, would take
+that job's record with it.
 """
 from __future__ import annotations
 
@@ -19,10 +22,14 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 LOCK_FILE = "run.lock"
+PRODUCT_LOCKS = Path("results/data/.locks")  # one lock file per data product job, named after its first output
+WAIT_REPORT_S = 30.0  # how often a job waiting for another pipeline's says so
 # Set in the ranks' environment when their launcher (or, multi-node, node rank 0's launcher) holds the lock, so
 # rank 0 does not try to take it a second time; a rank started without the launcher takes it itself.
 HELD_ENV = "PRETRAIN_BENCH_STATE_LOCK_HELD"
@@ -70,25 +77,100 @@ def _acquire_file(path: Path, refusal):
     return handle
 
 
+@dataclass
+class StageJob:
+    """What `stage_job_log` yields: `reused` when another pipeline finished building this job's outputs while this
+    job waited for it (the caller then writes nothing), and the logger of the job's log."""
+
+    reused: bool
+    logger: object
+
+
+def product_lock_path(output: str) -> Path:
+    """The lock file of the data product `output` (a job's first output): under PRODUCT_LOCKS by its path below
+    results/data, else beside it."""
+    path = Path(output)
+    try:
+        return PRODUCT_LOCKS / f"{path.relative_to('results/data')}.lock"
+    except ValueError:
+        return path.with_name(f".{path.name}.lock")
+
+
+def _process_start() -> float:
+    """When this process started (epoch seconds): Snakemake deleted the job's outputs before that."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+def _wait_for_product(lock_path: Path, product: str, say) -> tuple:
+    """An exclusive flock on `lock_path`, waiting while another process holds it and calling `say` with a progress
+    line at once and every WAIT_REPORT_S; returns (the open lock file, the holder's record as it was left)."""
+    handle = open(os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644), "r+")
+    started, reported = time.monotonic(), None
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            now = time.monotonic()
+            if reported is None or now - reported >= WAIT_REPORT_S:
+                who = holder(lock_path).split(",")[0]
+                say(f"waiting for {who} building {product} ({now - started:.0f} s so far; another pipeline's job, "
+                    "whose product this job then uses)")
+                reported = now
+            time.sleep(0.5)
+    handle.seek(0)
+    try:
+        record = json.loads(handle.read() or "{}")
+    except ValueError:
+        record = {}
+    return handle, record
+
+
+def _write_record(handle, **extra) -> None:
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                             "started_at": time.strftime("%Y-%m-%d %H:%M:%S %z"), **extra}))
+    handle.flush()
+
+
 @contextlib.contextmanager
-def stage_job_log(log_path: str, what: str):
-    """For one data-stage job: its lock (refused, naming the holder, while another pipeline runs the same job), then
-    `logs.job_log` into a new file of `<log stem>.attempts/`, which `log_path` names while the job runs and after it
-    (re-pointed at the end, in case another pipeline's Snakemake deleted the name meanwhile)."""
+def stage_job_log(log_path: str, what: str, outputs=()):
+    """For one data-stage job writing `outputs`: the product's lock (waiting, with a progress line, while another
+    pipeline builds the same product), then `logs.job_log` into a new file of `<log stem>.attempts/`, which
+    `log_path` names while the job runs and after it (re-pointed at the end, in case another pipeline's Snakemake
+    deleted the name meanwhile). Yields a StageJob: `reused` when the other pipeline finished every output after this
+    job's process started (its Snakemake had already deleted the old ones), so the job is done."""
     from pretrain_bench.core.logs import job_log
 
     log = Path(log_path)
     attempt = attempt_path(log)
-    lock_path = attempt.parent / "job.lock"
-    lock = _acquire_file(lock_path, lambda: (
-        f"another pipeline ({holder(lock_path)}) is running {what} for these outputs right now (its log: "
-        f"{log}): two jobs must never write the same files; wait for it to finish, or stop it, then run again"))
+    outputs = [str(output) for output in outputs]
+    lock_path = product_lock_path(outputs[0]) if outputs else attempt.parent / "job.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    product = str(Path(outputs[0]).parent.relative_to("results")) if outputs and outputs[0].startswith(
+        "results/") else (outputs[0] if outputs else what)
+    attempt.touch()
+    point_log_at(log, attempt)
+    with open(attempt, "a", buffering=1) as early:
+        def say(line: str) -> None:
+            early.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+            print(f"{what}: {line}", file=sys.stderr, flush=True)
+
+        lock, record = _wait_for_product(lock_path, product, say)
     with lock:
-        attempt.touch()
-        point_log_at(log, attempt)
+        reused = (bool(outputs) and record.get("finished_at", 0) >= _process_start()
+                  and all(Path(output).exists() for output in outputs))
+        _write_record(lock)
         try:
-            with job_log(str(attempt), what) as logger:
-                yield logger
+            with job_log(str(attempt), what, append=True) as logger:
+                if reused:
+                    logger.info("%s: pid %s finished building %s while this job waited: using it", what,
+                                record.get("pid"), product)
+                yield StageJob(reused=reused, logger=logger)
+            _write_record(lock, finished_at=time.time(), outputs=outputs)
         finally:
             point_log_at(log, attempt)
 
@@ -115,3 +197,16 @@ def point_log_at(log: Path, attempt: Path) -> None:
     os.replace(tmp, log)
     # rename() between two names of one file does nothing and succeeds (POSIX), leaving the temporary name behind
     tmp.unlink(missing_ok=True)
+
+
+def snakemake_lock_note(locks: Path, argv: list[str]) -> str | None:
+    """A note for the terminal when another Snakemake holds this working directory's lock (its files in `locks`,
+    .snakemake/locks) and this one, whose command line is `argv`, takes it (no --nolock, no --dry-run): Snakemake's
+    own refusal says only "Directory cannot be locked". None otherwise."""
+    if {"--nolock", "-n", "--dry-run", "--dryrun", "--unlock"} & set(argv) or not any(Path(locks).glob("*.lock")):
+        return None
+    return ("another Snakemake holds this working directory's lock (.snakemake/locks). If this one is refused with "
+            "\"Directory cannot be locked\": to run two experiments at once, add --nolock, which is safe here: each "
+            "data product has its own lock (a job that finds another pipeline building the same product waits for "
+            "it, then uses it) and each run its state lock (a second run on the same name is refused). If no other "
+            "Snakemake is running, `snakemake --unlock` clears the lock a killed one left.")
