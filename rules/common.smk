@@ -11,6 +11,7 @@ gc.freeze()
 
 from snakemake.exceptions import WorkflowError
 
+from pretrain_bench.config.checks import check_torch_version
 from pretrain_bench.config.experiment import Config
 from pretrain_bench.config.schema import AXES as bench_axes, coerce_command_line_types, fill_defaults_and_validate, load_schema
 from pretrain_bench.core.devices import GPU_LOCK_DIR as DEVICE_LOCK_DIR
@@ -36,6 +37,10 @@ try:
     SETTINGS = Config.from_config(config)
 except ConfigError as error:
     raise WorkflowError(f"invalid configuration: {error}")
+try:
+    check_torch_version()
+except ConfigError as error:
+    raise WorkflowError(str(error))
 NAME, CORPUS, TOKENIZER, SHARDS = SETTINGS.name, SETTINGS.corpus, SETTINGS.tokenizer, SETTINGS.shards
 MODEL, TRAIN, EVALUATE, BENCH, REPORT = SETTINGS.model, SETTINGS.train, SETTINGS.evaluate, SETTINGS.benchmark, \
     SETTINGS.report
