@@ -28,7 +28,8 @@ Needs no CUDA toolkit: DeepSpeed's CUDA kernels are not used (torch's AdamW stan
 only for the runs that offload (default-setup, zero3-offload), whose CPU Adam is a C++ op DeepSpeed compiles on
 first use (`make install` builds it ahead).
 
-With --device cuda on a machine without CUDA it writes the reason it skipped and exits 0.
+With --device cuda on a machine without GPUs it writes the reason it skipped and exits 0; where nvidia-smi lists GPUs
+that torch cannot use (a CPU-only wheel on a GPU box), it fails: exit 1, the reason in the JSON.
 
 Usage: python bench/gpu_smoke.py OUT.json [--device cuda|cpu] [--size gpu|cpu|tiny] [--work DIR] [--steps N]
 """
@@ -323,7 +324,17 @@ def main(argv=None) -> int:
     if args.device == "cuda":
         import torch
 
+        from pretrain_bench.core.devices import gpu_names
+
         if not torch.cuda.is_available():
+            listed = gpu_names()
+            if listed:  # a GPU box where this torch cannot use them: a skip here would be a false pass
+                reason = (f"nvidia-smi lists {len(listed)} GPU(s) ({', '.join(dict.fromkeys(listed))}) but torch "
+                          f"{torch.__version__} cannot use them (torch.cuda.is_available() is False; a CPU-only "
+                          "wheel, or a driver older than its CUDA): install torch's CUDA build")
+                print(f"gpu-smoke: FAILED: {reason}", file=sys.stderr)
+                args.out.write_text(json.dumps({"failed": reason}, indent=2))
+                return 1
             reason = f"no CUDA device visible (torch {torch.__version__}, torch.cuda.is_available() is False)"
             print(f"gpu-smoke: skipped: {reason}")
             args.out.write_text(json.dumps({"skipped": reason}, indent=2))

@@ -1,6 +1,7 @@
 """`make gpu-smoke` on a machine without CUDA (a clear skip, exit 0, the reason in its JSON), its result lines,
 its CPU twin's settings, and the GPU peak table its MFU divides by."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,46 @@ def test_gpu_smoke_skips_with_the_reason_without_cuda(tmp_path):
     assert "gpu-smoke: skipped: no CUDA device visible" in proc.stdout
     assert "torch.cuda.is_available() is False" in json.loads(out.read_text())["skipped"]
     assert not (tmp_path / "work").exists(), "nothing is built when there is no GPU"
+
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+# nvidia-smi on a box with two RTX 4090s: answers --query-gpu=<fields> --format=csv,noheader,nounits
+fields=$(printf '%s\\n' "$@" | sed -n 's/^--query-gpu=//p')
+for gpu in 0 1; do
+  line=""
+  for field in $(echo "$fields" | tr ',' ' '); do
+    case $field in
+      name) value="NVIDIA GeForce RTX 4090" ;;
+      memory.total) value=24564 ;;
+      memory.free) value=23012 ;;
+      *) value="[N/A]" ;;
+    esac
+    line="${line:+$line, }$value"
+  done
+  echo "$line"
+done
+"""
+
+
+def fake_nvidia_smi(folder: Path) -> Path:
+    """A folder holding an executable `nvidia-smi` that lists two GPUs (FAKE_NVIDIA_SMI), for the front of PATH."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "nvidia-smi"
+    script.write_text(FAKE_NVIDIA_SMI)
+    script.chmod(0o755)
+    return folder
+
+
+def test_gpu_smoke_fails_loudly_where_nvidia_smi_lists_gpus_that_torch_cannot_use(tmp_path):
+    out = tmp_path / "gpu-smoke.json"
+    env = {**os.environ, "PATH": f"{fake_nvidia_smi(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), str(out), "--work",
+                           str(tmp_path / "work")], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "skipped" not in proc.stdout
+    assert ("gpu-smoke: FAILED: nvidia-smi lists 2 GPU(s) (NVIDIA GeForce RTX 4090) but torch" in proc.stderr
+            and "torch.cuda.is_available() is False" in proc.stderr and "install torch's CUDA build" in proc.stderr)
+    assert "cannot use them" in json.loads(out.read_text())["failed"]
 
 
 def _smoke_module():
