@@ -201,6 +201,35 @@ def test_the_pinning_probe_names_the_real_failure():
                     "are slower, RAM exact)")
 
 
+def test_pinning_merges_its_option_into_both_allocator_names_keeping_the_users_settings(monkeypatch):
+    import subprocess
+
+    from pretrain_bench.train import launcher
+
+    probed = []
+
+    def probe(cmd, env, **kwargs):  # a CUDA box whose torch has the option: the probe succeeds
+        probed.append(env)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(launcher.subprocess, "run", probe)
+    # the user's setting under the name torch reads second: torch 2.13 reads PYTORCH_CUDA_ALLOC_CONF first, so
+    # setting only that one would drop expandable_segments silently
+    user = {"PATH": "/usr/bin", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    additions, pin_memory, note = launcher.exact_pinning(user)
+    merged = "expandable_segments:True,pinned_max_round_threshold_mb:64"
+    assert additions == {"PYTORCH_CUDA_ALLOC_CONF": merged, "PYTORCH_ALLOC_CONF": merged} and pin_memory
+    assert probed[0]["PYTORCH_CUDA_ALLOC_CONF"] == merged, "the probe tries what the ranks will get"
+    assert note == f"pinned host memory at exact sizes: PYTORCH_CUDA_ALLOC_CONF={merged} PYTORCH_ALLOC_CONF={merged}"
+    # each name keeps its own settings; one the user set already is not set twice; nothing set: the option alone
+    both = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128", "PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:8"}
+    assert launcher.allocator_conf_with(both, launcher.PINNED_EXACT_OPTION) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,pinned_max_round_threshold_mb:64",
+        "PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:8"}
+    assert launcher.allocator_conf_with({}, launcher.PINNED_EXACT_OPTION) == dict.fromkeys(
+        launcher.ALLOCATOR_CONF_KEYS, "pinned_max_round_threshold_mb:64")
+
+
 OPS_PROBE = """
 import json, os, sys
 import torch, torch.utils.cpp_extension

@@ -58,23 +58,44 @@ if "pinned_max_round_threshold_mb" not in _accelerator_getAllocatorSettings():
 """
 
 
+# The allocator's settings: torch reads the first name and falls back to the second only where the first is unset
+# (c10/cuda/CUDAAllocatorConfig.h), so an option set under one name alone hides a user's settings under the other.
+ALLOCATOR_CONF_KEYS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def allocator_conf_with(env: dict, option: str) -> dict:
+    """Both allocator settings names (ALLOCATOR_CONF_KEYS) with `option` (key:value) merged into the user's settings:
+    each name keeps its own value where it is set, else takes the other's, so whichever torch reads still holds what
+    the user asked. An option key the user set already is kept as the user set it."""
+    key = option.split(":", 1)[0]
+    merged = {}
+    for name in ALLOCATOR_CONF_KEYS:
+        other = next(n for n in ALLOCATOR_CONF_KEYS if n != name)
+        own = env[name] if name in env else env.get(other, "")
+        entries = [entry for entry in own.split(",") if entry.strip()]
+        if not any(entry.split(":", 1)[0].strip() == key for entry in entries):
+            entries.append(option)
+        merged[name] = ",".join(entries)
+    return merged
+
+
 def exact_pinning(env: dict) -> tuple[dict, bool, str]:
     """Environment additions that keep pinned host buffers at their exact size, whether the ranks may pin at all
     (LaunchContext.pin_memory), and a line for the log.
 
-    Probed in a child with `env`: the job's own GPU slot (CUDA_VISIBLE_DEVICES) and allocator settings. Where the
-    probe fails, pinning is off and the line names the failure (a torch without the option, or a GPU or pinned
-    allocation that failed)."""
-    key = "PYTORCH_CUDA_ALLOC_CONF"
-    conf = ",".join(filter(None, [env.get(key, ""), PINNED_EXACT_OPTION]))
+    Probed in a child with `env`: the job's own GPU slot (CUDA_VISIBLE_DEVICES) and allocator settings, our option
+    merged into the user's under both names (allocator_conf_with). Where the probe fails, pinning is off and the line
+    names the failure (a torch without the option, or a GPU or pinned allocation that failed)."""
+    additions = allocator_conf_with(env, PINNED_EXACT_OPTION)
     try:
-        probe = subprocess.run([sys.executable, "-c", _PINNED_PROBE], env={**env, key: conf}, capture_output=True,
+        probe = subprocess.run([sys.executable, "-c", _PINNED_PROBE], env={**env, **additions}, capture_output=True,
                                text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as error:
         failure = f"the pinning probe did not run: {error}"
     else:
         if probe.returncode == 0:
-            return {key: conf}, True, f"pinned host memory at exact sizes: {key}={conf}"
+            return additions, True, "pinned host memory at exact sizes: " + " ".join(
+                f"{name}={conf}" for name, conf in additions.items())
         lines = probe.stderr.strip().splitlines()
         failure = lines[-1] if lines else f"the pinning probe exited with status {probe.returncode}"
     return {}, False, f"pinned host memory off: {failure} (offload copies are slower, RAM exact)"
