@@ -4,7 +4,8 @@ Snakemake's `--resources gpu=3` counts GPUs but never says which ones a job may 
 land on device 0. `allocate_slots` hands out disjoint device ids to concurrent local jobs through lock files
 (`fcntl.flock`, released automatically if the job dies). Slots are taken from the devices this process may see:
 the entries of CUDA_VISIBLE_DEVICES when the user set it (say "2,3" to keep the pipeline off two GPUs), else every
-GPU. Only a scheduler's allocation (SLURM sets CUDA_VISIBLE_DEVICES for the job's GPUs) is used as it is.
+GPU. Only a scheduler's allocation of exactly the job's GPUs (SLURM sets CUDA_VISIBLE_DEVICES for them) is used as it
+is; an allocation that holds more (local Snakemake inside sbatch or salloc) is shared out as slots.
 
 Two ways to look for GPUs: `cuda_device_count` asks torch; `resolve_device_cheaply`, `nvidia_smi_memory` and
 `gpu_names` ask nvidia-smi, so that DAG time and the pre-flight do not import torch where they can avoid it.
@@ -132,9 +133,13 @@ def set_process_name(name: str) -> None:
 GPU_LOCK_DIR = Path(".pretrain-bench/gpu-slots")
 
 
-def scheduler_owns_devices() -> bool:
-    """True inside a scheduler's allocation whose GPUs are already named in CUDA_VISIBLE_DEVICES (SLURM)."""
-    return "CUDA_VISIBLE_DEVICES" in os.environ and bool(os.environ.get("SLURM_JOB_ID"))
+def scheduler_owns_devices(count: int) -> bool:
+    """True inside a scheduler's allocation (SLURM) that named exactly this job's `count` GPUs in
+    CUDA_VISIBLE_DEVICES: a SLURM job per Snakemake job. Local Snakemake inside an sbatch script or an salloc step
+    sees the whole allocation's GPUs there, which its concurrent jobs must share out as slots: trusted as one job's,
+    every 1-GPU job would run on cuda:0."""
+    return bool(os.environ.get("SLURM_JOB_ID")) and "CUDA_VISIBLE_DEVICES" in os.environ \
+        and len(visible_device_ids()) == count
 
 
 def visible_device_ids() -> list[str]:
@@ -148,7 +153,7 @@ def visible_device_ids() -> list[str]:
 @contextlib.contextmanager
 def gpu_slots(count: int, lock_dir: Path = GPU_LOCK_DIR, *, timeout_s: float = 3600.0):
     """The CUDA_VISIBLE_DEVICES entries a job holds for the with-block; None when a scheduler assigned them."""
-    if scheduler_owns_devices():
+    if scheduler_owns_devices(count):
         yield None
         return
     with allocate_slots(count, visible_device_ids(), lock_dir, timeout_s=timeout_s) as ids:
