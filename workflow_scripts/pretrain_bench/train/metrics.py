@@ -104,8 +104,11 @@ def peak_memory_per_rank(records: list[dict], world_size: int) -> list[int]:
 
 
 def steady_steps(records: list[dict], warmup_steps: int) -> list[dict]:
-    """Records after the warm-up (and after any resume's first step, which pays for loading)."""
-    steady = [r for r in records if r["step"] > warmup_steps and not r.get("after_resume")]
+    """Records after the warm-up (and after any resume's first step, which pays for loading), less the optimizer steps
+    skipped for an fp16 loss-scale overflow (`overflow`): they trained nothing and skip the optimizer's work, so
+    counting them would make tokens/s and MFU look better than the steps that trained (summary.json's skipped_steps
+    counts them)."""
+    steady = [r for r in records if r["step"] > warmup_steps and not r.get("after_resume") and not r.get("overflow")]
     return steady or records[-1:]
 
 

@@ -48,7 +48,7 @@ class RunSummary:
     steps: int  # optimizer steps of the run
     tokens_per_step: int
     tokens: int  # steps × tokens per step
-    tokens_per_s: float | None  # global, steady state (warm-up excluded)
+    tokens_per_s: float | None  # global, steady state (warm-up and steps skipped for fp16 overflow excluded)
     step_time_s: dict  # {median, min, max, mean} over the steady-state steps
     phase_time_s: dict  # {forward, backward, optimizer}: medians, None where train.phase_timing is off
     steady_steps: int
@@ -66,7 +66,7 @@ class RunSummary:
     comm_fraction: float | None  # communication time ÷ step time; None with comm_method saying why
     comm_method: str
     loss: dict  # {first, last, min}
-    skipped_steps: int
+    skipped_steps: int  # optimizer steps skipped for an fp16 loss-scale overflow; left out of every timed figure
     oversubscribed: bool  # more ranks than CPU cores
     threads_per_rank: int
     resumed_from_step: int | None

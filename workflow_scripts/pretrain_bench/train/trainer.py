@@ -330,7 +330,8 @@ class Trainer:
                skipped_before: int) -> dict:
         """The step's metrics.jsonl record, with the held-out evaluation when train.eval_every asks for one."""
         settings, engine, tokens_per_step = self.settings, self.engine, self.tokens_per_step
-        if step > settings.warmup_timing_steps and step != self.start_step + 1:  # a steady-state step
+        overflow = engine.skipped_steps > skipped_before  # fp16 loss-scale overflow: no update, out of the timing
+        if step > settings.warmup_timing_steps and step != self.start_step + 1 and not overflow:  # steady state
             self.comm_steady_ms += comm or 0.0
             self.steady_time_s += step_time
         record = {
@@ -340,7 +341,7 @@ class Trainer:
             "tokens_per_s": tokens_per_step / step_time, "tokens": step * tokens_per_step,
             "comm_s": comm / 1000.0 if comm is not None else None,
             "peak_mem_bytes": [int(rank.peak_mem_bytes) for rank in gathered],
-            "skipped_steps": engine.skipped_steps, "overflow": engine.skipped_steps > skipped_before,
+            "skipped_steps": engine.skipped_steps, "overflow": overflow,
             "loss_scale": engine.loss_scale(),
             "after_resume": self.checkpointer.resumed_from is not None and step == self.start_step + 1,
             # the step's MFU against the plan's peak (None without one), for the trackers
