@@ -61,14 +61,14 @@ def resolve_device_cheaply(requested: str) -> str:
 
 
 # The nvidia-smi fields planning reads, asked for in one call.
-_NVIDIA_SMI_FIELDS = ("name", "memory.total")
+_NVIDIA_SMI_FIELDS = ("name", "memory.total", "memory.free")
 
 
 @functools.lru_cache(maxsize=1)
 def _nvidia_smi_table() -> tuple[tuple[str, ...], ...]:
-    """(name, memory.total in MiB) of every GPU nvidia-smi lists, from one call per process: a DAG build asks several
-    times (device, budget of the matrix and of the main run, datasheet peak), and each nvidia-smi start costs from
-    tens of milliseconds to seconds. () when there is no nvidia-smi or it fails."""
+    """(name, memory.total, memory.free in MiB) of every GPU nvidia-smi lists, from one call per process: a DAG build
+    asks several times (device, budget of the matrix and of the main run, datasheet peak), and each nvidia-smi start
+    costs from tens of milliseconds to seconds. () when there is no nvidia-smi or it fails."""
     if shutil.which("nvidia-smi") is None:
         return ()
     try:
@@ -95,6 +95,16 @@ def _nvidia_smi(field: str) -> list[str]:
 def nvidia_smi_memory() -> list[int]:
     """Total memory in bytes of each visible GPU, from nvidia-smi ([] when there is none or no nvidia-smi)."""
     return [int(float(value)) * 1024**2 for value in _nvidia_smi("memory.total")]
+
+
+def nvidia_smi_free_memory() -> list[int]:
+    """Free memory in bytes of each visible GPU now, from nvidia-smi: its total less what other processes hold (a
+    desktop's display, another user's job). [] when there is none, no nvidia-smi, or a figure it cannot give."""
+    values = _nvidia_smi("memory.free")
+    try:
+        return [int(float(value)) * 1024**2 for value in values]
+    except ValueError:  # "[N/A]" on some virtualised GPUs
+        return []
 
 
 def gpu_names() -> list[str]:
