@@ -33,6 +33,18 @@ def test_bf16_evaluation_stays_bf16_on_ampere_and_later(volta, monkeypatch):
     assert supported_precision("bf16", "cuda:0") == ("bf16", None)
 
 
+def test_bf16_training_on_a_gpu_that_only_emulates_it_is_flagged_by_name(volta, monkeypatch):
+    from pretrain_bench.core.devices import emulated_bf16_note
+
+    note = emulated_bf16_note("cuda", "bf16")
+    assert note == ("train.precision bf16 on Tesla V100-SXM2-16GB (compute capability 7.0): GPUs before compute "
+                    "capability 8.0 (Ampere) have no bf16 arithmetic, so it is emulated, many times slower; "
+                    "train.precision fp16 is the choice on this GPU")
+    assert emulated_bf16_note("cuda", "fp16") is None
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(major=8, minor=9))
+    assert emulated_bf16_note("cuda", "bf16") is None, "Ada and later run bf16 natively"
+
+
 @pytest.fixture
 def three_gpus_two_linked(monkeypatch):
     """torch.cuda with GPUs 0 and 1 linked peer to peer (NVLink) and GPU 2 reachable only through the host."""

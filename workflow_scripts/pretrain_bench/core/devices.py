@@ -229,11 +229,22 @@ def cpu_bf16_is_native() -> bool:
 
 def emulated_bf16_note(device: str, precision: str, native=None) -> str | None:
     """A notice for a bf16 run on a CPU whose matmuls have no native bf16 (oneDNN reports none: AVX2 and older, or
-    AVX-512 without its bf16 extension), where they are emulated; None otherwise. `native`: the check (a test's
-    stand-in), by default oneDNN's own."""
-    if device != "cpu" or precision != "bf16":
+    AVX-512 without its bf16 extension), or on a GPU without bf16 arithmetic (compute capability below 8.0: T4, V100),
+    where they are emulated; None otherwise. `native`: the CPU check (a test's stand-in), by default oneDNN's own."""
+    if precision != "bf16" or device not in ("cpu", "cuda"):
         return None
     import torch
+
+    if device == "cuda":
+        # torch counts a bf16 tensor that can merely be created as support unless told not to
+        if torch.version.hip is not None or torch.cuda.is_bf16_supported(including_emulation=False):
+            return None
+        index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return (f"train.precision bf16 on {torch.cuda.get_device_name(index)} (compute capability "
+                f"{props.major}.{props.minor}): "
+                "GPUs before compute capability 8.0 (Ampere) have no bf16 arithmetic, so it is emulated, many times "
+                "slower; train.precision fp16 is the choice on this GPU")
 
     if (native or cpu_bf16_is_native)():
         return None
