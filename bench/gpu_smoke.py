@@ -201,6 +201,7 @@ def run_one(name: str, preset: str, train: dict, size: Size, device: str, peak: 
         peak_flops_per_rank=summary.peak_flops_per_rank, peak_flops_source=summary.peak_flops_source,
         step_time_s=summary.step_time_s, loss=summary.loss, parameters=summary.model["parameters"],
         peak_memory_bytes=measured, peak_memory_kind=summary.peak_mem_kind,
+        peak_memory_allocated_bytes=(summary.peak_mem_allocated_bytes or [None])[0],
         predicted_memory_bytes=predicted, measured_over_predicted=measured / predicted,
         memory_terms={k: estimate[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "init",
                                                "runtime", "host_states")},

@@ -45,6 +45,38 @@ def test_bf16_training_on_a_gpu_that_only_emulates_it_is_flagged_by_name(volta, 
     assert emulated_bf16_note("cuda", "bf16") is None, "Ada and later run bf16 natively"
 
 
+def test_a_cuda_steps_peak_is_the_reserved_memory_with_the_allocated_beside_it(monkeypatch, tmp_path):
+    """Trainer.gather_step and record as on a GPU (torch.cuda's peaks monkeypatched, gathered over gloo)."""
+    import torch.distributed as dist
+
+    from pretrain_bench.config.settings import TrainSettings
+    from pretrain_bench.train.checkpointer import Checkpointer
+    from pretrain_bench.train.metrics import peak_memory_per_rank
+    from pretrain_bench.train.trainer import Trainer
+
+    reserved, allocated = 22 * 2**30 + 123 * 2**20, 19 * 2**30 + 5
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: reserved)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: allocated)
+    settings = TrainSettings()
+    trainer = Trainer.__new__(Trainer)
+    trainer.__dict__.update(
+        engine=types.SimpleNamespace(grad_norm=lambda: None, skipped_steps=0, lr=lambda: 1e-3,
+                                     loss_scale=lambda: None),
+        settings=settings, rank=0, world=1, device="cuda", run_device="cpu", inject_nan_step=0, start_step=0,
+        preemption=types.SimpleNamespace(requested=False), comm_steady_ms=0.0, steady_time_s=0.0,
+        tokens_per_step=100, heldout=None, flops_token=6.0e6, peak={"flops_per_rank": 1.0e12, "source": "test"},
+        checkpointer=Checkpointer(tmp_path, settings, seq_len=8, rank=0, world=1, run_device="cpu", fingerprint={},
+                                  saves=False, log=print))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        gathered = trainer.gather_step(1, torch.tensor([2.5]))
+    finally:
+        dist.destroy_process_group()
+    record = trainer.record(1, gathered, 1.0, dict.fromkeys(("forward", "backward", "optimizer")), None, 0)
+    assert record["peak_mem_bytes"] == [reserved] and record["peak_mem_allocated_bytes"] == [allocated]
+    assert peak_memory_per_rank([record], 1, "peak_mem_allocated_bytes") == [allocated]
+
+
 @pytest.fixture
 def three_gpus_two_linked(monkeypatch):
     """torch.cuda with GPUs 0 and 1 linked peer to peer (NVLink) and GPU 2 reachable only through the host."""

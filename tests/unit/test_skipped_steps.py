@@ -40,7 +40,8 @@ def recorded_run(overflows, step_times):
     engine = OverflowingEngine(overflows)
     trainer = Trainer.__new__(Trainer)
     trainer.__dict__.update(
-        engine=engine, settings=settings, rank=0, world=1, start_step=0, comm_steady_ms=0.0, steady_time_s=0.0,
+        engine=engine, settings=settings, rank=0, world=1, device="cpu", start_step=0, comm_steady_ms=0.0,
+        steady_time_s=0.0,
         tokens_per_step=TOKENS_PER_STEP, heldout=None, flops_token=6.0e6,
         peak={"flops_per_rank": 1.0e12, "source": "test"},
         checkpointer=Checkpointer(Path("state/checkpoints"), settings, seq_len=8, rank=0, world=1, run_device="cpu",
@@ -49,7 +50,7 @@ def recorded_run(overflows, step_times):
     for step, step_time in enumerate(step_times, start=1):
         skipped_before = engine.skipped_steps
         engine.step(step)
-        gathered = [types.SimpleNamespace(loss=5.0, grad_norm=1.0, peak_mem_bytes=2**20)]
+        gathered = [types.SimpleNamespace(loss=5.0, grad_norm=1.0, peak_mem_bytes=2**20, peak_allocated_bytes=0)]
         records.append(trainer.record(step, gathered, step_time, dict.fromkeys(("forward", "backward", "optimizer")),
                                       None, skipped_before))
     return records, trainer

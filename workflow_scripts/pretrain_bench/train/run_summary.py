@@ -14,7 +14,7 @@ from pathlib import Path
 from pretrain_bench.core.io import key_differences
 
 # Raised whenever the fields below change (a key added, renamed or given another meaning).
-SUMMARY_VERSION = 3
+SUMMARY_VERSION = 4
 
 
 class SummaryError(ValueError):
@@ -54,7 +54,10 @@ class RunSummary:
     steady_steps: int
     warmup_timing_steps: int
     peak_mem_bytes: list  # per rank (None for a rank no record has)
-    peak_mem_kind: str  # what was measured (allocator peak or peak RSS)
+    # CUDA: per rank, the tensors' own peak (torch.cuda.max_memory_allocated), beside peak_mem_bytes (the allocator's
+    # reserved peak); None on CPU
+    peak_mem_allocated_bytes: list | None
+    peak_mem_kind: str  # what was measured (the allocator's reserved peak or peak RSS)
     model: dict  # preset, parameters, non_embedding_parameters, matmul_parameters, layers, hidden_size, heads, vocab,
     # attn_implementation (the attention kernel it ran), implementation (model.implementation: the class it built)
     flops_per_token: float
