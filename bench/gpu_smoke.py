@@ -15,8 +15,9 @@ Runs, each at world size 1 over the device's collective backend (nccl on CUDA, g
 6. fsdp: PyTorch FSDP2 with a bf16 mixed-precision policy.
 7. zero2-large-compile: zero2-large with train.compile (torch.compile per decoder block, inductor): the JSON's
    `compile` compares its steady-state tokens/s with zero2-large's and gives its compile time and break-even steps.
-On CPU fp16 has no loss scaling (DeepSpeed's CPU accelerator lacks it), so those runs use bf16; everything else is
-the same steps. Every run goes through the launcher with a plan file, exactly as rule pretrain starts it, on a small
+On CPU fp16 has no loss scaling (DeepSpeed's CPU accelerator lacks it), so those runs use bf16, and every bf16 run uses
+fp32 where the CPU only emulates bf16 (no AVX512-bf16 or AMX: devices.cpu_bf16_is_native); everything else is the
+same steps. The JSON's wall_s is the smoke's own time (under 5 minutes on 2 cores for the CPU twin). Every run goes through the launcher with a plan file, exactly as rule pretrain starts it, on a small
 corpus built from the Python standard library (no network).
 
 Each run reports tokens/s, MFU against the device's peak (CUDA: the GPU's datasheet figure from
@@ -111,11 +112,18 @@ def default_config() -> dict:
     return load_config(ROOT / "config.yaml")
 
 
-def device_settings(train: dict, device: str) -> dict:
-    """A run's train settings on `device`: on CPU gloo, and bf16 where CUDA runs fp16 (no CPU loss scaling)."""
+def device_settings(train: dict, device: str, native_bf16: bool | None = None) -> dict:
+    """A run's train settings on `device`: on CPU gloo, and bf16 where CUDA runs fp16 (no CPU loss scaling), or fp32
+    where this CPU only emulates bf16 (`native_bf16`, by default devices.cpu_bf16_is_native): emulated bf16 ran the
+    twin at 2 tokens/s on 2 AVX2 cores, past 25 minutes, testing nothing fp32 does not."""
     if device == "cuda":
         return {**train, "comm_backend": "nccl"}
     precision = "bf16" if train["precision"] == "fp16" else train["precision"]
+    if precision == "bf16":
+        from pretrain_bench.core.devices import cpu_bf16_is_native
+
+        if not (cpu_bf16_is_native() if native_bf16 is None else native_bf16):
+            precision = "fp32"
     return {**train, "comm_backend": "gloo", "precision": precision}
 
 
@@ -265,13 +273,14 @@ def smoke(out: Path, device: str, size: Size, work: Path) -> int:
     """Every run on `device`, the JSON rewritten after each; 0 when all ran."""
     from pretrain_bench.config.settings import ConfigError
 
+    started = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
     index, tokenizer = build_data(work, size)
     facts = machine_facts(device, work)
     peak = facts["peak"]
     print(f"gpu-smoke on {device}: peak {peak['peak_flops'] / 1e12:,.3g} TFLOP/s ({peak['peak_source']})")
     report = {"device": device, "hardware": facts["hardware"], "peak": peak, "size": vars(size), "runs": [],
-              "compile": None}
+              "compile": None, "wall_s": None}
     try:
         layout, why = default_setup(default_config())
         report["default_setup"] = {"layout": layout, "pre_flight": why}
@@ -286,6 +295,7 @@ def smoke(out: Path, device: str, size: Size, work: Path) -> int:
         run = run_or_record(name, preset, device_settings(train, device), size, device, peak, index, tokenizer, work)
         report["runs"].append(run)
         report["compile"] = compile_comparison(report["runs"])
+        report["wall_s"] = time.perf_counter() - started  # the smoke's own time so far: data, peak and runs
         out.write_text(json.dumps(report, indent=2))
         print(result_line(run), flush=True)
     for note in dict.fromkeys(run["precision_note"] for run in report["runs"] if run.get("precision_note")):
@@ -296,6 +306,7 @@ def smoke(out: Path, device: str, size: Size, work: Path) -> int:
               f"(×{c['speedup']:.2f}), {c['compile_time_s']:.1f} s compiling"
               + (f", paid back after {c['break_even_steps']:,.0f} steps" if c["break_even_steps"] else
                  ", never paid back"))
+    print(f"gpu-smoke: {report['wall_s']:.0f} s in all")
     ran = report["default_setup"]["layout"] is not None and all(run["exit_code"] == 0 for run in report["runs"])
     return 0 if ran else 1
 

@@ -91,10 +91,24 @@ def test_result_line_prints_a_run_without_mfu_with_the_reason():
 def test_cpu_twin_runs_fp16_sections_in_bf16_over_gloo_and_cuda_keeps_them():
     smoke = _smoke_module()
     fp16 = {"engine": "ddp", "zero_stage": 0, "precision": "fp16"}
-    assert smoke.device_settings(fp16, "cpu") == {**fp16, "precision": "bf16", "comm_backend": "gloo"}
+    assert smoke.device_settings(fp16, "cpu", native_bf16=True) == {**fp16, "precision": "bf16",
+                                                                    "comm_backend": "gloo"}
     assert smoke.device_settings(fp16, "cuda") == {**fp16, "comm_backend": "nccl"}
     fp32 = {**fp16, "precision": "fp32"}
     assert smoke.device_settings(fp32, "cpu")["precision"] == "fp32"
+
+
+def test_cpu_twin_runs_fp32_where_the_cpu_only_emulates_bf16():
+    smoke = _smoke_module()
+    for precision in ("fp16", "bf16"):
+        train = {"engine": "fsdp", "zero_stage": 3, "precision": precision}
+        assert smoke.device_settings(train, "cpu", native_bf16=False)["precision"] == "fp32"
+        assert smoke.device_settings(train, "cuda", native_bf16=False)["precision"] == precision
+    import torch
+
+    emulated = not torch.ops.mkldnn._is_mkldnn_bf16_supported()  # this machine's CPU, as oneDNN reports it
+    bf16 = {"engine": "ddp", "zero_stage": 0, "precision": "bf16"}
+    assert smoke.device_settings(bf16, "cpu")["precision"] == ("fp32" if emulated else "bf16")
 
 
 def test_cpu_twin_predicts_rss_with_offloaded_states_and_cuda_the_allocator_peak():
