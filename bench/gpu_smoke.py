@@ -17,8 +17,8 @@ Runs, each at world size 1 over the device's collective backend (nccl on CUDA, g
    `compile` compares its steady-state tokens/s with zero2-large's and gives its compile time and break-even steps.
 On CPU fp16 has no loss scaling (DeepSpeed's CPU accelerator lacks it), so those runs use bf16, and every bf16 run uses
 fp32 where the CPU only emulates bf16 (no AVX512-bf16 or AMX: devices.cpu_bf16_is_native); everything else is the
-same steps. The JSON's wall_s is the smoke's own time (under 5 minutes on 2 cores for the CPU twin). Every run goes through the launcher with a plan file, exactly as rule pretrain starts it, on a small
-corpus built from the Python standard library (no network).
+same steps. The JSON's wall_s is the smoke's own time. Every run goes through the launcher with a plan file, exactly as
+rule pretrain starts it, on a small corpus built from the Python standard library (no network).
 
 Each run reports tokens/s, MFU against the device's peak (CUDA: the GPU's datasheet figure from
 pretrain_bench.train.models.flops, or a measured matmul where the GPU is not in the table; CPU: a bf16 matmul measured

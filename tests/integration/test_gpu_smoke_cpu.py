@@ -1,6 +1,7 @@
-"""`make gpu-smoke-cpu` in its short form: every section of the GPU smoke run on CPU (gloo, bf16 for fp16, fp32 where the CPU emulates bf16), with
-tiny sizes and 2 steps a run (the tiny size leaves 1 out of the timing: the other is the steady state its tokens/s,
-MFU and compile comparison come from), through the launcher as on a GPU; its JSON holds each run's figures."""
+"""`make gpu-smoke-cpu` in its short form: every section of the GPU smoke run on CPU (gloo, bf16 for fp16, fp32 where
+the CPU emulates bf16), with tiny sizes and 2 steps a run (the tiny size leaves 1 out of the timing: the other is the
+steady state its tokens/s, MFU and compile comparison come from), through the launcher as on a GPU; its JSON holds
+each run's figures and the smoke's own wall time."""
 import json
 import subprocess
 import sys
