@@ -1,5 +1,5 @@
-"""`make gpu-smoke` on a machine without CUDA (a clear skip, exit 0, the reason in its JSON), its result lines,
-its CPU twin's settings, and the GPU peak table its MFU divides by."""
+"""`make gpu-smoke` on a machine without CUDA (a clear skip, exit 0, the reason in its JSON; exit 1 where nvidia-smi
+lists GPUs torch cannot use), its result lines, its CPU twin's settings, and the GPU peak table its MFU divides by."""
 import json
 import os
 import subprocess
