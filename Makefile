@@ -104,7 +104,7 @@ bench: $(INSTALLED)
 # offload in fp16 and ZeRO-2 bf16 on llama-1b, ZeRO-2 fp16 loss scaling, DDP fp16, FSDP bf16: tokens/s, MFU against
 # the GPU's datasheet peak, peak memory against the memory model, in bench-results/gpu-smoke.json. Needs no CUDA
 # toolkit; g++ only for the offloaded runs' CPU Adam, which it compiles on first use (so it skips make install's
-# CPU-op build). Without CUDA it says why and exits 0.
+# CPU-op build). Without GPUs it says why and exits 0; where nvidia-smi lists GPUs torch cannot use, it fails.
 gpu-smoke: $(STAMP)
 	$(BIN)/python bench/gpu_smoke.py bench-results/gpu-smoke.json
 

@@ -15,9 +15,10 @@ Runs, each at world size 1 over the device's collective backend (nccl on CUDA, g
 6. fsdp: PyTorch FSDP2 with a bf16 mixed-precision policy.
 7. zero2-large-compile: zero2-large with train.compile (torch.compile per decoder block, inductor): the JSON's
    `compile` compares its steady-state tokens/s with zero2-large's and gives its compile time and break-even steps.
-On CPU fp16 has no loss scaling (DeepSpeed's CPU accelerator lacks it), so those runs use bf16; everything else is
-the same steps. Every run goes through the launcher with a plan file, exactly as rule pretrain starts it, on a small
-corpus built from the Python standard library (no network).
+On CPU fp16 has no loss scaling (DeepSpeed's CPU accelerator lacks it), so those runs use bf16, and every bf16 run uses
+fp32 where the CPU only emulates bf16 (no AVX512-bf16 or AMX: devices.cpu_bf16_is_native); everything else is the
+same steps. The JSON's wall_s is the smoke's own time. Every run goes through the launcher with a plan file, exactly as
+rule pretrain starts it, on a small corpus built from the Python standard library (no network).
 
 Each run reports tokens/s, MFU against the device's peak (CUDA: the GPU's datasheet figure from
 pretrain_bench.train.models.flops, or a measured matmul where the GPU is not in the table; CPU: a bf16 matmul measured
@@ -28,7 +29,8 @@ Needs no CUDA toolkit: DeepSpeed's CUDA kernels are not used (torch's AdamW stan
 only for the runs that offload (default-setup, zero3-offload), whose CPU Adam is a C++ op DeepSpeed compiles on
 first use (`make install` builds it ahead).
 
-With --device cuda on a machine without CUDA it writes the reason it skipped and exits 0.
+With --device cuda on a machine without GPUs it writes the reason it skipped and exits 0; where nvidia-smi lists GPUs
+that torch cannot use (a CPU-only wheel on a GPU box), it fails: exit 1, the reason in the JSON.
 
 Usage: python bench/gpu_smoke.py OUT.json [--device cuda|cpu] [--size gpu|cpu|tiny] [--work DIR] [--steps N]
 """
@@ -63,8 +65,9 @@ class Size:
 SIZES = {
     # minutes on one GPU; llama-1b's host Adam step (default-setup) is about a second on a server's cores
     "gpu": Size("llama-1b", "llama-125m", 512, 8, 30, 5, 32000, 20_000_000, 5_000_000),
-    # minutes on a few CPU cores: one 125M-parameter model, short sequences
-    "cpu": Size("llama-125m", "llama-125m", 128, 2, 8, 3, 32000, 4_000_000, 2_000_000),
+    # under 5 minutes on 2 shared cores (docs/benchmarks/2026-12-04-gpu-smoke-cpu.md): the 125M-parameter model for
+    # the runs that size memory and throughput, the tiny one for the engines' own paths, short sequences
+    "cpu": Size("llama-125m", "tiny", 64, 2, 5, 2, 32000, 2_000_000, 1_000_000),
     # seconds: the test suite's form
     "tiny": Size("tiny", "tiny", 64, 2, 4, 1, 1024, 1_000_000, 300_000),
 }
@@ -110,11 +113,18 @@ def default_config() -> dict:
     return load_config(ROOT / "config.yaml")
 
 
-def device_settings(train: dict, device: str) -> dict:
-    """A run's train settings on `device`: on CPU gloo, and bf16 where CUDA runs fp16 (no CPU loss scaling)."""
+def device_settings(train: dict, device: str, native_bf16: bool | None = None) -> dict:
+    """A run's train settings on `device`: on CPU gloo, and bf16 where CUDA runs fp16 (no CPU loss scaling), or fp32
+    where this CPU only emulates bf16 (`native_bf16`, by default devices.cpu_bf16_is_native): emulated bf16 ran the
+    twin at 2 tokens/s on 2 AVX2 cores, past 25 minutes, testing nothing fp32 does not."""
     if device == "cuda":
         return {**train, "comm_backend": "nccl"}
     precision = "bf16" if train["precision"] == "fp16" else train["precision"]
+    if precision == "bf16":
+        from pretrain_bench.core.devices import cpu_bf16_is_native
+
+        if not (cpu_bf16_is_native() if native_bf16 is None else native_bf16):
+            precision = "fp32"
     return {**train, "comm_backend": "gloo", "precision": precision}
 
 
@@ -200,6 +210,7 @@ def run_one(name: str, preset: str, train: dict, size: Size, device: str, peak: 
         peak_flops_per_rank=summary.peak_flops_per_rank, peak_flops_source=summary.peak_flops_source,
         step_time_s=summary.step_time_s, loss=summary.loss, parameters=summary.model["parameters"],
         peak_memory_bytes=measured, peak_memory_kind=summary.peak_mem_kind,
+        peak_memory_allocated_bytes=(summary.peak_mem_allocated_bytes or [None])[0],
         predicted_memory_bytes=predicted, measured_over_predicted=measured / predicted,
         memory_terms={k: estimate[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "init",
                                                "runtime", "host_states")},
@@ -263,13 +274,14 @@ def smoke(out: Path, device: str, size: Size, work: Path) -> int:
     """Every run on `device`, the JSON rewritten after each; 0 when all ran."""
     from pretrain_bench.train.settings import ConfigError
 
+    started = time.perf_counter()
     work.mkdir(parents=True, exist_ok=True)
     index, tokenizer = build_data(work, size)
     facts = machine_facts(device, work)
     peak = facts["peak"]
     print(f"gpu-smoke on {device}: peak {peak['peak_flops'] / 1e12:,.3g} TFLOP/s ({peak['peak_source']})")
     report = {"device": device, "hardware": facts["hardware"], "peak": peak, "size": vars(size), "runs": [],
-              "compile": None}
+              "compile": None, "wall_s": None}
     try:
         layout, why = default_setup(default_config())
         report["default_setup"] = {"layout": layout, "pre_flight": why}
@@ -284,6 +296,7 @@ def smoke(out: Path, device: str, size: Size, work: Path) -> int:
         run = run_or_record(name, preset, device_settings(train, device), size, device, peak, index, tokenizer, work)
         report["runs"].append(run)
         report["compile"] = compile_comparison(report["runs"])
+        report["wall_s"] = time.perf_counter() - started  # the smoke's own time so far: data, peak and runs
         out.write_text(json.dumps(report, indent=2))
         print(result_line(run), flush=True)
     for note in dict.fromkeys(run["precision_note"] for run in report["runs"] if run.get("precision_note")):
@@ -294,6 +307,7 @@ def smoke(out: Path, device: str, size: Size, work: Path) -> int:
               f"(×{c['speedup']:.2f}), {c['compile_time_s']:.1f} s compiling"
               + (f", paid back after {c['break_even_steps']:,.0f} steps" if c["break_even_steps"] else
                  ", never paid back"))
+    print(f"gpu-smoke: {report['wall_s']:.0f} s in all")
     ran = report["default_setup"]["layout"] is not None and all(run["exit_code"] == 0 for run in report["runs"])
     return 0 if ran else 1
 
@@ -323,7 +337,17 @@ def main(argv=None) -> int:
     if args.device == "cuda":
         import torch
 
+        from pretrain_bench.core.devices import gpu_names
+
         if not torch.cuda.is_available():
+            listed = gpu_names()
+            if listed:  # a GPU box where this torch cannot use them: a skip here would be a false pass
+                reason = (f"nvidia-smi lists {len(listed)} GPU(s) ({', '.join(dict.fromkeys(listed))}) but torch "
+                          f"{torch.__version__} cannot use them (torch.cuda.is_available() is False; a CPU-only "
+                          "wheel, or a driver older than its CUDA): install torch's CUDA build")
+                print(f"gpu-smoke: FAILED: {reason}", file=sys.stderr)
+                args.out.write_text(json.dumps({"failed": reason}, indent=2))
+                return 1
             reason = f"no CUDA device visible (torch {torch.__version__}, torch.cuda.is_available() is False)"
             print(f"gpu-smoke: skipped: {reason}")
             args.out.write_text(json.dumps({"skipped": reason}, indent=2))

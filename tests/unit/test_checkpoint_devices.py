@@ -84,10 +84,33 @@ def test_slots_come_from_the_users_visible_devices(tmp_path, monkeypatch):
     with pytest.raises(SlotError, match=visible):
         with gpu_slots(4, tmp_path):
             pass
-    # inside a SLURM allocation the scheduler's choice stands: no slot is taken
+    # inside a SLURM allocation of exactly the job's GPUs the scheduler's choice stands: no slot is taken
     monkeypatch.setenv("SLURM_JOB_ID", "42")
-    with gpu_slots(4, tmp_path) as ids:
+    with gpu_slots(3, tmp_path) as ids:
         assert ids is None
+
+
+def test_local_snakemake_inside_a_slurm_allocation_shares_its_gpus_out_as_slots(tmp_path, monkeypatch):
+    # salloc --gres=gpu:3, then snakemake on the allocation's node: every job sees the allocation's three GPUs, and
+    # three 1-GPU jobs (training, evaluation, peak) start together
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_GPUS", "1,2,3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_hold_visible, args=(tmp_path, queue, 0.6)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(20)
+    held = sorted(queue.get(timeout=5) for _ in range(3))
+    assert held == [("0",), ("1",), ("2",)], "each 1-GPU job on its own GPU, not all on cuda:0"
+    # a job the size of the allocation takes it as the scheduler gave it
+    with gpu_slots(3, tmp_path) as ids:
+        assert ids is None
+    with pytest.raises(SlotError, match="needs 4 devices but this machine has 3 visible"):
+        with gpu_slots(4, tmp_path):
+            pass
 
 
 def test_slot_allocation_waits_then_times_out(tmp_path):

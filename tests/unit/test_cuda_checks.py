@@ -33,6 +33,50 @@ def test_bf16_evaluation_stays_bf16_on_ampere_and_later(volta, monkeypatch):
     assert supported_precision("bf16", "cuda:0") == ("bf16", None)
 
 
+def test_bf16_training_on_a_gpu_that_only_emulates_it_is_flagged_by_name(volta, monkeypatch):
+    from pretrain_bench.core.devices import emulated_bf16_note
+
+    note = emulated_bf16_note("cuda", "bf16")
+    assert note == ("train.precision bf16 on Tesla V100-SXM2-16GB (compute capability 7.0): GPUs before compute "
+                    "capability 8.0 (Ampere) have no bf16 arithmetic, so it is emulated, many times slower; "
+                    "train.precision fp16 is the choice on this GPU")
+    assert emulated_bf16_note("cuda", "fp16") is None
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(major=8, minor=9))
+    assert emulated_bf16_note("cuda", "bf16") is None, "Ada and later run bf16 natively"
+
+
+def test_a_cuda_steps_peak_is_the_reserved_memory_with_the_allocated_beside_it(monkeypatch, tmp_path):
+    """Trainer.gather_step and record as on a GPU (torch.cuda's peaks monkeypatched, gathered over gloo)."""
+    import torch.distributed as dist
+
+    from pretrain_bench.train.checkpoints.checkpointer import Checkpointer
+    from pretrain_bench.train.metrics import peak_memory_per_rank
+    from pretrain_bench.train.settings import TrainSettings
+    from pretrain_bench.train.trainer import Trainer
+
+    reserved, allocated = 22 * 2**30 + 123 * 2**20, 19 * 2**30 + 5
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: reserved)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: allocated)
+    settings = TrainSettings()
+    trainer = Trainer.__new__(Trainer)
+    trainer.__dict__.update(
+        engine=types.SimpleNamespace(grad_norm=lambda: None, skipped_steps=0, lr=lambda: 1e-3,
+                                     loss_scale=lambda: None),
+        settings=settings, rank=0, world=1, device="cuda", run_device="cpu", inject_nan_step=0, start_step=0,
+        preemption=types.SimpleNamespace(requested=False), comm_steady_ms=0.0, steady_time_s=0.0,
+        tokens_per_step=100, heldout=None, flops_token=6.0e6, peak={"flops_per_rank": 1.0e12, "source": "test"},
+        checkpointer=Checkpointer(tmp_path, settings, seq_len=8, rank=0, world=1, run_device="cpu", fingerprint={},
+                                  saves=False, log=print))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        gathered = trainer.gather_step(1, torch.tensor([2.5]))
+    finally:
+        dist.destroy_process_group()
+    record = trainer.record(1, gathered, 1.0, dict.fromkeys(("forward", "backward", "optimizer")), None, 0)
+    assert record["peak_mem_bytes"] == [reserved] and record["peak_mem_allocated_bytes"] == [allocated]
+    assert peak_memory_per_rank([record], 1, "peak_mem_allocated_bytes") == [allocated]
+
+
 @pytest.fixture
 def three_gpus_two_linked(monkeypatch):
     """torch.cuda with GPUs 0 and 1 linked peer to peer (NVLink) and GPU 2 reachable only through the host."""
@@ -199,6 +243,35 @@ def test_the_pinning_probe_names_the_real_failure():
     assert additions == {} and pin_memory is False
     assert note == ("pinned host memory off: AssertionError: Torch not compiled with CUDA enabled (offload copies "
                     "are slower, RAM exact)")
+
+
+def test_pinning_merges_its_option_into_both_allocator_names_keeping_the_users_settings(monkeypatch):
+    import subprocess
+
+    from pretrain_bench.train import launcher
+
+    probed = []
+
+    def probe(cmd, env, **kwargs):  # a CUDA box whose torch has the option: the probe succeeds
+        probed.append(env)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(launcher.subprocess, "run", probe)
+    # the user's setting under the name torch reads second: torch 2.13 reads PYTORCH_CUDA_ALLOC_CONF first, so
+    # setting only that one would drop expandable_segments silently
+    user = {"PATH": "/usr/bin", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    additions, pin_memory, note = launcher.exact_pinning(user)
+    merged = "expandable_segments:True,pinned_max_round_threshold_mb:64"
+    assert additions == {"PYTORCH_CUDA_ALLOC_CONF": merged, "PYTORCH_ALLOC_CONF": merged} and pin_memory
+    assert probed[0]["PYTORCH_CUDA_ALLOC_CONF"] == merged, "the probe tries what the ranks will get"
+    assert note == f"pinned host memory at exact sizes: PYTORCH_CUDA_ALLOC_CONF={merged} PYTORCH_ALLOC_CONF={merged}"
+    # each name keeps its own settings; one the user set already is not set twice; nothing set: the option alone
+    both = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128", "PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:8"}
+    assert launcher.allocator_conf_with(both, launcher.PINNED_EXACT_OPTION) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,pinned_max_round_threshold_mb:64",
+        "PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:8"}
+    assert launcher.allocator_conf_with({}, launcher.PINNED_EXACT_OPTION) == dict.fromkeys(
+        launcher.ALLOCATOR_CONF_KEYS, "pinned_max_round_threshold_mb:64")
 
 
 OPS_PROBE = """

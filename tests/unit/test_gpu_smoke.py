@@ -1,6 +1,7 @@
-"""`make gpu-smoke` on a machine without CUDA (a clear skip, exit 0, the reason in its JSON), its result lines,
-its CPU twin's settings, and the GPU peak table its MFU divides by."""
+"""`make gpu-smoke` on a machine without CUDA (a clear skip, exit 0, the reason in its JSON; exit 1 where nvidia-smi
+lists GPUs torch cannot use), its result lines, its CPU twin's settings, and the GPU peak table its MFU divides by."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,46 @@ def test_gpu_smoke_skips_with_the_reason_without_cuda(tmp_path):
     assert "gpu-smoke: skipped: no CUDA device visible" in proc.stdout
     assert "torch.cuda.is_available() is False" in json.loads(out.read_text())["skipped"]
     assert not (tmp_path / "work").exists(), "nothing is built when there is no GPU"
+
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+# nvidia-smi on a box with two RTX 4090s: answers --query-gpu=<fields> --format=csv,noheader,nounits
+fields=$(printf '%s\\n' "$@" | sed -n 's/^--query-gpu=//p')
+for gpu in 0 1; do
+  line=""
+  for field in $(echo "$fields" | tr ',' ' '); do
+    case $field in
+      name) value="NVIDIA GeForce RTX 4090" ;;
+      memory.total) value=24564 ;;
+      memory.free) value=23012 ;;
+      *) value="[N/A]" ;;
+    esac
+    line="${line:+$line, }$value"
+  done
+  echo "$line"
+done
+"""
+
+
+def fake_nvidia_smi(folder: Path) -> Path:
+    """A folder holding an executable `nvidia-smi` that lists two GPUs (FAKE_NVIDIA_SMI), for the front of PATH."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "nvidia-smi"
+    script.write_text(FAKE_NVIDIA_SMI)
+    script.chmod(0o755)
+    return folder
+
+
+def test_gpu_smoke_fails_loudly_where_nvidia_smi_lists_gpus_that_torch_cannot_use(tmp_path):
+    out = tmp_path / "gpu-smoke.json"
+    env = {**os.environ, "PATH": f"{fake_nvidia_smi(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_smoke.py"), str(out), "--work",
+                           str(tmp_path / "work")], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "skipped" not in proc.stdout
+    assert ("gpu-smoke: FAILED: nvidia-smi lists 2 GPU(s) (NVIDIA GeForce RTX 4090) but torch" in proc.stderr
+            and "torch.cuda.is_available() is False" in proc.stderr and "install torch's CUDA build" in proc.stderr)
+    assert "cannot use them" in json.loads(out.read_text())["failed"]
 
 
 def _smoke_module():
@@ -50,10 +91,24 @@ def test_result_line_prints_a_run_without_mfu_with_the_reason():
 def test_cpu_twin_runs_fp16_sections_in_bf16_over_gloo_and_cuda_keeps_them():
     smoke = _smoke_module()
     fp16 = {"engine": "ddp", "zero_stage": 0, "precision": "fp16"}
-    assert smoke.device_settings(fp16, "cpu") == {**fp16, "precision": "bf16", "comm_backend": "gloo"}
+    assert smoke.device_settings(fp16, "cpu", native_bf16=True) == {**fp16, "precision": "bf16",
+                                                                    "comm_backend": "gloo"}
     assert smoke.device_settings(fp16, "cuda") == {**fp16, "comm_backend": "nccl"}
     fp32 = {**fp16, "precision": "fp32"}
     assert smoke.device_settings(fp32, "cpu")["precision"] == "fp32"
+
+
+def test_cpu_twin_runs_fp32_where_the_cpu_only_emulates_bf16():
+    smoke = _smoke_module()
+    for precision in ("fp16", "bf16"):
+        train = {"engine": "fsdp", "zero_stage": 3, "precision": precision}
+        assert smoke.device_settings(train, "cpu", native_bf16=False)["precision"] == "fp32"
+        assert smoke.device_settings(train, "cuda", native_bf16=False)["precision"] == precision
+    import torch
+
+    emulated = not torch.ops.mkldnn._is_mkldnn_bf16_supported()  # this machine's CPU, as oneDNN reports it
+    bf16 = {"engine": "ddp", "zero_stage": 0, "precision": "bf16"}
+    assert smoke.device_settings(bf16, "cpu")["precision"] == ("fp32" if emulated else "bf16")
 
 
 def test_cpu_twin_predicts_rss_with_offloaded_states_and_cuda_the_allocator_peak():
@@ -63,20 +118,31 @@ def test_cpu_twin_predicts_rss_with_offloaded_states_and_cuda_the_allocator_peak
     assert smoke.predicted_memory_bytes(estimate, "cuda") == 7
 
 
-@pytest.mark.parametrize("name, tflops", [
+# torch.cuda.get_device_name() as real cards report it, and the table's figure for each (None: not tabulated, so the
+# peak is measured, never guessed from a look-alike: the RTX A1000 is no A100, the L4 no L40, the GH200 no H200)
+DEVICE_NAMES = [
     ("NVIDIA H200", 989.5), ("NVIDIA H200 NVL", 835.5), ("NVIDIA H100 80GB HBM3", 989.5), ("NVIDIA H100 PCIe", 756.5),
     ("NVIDIA H100 NVL", 835.5), ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA A100 80GB PCIe", 312.0),
-    ("NVIDIA L40S", 362.05), ("NVIDIA L40", 181.05), ("NVIDIA GeForce RTX 4090", 165.2),
-    ("NVIDIA GeForce RTX 3090", 71.0), ("NVIDIA GeForce RTX 3090 Ti", 80.0),
-])
+    ("NVIDIA A100-PCIE-40GB", 312.0), ("NVIDIA L40S", 362.05), ("NVIDIA L40", 181.05), ("NVIDIA L4", 121.0),
+    ("NVIDIA GeForce RTX 4090", 165.2), ("NVIDIA GeForce RTX 4090 D", 147.0), ("NVIDIA GeForce RTX 3090", 71.0),
+    ("NVIDIA GeForce RTX 3090 Ti", 80.0),
+    ("NVIDIA RTX A1000", None), ("Tesla T4", None), ("NVIDIA A10G", None), ("NVIDIA RTX 6000 Ada Generation", None),
+    ("Tesla V100-SXM2-16GB", None), ("NVIDIA A40", None), ("NVIDIA GH200 480GB", None),
+]
+
+
+@pytest.mark.parametrize("name, tflops", DEVICE_NAMES)
 def test_gpu_peak_table_names_the_datasheet_figure_of_each_gpu_torch_reports(name, tflops):
     from pretrain_bench.train.models.flops import gpu_table_peak
 
     for precision in ("fp16", "bf16"):
-        peak, source = gpu_table_peak(name, precision)
+        found = gpu_table_peak(name, precision)
+        if tflops is None:
+            assert found is None, (name, found)
+            continue
+        peak, source = found
         assert peak == tflops * 1e12 and source.startswith("datasheet table: ") and f"{tflops} TFLOP/s" in source
     assert gpu_table_peak(name, "fp32") is None
-    assert gpu_table_peak("NVIDIA Tesla T4", "fp16") is None, "an unknown GPU is measured, never guessed"
 
 
 def test_a_failed_peak_measurement_stops_the_smoke_with_the_childs_error(tmp_path):

@@ -250,7 +250,8 @@ def test_fewer_layers_advice_fits_and_more_would_not(no_gpu):
 def test_nvidia_smi_runs_once_for_names_and_memory(monkeypatch, tmp_path):
     calls = tmp_path / "calls"
     fake = tmp_path / "nvidia-smi"  # two GPUs, one with a comma in its name
-    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nprintf 'NVIDIA H200, SXM, 143771\\nNVIDIA L4, 23034\\n'\n")
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n"
+                    "printf 'NVIDIA H200, SXM, 143771, 140000\\nNVIDIA L4, 23034, 1000\\n'\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -261,6 +262,23 @@ def test_nvidia_smi_runs_once_for_names_and_memory(monkeypatch, tmp_path):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # read at each call, not cached
         assert devices.gpu_names() == ["NVIDIA L4"]
         assert devices.resolve_device_cheaply("auto") == "cuda"
-        assert calls.read_text().splitlines() == ["--query-gpu=name,memory.total --format=csv,noheader,nounits"]
+        assert devices.nvidia_smi_free_memory() == [1000 * 1024**2]
+        assert calls.read_text().splitlines() == [
+            "--query-gpu=name,memory.total,memory.free --format=csv,noheader,nounits"]
     finally:
         devices._nvidia_smi_table.cache_clear()
+
+
+def test_the_pre_flight_budgets_the_free_memory_of_the_gpus(monkeypatch, tmp_path):
+    from test_gpu_smoke import fake_nvidia_smi
+
+    # two RTX 4090s with 24,564 MiB each, 23,012 MiB free (a display and its desktop hold the rest)
+    monkeypatch.setenv("PATH", f"{fake_nvidia_smi(tmp_path)}:/usr/bin:/bin")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    devices._nvidia_smi_table.cache_clear()
+    try:
+        budget = memory_model.detect_budget("cuda", default_config()["benchmark"])
+    finally:
+        devices._nvidia_smi_table.cache_clear()
+    assert budget.device_bytes == 23012 * 1024**2 and budget.gpu_count == 2
+    assert budget.device_source == "nvidia-smi memory.free: smallest of 2 GPU(s) (22.5 of 24.0 GiB free)"

@@ -35,7 +35,7 @@ def summary(ranks=1, zero=2, tokens_per_s=1000.0, mem_gib=1.0, comm=None, mfu=0.
         "step_time_s": {"median": 1024 * ranks / tokens_per_s, "min": 0.1, "max": 2.0, "mean": 1.0},
         "phase_time_s": {"forward": 0.1, "backward": 0.2, "optimizer": 0.05}, "steady_steps": 6,
         "warmup_timing_steps": 2, "peak_mem_bytes": [int(mem_gib * GIB) - i * 1000 for i in range(ranks)],
-        "peak_mem_kind": "peak RSS of the rank process (getrusage)",
+        "peak_mem_allocated_bytes": None, "peak_mem_kind": "peak RSS of the rank process (getrusage)",
         "model": {"preset": "tiny", "parameters": 2_557_632, "non_embedding_parameters": 1_771_200,
                   "matmul_parameters": 1_771_200, "layers": 4, "hidden_size": 192, "heads": 6, "vocab_size": 4096,
                   "attn_implementation": "sdpa"},

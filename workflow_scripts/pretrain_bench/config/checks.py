@@ -54,3 +54,26 @@ def missing_trackers(loggers) -> list[str]:
             missing.append(f"train.loggers {name} needs the {module} package, which is not installed: "
                            f"pip install '{pin}' (or pip install -e '.[trackers]')")
     return missing
+
+
+# The oldest torch the pipeline runs on (torch 2.11 with CUDA 13.0 ran the GPU smoke once torchrun's newer options and
+# all_gather_single were detected), and the version requirements.txt pins, which the test suite runs on.
+OLDEST_TORCH = (2, 11)
+PINNED_TORCH = "2.13.0"
+
+
+def check_torch_version(installed: str | None = None) -> None:
+    """Refuse a torch older than OLDEST_TORCH in one line naming the version to install. `installed`: a version
+    string (a test's), by default the installed distribution's, read without importing torch."""
+    from importlib import metadata
+
+    if installed is None:
+        try:
+            installed = metadata.version("torch")
+        except metadata.PackageNotFoundError:
+            raise ConfigError(f"torch is not installed: pip install torch=={PINNED_TORCH} (or make install)") from None
+    release = tuple(int(part) for part in installed.split("+")[0].split(".")[:2] if part.isdigit())
+    if release < OLDEST_TORCH:
+        oldest = ".".join(map(str, OLDEST_TORCH))
+        raise ConfigError(f"torch {installed} is older than {oldest}, the oldest this pipeline runs on: "
+                          f"pip install torch=={PINNED_TORCH} (the version requirements.txt pins)")

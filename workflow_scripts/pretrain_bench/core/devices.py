@@ -4,7 +4,8 @@ Snakemake's `--resources gpu=3` counts GPUs but never says which ones a job may 
 land on device 0. `allocate_slots` hands out disjoint device ids to concurrent local jobs through lock files
 (`fcntl.flock`, released automatically if the job dies). Slots are taken from the devices this process may see:
 the entries of CUDA_VISIBLE_DEVICES when the user set it (say "2,3" to keep the pipeline off two GPUs), else every
-GPU. Only a scheduler's allocation (SLURM sets CUDA_VISIBLE_DEVICES for the job's GPUs) is used as it is.
+GPU. Only a scheduler's allocation of exactly the job's GPUs (SLURM sets CUDA_VISIBLE_DEVICES for them) is used as it
+is; an allocation that holds more (local Snakemake inside sbatch or salloc) is shared out as slots.
 
 Two ways to look for GPUs: `cuda_device_count` asks torch; `resolve_device_cheaply`, `nvidia_smi_memory` and
 `gpu_names` ask nvidia-smi, so that DAG time and the pre-flight do not import torch where they can avoid it.
@@ -60,14 +61,14 @@ def resolve_device_cheaply(requested: str) -> str:
 
 
 # The nvidia-smi fields planning reads, asked for in one call.
-_NVIDIA_SMI_FIELDS = ("name", "memory.total")
+_NVIDIA_SMI_FIELDS = ("name", "memory.total", "memory.free")
 
 
 @functools.lru_cache(maxsize=1)
 def _nvidia_smi_table() -> tuple[tuple[str, ...], ...]:
-    """(name, memory.total in MiB) of every GPU nvidia-smi lists, from one call per process: a DAG build asks several
-    times (device, budget of the matrix and of the main run, datasheet peak), and each nvidia-smi start costs from
-    tens of milliseconds to seconds. () when there is no nvidia-smi or it fails."""
+    """(name, memory.total, memory.free in MiB) of every GPU nvidia-smi lists, from one call per process: a DAG build
+    asks several times (device, budget of the matrix and of the main run, datasheet peak), and each nvidia-smi start
+    costs from tens of milliseconds to seconds. () when there is no nvidia-smi or it fails."""
     if shutil.which("nvidia-smi") is None:
         return ()
     try:
@@ -94,6 +95,16 @@ def _nvidia_smi(field: str) -> list[str]:
 def nvidia_smi_memory() -> list[int]:
     """Total memory in bytes of each visible GPU, from nvidia-smi ([] when there is none or no nvidia-smi)."""
     return [int(float(value)) * 1024**2 for value in _nvidia_smi("memory.total")]
+
+
+def nvidia_smi_free_memory() -> list[int]:
+    """Free memory in bytes of each visible GPU now, from nvidia-smi: its total less what other processes hold (a
+    desktop's display, another user's job). [] when there is none, no nvidia-smi, or a figure it cannot give."""
+    values = _nvidia_smi("memory.free")
+    try:
+        return [int(float(value)) * 1024**2 for value in values]
+    except ValueError:  # "[N/A]" on some virtualised GPUs
+        return []
 
 
 def gpu_names() -> list[str]:
@@ -132,9 +143,13 @@ def set_process_name(name: str) -> None:
 GPU_LOCK_DIR = Path(".pretrain-bench/gpu-slots")
 
 
-def scheduler_owns_devices() -> bool:
-    """True inside a scheduler's allocation whose GPUs are already named in CUDA_VISIBLE_DEVICES (SLURM)."""
-    return "CUDA_VISIBLE_DEVICES" in os.environ and bool(os.environ.get("SLURM_JOB_ID"))
+def scheduler_owns_devices(count: int) -> bool:
+    """True inside a scheduler's allocation (SLURM) that named exactly this job's `count` GPUs in
+    CUDA_VISIBLE_DEVICES: a SLURM job per Snakemake job. Local Snakemake inside an sbatch script or an salloc step
+    sees the whole allocation's GPUs there, which its concurrent jobs must share out as slots: trusted as one job's,
+    every 1-GPU job would run on cuda:0."""
+    return bool(os.environ.get("SLURM_JOB_ID")) and "CUDA_VISIBLE_DEVICES" in os.environ \
+        and len(visible_device_ids()) == count
 
 
 def visible_device_ids() -> list[str]:
@@ -148,7 +163,7 @@ def visible_device_ids() -> list[str]:
 @contextlib.contextmanager
 def gpu_slots(count: int, lock_dir: Path = GPU_LOCK_DIR, *, timeout_s: float = 3600.0):
     """The CUDA_VISIBLE_DEVICES entries a job holds for the with-block; None when a scheduler assigned them."""
-    if scheduler_owns_devices():
+    if scheduler_owns_devices(count):
         yield None
         return
     with allocate_slots(count, visible_device_ids(), lock_dir, timeout_s=timeout_s) as ids:
@@ -214,11 +229,23 @@ def cpu_bf16_is_native() -> bool:
 
 def emulated_bf16_note(device: str, precision: str, native=None) -> str | None:
     """A notice for a bf16 run on a CPU whose matmuls have no native bf16 (oneDNN reports none: AVX2 and older, or
-    AVX-512 without its bf16 extension), where they are emulated; None otherwise. `native`: the check (a test's
-    stand-in), by default oneDNN's own."""
-    if device != "cpu" or precision != "bf16":
+    AVX-512 without its bf16 extension), or on a GPU without bf16 arithmetic (compute capability below 8.0: T4, V100),
+    where they are emulated; None otherwise. `native`: the CPU check (a test's stand-in), by default oneDNN's own."""
+    if precision != "bf16" or device not in ("cpu", "cuda"):
         return None
     import torch
+
+    if device == "cuda":
+        # torch counts a bf16 tensor that can merely be created as support unless told not to
+        if (not torch.cuda.is_available() or torch.version.hip is not None
+                or torch.cuda.is_bf16_supported(including_emulation=False)):
+            return None  # no GPU to ask (a CPU build of torch), or one with bf16 arithmetic
+        index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return (f"train.precision bf16 on {torch.cuda.get_device_name(index)} (compute capability "
+                f"{props.major}.{props.minor}): "
+                "GPUs before compute capability 8.0 (Ampere) have no bf16 arithmetic, so it is emulated, many times "
+                "slower; train.precision fp16 is the choice on this GPU")
 
     if (native or cpu_bf16_is_native)():
         return None

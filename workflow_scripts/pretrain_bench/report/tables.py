@@ -132,10 +132,11 @@ def throughput_frame(summary: RunSummary) -> pd.DataFrame:
         "zero_stage": summary.zero_stage, "precision": summary.precision, "comm_backend": summary.comm_backend,
         "global_batch_size": summary.global_batch_size, "tokens_per_s": summary.tokens_per_s,
         "step_time_s": step["median"], "step_time_s_min": step["min"], "step_time_s_max": step["max"],
-        "peak_mem_bytes": summary.peak_mem_bytes, "mfu": summary.mfu, "mfu_note": summary.mfu_note,
-        "comm_fraction": summary.comm_fraction,
+        "peak_mem_bytes": summary.peak_mem_bytes, "peak_mem_allocated_bytes": summary.peak_mem_allocated_bytes,
+        "mfu": summary.mfu, "mfu_note": summary.mfu_note, "comm_fraction": summary.comm_fraction,
     }], ("ranks", "device", "engine", "zero_stage", "precision", "comm_backend", "global_batch_size", "tokens_per_s",
-         "step_time_s", "step_time_s_min", "step_time_s_max", "peak_mem_bytes", "mfu", "mfu_note", "comm_fraction"))
+         "step_time_s", "step_time_s_min", "step_time_s_max", "peak_mem_bytes", "peak_mem_allocated_bytes", "mfu",
+         "mfu_note", "comm_fraction"))
 
 
 THROUGHPUT_COLUMNS = {
@@ -146,6 +147,8 @@ THROUGHPUT_COLUMNS = {
     "step_time": lambda r: f"{fmt(r['step_time_s'], 3)} ({fmt(r['step_time_s_min'], 3)}–"
                            f"{fmt(r['step_time_s_max'], 3)})",
     "peak_mem_gib": lambda r: " / ".join(fmt(b / GIB if b is not None else None, 2) for b in r["peak_mem_bytes"]),
+    "peak_mem_allocated_gib": lambda r: " / ".join(fmt(b / GIB if b is not None else None, 2)
+                                                   for b in r["peak_mem_allocated_bytes"] or ()),
     "mfu_pct": lambda r: mfu_figure_text([r["mfu"]], [r["mfu_note"]] if r["mfu_note"] else []),
     "comm_pct": lambda r: fmt(r["comm_fraction"] * 100 if r["comm_fraction"] is not None else None, 1),
 }
@@ -396,7 +399,7 @@ SCALING_COLUMNS = {
 def measurable_prediction(estimate: dict, device: str) -> int:
     """The part of the predicted peak that the run's own measurement counts.
 
-    CUDA: torch.cuda.max_memory_allocated leaves out the CUDA context (runtime). CPU: peak RSS holds everything,
+    CUDA: torch.cuda.max_memory_reserved leaves out the CUDA context (runtime). CPU: peak RSS holds everything,
     offloaded states included.
     """
     if device == "cuda":

@@ -23,6 +23,7 @@ Used by every multi-rank rule (`pretrain`, benchmark cells) through workflow_scr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -59,23 +60,44 @@ if "pinned_max_round_threshold_mb" not in _accelerator_getAllocatorSettings():
 """
 
 
+# The allocator's settings: torch reads the first name and falls back to the second only where the first is unset
+# (c10/cuda/CUDAAllocatorConfig.h), so an option set under one name alone hides a user's settings under the other.
+ALLOCATOR_CONF_KEYS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def allocator_conf_with(env: dict, option: str) -> dict:
+    """Both allocator settings names (ALLOCATOR_CONF_KEYS) with `option` (key:value) merged into the user's settings:
+    each name keeps its own value where it is set, else takes the other's, so whichever torch reads still holds what
+    the user asked. An option key the user set already is kept as the user set it."""
+    key = option.split(":", 1)[0]
+    merged = {}
+    for name in ALLOCATOR_CONF_KEYS:
+        other = next(n for n in ALLOCATOR_CONF_KEYS if n != name)
+        own = env[name] if name in env else env.get(other, "")
+        entries = [entry for entry in own.split(",") if entry.strip()]
+        if not any(entry.split(":", 1)[0].strip() == key for entry in entries):
+            entries.append(option)
+        merged[name] = ",".join(entries)
+    return merged
+
+
 def exact_pinning(env: dict) -> tuple[dict, bool, str]:
     """Environment additions that keep pinned host buffers at their exact size, whether the ranks may pin at all
     (LaunchContext.pin_memory), and a line for the log.
 
-    Probed in a child with `env`: the job's own GPU slot (CUDA_VISIBLE_DEVICES) and allocator settings. Where the
-    probe fails, pinning is off and the line names the failure (a torch without the option, or a GPU or pinned
-    allocation that failed)."""
-    key = "PYTORCH_CUDA_ALLOC_CONF"
-    conf = ",".join(filter(None, [env.get(key, ""), PINNED_EXACT_OPTION]))
+    Probed in a child with `env`: the job's own GPU slot (CUDA_VISIBLE_DEVICES) and allocator settings, our option
+    merged into the user's under both names (allocator_conf_with). Where the probe fails, pinning is off and the line
+    names the failure (a torch without the option, or a GPU or pinned allocation that failed)."""
+    additions = allocator_conf_with(env, PINNED_EXACT_OPTION)
     try:
-        probe = subprocess.run([sys.executable, "-c", _PINNED_PROBE], env={**env, key: conf}, capture_output=True,
+        probe = subprocess.run([sys.executable, "-c", _PINNED_PROBE], env={**env, **additions}, capture_output=True,
                                text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as error:
         failure = f"the pinning probe did not run: {error}"
     else:
         if probe.returncode == 0:
-            return {key: conf}, True, f"pinned host memory at exact sizes: {key}={conf}"
+            return additions, True, "pinned host memory at exact sizes: " + " ".join(
+                f"{name}={conf}" for name, conf in additions.items())
         lines = probe.stderr.strip().splitlines()
         failure = lines[-1] if lines else f"the pinning probe exited with status {probe.returncode}"
     return {}, False, f"pinned host memory off: {failure} (offload copies are slower, RAM exact)"
@@ -260,14 +282,42 @@ def forks_ranks(rank_start: str, device: str) -> bool:
     return rank_start == "fork" or (rank_start == "auto" and device == "cpu")
 
 
+def torchrun_options(source: str | None = None) -> frozenset[str]:
+    """The option strings torchrun's argument parser (torch.distributed.run.get_args_parser) accepts, read from its
+    source (`source`, by default the installed torch's torch/distributed/run.py) without importing torch, which would
+    cost every launch about 2 s. Newer options are passed only where they are accepted: torch 2.11's torchrun exits 2
+    on --shutdown-timeout ("unrecognized arguments")."""
+    import ast
+
+    if source is None:
+        source = _installed_torchrun_source()
+    options = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            options.update(arg.value for arg in node.args
+                           if isinstance(arg, ast.Constant) and str(arg.value).startswith("--"))
+    return frozenset(options)
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_torchrun_source() -> str:
+    import importlib.util
+
+    return (Path(importlib.util.find_spec("torch").origin).parent / "distributed" / "run.py").read_text()
+
+
 def torchrun_command(script: Path, script_args: list[str], *, ranks: int, nodes: int, max_restarts: int,
                      rdzv_endpoint: str | None = None, node_rank: int | None = None,
-                     rdzv_id: str = "pretrain-bench", forked: bool = False) -> list[str]:
-    """torchrun's command for this launch (`forked`: the same torchrun, run by pretrain_bench.train.forked_ranks)."""
+                     rdzv_id: str = "pretrain-bench", forked: bool = False,
+                     options: frozenset[str] | None = None) -> list[str]:
+    """torchrun's command for this launch (`forked`: the same torchrun, run by pretrain_bench.train.forked_ranks).
+    `options`: what this torch's torchrun accepts (torchrun_options()); a stop option it lacks is left out, and its
+    own default holds (torch 2.11: ranks get 30 s to save after a stop, and SIGINT is passed on too)."""
+    options = torchrun_options() if options is None else options
     agent = "pretrain_bench.train.forked_ranks" if forked else "torch.distributed.run"
-    cmd = [sys.executable, "-m", agent, f"--nproc-per-node={ranks}",
-           f"--max-restarts={max_restarts}", f"--shutdown-timeout={GRACEFUL_STOP_S}",
-           f"--signals-to-handle={TORCHRUN_SIGNALS}"]
+    cmd = [sys.executable, "-m", agent, f"--nproc-per-node={ranks}", f"--max-restarts={max_restarts}"]
+    cmd += [f"{flag}={value}" for flag, value in (("--shutdown-timeout", GRACEFUL_STOP_S),
+                                                   ("--signals-to-handle", TORCHRUN_SIGNALS)) if flag in options]
     if nodes == 1:
         cmd.append("--standalone")
     else:
@@ -476,6 +526,9 @@ def _launch_locked(plan: Plan, plan_path: Path, ranks: int, script: Path, lock_d
             additions, note = nccl_peer_environment(settings.nccl_env or {}, env, ranks)
             env.update(additions)
             logger.info(note)
+        if "--shutdown-timeout" not in torchrun_options():
+            logger.info("note: this torch's torchrun has no --shutdown-timeout: after a stop the ranks get its default "
+                        f"time (30 s), not {GRACEFUL_STOP_S} s, to save the step in flight")
         cmd = torchrun_command(script, ["--plan", str(plan_path), "--context", context.to_json()], ranks=ranks,
                                nodes=settings.nodes, max_restarts=settings.max_restarts, rdzv_endpoint=rdzv_endpoint,
                                node_rank=node_rank, rdzv_id=job_id or f"{plan.name}-{plan.role}",

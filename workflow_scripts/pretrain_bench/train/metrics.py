@@ -15,13 +15,19 @@ from pathlib import Path
 
 from pretrain_bench.core.io import atomic_write_text, read_jsonl
 
+# What a CUDA run's peak memory is: what the caching allocator reserved from the device at its peak (the figure that
+# runs out: it holds the cached and fragmented blocks beside the tensors), with the tensors' own peak beside it.
+CUDA_PEAK_KIND = ("torch.cuda.max_memory_reserved (the caching allocator's peak hold on the device, cached and "
+                  "fragmented blocks included; the CUDA context and NCCL's buffers are outside it); the tensors' own "
+                  "peak, torch.cuda.max_memory_allocated, beside it")
+
 
 def peak_memory_bytes(device: str) -> tuple[int, str]:
     """(peak bytes, what was measured) for this process."""
     if device == "cuda":
         import torch
 
-        return int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated (allocator peak)"
+        return int(torch.cuda.max_memory_reserved()), CUDA_PEAK_KIND
     # ru_maxrss is KiB on Linux, bytes on macOS.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024), "peak RSS of the rank process (getrusage)"
@@ -96,16 +102,30 @@ def one_record_per_step(records: list[dict]) -> list[dict]:
     return sorted({r["step"]: r for r in records}.values(), key=lambda r: r["step"])
 
 
-def peak_memory_per_rank(records: list[dict], world_size: int) -> list[int]:
-    """Each rank's largest peak_mem_bytes over the records that have that rank (a run resumed at another world size
-    holds records of both sizes); None for a rank no record has (a run resumed larger at its last step)."""
-    return [max((r["peak_mem_bytes"][rank] for r in records if len(r["peak_mem_bytes"]) > rank), default=None)
+def peak_allocated_bytes(device: str) -> int | None:
+    """CUDA: the peak of the memory this process's tensors took (torch.cuda.max_memory_allocated), which
+    peak_memory_bytes' reserved figure holds; None on CPU, where peak RSS is the one figure."""
+    if device != "cuda":
+        return None
+    import torch
+
+    return int(torch.cuda.max_memory_allocated())
+
+
+def peak_memory_per_rank(records: list[dict], world_size: int, key: str = "peak_mem_bytes") -> list[int]:
+    """Each rank's largest `key` (peak_mem_bytes, or peak_mem_allocated_bytes) over the records that have that rank (a
+    run resumed at another world size holds records of both sizes); None for a rank no record has (a run resumed
+    larger at its last step)."""
+    return [max((r[key][rank] for r in records if r.get(key) and len(r[key]) > rank), default=None)
             for rank in range(world_size)]
 
 
 def steady_steps(records: list[dict], warmup_steps: int) -> list[dict]:
-    """Records after the warm-up (and after any resume's first step, which pays for loading)."""
-    steady = [r for r in records if r["step"] > warmup_steps and not r.get("after_resume")]
+    """Records after the warm-up (and after any resume's first step, which pays for loading), less the optimizer steps
+    skipped for an fp16 loss-scale overflow (`overflow`): they trained nothing and skip the optimizer's work, so
+    counting them would make tokens/s and MFU look better than the steps that trained (summary.json's skipped_steps
+    counts them)."""
+    steady = [r for r in records if r["step"] > warmup_steps and not r.get("after_resume") and not r.get("overflow")]
     return steady or records[-1:]
 
 

@@ -77,6 +77,13 @@ def host_to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
     return tensor.to(device)
 
 
+def all_gather_single(output: torch.Tensor, tensor: torch.Tensor) -> None:
+    """torch.distributed.all_gather_single where this torch has it, else its older name all_gather_into_tensor (the
+    same collective; torch 2.11 has only that one)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor)
+
+
 def gather_floats(values: list, device: str) -> list[list[float]]:
     """All ranks' values (rank order) through torch.distributed, outside DeepSpeed's comms logger, read to the host
     once. A value is a number, or a one-element tensor on `device`, which is gathered without being read first."""
@@ -87,7 +94,7 @@ def gather_floats(values: list, device: str) -> list[list[float]]:
             numbers[i] = value.detach().reshape(())  # a copy on the device, queued
     world = dist.get_world_size()
     gathered = torch.empty(world * len(values), dtype=torch.float64, device=device)
-    dist.all_gather_single(gathered, numbers)
+    all_gather_single(gathered, numbers)
     return host_values(gathered.view(world, len(values)))
 
 

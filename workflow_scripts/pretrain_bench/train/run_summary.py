@@ -14,7 +14,7 @@ from pathlib import Path
 from pretrain_bench.core.io import key_differences
 
 # Raised whenever the fields below change (a key added, renamed or given another meaning).
-SUMMARY_VERSION = 3
+SUMMARY_VERSION = 4
 
 
 class SummaryError(ValueError):
@@ -48,13 +48,16 @@ class RunSummary:
     steps: int  # optimizer steps of the run
     tokens_per_step: int
     tokens: int  # steps × tokens per step
-    tokens_per_s: float | None  # global, steady state (warm-up excluded)
+    tokens_per_s: float | None  # global, steady state (warm-up and steps skipped for fp16 overflow excluded)
     step_time_s: dict  # {median, min, max, mean} over the steady-state steps
     phase_time_s: dict  # {forward, backward, optimizer}: medians, None where train.phase_timing is off
     steady_steps: int
     warmup_timing_steps: int
     peak_mem_bytes: list  # per rank (None for a rank no record has)
-    peak_mem_kind: str  # what was measured (allocator peak or peak RSS)
+    # CUDA: per rank, the tensors' own peak (torch.cuda.max_memory_allocated), beside peak_mem_bytes (the allocator's
+    # reserved peak); None on CPU
+    peak_mem_allocated_bytes: list | None
+    peak_mem_kind: str  # what was measured (the allocator's reserved peak or peak RSS)
     model: dict  # preset, parameters, non_embedding_parameters, matmul_parameters, layers, hidden_size, heads, vocab,
     # attn_implementation (the attention kernel it ran), implementation (model.implementation: the class it built)
     flops_per_token: float
@@ -66,7 +69,7 @@ class RunSummary:
     comm_fraction: float | None  # communication time ÷ step time; None with comm_method saying why
     comm_method: str
     loss: dict  # {first, last, min}
-    skipped_steps: int
+    skipped_steps: int  # optimizer steps skipped for an fp16 loss-scale overflow; left out of every timed figure
     oversubscribed: bool  # more ranks than CPU cores
     threads_per_rank: int
     resumed_from_step: int | None

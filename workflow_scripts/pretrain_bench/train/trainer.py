@@ -53,6 +53,7 @@ from pretrain_bench.train.metrics import (
     OtherCpu,
     load_average,
     one_record_per_step,
+    peak_allocated_bytes,
     peak_memory_bytes,
     peak_memory_per_rank,
     summarise_steps,
@@ -80,6 +81,7 @@ class StepFigures(NamedTuple):
 
     loss: float  # the mean loss over the step's micro-batches
     peak_mem_bytes: float  # metrics.peak_memory_bytes
+    peak_allocated_bytes: float  # metrics.peak_allocated_bytes (CUDA), 0 on CPU
     stop_requested: float  # 1.0 where a stop signal arrived (Preemption), else 0.0
     grad_norm: float | None  # the gradient norm, where the engine computed one
 
@@ -336,8 +338,10 @@ class Trainer:
         if step == self.inject_nan_step and self.rank == self.world - 1:
             local_loss = float("nan")  # fault injection, see the module's docstring
         peak, _ = peak_memory_bytes(self.device)
+        allocated = peak_allocated_bytes(self.device) or 0
         norm = self.engine.grad_norm()  # a device tensor, a number or None: read with the rest
-        values = [local_loss, float(peak), float(self.preemption.requested)] + ([norm] if norm is not None else [])
+        values = [local_loss, float(peak), float(allocated), float(self.preemption.requested)] + (
+            [norm] if norm is not None else [])
         gathered = [StepFigures.of(row) for row in gather_floats(values, self.run_device)]
         rank_losses = [rank.loss for rank in gathered]
         if not all(math.isfinite(v) for v in rank_losses):
@@ -350,7 +354,8 @@ class Trainer:
                skipped_before: int) -> dict:
         """The step's metrics.jsonl record, with the held-out evaluation when train.eval_every asks for one."""
         settings, engine, tokens_per_step = self.settings, self.engine, self.tokens_per_step
-        if step > settings.warmup_timing_steps and step != self.start_step + 1:  # a steady-state step
+        overflow = engine.skipped_steps > skipped_before  # fp16 loss-scale overflow: no update, out of the timing
+        if step > settings.warmup_timing_steps and step != self.start_step + 1 and not overflow:  # steady state
             self.comm_steady_ms += comm or 0.0
             self.steady_time_s += step_time
         record = {
@@ -360,7 +365,9 @@ class Trainer:
             "tokens_per_s": tokens_per_step / step_time, "tokens": step * tokens_per_step,
             "comm_s": comm / 1000.0 if comm is not None else None,
             "peak_mem_bytes": [int(rank.peak_mem_bytes) for rank in gathered],
-            "skipped_steps": engine.skipped_steps, "overflow": engine.skipped_steps > skipped_before,
+            "peak_mem_allocated_bytes": [int(rank.peak_allocated_bytes) for rank in gathered]
+            if self.device == "cuda" else None,
+            "skipped_steps": engine.skipped_steps, "overflow": overflow,
             "loss_scale": engine.loss_scale(),
             "after_resume": self.checkpointer.resumed_from is not None and step == self.start_step + 1,
             # the step's MFU against the plan's peak (None without one), for the trackers
@@ -457,6 +464,8 @@ class Trainer:
             "phase_time_s": steady["phase_time_s"], "steady_steps": steady["steady_steps"],
             "warmup_timing_steps": settings.warmup_timing_steps,
             "peak_mem_bytes": peak_memory_per_rank(records, world),
+            "peak_mem_allocated_bytes": peak_memory_per_rank(records, world, "peak_mem_allocated_bytes")
+            if self.device == "cuda" else None,
             "peak_mem_kind": peak_memory_bytes(self.device)[1],
             "model": {"preset": plan.model.preset, "parameters": params["total"],
                       "non_embedding_parameters": params["non_embedding"],

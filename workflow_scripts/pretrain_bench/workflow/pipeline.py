@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pretrain_bench.bench.matrix import Cell, plan_matrix
 from pretrain_bench.bench.peak import MachinePeak
+from pretrain_bench.config.checks import check_torch_version
 from pretrain_bench.config.schema import AXES, ConfigError, coerce_command_line_types, load_schema
 from pretrain_bench.config.validation import validate_config
 from pretrain_bench.core.devices import resolve_device_cheaply
@@ -89,6 +90,10 @@ class Pipeline:
             self.settings = Config.from_config(config, gpu_resource)
         except ConfigError as error:
             raise PlanError(f"invalid configuration: {error}") from None
+        try:
+            check_torch_version()  # before anything plans with it: an older torch is refused in one line
+        except ConfigError as error:
+            raise PlanError(str(error)) from None
         self.config, self.gpu_resource = config, gpu_resource
         s = self.settings
         self.name = s.name

@@ -33,6 +33,14 @@ class FSDPEngine(TorchEngine):
         fully_shard(model, mesh=mesh, mp_policy=policy)  # embeddings, final norm and head
         return model
 
+    def optimizer_kwargs(self) -> dict:
+        # fp16: ShardedGradScaler hands a fused optimizer a found_inf of shape (1,) where fused AdamW expects a
+        # 0-dim tensor ("output with shape [] doesn't match the broadcast shape [1]" at the first step; torch
+        # distributed/fsdp/sharded_grad_scaler.py against optim/adam.py), so fp16 steps through the foreach kernel
+        if self.settings.precision == "fp16":
+            return {"foreach": True}
+        return super().optimizer_kwargs()
+
     def make_scaler(self):
         # the plain GradScaler checks only this rank's gradient shards for inf/NaN; the sharded one agrees
         # across ranks, so every rank skips the same steps

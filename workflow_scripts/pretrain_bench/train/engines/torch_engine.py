@@ -40,7 +40,7 @@ class TorchEngine(Engine):
         # torch.optim.AdamW as DeepSpeed's torch_adam path builds it (fused), so ZeRO-0 and DDP match
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, betas=tuple(settings.adam_betas),
                                            eps=settings.adam_eps, weight_decay=settings.weight_decay,
-                                           **TORCH_ADAMW_KWARGS)
+                                           **self.optimizer_kwargs())
         self.scheduler = lr_schedule(settings, total_steps)(self.optimizer)
         self.scaler = self.make_scaler() if settings.precision == "fp16" else None
         # the scale as last read (before the first step: the initial scale, which reading does not wait for)
@@ -49,6 +49,10 @@ class TorchEngine(Engine):
     # engine-specific
     def wrap(self, model):
         raise NotImplementedError
+
+    def optimizer_kwargs(self) -> dict:
+        """How torch.optim.AdamW runs its update (fused or foreach) under this engine's loss scaler."""
+        return TORCH_ADAMW_KWARGS
 
     def make_scaler(self):
         return torch.amp.GradScaler(self.device)

@@ -536,7 +536,7 @@ def free_disk_bytes(path: str | Path) -> int:
 
 
 def detect_budget(device: str, bench: dict, nvme_path: str | Path | None = None) -> Budget:
-    """Memory of this machine: nvidia-smi per GPU, physical RAM, free disk at `nvme_path`.
+    """Memory of this machine: nvidia-smi's free memory per GPU, physical RAM, free disk at `nvme_path`.
 
     When a CUDA run is planned on a machine without GPUs, the machine it is meant for is described by
     benchmark.device_memory_gib, benchmark.host_memory_gib and benchmark.disk_gib (the articles' 3 × 24 GiB box
@@ -550,6 +550,13 @@ def detect_budget(device: str, bench: dict, nvme_path: str | Path | None = None)
         return Budget("cpu", host, host_source, host, host_source, None, disk, disk_source)
     sizes = devices.nvidia_smi_memory()
     if sizes:
+        # what is free, not the total: a desktop card driving a display, or one shared with another job, has less
+        free = devices.nvidia_smi_free_memory()
+        if len(free) == len(sizes):
+            least = min(range(len(free)), key=free.__getitem__)
+            return Budget("cuda", free[least], f"nvidia-smi memory.free: smallest of {len(sizes)} GPU(s) "
+                          f"({free[least] / GIB:.1f} of {sizes[least] / GIB:.1f} GiB free)", host, host_source,
+                          len(sizes), disk, disk_source)
         return Budget("cuda", min(sizes), f"nvidia-smi: smallest of {len(sizes)} GPU(s)", host, host_source,
                       len(sizes), disk, disk_source)
     # No GPU here: this machine's RAM and disk say nothing about the GPU machine's.

@@ -7,11 +7,14 @@ unlike hardware FLOPs utilisation, charges only the FLOPs the model needs.
 """
 from __future__ import annotations
 
+import re
+
 FLOPS_FORMULA = "6N + 12*L*H*Q*T (PaLM appendix B; N = parameters in matmuls: all but the input embedding)"
 
 # Dense peak TFLOP/s per GPU for 16-bit (fp16 and bf16) tensor-core inputs with fp32 accumulation, without
 # sparsity: the figure MFU divides by. Datasheets that print only the 2:4-sparse figure (marked *) are halved.
-# Names are matched longest first against torch.cuda.get_device_name(), so "H100 PCIe" wins over "H100".
+# A key matches torch.cuda.get_device_name() where its words appear in the name's, in a row (gpu_table_peak), longest
+# key first, so "H100 PCIe" wins over "H100"; a word never matches part of another ("A100" is not in "RTX A1000").
 GPU_PEAK_TFLOPS_16BIT = {
     "H200": 989.5,  # NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM: BF16/FP16 1,979* TFLOPS
     "H200 NVL": 835.5,  # same datasheet, H200 NVL: 1,671* TFLOPS
@@ -21,6 +24,7 @@ GPU_PEAK_TFLOPS_16BIT = {
     "A100": 312.0,  # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM and PCIe: BF16/FP16 312 (624*) TFLOPS
     "L40S": 362.05,  # NVIDIA L40S datasheet (2023): BF16/FP16 362.05 (733*) TFLOPS
     "L40": 181.05,  # NVIDIA L40 datasheet (2022): BF16/FP16 181.05 (362.1*) TFLOPS
+    "L4": 121.0,  # NVIDIA L4 Tensor Core GPU datasheet (2023): BF16/FP16 242* TFLOPS
     "RTX 4090": 165.2,  # NVIDIA Ada GPU architecture whitepaper, table 2: FP16/BF16 tensor with FP32 accumulate 165.2
     "RTX 4090 D": 147.0,  # 4090 D: 14,592 CUDA cores vs 16,384 (same clock) -> 165.2 * 0.89
     "RTX 3090": 71.0,  # NVIDIA Ampere GA102 GPU architecture whitepaper, table 9: FP16/BF16 tensor with FP32
@@ -38,12 +42,19 @@ def gpu_table_peak(device_name: str, precision: str) -> tuple[float, str] | None
     """(peak FLOP/s, source) for a known GPU name, or None. fp32 runs use TF32-free CUDA cores: not tabulated."""
     if precision not in ("fp16", "bf16"):
         return None
-    name = device_name.upper()
+    words = _name_words(device_name)
     # Longest key first so "RTX 4090 D" wins over "RTX 4090".
-    for key in sorted(GPU_PEAK_TFLOPS_16BIT, key=len, reverse=True):
-        if key.upper() in name or key.replace(" ", "").upper() in name.replace(" ", ""):
+    for key in sorted(GPU_PEAK_TFLOPS_16BIT, key=lambda k: len(_name_words(k)), reverse=True):
+        wanted = _name_words(key)
+        if any(words[i:i + len(wanted)] == wanted for i in range(len(words) - len(wanted) + 1)):
             return GPU_PEAK_TFLOPS_16BIT[key] * 1e12, f"datasheet table: {key} {GPU_PEAK_TFLOPS_16BIT[key]} TFLOP/s"
     return None
+
+
+def _name_words(name: str) -> list[str]:
+    """A GPU name's words, upper case, split at spaces, hyphens and underscores ("NVIDIA A100-SXM4-80GB" → NVIDIA,
+    A100, SXM4, 80GB)."""
+    return re.split(r"[\s_-]+", name.upper().strip())
 
 
 def matmul_timings(dtype_name: str = "fp32", size: int = 1024, repeats: int = 8, device: str = "cpu",
