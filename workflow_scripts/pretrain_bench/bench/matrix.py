@@ -227,12 +227,11 @@ def time_estimate(entry: dict, model: ModelSettings, vocab_size: int, grad_accum
 
 
 def model_flops_per_token(model: ModelSettings, vocab_size: int) -> float:
-    from pretrain_bench.train.models.flops import flops_per_token
-    from pretrain_bench.train.models.llama import count_parameters, model_shape
+    from pretrain_bench.train.models.llama import model_shape
+    from pretrain_bench.train.models.registry import model_family
 
     shape = model_shape(model, vocab_size)
-    return flops_per_token(count_parameters(shape)["matmul"], shape.num_hidden_layers, shape.num_attention_heads,
-                           shape.hidden_size // shape.num_attention_heads, model.seq_len)
+    return model_family(shape).flops_per_token(shape, model.seq_len)
 
 
 # Stated assumptions of the DAG-time cost preview (labelled as such wherever it is printed): a share of the peak
@@ -253,10 +252,12 @@ def cost_preview(matrix: dict, main: TrainSettings, model: ModelSettings, vocab_
     checkpointing (the main run's as chosen, each cell's own) adds a forward: × RECOMPUTE_FACTOR.
     """
     from pretrain_bench.train.memory.offload import OffloadStep, offload_seconds
-    from pretrain_bench.train.models.llama import count_parameters, model_shape
+    from pretrain_bench.train.models.llama import model_shape
+    from pretrain_bench.train.models.registry import model_family
 
     device = matrix["device"]
-    psi = count_parameters(model_shape(model, vocab_size))["total"]
+    shape = model_shape(model, vocab_size)
+    psi = model_family(shape).count_parameters(shape)["total"]
 
     def offload(ranks, precision, optimizer, param):
         return offload_seconds(OffloadStep(psi, ranks, precision, optimizer, param, main.grad_accum_steps, device),

@@ -74,10 +74,10 @@ def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Pa
 
     With the run's `plan` the folder also gets its model card (README.md, see model_card.py)."""
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, GenerationConfig
     from transformers.initialization import no_init_weights
 
-    from pretrain_bench.train.models.llama import llama_config
+    from pretrain_bench.train.models.registry import model_family
 
     target = Path(target)
     state = read_checkpoint_weights(ckpt_root, step, dtype)
@@ -85,7 +85,8 @@ def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Pa
         state.pop("lm_head.weight", None)
     # No weights of its own: the meta device allocates nothing, and assign=True takes the cast tensors as they are.
     with no_init_weights(), torch.device("meta"):
-        model = LlamaForCausalLM(llama_config(shape, seq_len))
+        family = model_family(shape)
+        model = family.hf_class()(family.hf_config(shape, seq_len))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     del state
     missing = [k for k in missing if not (shape.tie_word_embeddings and k == "lm_head.weight")]

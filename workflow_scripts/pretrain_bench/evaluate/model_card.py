@@ -13,7 +13,7 @@ from pretrain_bench.core.io import read_jsonl
 from pretrain_bench.core.provenance import git_commit
 from pretrain_bench.evaluate.task_folder import SHIPPED_TASKS, lm_eval_command, task_folder
 from pretrain_bench.train.engines.spec import engine_spec
-from pretrain_bench.train.models.llama import count_parameters
+from pretrain_bench.train.models.registry import model_family
 
 REPOSITORY = Path(__file__).resolve().parents[3]
 
@@ -55,7 +55,7 @@ def card_facts(plan, step: int, tokens: int | None, export: str | None = None) -
 
 def render_card(shape, facts: dict, dtype: str) -> str:
     """README.md text of an export folder."""
-    params = count_parameters(shape)
+    params = model_family(shape).count_parameters(shape)
     init = facts["init_from"]
     origin = (f"continued from `{init['uri']}`" + (f" (revision `{init['revision']}`)" if init.get("revision") else "")
               if init else f"trained from a random initialisation (preset `{facts['preset']}`)")

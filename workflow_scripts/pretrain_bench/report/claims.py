@@ -29,8 +29,8 @@ from pretrain_bench.train.memory.model import (
     model_state_bytes,
     torch_state_bytes,
 )
-from pretrain_bench.train.models.flops import GPU_PEAK_TFLOPS_16BIT, flops_per_token
-from pretrain_bench.train.models.llama import PRESETS, count_parameters
+from pretrain_bench.train.models.flops import GPU_PEAK_TFLOPS_16BIT
+from pretrain_bench.train.models.registry import preset_family
 
 SOURCE = "the source articles (docs/reference-experiment.md)"
 
@@ -56,9 +56,10 @@ CLAIMS = {
 
 def articles_run(gpus: int, zero_stage: int, offload: bool = False) -> RunShape:
     """The articles' 7B model (DeepSeek-LLM-7B shape) at their batch and sequence length, on CUDA."""
-    shape = PRESETS[SETUP["model"]]
+    family = preset_family(SETUP["model"])
+    shape = family.presets[SETUP["model"]]
     head_dim = shape.hidden_size // shape.num_attention_heads
-    return RunShape(parameters=count_parameters(shape)["total"], layers=shape.num_hidden_layers,
+    return RunShape(parameters=family.count_parameters(shape)["total"], layers=shape.num_hidden_layers,
                     hidden_size=shape.hidden_size, kv_size=shape.num_key_value_heads * head_dim,
                     ffn_size=shape.intermediate_size, vocab_size=shape.vocab_size, seq_len=SETUP["seq_len"],
                     micro_batch_size=SETUP["micro_batch_size"], ranks=gpus, zero_stage=zero_stage,
@@ -77,11 +78,8 @@ def _mem(run: RunShape) -> tuple[float, bool, str]:
 
 
 def _flops_share(tokens_per_s: float, gpus: int) -> float:
-    shape = PRESETS[SETUP["model"]]
-    counts = count_parameters(shape)
-    per_token = flops_per_token(counts.get("matmul", counts["non_embedding"]), shape.num_hidden_layers,
-                                shape.num_attention_heads, shape.hidden_size // shape.num_attention_heads,
-                                SETUP["seq_len"])
+    family = preset_family(SETUP["model"])
+    per_token = family.flops_per_token(family.presets[SETUP["model"]], SETUP["seq_len"])
     return tokens_per_s * per_token / (gpus * GPU_PEAK_TFLOPS_16BIT[SETUP["gpu"]] * 1e12)
 
 

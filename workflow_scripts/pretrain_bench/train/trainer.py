@@ -58,8 +58,9 @@ from pretrain_bench.train.metrics import (
     peak_memory_per_rank,
     summarise_steps,
 )
-from pretrain_bench.train.models.flops import FLOPS_FORMULA, flops_per_token, model_flops_utilisation
-from pretrain_bench.train.models.llama import ModelShape, build_model, count_parameters, load_pretrained
+from pretrain_bench.train.models.flops import model_flops_utilisation
+from pretrain_bench.train.models.llama import ModelShape, load_pretrained
+from pretrain_bench.train.models.registry import model_family
 from pretrain_bench.train.plan import Plan, RunContext, plan_shape
 from pretrain_bench.train.rank import (
     Preemption,
@@ -260,7 +261,8 @@ class Trainer:
         self.batches = RankBatches(data, rank=self.rank, world_size=self.world,
                                    micro_batch_size=settings.micro_batch_size, seed=settings.seed)
         self.shape = plan_shape(plan, index["vocab_size"])
-        self.params = params = count_parameters(self.shape)
+        self.family = model_family(self.shape)
+        self.params = params = self.family.count_parameters(self.shape)
         init_from = self.init_from
         self.log(f"model {init_from['uri'] if init_from else plan.model.preset}: {params['total']:,} parameters "
                  f"({params['non_embedding']:,} non-embedding), world size {self.world}, device {self.device}")
@@ -269,8 +271,9 @@ class Trainer:
         self.log(summary_line(plan.memory_fit))
         if note := emulated_bf16_note(self.device, settings.precision):
             self.log(f"note: {note}")
-        self.model = build_model(self.shape, self.seq_len, settings.seed, self.engine_class.build_precision(settings),
-                                 self.run_device, plan.model.attn_implementation, plan.model.implementation)
+        self.model = self.family.build(self.shape, self.seq_len, settings.seed,
+                                       self.engine_class.build_precision(settings), self.run_device,
+                                       plan.model.attn_implementation, plan.model.implementation)
         if init_from:
             # Every rank loads the whole model before DeepSpeed partitions it, so this holds under every ZeRO stage;
             # a resumed run then overwrites these weights with its checkpoint's.
@@ -311,8 +314,7 @@ class Trainer:
     def prepare_measures(self) -> None:
         """What the loop measures with: FLOPs per token for MFU, the held-out slice, whether communication is timed."""
         settings, shape = self.settings, self.shape
-        self.flops_token = flops_per_token(self.params["matmul"], shape.num_hidden_layers, shape.num_attention_heads,
-                                           shape.hidden_size // shape.num_attention_heads, self.seq_len)
+        self.flops_token = self.family.flops_per_token(shape, self.seq_len)
         self.heldout = HeldOutSlice(Path(self.plan.paths.index), self.seq_len, self.rank, self.world,
                                     settings.eval_tokens) if settings.eval_every else None
         # DeepSpeed's comms logger synchronises every collective, so a CUDA run measures communication only where the
@@ -473,7 +475,7 @@ class Trainer:
                       "hidden_size": shape.hidden_size, "heads": shape.num_attention_heads,
                       "vocab_size": shape.vocab_size, "attn_implementation": plan.model.attn_implementation,
                       "implementation": plan.model.implementation},
-            "flops_per_token": self.flops_token, "flops_formula": FLOPS_FORMULA,
+            "flops_per_token": self.flops_token, "flops_formula": self.family.flops_formula,
             "peak_flops_per_rank": peak_flops, "peak_flops_source": peak_source,
             **dict(zip(("mfu", "mfu_note"), model_flops_utilisation(tokens_per_s, self.flops_token, peak_flops, world,
                                                                     peak_source))),

@@ -18,7 +18,8 @@ from pathlib import Path
 from pretrain_bench.config.schema import ModelSettings
 from pretrain_bench.core import devices
 from pretrain_bench.train.engines.spec import engine_spec
-from pretrain_bench.train.models.llama import count_parameters, model_shape
+from pretrain_bench.train.models.llama import model_shape
+from pretrain_bench.train.models.registry import model_family
 from pretrain_bench.train.settings import ConfigError, TrainSettings
 
 GIB = 1024**3
@@ -508,7 +509,7 @@ def run_shape(config: dict, settings: TrainSettings, device: str, vocab_size: in
     # model.init_from: the shape of the model in its config.json, which the weights fix
     model = ModelSettings.from_config(config["model"])
     shape = model_shape(model, vocab_size or config_vocab_size(config))
-    counts = count_parameters(shape)
+    counts = model_family(shape).count_parameters(shape)
     head_dim = shape.hidden_size // shape.num_attention_heads
     return RunShape(parameters=counts["total"], layers=shape.num_hidden_layers, hidden_size=shape.hidden_size,
                     kv_size=shape.num_key_value_heads * head_dim, ffn_size=shape.intermediate_size,

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from pretrain_bench.config.schema import ModelSettings
 from pretrain_bench.data.init_from import InitFromError, init_from_folder
+from pretrain_bench.train.models import flops
+from pretrain_bench.train.models.family import ModelFamily
 
 
 @dataclass(frozen=True)
@@ -322,3 +324,25 @@ def load_pretrained(model, folder: Path) -> dict:
                         target = target[:tensor.shape[0]]
                     target.copy_(tensor.to(target.dtype))
     return {"files": [file.name for file in files], "bytes": total, "added_vocab_rows": added}
+
+
+class LlamaFamily(ModelFamily):
+    """The LLaMA architecture (transformers' LlamaForCausalLM, or its native twin): every dense preset."""
+
+    name, shape_type, presets, hf_architecture = "llama", ModelShape, PRESETS, "LlamaForCausalLM"
+    flops_formula = flops.FLOPS_FORMULA
+
+    def count_parameters(self, shape: ModelShape) -> dict[str, int]:
+        return count_parameters(shape)
+
+    def flops_per_token(self, shape: ModelShape, seq_len: int) -> float:
+        return flops.flops_per_token(count_parameters(shape)["matmul"], shape.num_hidden_layers,
+                                     shape.num_attention_heads, shape.hidden_size // shape.num_attention_heads,
+                                     seq_len)
+
+    def hf_config(self, shape: ModelShape, seq_len: int, attn_implementation: str | None = None):
+        return llama_config(shape, seq_len, attn_implementation)
+
+    def build(self, shape: ModelShape, seq_len: int, seed: int, precision: str = "fp32", device: str = "cpu",
+              attn_implementation: str | None = None, implementation: str = "transformers"):
+        return build_model(shape, seq_len, seed, precision, device, attn_implementation, implementation)
