@@ -2,6 +2,7 @@
 edit that may train afresh or a checkpoint written anew evaluates again; and what rule plan_pretrain refuses before any
 rank starts. A run of its own (the shared pipeline run of test_evaluate.py must stay as it is), in a working directory
 of its own from a copy of the tiny data: 10 steps with checkpoints 5 and 10, then 15 steps."""
+import contextlib
 import json
 import re
 import shutil
@@ -186,7 +187,10 @@ def test_init_from_weights_and_a_small_val_split_are_refused_by_the_plan_rule(tr
                          configfiles=(TINY_CONFIG, tmp_path / "small_val.yaml"))
     log = (logs / "plan_pretrain.log").read_text()
     assert proc.returncode != 0
-    index = data_products(small).index  # model.init_from's tokenizer is adopted: a data id of its own
+    # model.init_from's tokenizer is adopted, keyed by its content: where it is the content of a tokenizer product
+    # already in the working directory, that product (and its shards) is the run's
+    with contextlib.chdir(workdir):
+        index = data_products(small).index
     assert re.search(rf"train.eval_every: the val split of {re.escape(index)} holds [\d,]+ tokens, [\d,]+ sample\(s\) "
                      r"of 128\+1 tokens .* an evaluation needs 781,248 sample\(s\) .* lower train.eval_tokens to at "
                      r"most [\d,]+, or set train.eval_every: null", log), log[-2000:]
