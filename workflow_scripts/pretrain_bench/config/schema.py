@@ -98,7 +98,7 @@ def keys_with(settings_class, tag: str, value=True) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class CorpusSettings:
     """The `corpus:` block of the config (corpus.<key> in schemas/config.schema.yaml). Its field names are
-    corpus.build_corpus's parameters, but for `jobs` (data_products.CORPUS_EXECUTION_KEYS)."""
+    corpus.build_corpus's parameters, but for `jobs` (data.products.CORPUS_EXECUTION_KEYS)."""
 
     sources: tuple  # mappings: a uri and its kind's keys (pretrain_bench.data.sources)
     max_bytes: int | None = default_field("corpus", "max_bytes")

@@ -1,4 +1,4 @@
-"""Corpus cleaning: sources (read by corpus_sources.py) -> cleaned documents -> train/val split -> jsonl + manifest.
+"""Corpus cleaning: sources (read by sources.py) -> cleaned documents -> train/val split -> jsonl + manifest.
 
 Each document passes these steps in source order (or, when the sources carry a `weight`, in mixture order: each
 next document is drawn from a source chosen at random in proportion to its weight, from a generator seeded with

@@ -74,7 +74,7 @@ class Plan:
     measure_comm: bool  # run DeepSpeed's comms logger (it synchronises every collective)
     memory_fit: dict  # the pre-flight's record (memory_fit.fit_run); plan.json holds it as `preflight` too
     cell: str | None = None  # the benchmark cell this plan measures
-    data: dict | None = None  # data_products.DataProducts.record(): the data id and the folders of the run's data
+    data: dict | None = None  # data.products.DataProducts.record(): the data id and the folders of the run's data
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self) | {"train": self.train.as_dict(), "model": self.model.as_dict()}

@@ -22,7 +22,7 @@ class TrainSettings:
     """The `train:` block of the config. What each key means, its bounds and its default: the `description`,
     limits and `default` of train.<key> in schemas/config.schema.yaml, the only place they are written.
 
-    The groups a key belongs to are its field's metadata (`config_types.keys_with`):
+    The groups a key belongs to are its field's metadata (`config.schema.keys_with`):
     fingerprint=False  may change between a checkpoint and the run that resumes it (RESUMABLE_KEYS)
     cell=False         means nothing to a benchmark cell: it keeps no checkpoints, is never restarted, and spends its
                        few steps on timing, not on held-out evaluation (CELL_IRRELEVANT_KEYS)

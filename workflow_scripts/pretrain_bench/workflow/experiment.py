@@ -1,6 +1,6 @@
 """The validated config as typed, frozen settings: one object per block, built once, right after validation.
 
-Defaults live in the schema (see `config_types`); `Config.from_config` turns a config that validation has filled in
+Defaults live in the schema (see `config.schema`); `Config.from_config` turns a config that validation has filled in
 into the blocks' settings and rejects, naming the key, what the schema cannot express (train settings that cannot run
 together, a benchmark that times nothing). The workflow builds it once (rules/common.smk) and its rules read it.
 """
