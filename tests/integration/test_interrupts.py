@@ -31,7 +31,13 @@ def ctrl_c(proc: subprocess.Popen) -> None:
     torchrun), and to the ranks, which torchrun starts in sessions of their own."""
     import psutil
 
-    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if str(RANK_SCRIPT) in p.cmdline()]
+    ranks = []
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if str(RANK_SCRIPT) in child.cmdline():
+                ranks.append(child)
+        except psutil.Error:
+            pass  # ended meanwhile
     os.killpg(proc.pid, signal.SIGINT)
     for rank in ranks:
         try:
@@ -69,3 +75,39 @@ def test_ctrl_c_while_training_ends_the_terminal_with_the_saved_step_and_the_com
     command = shlex.join(["snakemake", *snakemake_command("--", target, configfiles=(TINY_CONFIG, overlay))[3:]])
     assert command in tail, (command, said[-4000:])
     assert "Traceback" not in said, said[-4000:]
+
+
+EVAL_OVERLAY = {"name": DATA_NAME, "train": {"gpus": 1, "max_steps": 2, "checkpoint_every": 2, "warmup_steps": 1,
+                                                "warmup_timing_steps": 1, "eval_every": None}}
+
+
+def test_ctrl_c_late_in_evaluate_leaves_no_output_marked_incomplete_and_the_same_command_finishes(workdir, tmp_path):
+    """Ctrl-C once the held-out evaluation is written, while lm-eval still runs on the same model: the plain rerun
+    of the same command evaluates again and finishes (Snakemake refused it with IncompleteFilesException until
+    --rerun-incomplete)."""
+    overlay = write_yaml(tmp_path / "overlay.yaml", EVAL_OVERLAY)
+    results = workdir / "results" / DATA_NAME
+    trained = subprocess.run(snakemake_command("--", f"results/{DATA_NAME}/train/summary.json",
+                                               configfiles=(TINY_CONFIG, overlay)),
+                             cwd=workdir, capture_output=True, text=True, env=snakemake_env(), timeout=1800)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    targets = [f"results/{DATA_NAME}/{kind}/step2{suffix}"
+               for kind, suffix in (("export", ""), ("eval", ".json"), ("lm_eval", ".json"))]
+    terminal = tmp_path / "terminal.log"
+    proc = start(workdir, overlay, terminal, *targets)
+    try:
+        # the held-out result written (under its staged name, or, before the fix, its own), lm-eval running
+        wait_for(lambda: any((results / "eval").glob("step2.json*")), proc, terminal)
+        ctrl_c(proc)
+        code = proc.wait(600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = terminal.read_text()
+    assert code != 0, said[-3000:]
+    assert not (results / "lm_eval" / "step2.json").exists(), ("interrupted before lm-eval's result", said[-3000:])
+    rerun = subprocess.run(snakemake_command("--", *targets, configfiles=(TINY_CONFIG, overlay)), cwd=workdir,
+                           capture_output=True, text=True, env=snakemake_env(), timeout=1800)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    assert "IncompleteFilesException" not in rerun.stderr
+    assert all((workdir / target).exists() for target in targets)
