@@ -1,6 +1,7 @@
 # The pipeline as the rules read it, built once (pretrain_bench/workflow/pipeline.py: validation, settings, data
 # products, the benchmark matrix, the GPU count from --resources gpu), thin wrappers the rules call, the wildcard
 # constraints and the handler that ends a failed run with the job's own lines; no rules here.
+import atexit
 import gc
 import re
 import sys
@@ -14,7 +15,7 @@ from pretrain_bench.core.devices import GPU_LOCK_DIR as DEVICE_LOCK_DIR
 from pretrain_bench.data.shards import served_product_problem
 from pretrain_bench.train.launcher import interrupts_stop_training
 from pretrain_bench.train.state_lock import snakemake_lock_note
-from pretrain_bench.workflow.failures import failure_report
+from pretrain_bench.workflow.failures import closing_lines, failure_report
 from pretrain_bench.workflow.pipeline import FINAL_EXPORT_DTYPE, Pipeline, PlanError, resource_number
 from pretrain_bench.workflow.preflight import preflight
 
@@ -76,9 +77,16 @@ wildcard_constraints:
 # When a job fails or the run is interrupted, the terminal ends with what the job itself said (its log's last lines
 # of this project's own: what was saved and the command to continue, or the error's cause), not a traceback.
 onerror:
-    REPORT_TEXT = failure_report([*workflow.scheduler.failed, *workflow.scheduler.running])
+    # After an interrupt (Ctrl-C) the stopped job is still among the running ones: Snakemake's scheduler returns before
+    # it handles the job's error.
+    STOPPED_JOBS = [*workflow.scheduler.failed, *workflow.scheduler.running]
+    REPORT_TEXT = failure_report(STOPPED_JOBS)
     if REPORT_TEXT:
         logger.error(REPORT_TEXT)
+    # Snakemake prints its log's path, the elapsed time and "WorkflowError: At least one job did not complete
+    # successfully." after this handler: the saved step and the command to continue are printed at exit, last.
+    if CLOSING_TEXT := closing_lines(STOPPED_JOBS, sys.argv):
+        atexit.register(print, CLOSING_TEXT, file=sys.stderr, flush=True)
 
 
 # Thin wrappers: the rules' input, param and resource functions, answered by PIPELINE.

@@ -3,6 +3,7 @@ evaluation and, when evaluate.lm_eval.tasks names any task, lm-evaluation-harnes
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 log = logging.getLogger("pretrain_bench.evaluate_checkpoint")
@@ -18,7 +19,7 @@ def main(plan_path, index_path, step, export_dir, eval_path, *, settings, lock_d
 
     from pretrain_bench.core.io import atomic_write_json
     from pretrain_bench.evaluate.evaluation import EvalSettings, GenerationSettings, evaluate_export, loaded_export
-    from pretrain_bench.evaluate.export import export_checkpoint
+    from pretrain_bench.evaluate.export import export_checkpoint, staged_path
     from pretrain_bench.evaluate.inputs import STAMP, evaluation_stamp
     from pretrain_bench.train.plan import Plan
 
@@ -30,20 +31,31 @@ def main(plan_path, index_path, step, export_dir, eval_path, *, settings, lock_d
     eval_settings = EvalSettings(**{key: settings[key] for key in ("max_tokens", "batch_size", "device", "precision")},
                                  prompts=tuple(settings["prompts"]),
                                  generation=GenerationSettings(**settings["generation"]))
-    info = export_checkpoint(plan, int(step), Path(export_dir), dtype=settings["dtype"])
+    # Every output is written under its staged name and moved into place in the last moments of the job: an
+    # interrupted job (Ctrl-C) leaves none of them, so Snakemake, which keeps a stopped job's outputs marked
+    # incomplete, runs it again on the plain rerun instead of refusing with IncompleteFilesException.
+    export_dir, eval_path = Path(export_dir), Path(eval_path)
+    staged = {export_dir: staged_path(export_dir), eval_path: staged_path(eval_path)}
+    if lm_eval:
+        staged[Path(lm_eval_path)] = staged_path(Path(lm_eval_path))
+    info = export_checkpoint(plan, int(step), export_dir, dtype=settings["dtype"], publish=False)
     log.info("exported %s: %s", export_dir, json.dumps(info))
-    with loaded_export(Path(export_dir), eval_settings.device, eval_settings.precision, Path(lock_dir)) as loaded:
-        result = evaluate_export(Path(export_dir), Path(index_path), Path(eval_path), eval_settings, loaded=loaded)
+    with loaded_export(staged[export_dir], eval_settings.device, eval_settings.precision, Path(lock_dir)) as loaded:
+        result = evaluate_export(staged[export_dir], Path(index_path), staged[eval_path], eval_settings,
+                                 loaded=loaded, export_name=export_dir)
         # what decided this result, for the next run to compare (pretrain_bench/evaluate/inputs.py)
-        atomic_write_json(Path(eval_path), {**result, STAMP: stamp})
+        atomic_write_json(staged[eval_path], {**result, STAMP: stamp})
         log.info("held-out: loss %.4f, perplexity %.2f, bits per byte %s", result["loss"], result["perplexity"],
                  result["bits_per_byte"])
         if lm_eval:
             from pretrain_bench.evaluate.harness import run_harness
 
-            summary = run_harness(loaded, Path(lm_eval_data), list(lm_eval["tasks"]), Path(lm_eval_path),
+            summary = run_harness(loaded, Path(lm_eval_data), list(lm_eval["tasks"]), staged[Path(lm_eval_path)],
                                   limit=lm_eval["limit"], batch_size=lm_eval["batch_size"])
             log.info("lm-eval: %s", json.dumps(summary["tasks"], indent=2))
+    shutil.rmtree(export_dir, ignore_errors=True)
+    for final, path in staged.items():
+        os.replace(path, final)
 
 
 if "snakemake" in globals():

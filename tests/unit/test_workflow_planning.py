@@ -13,7 +13,7 @@ import yaml
 from pretrain_bench.config.schema import ConfigError, coerce_command_line_types, project_schema
 from pretrain_bench.config.validation import check_name, validate_config
 from pretrain_bench.train.settings import TrainSettings, resolve_gpus
-from pretrain_bench.workflow.failures import failure_report, own_lines
+from pretrain_bench.workflow.failures import closing_lines, failure_report, own_lines
 from pretrain_bench.workflow.pipeline import Pipeline, PlanError, resource_number
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,3 +211,34 @@ def test_a_failed_job_ends_the_terminal_with_its_own_lines_and_the_cause_without
                                       "  === attempt ended at 2026-12-04 16:39:39 +0000: exit status 1 ==="]
     assert "Traceback" not in text and "File " not in text and "report" not in text
     assert failure_report([quiet]) is None
+
+
+STOPPED_LOG = """\
+step 2/40 loss 7.4373 lr 4.50e-03 4,062 tokens/s step 0.252s ETA 15s
+2026-12-04 16:39:30,120 INFO pretrain_bench.train.launcher: SIGINT received: asking the ranks to save the step in \
+flight and stop
+error (rank 0): SIGINT received: checkpoint step 3 saved in results/r/state/checkpoints; exiting non-zero so the job \
+is retried (rerun the same command to resume)
+Traceback (most recent call last):
+  File "/x/torch/distributed/run.py", line 12, in <module>
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 7920 got signal: 15
+=== attempt ended at 2026-12-04 16:39:39 +0000: exit status 1 ===
+"""
+
+
+def test_a_stopped_job_ends_the_terminal_with_the_saved_step_and_the_command_that_continues(tmp_path):
+    assert "SignalException" not in "\n".join(own_lines(STOPPED_LOG)), "torchrun's report of the stop passed on"
+    unasked = "Traceback (most recent call last):\n  File x\n" + STOPPED_LOG.splitlines()[-2] + "\n"
+    assert own_lines(unasked) == [STOPPED_LOG.splitlines()[-2]], "a signal the launcher did not pass on is a cause"
+    log = tmp_path / "pretrain.log"
+    log.write_text(STOPPED_LOG)
+    job = SimpleNamespace(rule=SimpleNamespace(name="pretrain"), log=[str(log)])
+    argv = ["/venv/lib/python3.11/site-packages/snakemake/__main__.py", "--cores", "2", "--configfile", "my run.yaml"]
+    assert closing_lines([job], argv).splitlines() == [
+        "rule pretrain: checkpoint step 3 saved in results/r/state/checkpoints",
+        "To continue from it, run the same command again:",
+        "  snakemake --cores 2 --configfile 'my run.yaml'",
+    ]
+    crashed = tmp_path / "crashed.log"
+    crashed.write_text(FAILED_LOG)  # a checkpoint saved before a crash is no stop: no "continue" line for a bug
+    assert closing_lines([SimpleNamespace(rule=job.rule, log=[str(crashed)])], argv) is None

@@ -244,10 +244,12 @@ def loaded_export(export_dir: Path, device: str, precision: str, lock_dir: Path 
 
 
 def evaluate_export(export_dir: Path, index_path: Path, out_path: Path, settings: EvalSettings, *,
-                    lock_dir: Path = GPU_LOCK_DIR, loaded: LoadedExport | None = None) -> dict:
+                    lock_dir: Path = GPU_LOCK_DIR, loaded: LoadedExport | None = None,
+                    export_name: Path | None = None) -> dict:
     """Evaluate the HF export of one checkpoint on the val shards; writes eval/step<N>.json atomically.
 
-    loaded: the export already loaded (loaded_export) by the caller, which then also holds its device slot."""
+    loaded: the export already loaded (loaded_export) by the caller, which then also holds its device slot.
+    export_name: the export's path as the result names it, where `export_dir` is where it is staged."""
     from pretrain_bench.core.devices import hardware_description
     from pretrain_bench.data.loader import PackedTokens
     from pretrain_bench.evaluate.export import read_export_info
@@ -270,7 +272,7 @@ def evaluate_export(export_dir: Path, index_path: Path, out_path: Path, settings
         bits_per_byte_exact=exact, seq_len=seq_len, batch_size=settings.batch_size,
         sample_selection="evenly spaced", device=loaded.device, precision=loaded.precision,
         precision_note=loaded.precision_note, hardware=hardware,
-        export=str(export_dir), generation=asdict(settings.generation), generations=generations,
+        export=str(export_name or export_dir), generation=asdict(settings.generation), generations=generations,
     )
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -69,10 +69,12 @@ def cast_state_dict(state: dict, dtype) -> dict:
 
 
 def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Path, target: Path, *,
-              dtype: str = "fp32", info: dict | None = None, plan=None) -> Path:
+              dtype: str = "fp32", info: dict | None = None, plan=None, publish: bool = True) -> Path:
     """Save checkpoint `step` as an HF model folder at `target` (replaced atomically); returns target.
 
-    With the run's `plan` the folder also gets its model card (README.md, see model_card.py)."""
+    With the run's `plan` the folder also gets its model card (README.md, see model_card.py). `publish=False` leaves
+    the finished folder at staged_path(target) (its files name `target`) for the caller to move there with
+    os.replace, and returns that path."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.initialization import no_init_weights
@@ -101,7 +103,7 @@ def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Pa
     model.config.use_cache = True  # training turns the KV cache off; inference wants it
     model.generation_config = GenerationConfig.from_model_config(model.config)
 
-    tmp = target.with_name(target.name + ".tmp")
+    tmp = staged_path(target)
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
@@ -114,13 +116,21 @@ def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Pa
 
         facts = card_facts(plan, step, marker.get("tokens"), export=str(target))
         (tmp / "README.md").write_text(render_card(shape, facts, dtype))
+    if not publish:
+        return tmp
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target
 
 
-def export_checkpoint(plan, step: int, target: Path, *, dtype: str = "fp32") -> dict:
-    """Export checkpoint `step` of the run described by plan (plan.json) to `target`; returns its description."""
+def staged_path(target: Path) -> Path:
+    """Where an export (or a result file) is written before it is moved to `target` in one rename."""
+    return Path(target).with_name(Path(target).name + ".tmp")
+
+
+def export_checkpoint(plan, step: int, target: Path, *, dtype: str = "fp32", publish: bool = True) -> dict:
+    """Export checkpoint `step` of the run described by plan (plan.json) to `target`; returns its description.
+    `publish=False`: left at staged_path(target), see export_hf."""
     from pretrain_bench.core.logs import log_startup
     from pretrain_bench.train.plan import plan_shape
 
@@ -130,8 +140,8 @@ def export_checkpoint(plan, step: int, target: Path, *, dtype: str = "fp32") -> 
     shape = plan_shape(plan, index["vocab_size"])
     root = Path(plan.paths.state_dir) / "checkpoints"
     export_hf(root, step, shape, plan.model.seq_len, Path(plan.paths.tokenizer), Path(target),
-              dtype=dtype, info={"model": plan.model.as_dict(), "run": plan.name}, plan=plan)
-    return read_export_info(target)
+              dtype=dtype, info={"model": plan.model.as_dict(), "run": plan.name}, plan=plan, publish=publish)
+    return read_export_info(target if publish else staged_path(target))
 
 
 def read_export_info(export_dir: Path) -> dict:

@@ -9,6 +9,7 @@ no traceback frames, no other library's records, the exception's one-line cause 
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 from pretrain_bench.core.logs import STARTUP_PREFIX
@@ -23,6 +24,12 @@ _RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (?P<level>[A-Z]+) (?P
 _FOREIGN = re.compile(r"^(\[\d{4}-\d\d-\d\d[ T][\d:,.]+\]|[WIEF]\d{4} \d\d:\d\d:\d\d|\S+\.py:\d+: \w*Warning\b"
                       r"|\s+warnings\.warn\(|launch: )")
 _TRACEBACK = "Traceback (most recent call last):"
+# torchrun's own exit, by the SIGTERM the launcher passed on to stop the ranks: no cause of its own once the launcher's
+# "<SIGNAL> received: asking the ranks to save the step in flight and stop" is among the kept lines.
+_TORCHRUN_STOPPED = "torch.distributed.elastic.multiprocessing.api.SignalException:"
+_STOP_PASSED_ON = " received: asking the ranks to save the step in flight and stop"
+# A rank's last words after a stop (pretrain_bench.train.trainer.Trainer.stop).
+_SAVED = re.compile(r"checkpoint step (?P<step>\d+) saved in (?P<folder>\S+?);")
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 
 
@@ -46,6 +53,8 @@ def own_lines(text: str) -> list[str]:
                 continue
             level = record["level"]
             line = record["message"] if level == "INFO" else f"{level}: {record['message']}"
+        if line.startswith(_TORCHRUN_STOPPED) and any(_STOP_PASSED_ON in earlier for earlier in kept):
+            continue
         if _FOREIGN.match(line) or line.startswith(STARTUP_PREFIX):  # a start-up record is for bench_pipeline.py
             continue
         if not kept or kept[-1] != line:
@@ -66,6 +75,37 @@ def job_summary(rule: str, logs: list[str], tail: int = TAIL_LINES) -> str | Non
         if lines:
             parts.append(f"rule {rule} ({log}):\n" + "\n".join(f"  {line}" for line in lines[-tail:]))
     return "\n".join(parts) or None
+
+
+def _job_lines(job) -> list[str]:
+    lines = []
+    for log in job.log:
+        try:
+            lines += own_lines(Path(str(log)).read_text(errors="replace"))
+        except OSError:
+            continue
+    return lines
+
+
+def rerun_command(argv: list[str]) -> str:
+    """The command that started this Snakemake (its sys.argv), as a user types it again: `snakemake ARGS`, also when
+    it was started as `python -m snakemake`."""
+    return shlex.join(["snakemake", *argv[1:]])
+
+
+def closing_lines(jobs, argv: list[str]) -> str | None:
+    """The very last lines for the terminal after a stopped run (printed at Snakemake's exit, after its own "Complete
+    log" and WorkflowError lines): for every job whose log says a checkpoint was saved when it stopped, that step and
+    where, then the exact command that continues from it. None when no job saved one."""
+    saved = []
+    for job in jobs:
+        matches = [match for line in _job_lines(job) if (match := _SAVED.search(line))]
+        if matches:
+            saved.append(f"rule {job.rule.name}: checkpoint step {matches[-1]['step']} saved in "
+                         f"{matches[-1]['folder']}")
+    if not saved:
+        return None
+    return "\n".join([*saved, "To continue from it, run the same command again:", f"  {rerun_command(argv)}"])
 
 
 def failure_report(jobs) -> str | None:
