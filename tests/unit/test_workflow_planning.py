@@ -193,6 +193,9 @@ NameError: name 'resolve_zero_stage' is not defined
 
 
 def test_a_failed_job_ends_the_terminal_with_its_own_lines_and_the_cause_without_a_traceback(tmp_path):
+    bar = "Loading checkpoint shards: 100%|██████████| 1/1 [00:00<00:00, 12.34it/s]"
+    assert own_lines(bar + "\n" + FAILED_LOG) == own_lines(FAILED_LOG), "a library's progress bar is not ours"
+    assert own_lines("evaluated 100% of the held-out tokens\n") == ["evaluated 100% of the held-out tokens"]
     lines = own_lines(FAILED_LOG)
     assert lines == [
         "=== pretrain-bench launcher: attempt started at 2026-12-04 16:39:28 +0000, pid 13412 on vm, plan p.json ===",

@@ -22,7 +22,9 @@ _RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (?P<level>[A-Z]+) (?P
 # Other libraries' own formats: DeepSpeed's "[2026-12-04 16:39:28,123] [INFO] [...]", glog's "W1204 16:39:28.123 …",
 # Python warnings ("/path/x.py:12: UserWarning: …" and the source line after it), and the launcher's command line.
 _FOREIGN = re.compile(r"^(\[\d{4}-\d\d-\d\d[ T][\d:,.]+\]|[WIEF]\d{4} \d\d:\d\d:\d\d|\S+\.py:\d+: \w*Warning\b"
-                      r"|\s+warnings\.warn\(|launch: )")
+                      r"|\s+warnings\.warn\(|launch: "
+                      # a library's tqdm progress bar: "Loading checkpoint shards: 100%|██| 1/1 [00:00<…]"
+                      r"|.*\d%\|.*\| *\d+/\d+ \[)")
 _TRACEBACK = "Traceback (most recent call last):"
 # torchrun's own exit, by the SIGTERM the launcher passed on to stop the ranks: no cause of its own once the launcher's
 # "<SIGNAL> received: asking the ranks to save the step in flight and stop" is among the kept lines.
