@@ -53,20 +53,26 @@ def wait_for(condition, proc: subprocess.Popen, output: Path, timeout=1800) -> N
         time.sleep(0.1)
 
 
-def test_ctrl_c_while_training_ends_the_terminal_with_the_saved_step_and_the_command_to_continue(workdir, tmp_path):
-    overlay = write_yaml(tmp_path / "overlay.yaml", OVERLAY)
-    checkpoints = workdir / "results" / DATA_NAME / "state" / "checkpoints"
-    terminal = tmp_path / "terminal.log"
-    target = f"results/{DATA_NAME}/train/summary.json"
-    proc = start(workdir, overlay, terminal, target)
+def interrupted(workdir, overlay, terminal, targets, until) -> tuple[int, str]:
+    """Snakemake on `targets` with Ctrl-C once `until()` holds: its exit status and what its terminal showed."""
+    proc = start(workdir, overlay, terminal, *targets)
     try:
-        wait_for(lambda: checkpoints.is_dir() and ckpt.committed_steps(checkpoints), proc, terminal)
+        wait_for(until, proc, terminal)
         ctrl_c(proc)
         code = proc.wait(600)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    said = terminal.read_text()
+    return code, terminal.read_text()
+
+
+def test_ctrl_c_while_training_ends_the_terminal_with_the_saved_step_and_the_command_to_continue(workdir, tmp_path):
+    overlay = write_yaml(tmp_path / "overlay.yaml", OVERLAY)
+    checkpoints = workdir / "results" / DATA_NAME / "state" / "checkpoints"
+    terminal = tmp_path / "terminal.log"
+    target = f"results/{DATA_NAME}/train/summary.json"
+    code, said = interrupted(workdir, overlay, terminal, [target],
+                             until=lambda: checkpoints.is_dir() and ckpt.committed_steps(checkpoints))
     assert code != 0, said[-3000:]
     saved = ckpt.committed_steps(checkpoints)[-1]
     assert 2 <= saved < STEPS, said[-3000:]
@@ -94,16 +100,9 @@ def test_ctrl_c_late_in_evaluate_leaves_no_output_marked_incomplete_and_the_same
     targets = [f"results/{DATA_NAME}/{kind}/step2{suffix}"
                for kind, suffix in (("export", ""), ("eval", ".json"), ("lm_eval", ".json"))]
     terminal = tmp_path / "terminal.log"
-    proc = start(workdir, overlay, terminal, *targets)
-    try:
-        # the held-out result written (under its staged name, or, before the fix, its own), lm-eval running
-        wait_for(lambda: any((results / "eval").glob("step2.json*")), proc, terminal)
-        ctrl_c(proc)
-        code = proc.wait(600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    said = terminal.read_text()
+    # the held-out result written (under its staged name, or, before the fix, its own), lm-eval running
+    code, said = interrupted(workdir, overlay, terminal, targets,
+                             until=lambda: any((results / "eval").glob("step2.json*")))
     assert code != 0, said[-3000:]
     assert not (results / "lm_eval" / "step2.json").exists(), ("interrupted before lm-eval's result", said[-3000:])
     rerun = subprocess.run(snakemake_command("--", *targets, configfiles=(TINY_CONFIG, overlay)), cwd=workdir,

@@ -67,10 +67,8 @@ def _hold_visible(lock_dir, queue, hold_s):
         time.sleep(hold_s)
 
 
-def test_slots_come_from_the_users_visible_devices(tmp_path, monkeypatch):
-    # The user keeps the pipeline on GPUs 4, 5 and 6 of a bigger machine; three gpu=1 jobs start together.
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+def three_jobs_hold_a_slot(tmp_path) -> list[tuple]:
+    """The visible devices three gpu=1 jobs, started together in processes of their own, each held."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_hold_visible, args=(tmp_path, queue, 0.6)) for _ in range(3)]
@@ -78,7 +76,14 @@ def test_slots_come_from_the_users_visible_devices(tmp_path, monkeypatch):
         p.start()
     for p in procs:
         p.join(20)
-    held = sorted(queue.get(timeout=5) for _ in range(3))
+    return sorted(queue.get(timeout=5) for _ in range(3))
+
+
+def test_slots_come_from_the_users_visible_devices(tmp_path, monkeypatch):
+    # The user keeps the pipeline on GPUs 4, 5 and 6 of a bigger machine; three gpu=1 jobs start together.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    held = three_jobs_hold_a_slot(tmp_path)
     assert held == [("4",), ("5",), ("6",)], "three distinct devices, all inside the visible set"
     visible = r"needs 4 devices but this machine has 3 visible \(CUDA_VISIBLE_DEVICES=4,5,6\)"
     with pytest.raises(SlotError, match=visible):
@@ -96,14 +101,7 @@ def test_local_snakemake_inside_a_slurm_allocation_shares_its_gpus_out_as_slots(
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_JOB_GPUS", "1,2,3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_hold_visible, args=(tmp_path, queue, 0.6)) for _ in range(3)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(20)
-    held = sorted(queue.get(timeout=5) for _ in range(3))
+    held = three_jobs_hold_a_slot(tmp_path)
     assert held == [("0",), ("1",), ("2",)], "each 1-GPU job on its own GPU, not all on cuda:0"
     # a job the size of the allocation takes it as the scheduler gave it
     with gpu_slots(3, tmp_path) as ids:

@@ -186,13 +186,7 @@ def test_report_files_render_from_json(tmp_path):
                                         {"prompt": "def f(x):\n", "mode": "sampled", "text": "<b>pass</b>"}]}))
         evals.append(path)
     (tmp_path / "matrix.json").write_text(json.dumps(MATRIX))
-    bench = []
-    for cell, runs in RUNS.items():
-        for rep, run in enumerate(runs, start=1):
-            path = tmp_path / "bench" / cell / f"rep{rep}" / "summary.json"
-            path.parent.mkdir(parents=True)
-            path.write_text(json.dumps(run.to_dict()))
-            bench.append(path)
+    bench = write_bench(tmp_path, RUNS)
     lm_eval = []
     for step, acc in ((4, 0.25), (8, 0.5)):  # lm_eval/step<N>.json as harness.run_harness writes it
         path = tmp_path / f"lm_eval-step{step}.json"
@@ -673,13 +667,8 @@ def test_the_memory_budget_the_pre_flight_assumed_is_labelled_assumed_in_the_rep
     assert "has 24.0 GiB (assumed)" in md
 
 
-def write_run(folder: Path, main: RunSummary, matrix: dict, runs: dict[str, list[RunSummary]],
-              peak: dict | None = None) -> dict:
-    """The JSON files rule report reads, under `folder`, as build_report's keyword arguments."""
-    (folder / "summary.json").write_text(json.dumps(main.to_dict()))
-    (folder / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 8.0, "tokens_per_s": 900.0,
-                                                      "step_time_s": 1.0, "after_resume": False}) + "\n")
-    (folder / "matrix.json").write_text(json.dumps(matrix))
+def write_bench(folder: Path, runs: dict[str, list[RunSummary]]) -> list[Path]:
+    """Each benchmark repeat's summary.json under `folder`/bench/<cell>/rep<r>/, as the bench_cell rule writes it."""
     bench = []
     for cell, reps in runs.items():
         for rep, run in enumerate(reps, start=1):
@@ -687,6 +676,17 @@ def write_run(folder: Path, main: RunSummary, matrix: dict, runs: dict[str, list
             path.parent.mkdir(parents=True)
             path.write_text(json.dumps(run.to_dict()))
             bench.append(path)
+    return bench
+
+
+def write_run(folder: Path, main: RunSummary, matrix: dict, runs: dict[str, list[RunSummary]],
+              peak: dict | None = None) -> dict:
+    """The JSON files rule report reads, under `folder`, as build_report's keyword arguments."""
+    (folder / "summary.json").write_text(json.dumps(main.to_dict()))
+    (folder / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 8.0, "tokens_per_s": 900.0,
+                                                      "step_time_s": 1.0, "after_resume": False}) + "\n")
+    (folder / "matrix.json").write_text(json.dumps(matrix))
+    bench = write_bench(folder, runs)
     if peak:
         (folder / "peak.json").write_text(json.dumps(peak))
     out = folder / "report"
