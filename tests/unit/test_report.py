@@ -431,13 +431,7 @@ def test_an_impossible_figure_is_never_quoted_without_its_flag(tmp_path):
                                                         "step_time_s": 1.0, "after_resume": False}) + "\n")
     (tmp_path / "matrix.json").write_text(json.dumps(matrix))
     (tmp_path / "peak.json").write_text(json.dumps(peak))
-    bench = []
-    for cell, reps in runs.items():
-        for rep, run in enumerate(reps, start=1):
-            path = tmp_path / "bench" / cell / f"rep{rep}" / "summary.json"
-            path.parent.mkdir(parents=True)
-            path.write_text(json.dumps(run.to_dict()))
-            bench.append(path)
+    bench = write_bench(tmp_path, runs)
     out = tmp_path / "report"
     build_report(tmp_path / "summary.json", tmp_path / "metrics.jsonl", [], out / "report.md", out / "report.html",
                  out / "plots", target_corpus_tokens=1e12, matrix_path=tmp_path / "matrix.json", bench_paths=bench,
