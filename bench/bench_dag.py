@@ -70,14 +70,14 @@ def snakemake_alone(runs: int) -> dict:
 
 
 def main(out: Path, runs: int = 5) -> dict:
-    from pretrain_bench.bench.matrix import plan_matrix
-    from pretrain_bench.workflow.experiment import load_config
+    from pretrain_bench.bench.matrix import BenchSettings, plan_matrix
+    from pretrain_bench.workflow.experiment import load_config, plan_config
 
     config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     config["train"]["device"] = "cuda"
     config["benchmark"]["matrix"] = MATRIX_48
     started = time.perf_counter()
-    planned = plan_matrix(config, available_ranks=3)
+    planned = plan_matrix(plan_config(config), BenchSettings.from_config(config), available_ranks=3)
     planning_s = time.perf_counter() - started
 
     big, small, alone = dry_run(MATRIX_48, runs), dry_run(MATRIX_1, runs), snakemake_alone(runs)

@@ -52,12 +52,13 @@ def build_data() -> tuple[dict, Path, Path]:
     """The tiny config with the bench's model, and its shards' index.json and tokenizer folder (built by Snakemake
     under results/data/ where missing)."""
     from pretrain_bench.data.products import DataProducts
-    from pretrain_bench.workflow.experiment import load_config
+    from pretrain_bench.workflow.experiment import Config, load_config
 
     config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     config["name"] = NAME
     config["model"]["overrides"] = MODEL_OVERRIDES
-    products = DataProducts.from_config(config)
+    s = Config.from_config(config)
+    products = DataProducts.from_config(s.corpus, s.tokenizer, s.shards, s.model.init_from)
     subprocess.run([sys.executable, "-m", "snakemake", products.index, products.tokenizer_json, "--cores",
                     str(os.cpu_count()), "--configfile", "config/tiny-cpu.yaml", "--config", f"name={NAME}", "--quiet"],
                    cwd=ROOT, check=True)
@@ -79,8 +80,9 @@ def bench_train(steps: int, warmup: int) -> dict:
 def run_trainer(config: dict, data: tuple[Path, Path], steps: int, warmup: int, variant: str, compiled: bool,
                 work: Path) -> dict:
     from pretrain_bench.core.logs import read_startups
-    from pretrain_bench.train.plan import make_plan, plan_config
+    from pretrain_bench.train.plan import make_plan
     from pretrain_bench.train.run_summary import RunSummary
+    from pretrain_bench.workflow.experiment import plan_config
 
     train = {**bench_train(steps, warmup), "compile": compiled, **VARIANTS[variant]}
     name = f"{variant}-compile" if compiled else variant

@@ -94,15 +94,17 @@ LAYOUT_KEYS = ("engine", "zero_stage", "offload_optimizer", "offload_param", "ac
 def default_setup(config: dict) -> tuple[dict, str]:
     """(layout, why): the train layout (LAYOUT_KEYS) the pre-flight chooses for `config`'s main run on the
     articles' box, and the pre-flight's one-line summary of that choice."""
+    from pretrain_bench.config.schema import BenchSettings
     from pretrain_bench.train.memory.fit import fit_run
     from pretrain_bench.train.memory.model import planned_budget
-    from pretrain_bench.train.plan import plan_config
     from pretrain_bench.train.settings import TrainSettings
+    from pretrain_bench.workflow.experiment import plan_config
 
     train = {**config["train"], "device": "cuda"}  # the articles' box has GPUs, whatever train.device says
     chosen, record = fit_run(plan_config({**config, "train": train}), TrainSettings.from_config(train),
-                             what="the default config's main run", budget=planned_budget(
-                                 config["benchmark"], why="the source articles' box, whatever GPU runs the smoke"))
+                             what="the default config's main run",
+                             budget=planned_budget(BenchSettings.from_config(config),
+                                                   why="the source articles' box, whatever GPU runs the smoke"))
     return {key: getattr(chosen, key) for key in LAYOUT_KEYS}, record["summary"]
 
 
@@ -176,8 +178,9 @@ def predicted_memory_bytes(estimate: dict, device: str) -> int:
 def run_one(name: str, preset: str, train: dict, size: Size, device: str, peak: dict, index: Path,
             tokenizer: Path, work: Path) -> dict:
     """Plan and launch one run; its figures, or its exit code and log tail when it failed."""
-    from pretrain_bench.train.plan import make_plan, plan_config
+    from pretrain_bench.train.plan import make_plan
     from pretrain_bench.train.run_summary import RunSummary
+    from pretrain_bench.workflow.experiment import plan_config
 
     config = smoke_config(name, preset, train, size, device)
     run_dir = work / name

@@ -111,8 +111,9 @@ def bench_summaries(name):
 
 
 def main_plan_config():
-    """What plan_pretrain hands its script: the part of the config a training run reads."""
-    return PIPELINE.main_plan_config
+    """What plan_pretrain hands its script: the part of the config a training run reads (a mapping: Snakemake
+    reruns the plan when it changes)."""
+    return PIPELINE.main_plan_config.as_dict()
 
 
 def training_input(path):
@@ -134,7 +135,7 @@ def bench_cell(cell):
 
 def cell_plan_config(cell):
     try:
-        return PIPELINE.cell_plan_config(cell)
+        return PIPELINE.cell_plan_config(cell).as_dict()
     except PlanError as error:
         raise WorkflowError(str(error))
 

@@ -92,7 +92,10 @@ def data_products(*overlays: dict, configfiles=(TINY_CONFIG,)) -> DataProducts:
     config = load_config(ROOT / "config.yaml", *(ROOT / path for path in configfiles))
     for overlay in overlays:
         update_config(config, overlay)
-    return DataProducts.from_config(fill_defaults_and_validate(config, load_schema(SCHEMA_PATH)))
+    from pretrain_bench.workflow.experiment import Config
+
+    settings = Config.from_config(fill_defaults_and_validate(config, load_schema(SCHEMA_PATH)))
+    return DataProducts.from_config(settings.corpus, settings.tokenizer, settings.shards, settings.model.init_from)
 
 
 def data_folders(workdir: Path, products: DataProducts | None = None) -> SimpleNamespace:
@@ -205,8 +208,9 @@ def plan_for(data, run_dir: Path, save_checkpoints: bool = True, **train):
                  "lr": 3.0e-3, "min_lr": 3.0e-4, **train}
     config = {**config, "train": {**config["train"], **overrides}}
     from pretrain_bench.train.plan import make_plan
+    from pretrain_bench.workflow.experiment import plan_config
 
-    plan = make_plan(config, index=results.shards / "index.json", tokenizer=results.tokenizer,
+    plan = make_plan(plan_config(config), index=results.shards / "index.json", tokenizer=results.tokenizer,
                      out_dir=run_dir / "out", state_dir=run_dir / "state", save_checkpoints=save_checkpoints)
     path = run_dir / "plan.json"
     plan.to_json(path)
@@ -373,3 +377,19 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
             build(folder)
             built.touch()
     return folder
+
+
+def bare_plan_config(train, name: str = "run", preset: str = "tiny"):
+    """A plan config of `train` (TrainSettings) with every other block at its defaults: for a Plan a test writes by
+    hand."""
+    from pretrain_bench.config.schema import (
+        BenchSettings,
+        ModelSettings,
+        ReportSettings,
+        ShardSettings,
+        TokenizerSettings,
+    )
+    from pretrain_bench.train.plan import PlanConfig
+
+    return PlanConfig.of(name, ModelSettings(preset=preset), train, TokenizerSettings(), BenchSettings(),
+                         ReportSettings(), ShardSettings())

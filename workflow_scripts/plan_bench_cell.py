@@ -16,9 +16,10 @@ def main(config, cell, index, tokenizer, peak, out_dir, state_dir, plan_path, da
 
 if "snakemake" in globals():
     from pretrain_bench.core.logs import job_log
+    from pretrain_bench.train.plan import PlanConfig
 
     with job_log(snakemake.log[0], "plan_bench_cell"):
-        main(snakemake.params.config, snakemake.wildcards.cell, snakemake.input.index,
+        main(PlanConfig.from_dict(snakemake.params.config), snakemake.wildcards.cell, snakemake.input.index,
              snakemake.input.tokenizer, snakemake.input.peak, snakemake.params.out_dir,
              snakemake.params.state_dir,
              snakemake.output.plan, data=snakemake.params.data)

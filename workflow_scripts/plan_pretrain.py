@@ -21,8 +21,9 @@ def main(config, index, tokenizer, peak, out_dir, state_dir, plan_path, manifest
 
 if "snakemake" in globals():
     from pretrain_bench.core.logs import job_log
+    from pretrain_bench.train.plan import PlanConfig
 
     with job_log(snakemake.log[0], "plan_pretrain"):
-        main(snakemake.params.config, snakemake.input.index, snakemake.input.tokenizer,
+        main(PlanConfig.from_dict(snakemake.params.config), snakemake.input.index, snakemake.input.tokenizer,
              snakemake.input.peak, snakemake.params.out_dir, snakemake.params.state_dir,
              snakemake.output.plan, manifest=snakemake.input.manifest, data=snakemake.params.data)

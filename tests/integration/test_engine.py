@@ -12,6 +12,7 @@ import pytest
 
 from pretrain_bench.train.checkpoints.files import committed_steps
 from pretrain_bench.train.plan import Plan, make_plan
+from pretrain_bench.workflow.experiment import plan_config
 from support import (
     crash_after_first_checkpoint,
     losses,
@@ -120,7 +121,7 @@ def test_continue_from_export_eval_every_and_csv_monitor(data, tmp_path):
     def make(run_dir, model=None, **train):
         train = {"gpus": 2, "global_batch_size": None, **train}
         cfg = {**config, "model": {**config["model"], **(model or {})}, "train": {**config["train"], **train}}
-        plan = make_plan(cfg, index=results.shards / "index.json", tokenizer=results.tokenizer,
+        plan = make_plan(plan_config(cfg), index=results.shards / "index.json", tokenizer=results.tokenizer,
                          out_dir=run_dir / "out", state_dir=run_dir / "state",
                          manifest=results.corpus / "manifest.json")
         plan.to_json(run_dir / "plan.json")

@@ -12,6 +12,7 @@ import pytest
 
 from pretrain_bench.train.launcher import torchrun_command
 from pretrain_bench.train.plan import make_plan
+from pretrain_bench.workflow.experiment import plan_config
 from support import LAUNCHER, ROOT, free_port, read_jsonl  # data: the tiny data (tests/conftest.py)
 
 pytestmark = pytest.mark.engine
@@ -25,7 +26,7 @@ def write_run_plan(data, run_dir: Path, **train) -> Path:
     settings = {"max_steps": 6, "warmup_steps": 2, "warmup_timing_steps": 1, "global_batch_size": None, "zero_stage": 2,
                 "precision": "fp32", "comm_backend": "gloo", "device": "cpu", **train}
     config = {**config, "train": {**config["train"], **settings}}
-    plan = make_plan(config, index=results.shards / "index.json", tokenizer=results.tokenizer,
+    plan = make_plan(plan_config(config), index=results.shards / "index.json", tokenizer=results.tokenizer,
                      out_dir=run_dir / "out", state_dir=run_dir / "state", save_checkpoints=False)
     plan.to_json(run_dir / "plan.json")
     return run_dir / "plan.json"

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from pretrain_bench.train.plan import Plan, make_plan
+from pretrain_bench.workflow.experiment import plan_config
 from support import losses, rank_startups, run  # the data fixture: tests/conftest.py
 
 pytestmark = pytest.mark.engine
@@ -21,7 +22,7 @@ def native_plan(data, run_dir, implementation: str):
              "warmup_steps": 2, "lr": 3.0e-3, "min_lr": 3.0e-4}
     config = {**config, "model": {**config["model"], "implementation": implementation},
               "train": {**config["train"], **train}}
-    plan = make_plan(config, index=results.shards / "index.json", tokenizer=results.tokenizer,
+    plan = make_plan(plan_config(config), index=results.shards / "index.json", tokenizer=results.tokenizer,
                      out_dir=run_dir / "out", state_dir=run_dir / "state")
     plan.to_json(run_dir / "plan.json")
     return run_dir / "plan.json"

@@ -2,20 +2,31 @@
 import json
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
-from pretrain_bench.bench.matrix import BenchSettings, Cell, cells, plan_matrix, runnable, time_estimate
-from pretrain_bench.config.schema import ModelSettings
+from pretrain_bench.bench import matrix as bench_matrix
+from pretrain_bench.bench.matrix import BenchSettings, Cell, cells, runnable, time_estimate
+from pretrain_bench.config.schema import ModelSettings, ReportSettings
 from pretrain_bench.core import devices
 from pretrain_bench.train.memory.model import GIB, Budget
-from pretrain_bench.train.plan import cell_train, make_plan, plan_config
+from pretrain_bench.train.plan import cell_settings, make_plan
 from pretrain_bench.train.settings import ConfigError, TrainSettings
-from pretrain_bench.workflow.experiment import load_config
+from pretrain_bench.workflow.experiment import load_config, plan_config
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def plan_matrix(config: dict, **kwargs) -> dict:
+    """bench.matrix.plan_matrix of a validated config, as the workflow calls it."""
+    return bench_matrix.plan_matrix(plan_config(config), BenchSettings.from_config(config), **kwargs)
+
+
+def main_train(config: dict) -> TrainSettings:
+    return TrainSettings.from_config(config["train"])
 
 
 def merged(*overlays):
@@ -46,10 +57,10 @@ CPU_BUDGET = Budget("cpu", 16 * GIB, "test", 16 * GIB, "test")
 def test_cells_are_the_product_of_the_axes_and_named_readably():
     config = tiny()
     bench = BenchSettings.from_config(config)
-    names = [c.name(config["train"]) for c in cells(bench)]
+    names = [c.name(main_train(config)) for c in cells(bench)]
     assert len(names) == 3 * 2 * 1 * 2 and len(set(names)) == len(names)
     assert "ranks3-zero2-fp32-gloo" in names
-    assert Cell(1, 2, "fp32", "gloo", 64, "cpu").name(config["train"]) == "ranks1-zero2-fp32-gloo-mb64-offload"
+    assert Cell(1, 2, "fp32", "gloo", 64, "cpu").name(main_train(config)) == "ranks1-zero2-fp32-gloo-mb64-offload"
 
 
 def test_cpu_leaves_out_nccl_and_fp16_with_the_reason():
@@ -166,17 +177,17 @@ def test_the_dry_run_says_how_many_cells_fit_and_why_the_others_do_not(monkeypat
 
 
 def test_a_cell_names_its_checkpointing_where_it_differs_from_the_main_run():
-    train = {"micro_batch_size": 8, "activation_checkpointing": False}
+    train = TrainSettings(micro_batch_size=8, activation_checkpointing=False)
     assert Cell(3, 2, "fp16", "nccl", 8, "cpu", activation_checkpointing=True).name(train) == (
         "ranks3-zero2-fp16-nccl-offload-ckpt")
     assert Cell(3, 2, "fp16", "nccl", 8, "cpu").name(train) == "ranks3-zero2-fp16-nccl-offload"
-    checkpointed = {**train, "activation_checkpointing": True}
+    checkpointed = replace(train, activation_checkpointing=True)
     assert Cell(3, 2, "fp16", "nccl", 8, "none").name(checkpointed) == "ranks3-zero2-fp16-nccl-no-ckpt"
     # the cell's plan runs it as named: memory_fit never changes a cell's settings
     config = tiny()
     bench = BenchSettings.from_config(config)
     overrides = Cell(1, 2, "fp32", "gloo", 8, "none", activation_checkpointing=True).train_overrides(bench)
-    assert cell_train(config, overrides)["activation_checkpointing"] is True
+    assert cell_settings(main_train(config), overrides).activation_checkpointing is True
 
 
 def test_a_gpu_machine_plans_with_its_own_cores(monkeypatch):
@@ -208,7 +219,7 @@ def test_cell_plan_rederives_the_batch_and_keeps_no_state(tmp_path):
     index = tmp_path / "index.json"
     index.write_text(json.dumps({"vocab_size": 4096}))
     cell = Cell(2, 1, "fp32", "gloo", 8, "none")
-    cell_config = plan_config(config, train=cell_train(config, cell.train_overrides(bench)))
+    cell_config = plan_config(config).for_cell(cell_settings(main_train(config), cell.train_overrides(bench)))
     plan = make_plan(cell_config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "rep1",
                      state_dir=tmp_path / "s", role="bench", resume=False, save_checkpoints=False)
     assert plan.train.gpus == 2 and plan.train.zero_stage == 1
@@ -218,8 +229,8 @@ def test_cell_plan_rederives_the_batch_and_keeps_no_state(tmp_path):
     assert plan.train.max_tokens is None
     assert plan.role == "bench" and not plan.resume and not plan.save_checkpoints
     # a cell measures its own settings: memory_fit never changes them, and checkpoint keys are not its business
-    assert plan.train.memory_fit == "strict" and "checkpoint_every" not in cell_config["train"]
-    assert set(plan.config) == {"name", "model", "train", "tokenizer", "benchmark", "report"}
+    assert plan.train.memory_fit == "strict" and "checkpoint_every" not in cell_config.as_dict()["train"]
+    assert set(plan.config.as_dict()) == {"name", "model", "train", "tokenizer", "benchmark", "report"}
 
 
 def test_time_estimate_is_a_lower_bound_from_the_peak():
@@ -260,7 +271,8 @@ def test_search_adds_the_setups_predicted_to_fit_up_to_the_micro_batch_limit():
     for (ranks, engine, stage, checkpointing), limit in layouts.items():
         if 2 * limit <= SEARCH_MICRO_BATCH_FACTOR * main_mb:
             bigger = Cell(ranks, stage, "fp32", "gloo", 2 * limit, "none", engine, checkpointing)
-            assert judge_cell(config, bigger, bench, "cpu", budget, 4096, None)["status"] == "predicted_oom"
+            judged = judge_cell(plan_config(config), bigger, bench, "cpu", budget, 4096, None)
+            assert judged["status"] == "predicted_oom"
         if checkpointing:  # checkpointing only where it lets a larger micro-batch fit
             assert limit > layouts.get((ranks, engine, stage, False), 0)
     # 3 ranks at the main run's micro-batch do not fit 1.9 GiB: what the search keeps there is smaller or checkpointed
@@ -308,11 +320,15 @@ def test_the_dry_run_lists_every_declared_cell_with_its_fate_and_reason(monkeypa
     # the peak of a GPU that is not here is a datasheet figure for benchmark.assumed_gpu: labelled assumed
     monkeypatch.setattr(devices, "gpu_names", lambda: [])
     config = merged()
-    flops, source = planning_peak(config, "cuda", "x")
+    def peak_of(config):
+        return planning_peak(ReportSettings.from_config(config["report"]), BenchSettings.from_config(config), "cuda",
+                             "x")
+
+    flops, source = peak_of(config)
     assert flops and source.endswith("(benchmark.assumed_gpu, no GPU detected here)")
     # one peak per machine, as rule measure_peak takes it: the 16-bit datasheet figure for an fp32 run too
     fp32 = {**config, "train": {**config["train"], "precision": "fp32"}}
-    assert planning_peak(fp32, "cuda", "x") == (flops, source)
+    assert peak_of(fp32) == (flops, source)
     from pretrain_bench.bench.matrix import cost_preview, preview_text
 
     text = preview_text(cost_preview(matrix, TrainSettings.from_config(config["train"]),

@@ -142,6 +142,7 @@ def test_key_groups_are_the_fields_metadata():
         TRAINS_FURTHER_KEYS,
         TrainSettings,
     )
+    from support import bare_plan_config
 
     assert set(RESUMABLE_KEYS) == {
         "max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "max_restarts", "warmup_timing_steps",
@@ -155,7 +156,8 @@ def test_key_groups_are_the_fields_metadata():
                         "micro_batch_size", "grad_accum_steps")  # the order of plan.json's memory_fit.asked
     assert keys_with(TrainSettings, "no such tag") == ()
     assert PLANNING_KEYS == ("force", "device_memory_gib", "host_memory_gib", "disk_gib")  # benchmark keys
-    plan = Plan(name="run", role="pretrain", config={}, device_request="cpu", train=TrainSettings(),
+    plan = Plan(name="run", role="pretrain", config=bare_plan_config(TrainSettings()), device_request="cpu",
+                train=TrainSettings(),
                 model=ModelSettings(preset="tiny"), init_from=None, data_sha256="0" * 64,
                 paths=RunPaths(index="", tokenizer="", out_dir="", state_dir="", manifest=None), resume=True,
                 save_checkpoints=True, peak_tflops=None, peak=None, measure_comm=True, memory_fit={})

@@ -9,6 +9,7 @@ from pretrain_bench.train.memory.fit import fit_run
 from pretrain_bench.train.memory.model import GIB, checkpoint_bytes, estimate, run_shape
 from pretrain_bench.train.run_summary import RunSummary
 from pretrain_bench.train.settings import ConfigError, TrainSettings, check_settings
+from pretrain_bench.workflow.experiment import plan_config
 from support import ROOT, tiny_config
 
 
@@ -64,8 +65,7 @@ def test_the_validated_config_says_the_stage_the_engine_implies():
 def test_a_deepspeed_run_without_zero_stage_plans_and_fingerprints_as_zero_2_did():
     """What the resume fingerprint (the typed train block) and the plan digest (the plan config) are made of is the
     same whether a DeepSpeed config sets zero_stage: 2 or leaves it to the default."""
-    from pretrain_bench.train.plan import plan_config
-    from pretrain_bench.workflow.experiment import Config, load_config
+    from pretrain_bench.workflow.experiment import Config, load_config, plan_config
 
     config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     explicit = {**config, "train": {**config["train"], "zero_stage": 2}}
@@ -73,14 +73,14 @@ def test_a_deepspeed_run_without_zero_stage_plans_and_fingerprints_as_zero_2_did
     typed = {name: Config.from_config(c) for name, c in (("explicit", explicit), ("unset", unset))}
     assert typed["explicit"].train.as_dict() == typed["unset"].train.as_dict()
     assert plan_config(explicit) == plan_config(unset)
-    assert plan_config(unset)["train"]["zero_stage"] == 2
+    assert plan_config(unset).as_dict()["train"]["zero_stage"] == 2
 
 
 def shape_of(engine: str, stage: int, ranks: int = 4, precision: str = "bf16"):
     config = tiny_config("x")
     config["model"] = {"preset": "llama-125m", "seq_len": 128, "overrides": {}}
     train = settings(engine=engine, zero_stage=stage, gpus=ranks, precision=precision)
-    return run_shape(config, train, "cuda", 32000)
+    return run_shape(plan_config(config), train, "cuda", 32000)
 
 
 def test_memory_model_ddp_replicates_sixteen_psi_and_fsdp_shards_it():
@@ -107,7 +107,7 @@ def test_memory_fit_never_offloads_a_pytorch_engine():
     config["train"] = {**config["train"], "engine": "ddp", "zero_stage": 0, "device": "cuda", "comm_backend": "nccl",
                        "precision": "bf16", "gpus": 3}
     config["benchmark"] = {**config["benchmark"], "device_memory_gib": 24}
-    fitted, record = fit_run(config, TrainSettings.from_config(config["train"]))
+    fitted, record = fit_run(plan_config(config), TrainSettings.from_config(config["train"]))
     assert fitted.offload_optimizer == "none" and fitted.zero_stage == 0 and fitted.engine == "ddp"
     assert record["tried"] and all("offload" not in t["label"] and t["label"].startswith("DDP")
                                    for t in record["tried"])
@@ -121,10 +121,10 @@ def test_engine_axis_collapses_the_zero_and_offload_axes_for_ddp_and_fsdp():
                                      "comm_backend": ["gloo"], "offload_optimizer": ["none", "cpu"],
                                      "engine": ["deepspeed", "ddp", "fsdp"]}
     bench = BenchSettings.from_config(config)
-    names = [c.name(config["train"]) for c in cells(bench)]
+    names = [c.name(TrainSettings.from_config(config["train"])) for c in cells(bench)]
     assert len(names) == len(set(names)) == 2 * 2 * 2 + 2 + 2
     assert {"ddp-ranks1-fp32-gloo", "ddp-ranks3-fp32-gloo", "fsdp-ranks3-fp32-gloo"} <= set(names)
-    matrix = plan_matrix(config, available_ranks=3)
+    matrix = plan_matrix(plan_config(config), bench, available_ranks=3)
     by_name = {e["cell"]: e for e in matrix["cells"]}
     assert by_name["ddp-ranks3-fp32-gloo"]["zero_stage"] == 0 and by_name["fsdp-ranks3-fp32-gloo"]["zero_stage"] == 3
     assert by_name["ddp-ranks3-fp32-gloo"]["status"] == "run", by_name["ddp-ranks3-fp32-gloo"]["reason"]

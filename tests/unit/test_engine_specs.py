@@ -18,6 +18,8 @@ from pretrain_bench.train.settings import TrainSettings, check_settings
 PACKAGE_DIR = Path(pretrain_bench.__file__).parent
 ENGINES_DIR = PACKAGE_DIR / "train" / "engines"
 
+MAIN = TrainSettings(micro_batch_size=4, activation_checkpointing=False)  # the main run cells are named against
+
 
 def engine_name_comparisons(source: str) -> list[str]:
     """`a == "ddp"`, `x in ("deepspeed", ...)` and the like: a comparison of anything with an engine's name."""
@@ -58,10 +60,9 @@ def test_each_spec_says_its_layout_and_labels():
         "DeepSpeed ZeRO-3 + optimizer offload"
     assert [engine_label({"engine": e, "zero_stage": 0, "offload_optimizer": "none"}) for e in ("ddp", "fsdp")] == \
         ["DDP", "FSDP2"]
-    assert Cell(2, 1, "fp32", "gloo", 4, "none").name({"micro_batch_size": 4, "activation_checkpointing": False}) == \
+    assert Cell(2, 1, "fp32", "gloo", 4, "none").name(MAIN) == \
         "ranks2-zero1-fp32-gloo"
-    assert Cell(2, 3, "fp32", "gloo", 4, "none", "fsdp").name(
-        {"micro_batch_size": 4, "activation_checkpointing": False}) == "fsdp-ranks2-fp32-gloo"
+    assert Cell(2, 3, "fp32", "gloo", 4, "none", "fsdp").name(MAIN) == "fsdp-ranks2-fp32-gloo"
     with pytest.raises(ConfigError, match=r"train.engine 'megatron' is not one of \['deepspeed', 'ddp', 'fsdp'\]"):
         engine_spec("megatron")
 
@@ -96,8 +97,7 @@ def test_a_new_engine_is_one_spec_and_one_registration(toy_engine):
         check_settings(replace(settings, zero_stage=3))
     assert engine_label({"engine": toy_engine, "zero_stage": 0, "offload_optimizer": "none"}) == "Toy"
     assert (toy_engine, 0, "none") in search_layouts("cuda")
-    assert Cell(2, 0, "fp32", "gloo", 4, "none", toy_engine).name(
-        {"micro_batch_size": 4, "activation_checkpointing": False}) == "toy-ranks2-fp32-gloo"
+    assert Cell(2, 0, "fp32", "gloo", 4, "none", toy_engine).name(MAIN) == "toy-ranks2-fp32-gloo"
     run = memory_model.RunShape(parameters=10**9, layers=16, hidden_size=2048, kv_size=2048, ffn_size=5632,
                                 vocab_size=32000, seq_len=512, micro_batch_size=1, ranks=2, zero_stage=0,
                                 precision="fp32", device="cuda", engine=toy_engine)

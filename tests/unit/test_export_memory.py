@@ -86,12 +86,12 @@ def test_a_bf16_export_holds_every_weight_of_the_checkpoint_cast(tmp_path):
 def default_run():
     """The default config (validated, defaults filled) and the shape of its model."""
     from pretrain_bench.train.memory.model import config_vocab_size
-    from pretrain_bench.train.plan import plan_config
-    from pretrain_bench.workflow.experiment import load_config
+    from pretrain_bench.workflow.experiment import load_config, plan_config
 
     config = load_config(ROOT / "config.yaml")
     settings = TrainSettings.from_config(config["train"])
-    return config, run_shape(plan_config(config), settings, "cpu", config_vocab_size(config))
+    plan = plan_config(config)
+    return config, run_shape(plan, settings, "cpu", config_vocab_size(plan.tokenizer, plan.model))
 
 
 def test_host_bytes_of_export_and_evaluation_count_the_cast_copy_the_largest_tensor_and_the_loaded_model(

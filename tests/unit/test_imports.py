@@ -131,6 +131,38 @@ def test_each_folder_is_small_and_says_what_it_owns():
         assert docstring and len(docstring.split()) >= 8, f"{folder}/__init__.py says nothing of what it owns"
 
 
+# Where the validated config's mapping is read by key: the config package (validation, defaults) and the workflow
+# package (the one place it becomes typed settings, and the pipeline's DAG-time decisions). Everything below takes
+# typed settings (Config, PlanConfig, TrainSettings ...), so a key is read once, where it is typed.
+RAW_CONFIG_READERS = ("config", "workflow")
+
+
+def raw_config_reads(source: str) -> list[int]:
+    """Lines that subscript a name or attribute called `config` with a string (`config["train"]`,
+    `plan.config["model"]`)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+                and isinstance(node.slice.value, str)):
+            continue
+        target = node.value
+        name = target.id if isinstance(target, ast.Name) else getattr(target, "attr", None)
+        if name == "config":
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_raw_config_is_read_by_key_only_where_it_becomes_typed():
+    found = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        parts = path.relative_to(PACKAGE_DIR).parts
+        if parts[0] in RAW_CONFIG_READERS:
+            continue
+        found += [f"{path.relative_to(PACKAGE_DIR)}:{line}" for line in raw_config_reads(path.read_text())]
+    assert not found, f"config[...] read below the workflow (take typed settings instead): {found}"
+    assert raw_config_reads('x = plan.config["model"]\ny = config["train"]["gpus"]\nz = ds_config["fp16"]') == [1, 2]
+
+
 def test_a_constructed_cycle_is_found(tmp_path):
     """The check fails where there is a cycle (each spelling of a package import), a deferred import included."""
     (tmp_path / "low.py").write_text("try:\n    from .top import g\nexcept ImportError:\n    g = None\n")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain_bench.config.schema import ModelSettings
+from pretrain_bench.config.schema import ModelSettings, TokenizerSettings
 from pretrain_bench.data.tokenizer import EOS_TOKEN, adopted_tokenizer_path, save_hf_folder, train_bpe
 from pretrain_bench.train.memory.model import config_vocab_size
 from pretrain_bench.train.models.llama import (
@@ -52,16 +52,16 @@ def test_shape_comes_from_config_json_and_overrides_are_refused(hf_folder):
 
 
 def test_its_tokenizer_is_adopted_unless_tokenizer_path_says_otherwise(hf_folder, tmp_path):
-    config = {"model": {"preset": "tiny", "init_from": str(hf_folder)}, "tokenizer": {"path": None, "vocab_size": 4096}}
-    assert adopted_tokenizer_path(config) == str(hf_folder)
-    assert config_vocab_size(config) == 300, \
+    model = ModelSettings(preset="tiny", init_from=str(hf_folder))
+    tokenizer = TokenizerSettings(path=None, vocab_size=4096)
+    assert adopted_tokenizer_path(tokenizer.path, model.init_from) == str(hf_folder)
+    assert config_vocab_size(tokenizer, model) == 300, \
         "planning uses the adopted tokenizer's vocabulary, not tokenizer.vocab_size"
-    other = {**config, "tokenizer": {"path": str(tmp_path / "tok.json"), "vocab_size": 4096}}
-    assert adopted_tokenizer_path(other) == str(tmp_path / "tok.json")
+    assert adopted_tokenizer_path(str(tmp_path / "tok.json"), model.init_from) == str(tmp_path / "tok.json")
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare" / "config.json").write_text((hf_folder / "config.json").read_text())
     with pytest.raises(InitFromError, match="has no tokenizer.json"):
-        adopted_tokenizer_path({**config, "model": {"preset": "tiny", "init_from": str(tmp_path / "bare")}})
+        adopted_tokenizer_path(None, str(tmp_path / "bare"))
 
 
 def test_weights_load_exactly_and_a_grown_vocabulary_gets_mean_rows(hf_folder):
@@ -130,7 +130,8 @@ def plan_with_init_from(folder: Path, tmp_path: Path):
     """make_plan, as rule plan_pretrain calls it, for a tiny CPU run continuing from `folder`."""
     import json
 
-    from pretrain_bench.train.plan import make_plan, plan_config
+    from pretrain_bench.train.plan import make_plan
+    from pretrain_bench.workflow.experiment import plan_config
 
     config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
     config["model"] = {**config["model"], "init_from": str(folder), "seq_len": 64}

@@ -12,9 +12,9 @@ from pretrain_bench.train.engines.spec import deepspeed_config
 from pretrain_bench.train.memory import model as memory_model
 from pretrain_bench.train.memory.fit import describe, fit_run, ladder
 from pretrain_bench.train.memory.model import GIB, Budget, estimate, run_shape
-from pretrain_bench.train.plan import make_plan, plan_config
+from pretrain_bench.train.plan import make_plan
 from pretrain_bench.train.settings import ConfigError, TrainSettings
-from pretrain_bench.workflow.experiment import load_config
+from pretrain_bench.workflow.experiment import load_config, plan_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,7 @@ def settings_of(config, **train):
 
 def test_default_experiment_runs_zero2_offload_with_activation_checkpointing_on_the_articles_box(no_gpu):
     config = default_config()  # no GPU here: plans for 3 × 24 GiB, 128 GiB RAM, 1800 GiB disk (config.yaml)
-    chosen, record = fit_run(config, settings_of(config))
+    chosen, record = fit_run(plan_config(config), settings_of(config))
     assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (2, "cpu", "none")
     assert chosen.activation_checkpointing and chosen.precision == "fp16"
     assert chosen.derived_global_batch == 24 and chosen.micro_batch_size == 8
@@ -67,7 +67,7 @@ def test_default_experiment_runs_zero2_offload_with_activation_checkpointing_on_
 def test_bf16_fits_zero3_with_cpu_optimizer_offload_on_the_articles_box(no_gpu):
     # no overflow check in bf16: the largest host transient is one gradient partition cast to fp32
     config = default_config()
-    chosen, record = fit_run(config, settings_of(config, precision="bf16"))
+    chosen, record = fit_run(plan_config(config), settings_of(config, precision="bf16"))
     assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (3, "cpu", "none")
     assert "host RAM 123.4 GiB for 3 ranks, has 128.0 GiB" in record["text"]
 
@@ -91,7 +91,7 @@ def test_nvme_rung_is_taken_when_its_prerequisites_are_here(monkeypatch):
     gpu_box(monkeypatch, host_gib=138)  # room for ZeRO-Infinity's host side, not for ZeRO-3's CPU offload
     nvme_ready(monkeypatch, libaio=True, cuda_home="/usr/local/cuda")
     config = default_config()
-    chosen, record = fit_run(config, settings_of(config), nvme_path="/fast/nvme")
+    chosen, record = fit_run(plan_config(config), settings_of(config), nvme_path="/fast/nvme")
     assert (chosen.offload_optimizer, chosen.offload_param) == ("nvme", "nvme")
     assert "not checked" not in record["summary"] and "skipped" not in json.dumps(record["tried"])
 
@@ -104,7 +104,7 @@ def test_nvme_rung_is_skipped_without_libaio_or_toolkit(monkeypatch, libaio, cud
     gpu_box(monkeypatch, host_gib=138)
     nvme_ready(monkeypatch, libaio=libaio, cuda_home=cuda_home)
     config = default_config()
-    chosen, record = fit_run(config, settings_of(config), nvme_path="/fast/nvme")
+    chosen, record = fit_run(plan_config(config), settings_of(config), nvme_path="/fast/nvme")
     # the NVMe rung is listed among those tried, with the reason, and the ladder goes on to the next rung
     nvme = next(t for t in record["tried"] if "NVMe" in t["label"])
     assert nvme["text"].startswith("skipped: NVMe offload needs ") and reason in nvme["text"]
@@ -117,7 +117,7 @@ def test_refusal_names_the_missing_nvme_prerequisite(monkeypatch):
     nvme_ready(monkeypatch, libaio=False, cuda_home=None)
     config = default_config()
     with pytest.raises(ConfigError) as error:
-        fit_run(config, settings_of(config), nvme_path="/fast/nvme")
+        fit_run(plan_config(config), settings_of(config), nvme_path="/fast/nvme")
     tried = str(error.value).split("auto tried, in order:")[1]
     line = next(line for line in tried.splitlines() if "NVMe parameter offload + NVMe optimizer offload, micro-batch 8"
                 in line)
@@ -128,13 +128,13 @@ def test_refusal_names_the_missing_nvme_prerequisite(monkeypatch):
 def test_strict_stops_with_the_figures(no_gpu):
     config = default_config()
     with pytest.raises(ConfigError, match="pre-flight: the main run is predicted not to fit: needs 55.2 GiB"):
-        fit_run(config, settings_of(config, memory_fit="strict"), what="the main run")
+        fit_run(plan_config(config), settings_of(config, memory_fit="strict"), what="the main run")
 
 
 def test_host_ram_between_nvme_and_cpu_offload_takes_nvme(no_gpu):
     # 138 GiB of RAM: ZeRO-3's CPU offloads (141 GiB and more for 3 ranks) do not fit, ZeRO-Infinity (136) does
     config = default_config(host_memory_gib=138)
-    chosen, record = fit_run(config, settings_of(config), nvme_path="/fast/nvme")
+    chosen, record = fit_run(plan_config(config), settings_of(config), nvme_path="/fast/nvme")
     assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (3, "nvme", "nvme")
     assert [t["fits"] for t in record["tried"]] == [False, False, False, False, True]
     assert "host RAM 141.2 GiB for 3 ranks, has 138.0 GiB" in record["tried"][2]["text"]
@@ -148,7 +148,7 @@ def test_nothing_fits_lists_what_was_tried(no_gpu):
     # NVMe needs ~90 GiB of disk for 7B's offloaded states on 3 ranks; 50 GiB free is not enough
     config = default_config(host_memory_gib=100, disk_gib=50)
     with pytest.raises(ConfigError) as error:
-        fit_run(config, settings_of(config), nvme_path="/fast/nvme")
+        fit_run(plan_config(config), settings_of(config), nvme_path="/fast/nvme")
     message = str(error.value)
     assert "train.memory_fit: auto tried, in order:" in message
     tried = message.split("auto tried, in order:")[1]
@@ -205,18 +205,18 @@ def test_a_cpu_run_short_of_ram_recomputes_activations():
     asked = TrainSettings(gpus=2, device="cpu", comm_backend="gloo", precision="fp32", micro_batch_size=16)
 
     def need(s):  # both ranks share the host
-        return 2 * estimate(run_shape(config, s, "cpu", 32000)).per_rank
+        return 2 * estimate(run_shape(plan_config(config), s, "cpu", 32000)).per_rank
 
     # RAM just above what activation checkpointing needs, below what the asked run needs
     ram = int(need(replace(asked, activation_checkpointing=True)) * 1.01)
     assert ram < need(asked)
-    chosen, record = fit_run(config, asked, 32000, budget=Budget("cpu", ram, "test", ram, "test"))
+    chosen, record = fit_run(plan_config(config), asked, 32000, budget=Budget("cpu", ram, "test", ram, "test"))
     assert chosen.activation_checkpointing and chosen.micro_batch_size == 16
     assert record["changed"] == {"activation_checkpointing": [False, True]}
     # with less, the next rungs are smaller micro-batches with more accumulation (same global batch)
     ram = int(need(replace(asked, micro_batch_size=1, grad_accum_steps=16)) * 1.01)
     assert ram < need(replace(asked, activation_checkpointing=True))
-    chosen, record = fit_run(config, asked, 32000, budget=Budget("cpu", ram, "test", ram, "test"))
+    chosen, record = fit_run(plan_config(config), asked, 32000, budget=Budget("cpu", ram, "test", ram, "test"))
     assert not chosen.activation_checkpointing and chosen.micro_batch_size < 16
     assert chosen.derived_global_batch == asked.derived_global_batch
     assert need(chosen) <= ram and [t["fits"] for t in record["tried"]][-1] and record["tried"][0]["fits"] is False
@@ -234,8 +234,8 @@ def test_plan_records_asked_and_chosen(tmp_path, no_gpu):
     assert plan.measure_comm is False
     assert plan.train.nvme_path == str(tmp_path / "state" / "nvme")  # the default: under the run's state
     # the plan records only the config a training run reads
-    assert set(plan.config) == {"name", "model", "train", "tokenizer", "benchmark", "report"}
-    assert "evaluate" not in plan.config and "corpus" not in plan.config
+    assert set(plan.config.as_dict()) == {"name", "model", "train", "tokenizer", "benchmark", "report"}
+    assert "evaluate" not in plan.config.as_dict() and "corpus" not in plan.config.as_dict()
 
 
 def word_level_tokenizer(path: Path, size: int) -> Path:
@@ -249,24 +249,30 @@ def word_level_tokenizer(path: Path, size: int) -> Path:
     return path.parent
 
 
+def vocab_of(config: dict) -> int:
+    plan = plan_config(config)
+    return memory_model.config_vocab_size(plan.tokenizer, plan.model)
+
+
 def test_an_adopted_tokenizer_sets_the_vocabulary_the_plan_uses(tmp_path, no_gpu):
     config = default_config()  # tokenizer.vocab_size 102400 (DeepSeek's), larger than llama-125m's 32000
     config["model"]["preset"] = "llama-125m"
     config["tokenizer"]["path"] = str(word_level_tokenizer(tmp_path / "tokenizer.json", 32000))
-    assert memory_model.config_vocab_size(config) == 32000
+    assert vocab_of(config) == 32000
     settings = settings_of(config)
-    shape = run_shape(config, settings, "cuda")
+    shape = run_shape(plan_config(config), settings, "cuda")
     assert shape.vocab_size == 32000  # planned with the adopted tokenizer, not tokenizer.vocab_size
     # a smaller tokenizer: the preset's own 32000 rows still win
     (tmp_path / "small").mkdir()
     config["tokenizer"]["path"] = str(word_level_tokenizer(tmp_path / "small" / "tokenizer.json", 500))
-    assert memory_model.config_vocab_size(config) == 500 and run_shape(config, settings, "cuda").vocab_size == 32000
+    assert vocab_of(config) == 500
+    assert run_shape(plan_config(config), settings, "cuda").vocab_size == 32000
     # and the preset that takes the tokenizer's size follows it
     config["model"]["preset"] = "tiny"
-    assert run_shape(config, settings, "cuda").vocab_size == 500
+    assert run_shape(plan_config(config), settings, "cuda").vocab_size == 500
     config["tokenizer"]["path"] = str(tmp_path / "missing.json")
     with pytest.raises(ConfigError, match="tokenizer.path .*missing.json"):
-        memory_model.config_vocab_size(config)
+        vocab_of(config)
 
 
 BUILD_RSS = """
@@ -308,7 +314,8 @@ def test_building_a_bf16_model_takes_one_bf16_copy_as_the_memory_model_says():
     grown = json.loads(out)["grown"]
     config = default_config()
     config["model"] = {"preset": "llama-125m", "seq_len": 128, "overrides": {}}
-    run = run_shape(config, TrainSettings(device="cpu", precision="bf16", comm_backend="gloo"), "cpu", 32000)
+    settings = TrainSettings(device="cpu", precision="bf16", comm_backend="gloo")
+    run = run_shape(plan_config(config), settings, "cpu", 32000)
     predicted = estimate(run).init  # 2Ψ: one bf16 copy, no fp32 model first (that was 4Ψ + 2Ψ)
     assert predicted == 2 * run.parameters
     assert abs(grown - predicted) <= 0.15 * predicted, (grown, predicted)
@@ -317,15 +324,15 @@ def test_building_a_bf16_model_takes_one_bf16_copy_as_the_memory_model_says():
 def test_the_kept_checkpoints_must_fit_on_disk(tmp_path, no_gpu):
     config = default_config()
     # 1000 steps, a checkpoint every 500, all kept: 2 × 97 GB (2Ψ module + 12Ψ optimizer partitions) of 7B
-    _, record = fit_run(config, settings_of(config), state_dir=str(tmp_path))
+    _, record = fit_run(plan_config(config), settings_of(config), state_dir=str(tmp_path))
     disk = record["checkpoint_disk"]
     assert disk["checkpoints"] == 2 and disk["need_bytes"] == 2 * 14 * 6_910_365_696 and disk["fits"]
     assert "benchmark.disk_gib" in disk["text"]  # planned for the articles' 2 TB disk, no GPU here
     config["benchmark"]["disk_gib"] = 150
     with pytest.raises(ConfigError, match=r"checkpoints do not fit on disk: 2 checkpoint\(s\) × 90.1 GiB"):
-        fit_run(config, settings_of(config), state_dir=str(tmp_path))
+        fit_run(plan_config(config), settings_of(config), state_dir=str(tmp_path))
     # keeping one (and the one being written) needs the same two; a checkpoint every 100 steps keeping 3 needs 4
-    assert fit_run(default_config(), settings_of(config, checkpoint_every=100, keep_checkpoints=3),
+    assert fit_run(plan_config(default_config()), settings_of(config, checkpoint_every=100, keep_checkpoints=3),
                    state_dir=str(tmp_path))[1]["checkpoint_disk"]["checkpoints"] == 4
 
 
@@ -336,7 +343,7 @@ def test_small_checkpoints_are_shown_in_mib(tmp_path, no_gpu):
     config["model"] = {"preset": "tiny", "seq_len": 128, "overrides": {}}
     settings = settings_of(config, max_steps=60, checkpoint_every=20, keep_checkpoints=1, device="cpu",
                            precision="fp32", comm_backend="gloo")
-    disk = checkpoint_disk(config, settings, 3_000_000, str(tmp_path), gpu_here=False)
+    disk = checkpoint_disk(plan_config(config), settings, 3_000_000, str(tmp_path), gpu_here=False)
     # 3M parameters, fp32 ZeRO-2: 4 + 12 bytes each = 45.8 MiB; the kept one and the one being written
     assert disk["checkpoints"] == 2 and disk["text"].startswith("2 checkpoint(s) × 45.8 MiB = 91.6 MiB on disk, ")
     assert not re.search(r"(?<![\d.])0\.0 GiB", disk["text"])  # a size rounded to nothing (not "60.0 GiB free")
@@ -346,6 +353,6 @@ def test_eight_gpus_partition_everything_rather_than_offload(no_gpu):
     # 16Ψ/8 fits 24 GiB per GPU: plain ZeRO-3 comes before every offload (no host Adam, no PCIe copies), where
     # ZeRO-3 + CPU offload would need 151 GiB of host RAM for 8 ranks
     config = default_config()
-    chosen, record = fit_run(config, settings_of(config, gpus=8))
+    chosen, record = fit_run(plan_config(config), settings_of(config, gpus=8))
     assert (chosen.zero_stage, chosen.offload_optimizer, chosen.offload_param) == (3, "none", "none")
     assert record["changed"] == {"zero_stage": [2, 3]} and "host RAM" not in record["text"]

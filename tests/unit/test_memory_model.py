@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pretrain_bench.config.schema import BenchSettings
 from pretrain_bench.core import devices
 from pretrain_bench.train.memory import model as memory_model
 from pretrain_bench.train.memory.fit import fit_run
 from pretrain_bench.train.memory.model import GB, GIB, Budget, estimate, judge, model_state_bytes
 from pretrain_bench.train.plan import make_plan
 from pretrain_bench.train.settings import ConfigError, TrainSettings
-from pretrain_bench.workflow.experiment import load_config
+from pretrain_bench.workflow.experiment import load_config, plan_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -162,7 +163,7 @@ def default_config():
 
 def check_fits(config, settings, what="the training run"):
     """The pre-flight as train.memory_fit: strict runs it: the record, or ConfigError."""
-    return fit_run(config, replace(settings, memory_fit="strict"), what=what)[1]
+    return fit_run(plan_config(config), replace(settings, memory_fit="strict"), what=what)[1]
 
 
 @pytest.fixture
@@ -216,10 +217,12 @@ def test_make_plan_runs_the_guard_before_anything_else(tmp_path, no_gpu):
     index = tmp_path / "index.json"
     index.write_text(json.dumps({"vocab_size": 102400, "splits": {"val": {"shards": [{"tokens": 10**7}]}}}))
     with pytest.raises(ConfigError, match="pre-flight: the pretrain run is predicted not to fit"):
-        make_plan(config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "out", state_dir=tmp_path / "state")
+        make_plan(plan_config(config), index=index, tokenizer=tmp_path, out_dir=tmp_path / "out",
+                  state_dir=tmp_path / "state")
     # in bf16 (no overflow check over the host's gradient buffer) ZeRO-3 + CPU offload fits the 128 GiB box
     config["train"].update(zero_stage=3, offload_optimizer="cpu", precision="bf16")
-    fits = make_plan(config, index=index, tokenizer=tmp_path, out_dir=tmp_path / "o", state_dir=tmp_path / "s")
+    fits = make_plan(plan_config(config), index=index, tokenizer=tmp_path, out_dir=tmp_path / "o",
+                     state_dir=tmp_path / "s")
     assert fits.memory_fit["fits"] and fits.memory_fit["estimate"]["optimizer"] == 0
 
 
@@ -236,8 +239,8 @@ def test_tiny_config_fits_on_this_machine():
 def test_fewer_layers_advice_fits_and_more_would_not(no_gpu):
     config = default_config()
     settings = TrainSettings.from_config(config["train"])
-    shape = memory_model.run_shape(config, settings, "cuda")
-    budget = memory_model.detect_budget("cuda", config["benchmark"])
+    shape = memory_model.run_shape(plan_config(config), settings, "cuda")
+    budget = memory_model.detect_budget("cuda", BenchSettings.from_config(config))
     layers = memory_model._max_layers(shape, budget)
     per_layer = memory_model._per_layer_params(shape)
 
@@ -277,7 +280,7 @@ def test_the_pre_flight_budgets_the_free_memory_of_the_gpus(monkeypatch, tmp_pat
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     devices._nvidia_smi_table.cache_clear()
     try:
-        budget = memory_model.detect_budget("cuda", default_config()["benchmark"])
+        budget = memory_model.detect_budget("cuda", BenchSettings.from_config(default_config()))
     finally:
         devices._nvidia_smi_table.cache_clear()
     assert budget.device_bytes == 23012 * 1024**2 and budget.gpu_count == 2

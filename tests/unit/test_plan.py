@@ -8,9 +8,9 @@ import pytest
 
 from pretrain_bench.core import devices
 from pretrain_bench.train.checkpoints.run_state import plan_digest
-from pretrain_bench.train.plan import Plan, RunContext, make_plan, plan_config
+from pretrain_bench.train.plan import Plan, RunContext, make_plan
 from pretrain_bench.train.settings import ConfigError
-from pretrain_bench.workflow.experiment import load_config
+from pretrain_bench.workflow.experiment import load_config, plan_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -158,10 +158,10 @@ def test_only_a_raised_step_count_counts_as_training_further(tmp_path):
     config = plan_config(tiny_config("further"))
     path = tmp_path / "plan.json"
     assert not only_trains_further(path, config), "no plan yet"
-    path.write_text(json.dumps({"config": config}))  # as rule plan_pretrain wrote it
+    path.write_text(json.dumps({"config": config.as_dict()}))  # as rule plan_pretrain wrote it
 
     def edited(**train):
-        return {**config, "train": {**config["train"], **train}}
+        return dataclasses.replace(config, train=dataclasses.replace(config.train, **train))
 
     assert only_trains_further(path, config)
     assert only_trains_further(path, edited(max_steps=200))
@@ -169,6 +169,7 @@ def test_only_a_raised_step_count_counts_as_training_further(tmp_path):
     assert not only_trains_further(path, edited(max_steps=30)), "fewer steps"
     assert not only_trains_further(path, edited(max_steps=200, lr=1e-3)), "a fresh run"
     assert not only_trains_further(path, edited(max_steps=200, checkpoint_every=10)), "any other edit"
-    assert not only_trains_further(path, {**config, "model": {**config["model"], "seq_len": 64}})
+    shorter = dataclasses.replace(config, model=dataclasses.replace(config.model, seq_len=64))
+    assert not only_trains_further(path, shorter)
     path.write_text("{")
     assert not only_trains_further(path, config)

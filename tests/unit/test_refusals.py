@@ -13,15 +13,15 @@ import pytest
 import yaml
 
 from httpfixture import FixtureServer, Route
-from pretrain_bench.bench.matrix import BenchSettings, cell_settings, cells
+from pretrain_bench.bench.matrix import BenchSettings, cells
 from pretrain_bench.config.schema import ModelSettings
 from pretrain_bench.data.download import DownloadError, download
 from pretrain_bench.data.tokenizer import adopt_tokenizer, load_tokenizer
 from pretrain_bench.train import state_lock
 from pretrain_bench.train.checkpoints.files import CheckpointError
-from pretrain_bench.train.plan import Plan, RunPaths
+from pretrain_bench.train.plan import Plan, RunPaths, cell_settings
 from pretrain_bench.train.settings import ConfigError, TrainSettings, check_settings
-from support import tiny_config
+from support import bare_plan_config, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def test_second_launch_is_refused_before_any_rank_and_leaves_the_running_log_alo
     state = tmp_path / "results" / "run" / "state"
     train = TrainSettings(gpus=1, device="cpu", comm_backend="gloo", precision="fp32", warmup_steps=0)
     plan = tmp_path / "plan.json"
-    Plan(name="run", role="pretrain", config={}, device_request="cpu", train=train,
+    Plan(name="run", role="pretrain", config=bare_plan_config(train), device_request="cpu", train=train,
          model=ModelSettings(preset="tiny"), init_from=None, data_sha256="0" * 64,
          paths=RunPaths(index="", tokenizer="", out_dir="", state_dir=str(state), manifest=None),
          resume=True, save_checkpoints=True, peak_tflops=None, peak=None, measure_comm=True,
@@ -121,7 +121,7 @@ def test_warmup_must_end_before_the_last_step():
     for cell in cells(bench):
         if cell.comm_backend == "nccl":
             continue  # left out on CPU for another reason
-        settings = cell_settings(config, cell, bench)
+        settings = cell_settings(TrainSettings.from_config(config["train"]), cell.train_overrides(bench))
         check_settings(settings, seq_len=128)
         assert settings.max_steps == 8 and settings.warmup_steps == 7
 

@@ -139,7 +139,7 @@ def tiny_pipeline(gpu_resource, **overlay) -> Pipeline:
 def test_pipeline_plans_auto_ranks_from_the_resource_and_leaves_out_cells_above_it(in_tmp):
     pipeline = tiny_pipeline(2, train={"gpus": "auto"})
     assert pipeline.settings.train.gpus == 2 and pipeline.config["train"]["gpus"] == 2
-    assert pipeline.main_plan_config["train"]["gpus"] == 2
+    assert pipeline.main_plan_config.train.gpus == 2 and pipeline.main_plan_config.as_dict()["train"]["gpus"] == 2
     left_out = [e for e in pipeline.matrix["cells"] if e["gpus"] == 3 and e["comm_backend"] == "gloo"]
     assert left_out and all(e["status"] == "unsupported" and e["reason"] == "needs 3 GPUs, --resources gpu=2"
                             for e in left_out)
@@ -155,15 +155,15 @@ def test_a_cell_is_planned_once_however_many_repeats_ask(in_tmp, monkeypatch):
 
     pipeline = tiny_pipeline(3, benchmark={"repeats": 2})
     calls = []
-    real = pipeline_module.cell_train
-    monkeypatch.setattr(pipeline_module, "cell_train", lambda *a: calls.append(a) or real(*a))
+    real = pipeline_module.cell_settings
+    monkeypatch.setattr(pipeline_module, "cell_settings", lambda *a: calls.append(a) or real(*a))
     cells = sorted(pipeline.bench_cells)
     for _repeat in range(3):
         for cell in cells:
             pipeline.cell_plan_config(cell)
     assert len(calls) == len(cells)
     config = pipeline.cell_plan_config(cells[0])
-    assert config["train"]["gpus"] == pipeline.bench_cells[cells[0]]["gpus"]
+    assert config.train.gpus == pipeline.bench_cells[cells[0]]["gpus"] and config.cell
     marked = []
     first = pipeline.previous_round("run", 2, lambda path: marked.append(path) or f"ancient:{path}")
     again = pipeline.previous_round("run", 2, lambda path: pytest.fail("the round is worked out once"))

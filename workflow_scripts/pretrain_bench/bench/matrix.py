@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass
 
-from pretrain_bench.config.schema import AXES, BenchSettings, ConfigError, ModelSettings
+from pretrain_bench.config.schema import AXES, BenchSettings, ConfigError, ModelSettings, ReportSettings
 from pretrain_bench.core.devices import resolve_device_cheaply
 from pretrain_bench.core.formats import fmt_duration
 from pretrain_bench.train.engines.spec import ENGINE_SPECS, PLAIN_BASELINE, engine_spec
@@ -26,8 +26,8 @@ from pretrain_bench.train.memory.model import (
     run_shape,
 )
 from pretrain_bench.train.memory.offload import planned_cores
-from pretrain_bench.train.plan import cell_train
-from pretrain_bench.train.settings import TrainSettings, check_settings
+from pretrain_bench.train.plan import cell_settings
+from pretrain_bench.train.settings import PlanConfig, TrainSettings, check_settings
 
 
 @dataclass(frozen=True)
@@ -43,15 +43,15 @@ class Cell:
     engine: str = "deepspeed"
     activation_checkpointing: bool = False
 
-    def name(self, train: dict) -> str:
+    def name(self, main: TrainSettings) -> str:
         """`ranks3-zero2-fp32-gloo` (DeepSpeed) or `ddp-ranks3-fp32-gloo`, plus `-mb<n>` / `-offload` / `-ckpt` (or
-        `-no-ckpt`) where the cell differs from the main run there."""
+        `-no-ckpt`) where the cell differs from the main run (`main`) there."""
         name = engine_spec(self.engine).cell_name(self.gpus, self.zero_stage, self.precision, self.comm_backend)
-        if self.micro_batch_size != train["micro_batch_size"]:
+        if self.micro_batch_size != main.micro_batch_size:
             name += f"-mb{self.micro_batch_size}"
         if self.offload_optimizer != "none":
             name += "-offload"
-        if self.activation_checkpointing != train["activation_checkpointing"]:
+        if self.activation_checkpointing != main.activation_checkpointing:
             name += "-ckpt" if self.activation_checkpointing else "-no-ckpt"
         return name
 
@@ -77,21 +77,17 @@ def cells(bench: BenchSettings) -> list[Cell]:
     return list(found)
 
 
-def cell_settings(config: dict, cell: Cell, bench: BenchSettings) -> TrainSettings:
-    return TrainSettings.from_config(cell_train(config, cell.train_overrides(bench)))
-
-
-def plan_matrix(config: dict, available_ranks: int | None = None, budget: Budget | None = None,
-                vocab_size: int | None = None) -> dict:
-    """Every cell of the matrix with its status (run | unsupported | predicted_oom), reason and memory estimate.
+def plan_matrix(config: PlanConfig, bench: BenchSettings, available_ranks: int | None = None,
+                budget: Budget | None = None, vocab_size: int | None = None) -> dict:
+    """Every cell of the matrix `bench` (the benchmark block's settings) of the main run's plan config `config`, with
+    its status (run | unsupported | predicted_oom), reason and memory estimate.
 
     available_ranks: Snakemake's `--resources gpu=N` when given (a cell needing more could never be scheduled).
-    vocab_size: `config_vocab_size(config)` when the caller has it already (an adopted tokenizer is read to know it).
+    vocab_size: `config_vocab_size` when the caller has it already (an adopted tokenizer is read to know it).
     """
-    bench = BenchSettings.from_config(config)
-    device = resolve_device_cheaply(config["train"]["device"])
-    budget = budget or detect_budget(device, config["benchmark"])
-    vocab_size = vocab_size or config_vocab_size(config)
+    device = resolve_device_cheaply(config.train.device)
+    budget = budget or detect_budget(device, bench)
+    vocab_size = vocab_size or config_vocab_size(config.tokenizer, config.model)
     entries = [judge_cell(config, cell, bench, device, budget, vocab_size, available_ranks)
                for cell in cells(bench)]
     entries += [{**judge_cell(config, cell, bench, device, budget, vocab_size, available_ranks), "origin": "baseline"}
@@ -108,7 +104,7 @@ def plan_matrix(config: dict, available_ranks: int | None = None, budget: Budget
             "cells": entries}
 
 
-def baseline_cells(config: dict, bench: BenchSettings, device: str, declared: list[dict]) -> list[Cell]:
+def baseline_cells(config: PlanConfig, bench: BenchSettings, device: str, declared: list[dict]) -> list[Cell]:
     """A plain single-device run for each precision of a matrix that measures scaling (declares a cell of more than
     one rank) but no 1-rank DDP cell in that precision: DDP on one rank, whose all-reduce over a single rank moves
     nothing, so it is the plain training loop the source articles compare N cards against. The report gives every
@@ -123,16 +119,16 @@ def baseline_cells(config: dict, bench: BenchSettings, device: str, declared: li
     found = [Cell(1, engine_spec(PLAIN_BASELINE).fixed_stage, precision, backend, bench.matrix["micro_batch_size"][0],
                   "none", PLAIN_BASELINE, bench.matrix["activation_checkpointing"][0])
              for precision in bench.matrix["precision"] if precision not in plain]
-    return [cell for cell in found if cell.name(config["train"]) not in names]
+    return [cell for cell in found if cell.name(config.train) not in names]
 
 
-def judge_cell(config: dict, cell: Cell, bench: BenchSettings, device: str, budget: Budget, vocab_size: int,
+def judge_cell(config: PlanConfig, cell: Cell, bench: BenchSettings, device: str, budget: Budget, vocab_size: int,
                available_ranks: int | None) -> dict:
     """A cell's matrix entry: runs, unsupported here (and why) or predicted not to fit (and short of what)."""
-    entry = {"cell": cell.name(config["train"]), **asdict(cell), "origin": "declared", "status": "run",
+    entry = {"cell": cell.name(config.train), **asdict(cell), "origin": "declared", "status": "run",
              "reason": None, "forced": False, "estimate": None, "need_bytes": None, "have_bytes": None}
     try:
-        settings = cell_settings(config, cell, bench)
+        settings = cell_settings(config.train, cell.train_overrides(bench))
         check_settings(settings, device)
     except ConfigError as error:
         return {**entry, "status": "unsupported", "reason": str(error).replace("train.", "")}
@@ -165,14 +161,14 @@ def search_layouts(device: str) -> list[tuple[str, int, str]]:
     return [(name, stage, offload) for name, spec in ENGINE_SPECS.items() for stage, offload in spec.layouts(device)]
 
 
-def search_entries(config: dict, bench: BenchSettings, device: str, budget: Budget, vocab_size: int,
+def search_entries(config: PlanConfig, bench: BenchSettings, device: str, budget: Budget, vocab_size: int,
                    available_ranks: int | None) -> list[dict]:
     """benchmark.search: the setups the memory pre-flight finds feasible for the main run's model, as runnable
     matrix entries. For each of the matrix's rank counts, precisions and backends and each layout
     (`search_layouts`): the main run's micro-batch and the largest power of two up to the predicted limit (at most
     SEARCH_MICRO_BATCH_FACTOR × the main run's), without activation checkpointing, and with it where it lets a
     larger micro-batch fit; an optimizer-offload layout only where its stage does not fit without offload."""
-    main_mb = config["train"]["micro_batch_size"]
+    main_mb = config.train.micro_batch_size
     candidates = sorted({main_mb} | {2 ** k for k in range(12) if 2 ** k <= SEARCH_MICRO_BATCH_FACTOR * main_mb})
     found: list[dict] = []
     for ranks, precision, backend in itertools.product(bench.matrix["gpus"], bench.matrix["precision"],
@@ -316,7 +312,7 @@ def cell_counts(matrix: dict) -> dict:
             "budget": matrix["budget"], "force": matrix["force"]}
 
 
-def planning_peak(config: dict, device: str, name: str) -> tuple[float | None, str]:
+def planning_peak(report: ReportSettings, bench: BenchSettings, device: str, name: str) -> tuple[float | None, str]:
     """(peak FLOP/s per rank, source) for the cost preview, without running anything: report.peak_tflops, else the
     datasheet of the GPUs found here (or of benchmark.assumed_gpu when none is), else on CPU the peak that rule
     measure_peak measured earlier for this machine and software (bench.peak.MachinePeak), or in an earlier run of
@@ -328,11 +324,11 @@ def planning_peak(config: dict, device: str, name: str) -> tuple[float | None, s
     from pretrain_bench.core.devices import gpu_names
     from pretrain_bench.train.models.flops import gpu_table_peak
 
-    if config["report"]["peak_tflops"]:
-        return config["report"]["peak_tflops"] * 1e12, "report.peak_tflops"
+    if report.peak_tflops:
+        return report.peak_tflops * 1e12, "report.peak_tflops"
     if device == "cuda":
         names = gpu_names()
-        gpu = names[0] if names else config["benchmark"]["assumed_gpu"]
+        gpu = names[0] if names else bench.assumed_gpu
         # the 16-bit figure whatever train.precision is, as rule measure_peak takes it (pretrain_bench.bench.peak)
         table = gpu_table_peak(gpu, "bf16")
         where = "detected" if names else "benchmark.assumed_gpu, no GPU detected here"

@@ -119,11 +119,11 @@ class DataProducts:
                    shards_id=settings_digest("shards", shards_shaping(shards)), reused_tokenizer=same is not None)
 
     @classmethod
-    def from_config(cls, config: dict) -> DataProducts:
-        """The data products of a validated config (for code outside the workflow: tests, tools)."""
-        return cls.from_settings(CorpusSettings.from_config(config["corpus"]),
-                                 TokenizerSettings.from_config(config["tokenizer"]),
-                                 ShardSettings.from_config(config["shards"]), adopted_tokenizer_path(config))
+    def from_config(cls, corpus: CorpusSettings, tokenizer: TokenizerSettings, shards: ShardSettings,
+                    init_from: str | None) -> DataProducts:
+        """The data products of a config's settings (`init_from`: model.init_from, whose tokenizer is adopted when
+        tokenizer.path is not set)."""
+        return cls.from_settings(corpus, tokenizer, shards, adopted_tokenizer_path(tokenizer.path, init_from))
 
     @property
     def data_id(self) -> str:

@@ -115,12 +115,12 @@ def _read_config(folder: Path) -> dict:
     return json.loads(config_path.read_text()) if config_path.is_file() else {}
 
 
-def resolve_special_tokens(tokenizer: Tokenizer, config: dict, source: Path) -> dict:
+def resolve_special_tokens(tokenizer: Tokenizer, tokenizer_config: dict, source: Path) -> dict:
     """{'eos', 'pad', 'bos'} names from an HF tokenizer config, falling back to KNOWN_EOS_TOKENS for EOS.
 
     Raises ValueError naming `source` when no end-of-text token exists: documents could not be separated.
     """
-    eos = _token_content(config.get("eos_token"))
+    eos = _token_content(tokenizer_config.get("eos_token"))
     if eos is None:
         eos = next((name for name in KNOWN_EOS_TOKENS if tokenizer.token_to_id(name) is not None), None)
     if eos is None or tokenizer.token_to_id(eos) is None:
@@ -128,10 +128,10 @@ def resolve_special_tokens(tokenizer: Tokenizer, config: dict, source: Path) -> 
             f"tokenizer {source} has no end-of-text token (no eos_token in tokenizer_config.json and none of "
             f"{', '.join(KNOWN_EOS_TOKENS)} in its vocabulary); shards need one to separate documents"
         )
-    pad = _token_content(config.get("pad_token"))
+    pad = _token_content(tokenizer_config.get("pad_token"))
     if pad is not None and tokenizer.token_to_id(pad) is None:
         pad = None
-    bos = _token_content(config.get("bos_token"))
+    bos = _token_content(tokenizer_config.get("bos_token"))
     if bos is not None and tokenizer.token_to_id(bos) is None:
         bos = None
     return {"eos": eos, "pad": pad, "bos": bos}
@@ -222,10 +222,9 @@ def save_hf_folder(tokenizer: Tokenizer, specials: dict, out_dir: Path) -> None:
     atomic_write_text(out_dir / WRITTEN_RECORD, json.dumps(written, indent=2) + "\n")
 
 
-def adopted_tokenizer_path(config: dict) -> str | None:
-    """The tokenizer the tokenizer stage adopts: tokenizer.path, else model.init_from's own (a continued model
-    must keep the token ids it was trained with), else None (train a BPE)."""
-    path, init_from = config["tokenizer"]["path"], config["model"]["init_from"]
+def adopted_tokenizer_path(path: str | None, init_from: str | None) -> str | None:
+    """The tokenizer the tokenizer stage adopts: tokenizer.path (`path`), else model.init_from's own (a continued
+    model must keep the token ids it was trained with), else None (train a BPE)."""
     if path or not init_from:
         return path or None
     from pretrain_bench.data.init_from import InitFromError, init_from_folder
@@ -272,13 +271,13 @@ def tokenizer_content_key(path: str | Path) -> str | None:
     folder, file = (path, path / "tokenizer.json") if path.is_dir() else (None, path)
     if not file.is_file():
         return None
-    config = {}
+    tokenizer_config = {}
     if folder is not None and (folder / "tokenizer_config.json").is_file():
         try:
-            config = json.loads((folder / "tokenizer_config.json").read_text())
+            tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
         except ValueError:
-            config = {}  # adopt_tokenizer names the file when it reads it
-    specials = {key: _token_content(config.get(key)) for key in ("eos_token", "pad_token", "bos_token")}
+            tokenizer_config = {}  # adopt_tokenizer names the file when it reads it
+    specials = {key: _token_content(tokenizer_config.get(key)) for key in ("eos_token", "pad_token", "bos_token")}
     digest = hashlib.sha256(file.read_bytes())
     digest.update(json.dumps(specials, sort_keys=True).encode())
     return digest.hexdigest()

@@ -1,9 +1,9 @@
 """A run plan: everything one training run needs, resolved from the config into one JSON file.
 
 The plan is the pretrain rule's input (so Snakemake reruns training when a setting that matters changes) and the
-only thing the launcher and the ranks read: no rank parses config.yaml. A plan is made from `plan_config(config)`,
-the part of the config a training run uses, which the plan rules receive as `params:` — so an edit anywhere else
-(an evaluation prompt, the report) never replans or retrains, and an edit here always does.
+only thing the launcher and the ranks read: no rank parses config.yaml. A plan is made from a `PlanConfig`, the part
+of the config a training run uses, which the plan rules receive as `params:` (PlanConfig.as_dict) — so an edit
+anywhere else (an evaluation prompt, the report) never replans or retrains, and an edit here always does.
 """
 from __future__ import annotations
 
@@ -16,11 +16,7 @@ from pathlib import Path
 from pretrain_bench.config.schema import (
     BenchSettings,
     ModelSettings,
-    ReportSettings,
-    ShardSettings,
-    TokenizerSettings,
     keys_with,
-    schema_default,
 )
 from pretrain_bench.core.devices import resolve_device_cheaply
 from pretrain_bench.core.io import atomic_write_json, key_differences
@@ -30,6 +26,7 @@ from pretrain_bench.train.settings import (
     CELL_IRRELEVANT_KEYS,
     TRAINS_FURTHER_KEYS,
     ConfigError,
+    PlanConfig,
     TrainSettings,
     check_settings,
 )
@@ -60,7 +57,7 @@ class Plan:
 
     name: str
     role: str  # pretrain | bench
-    config: dict  # plan_config(config): the part of the config a training run reads
+    config: PlanConfig  # the part of the config a training run reads
     device_request: str  # train.device as asked (auto | cpu | cuda)
     train: TrainSettings  # the train block after the memory pre-flight
     model: ModelSettings  # preset, seq_len, overrides, init_from (uri)
@@ -77,7 +74,9 @@ class Plan:
     data: dict | None = None  # data.products.DataProducts.record(): the data id and the folders of the run's data
 
     def to_dict(self) -> dict:
-        data = dataclasses.asdict(self) | {"train": self.train.as_dict(), "model": self.model.as_dict()}
+        data = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        data |= {"config": self.config.as_dict(), "train": self.train.as_dict(), "model": self.model.as_dict(),
+                 "paths": dataclasses.asdict(self.paths)}
         data[PREFLIGHT_KEY] = data["memory_fit"]
         if data["cell"] is None:
             del data["cell"]  # a main run's plan.json has no cell key
@@ -94,7 +93,7 @@ class Plan:
             raise ConfigError(f"{source} is not a plan this version writes (missing {missing}, unknown {unknown}): "
                               "rerun its plan rule (snakemake --forcerun plan_pretrain, or plan_bench_cell for a cell)")
         return cls(**{**data, "paths": RunPaths(**{k: data["paths"][k] for k in path_fields}),
-                      "train": TrainSettings.from_config(data["train"]),
+                      "config": PlanConfig.from_dict(data["config"]), "train": TrainSettings.from_config(data["train"]),
                       "model": ModelSettings.from_config(data["model"])})
 
     def to_json(self, path: Path) -> None:
@@ -115,34 +114,12 @@ class RunContext:
     hardware: dict  # devices.hardware_description(device)
 
 
-def plan_config(config: dict, train: dict | None = None) -> dict:
-    """The part of the (validated) config a training run reads: name, model and train, and of the other blocks the
-    keys their settings tag plan=True; `train` replaces the train block (a cell's)."""
-
-    def planned(block: str, settings_class) -> dict:
-        return {key: config[block][key] for key in keys_with(settings_class, "plan")}
-
-    # shards: only the keys set to other than their default, so that a plan config written before they existed is
-    # the same (an edit of them replans, as one of train.verify_checkpoints does)
-    shards = {key: value for key, value in planned("shards", ShardSettings).items()
-              if value != schema_default("shards", key)}
-    return {
-        "name": config["name"],
-        "model": config["model"],
-        "train": train if train is not None else config["train"],
-        "tokenizer": planned("tokenizer", TokenizerSettings),
-        "benchmark": planned("benchmark", BenchSettings),
-        "report": planned("report", ReportSettings),
-        **({"shards": shards} if shards else {}),
-    }
-
-
 def shards_verify_mode(plan: Plan) -> str:
-    """shards.verify of a plan: how its launcher checks the shards before the first step (see plan_config)."""
-    return plan.config.get("shards", {}).get("verify") or schema_default("shards", "verify")
+    """shards.verify of a plan: how its launcher checks the shards before the first step."""
+    return plan.config.shards.verify
 
 
-def only_trains_further(plan_path: Path, config: dict) -> bool:
+def only_trains_further(plan_path: Path, config: PlanConfig) -> bool:
     """Whether a plan made from `config` (a plan config) only trains on the run whose plan is `plan_path`: the same
     plan config but for a raised train.max_steps or train.max_tokens (TRAINS_FURTHER_KEYS). That run resumes, and every
     checkpoint it has kept stays as it is. False when there is no such plan (or it cannot be read), and after any
@@ -152,38 +129,40 @@ def only_trains_further(plan_path: Path, config: dict) -> bool:
         old_train = written["train"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    asked = json.loads(json.dumps(config, default=str))  # as plan.json holds it (lists, not tuples)
+    asked = json.loads(json.dumps(config.as_dict(), default=str))  # as plan.json holds it (lists, not tuples)
     new_train = asked["train"]
     # max_tokens null (no token limit) counts as 0
     if any((new_train[key] or 0) < (old_train[key] or 0) for key in TRAINS_FURTHER_KEYS):
         return False  # fewer steps: not a continuation
 
-    def without_steps(plan_config: dict) -> dict:
-        return {**plan_config, "train": {k: v for k, v in plan_config["train"].items() if k not in TRAINS_FURTHER_KEYS}}
+    def without_steps(record: dict) -> dict:
+        return {**record, "train": {k: v for k, v in record["train"].items() if k not in TRAINS_FURTHER_KEYS}}
 
     return without_steps(written) == without_steps(asked)
 
 
-def cell_train(config: dict, overrides: dict) -> dict:
-    """A benchmark cell's train block: the main run's, with the cell's values and the benchmark's step counts.
+def cell_settings(main: TrainSettings, overrides: dict) -> TrainSettings:
+    """A benchmark cell's train settings: the main run's, with the cell's values and the benchmark's step counts.
 
     The cell measures exactly its own settings, so train.memory_fit never changes them (cells predicted not to fit
-    are left out of the matrix instead), and its global batch is derived from its own ranks.
+    are left out of the matrix instead), and its global batch is derived from its own ranks. The keys a timing never
+    reads (CELL_IRRELEVANT_KEYS: evaluation, checkpoints, trackers) keep their defaults, and its plan config leaves
+    them out (PlanConfig.cell), so editing them never reruns a cell.
     """
-    train = {**config["train"], **overrides, "global_batch_size": None, "memory_fit": "strict"}
-    return {key: value for key, value in train.items() if key not in CELL_IRRELEVANT_KEYS}
+    train = {**main.as_dict(), **overrides, "global_batch_size": None, "memory_fit": "strict"}
+    return TrainSettings.from_config({key: value for key, value in train.items() if key not in CELL_IRRELEVANT_KEYS})
 
 
-def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, state_dir: Path,
+def make_plan(config: PlanConfig, *, index: Path, tokenizer: Path, out_dir: Path, state_dir: Path,
               role: str = "pretrain", resume: bool = True, save_checkpoints: bool = True,
               peak: dict | None = None, manifest: Path | None = None, cell: str | None = None,
               data: dict | None = None) -> Plan:
-    """Resolve a plan config (see `plan_config`) into a Plan; raises ConfigError.
+    """Resolve a plan config into a Plan; raises ConfigError.
 
     peak: rule measure_peak's bench/peak.json, the machine's peak that every run's MFU divides by.
     manifest: the corpus manifest, whose sources the export's model card lists.
     data: the data products' record (DataProducts.record()), which the summary and model card name."""
-    settings, model = TrainSettings.from_config(config["train"]), ModelSettings.from_config(config["model"])
+    settings, model = config.train, config.model
     if settings.nvme_path is None:
         settings = dataclasses.replace(settings, nvme_path=str(Path(state_dir) / "nvme"))
     check_settings(settings, seq_len=model.seq_len)
@@ -197,7 +176,7 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
         check_val_split(index_data, Path(index), model.seq_len, settings)
     device = resolve_device_cheaply(settings.device)  # nvidia-smi at most once
     return Plan(
-        name=config["name"],
+        name=config.name,
         role=role,
         config=config,
         device_request=settings.device,
@@ -210,8 +189,8 @@ def make_plan(config: dict, *, index: Path, tokenizer: Path, out_dir: Path, stat
                        manifest=str(manifest) if manifest else None),
         resume=resume,
         save_checkpoints=save_checkpoints,
-        peak_tflops=config["report"]["peak_tflops"],
-        peak=plan_peak(peak, config["report"]["peak_tflops"], device, settings.world_size),
+        peak_tflops=config.report.peak_tflops,
+        peak=plan_peak(peak, config.report.peak_tflops, device, settings.world_size),
         # the comms logger synchronises every collective: measured where that costs nothing (CPU) or is the point
         # (benchmark cells), never in a production CUDA run
         measure_comm=role == "bench" or device == "cpu",
@@ -259,5 +238,5 @@ def plan_shape(plan: Plan, tokenizer_vocab: int | None):
     return model_shape(plan.model, tokenizer_vocab, init_folder=folder)
 
 
-__all__ = ["ConfigError", "Plan", "RunContext", "RunPaths", "cell_train", "check_val_split", "init_from_record",
-           "make_plan", "only_trains_further", "plan_config", "plan_shape", "shards_verify_mode"]
+__all__ = ["ConfigError", "Plan", "PlanConfig", "RunContext", "RunPaths", "cell_settings", "check_val_split",
+           "init_from_record", "make_plan", "only_trains_further", "plan_shape", "shards_verify_mode"]

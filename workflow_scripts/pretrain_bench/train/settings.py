@@ -1,4 +1,5 @@
-"""Training settings: the `train.*` config as a typed object, pre-launch checks and the DeepSpeed config.
+"""Training settings: the `train.*` config as a typed object, the plan config (what a training run reads of the
+whole config, typed), and the pre-launch checks.
 
 Everything here is pure Python (no torch import) so the Snakefile can reject a bad configuration before any job
 starts, and the launcher can repeat the checks once it knows the real device.
@@ -6,10 +7,21 @@ starts, and the launcher can repeat the checks once it knows the real device.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from pretrain_bench.config.checks import missing_trackers
-from pretrain_bench.config.schema import ConfigError, default_field, keys_with, schema_enum
+from pretrain_bench.config.schema import (
+    BenchSettings,
+    ConfigError,
+    ModelSettings,
+    ReportSettings,
+    ShardSettings,
+    TokenizerSettings,
+    default_field,
+    keys_with,
+    schema_default,
+    schema_enum,
+)
 from pretrain_bench.core.devices import nvidia_smi_memory
 from pretrain_bench.train.engines.spec import check_engine, resolve_zero_stage
 
@@ -239,13 +251,60 @@ def resolve_gpus(gpus: int | str, device: str, nodes: int, gpu_resource: int | N
     return gpus
 
 
-def fill_resolved_defaults(config: dict, gpu_resource: int | None = None) -> dict:
-    """In place, right after validation: a null train.zero_stage becomes the stage its engine implies
-    (resolve_zero_stage), train.gpus a number of ranks per node (resolve_gpus, with Snakemake's `--resources gpu=N`
-    as `gpu_resource` when given); returns config. Every reader of the validated config (the plan config, the
-    benchmark matrix's axes, the cells) then sees what TrainSettings sees, and a DeepSpeed run that leaves the key out
-    plans, fingerprints and digests as it did when the schema's default was 2."""
-    train = config["train"]
-    train["zero_stage"] = resolve_zero_stage(train["engine"], train["zero_stage"])
-    train["gpus"] = resolve_gpus(train["gpus"], train["device"], train["nodes"], gpu_resource)
-    return config
+@dataclass(frozen=True)
+class PlanConfig:
+    """The part of the validated config a training run reads, typed: the name, the model and train blocks, and of the
+    tokenizer, benchmark, report and shards blocks the keys their settings tag plan=True (the other fields keep their
+    defaults). `as_dict` is the plan config as the plan rules' params and plan.json hold it (Snakemake reruns a plan
+    when it changes; the resume fingerprint digests it), so an edit anywhere else never replans."""
+
+    name: str
+    model: ModelSettings
+    train: TrainSettings
+    tokenizer: TokenizerSettings
+    benchmark: BenchSettings
+    report: ReportSettings
+    shards: ShardSettings = ShardSettings()
+    cell: bool = False  # a benchmark cell's: its train block leaves out the keys a timing never reads
+
+    def as_dict(self) -> dict:
+        train = self.train.as_dict()
+        if self.cell:
+            train = {key: value for key, value in train.items() if key not in CELL_IRRELEVANT_KEYS}
+        # shards: only the keys set to other than their default, so that a plan config written before they existed is
+        # the same (an edit of them replans, as one of train.verify_checkpoints does)
+        shards = {key: value for key, value in _planned(self.shards).items()
+                  if value != schema_default("shards", key)}
+        return {"name": self.name, "model": self.model.as_dict(), "train": train,
+                "tokenizer": _planned(self.tokenizer), "benchmark": _planned(self.benchmark),
+                "report": _planned(self.report), **({"shards": shards} if shards else {})}
+
+    @classmethod
+    def of(cls, name: str, model: ModelSettings, train: TrainSettings, tokenizer: TokenizerSettings,
+           benchmark: BenchSettings, report: ReportSettings, shards: ShardSettings) -> PlanConfig:
+        """From a config's blocks, keeping of the tokenizer, benchmark, report and shards blocks only what a run
+        reads (the rest at its default): the same object whichever way it was made, so nothing reads a key the plan
+        rule's params leave out."""
+        def planned(settings):
+            return type(settings)(**_planned(settings))
+
+        return cls(name, model, train, planned(tokenizer), planned(benchmark), planned(report), planned(shards))
+
+    @classmethod
+    def from_dict(cls, record: dict) -> PlanConfig:
+        """From a plan config as `as_dict` writes it (plan.json's `config`, a plan rule's params)."""
+        train = record["train"]
+        return cls(name=record["name"], model=ModelSettings.from_config(record["model"]),
+                   train=TrainSettings.from_config(train), tokenizer=TokenizerSettings(**record["tokenizer"]),
+                   benchmark=BenchSettings(**record["benchmark"]), report=ReportSettings(**record["report"]),
+                   shards=ShardSettings(**record.get("shards", {})),
+                   cell=any(key not in train for key in CELL_IRRELEVANT_KEYS))
+
+    def for_cell(self, train: TrainSettings) -> PlanConfig:
+        """A benchmark cell's plan config: this one with the cell's train settings (cell_settings)."""
+        return replace(self, train=train, cell=True)
+
+
+def _planned(settings) -> dict:
+    """The fields of a settings block a training run reads (tagged plan=True)."""
+    return {key: getattr(settings, key) for key in keys_with(type(settings), "plan")}

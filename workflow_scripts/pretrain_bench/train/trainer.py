@@ -328,7 +328,7 @@ class Trainer:
         an id that resumed attempts share (the state folder and fingerprint), and the plan's config."""
         plan = self.plan
         name = "-".join(filter(None, (plan.name, plan.role, plan.cell)))
-        return {"name": name, "project": self.settings.tracker_project or plan.name, "config": plan.config,
+        return {"name": name, "project": self.settings.tracker_project or plan.name, "config": plan.config.as_dict(),
                 "id": fingerprint_id({"state": str(self.state_dir.resolve()), "run": self.fingerprint})}
 
     # --- each step ---------------------------------------------------------------------------------------------------
@@ -492,7 +492,7 @@ class Trainer:
             "lr_schedule": settings.lr_schedule,
             "compile": self.compile_clock.summary() if self.compile_clock else None,
             "eval_during_training": heldout_summary(records, settings, self.heldout),
-            "provenance": provenance(plan.config,
+            "provenance": provenance(plan.config.as_dict(),
                                      self.context.hardware | {"threads_per_rank": self.launch.threads_per_rank})
             | {"slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                # the data products the run read (results/data/<data_id>), None for a plan made without one

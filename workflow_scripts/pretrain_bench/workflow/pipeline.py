@@ -26,7 +26,7 @@ from pretrain_bench.data.sources import CorpusError, local_source_files
 from pretrain_bench.data.tokenizer import adopted_tokenizer_path
 from pretrain_bench.evaluate.inputs import evaluation_is_current, marker_digest
 from pretrain_bench.train.memory.model import config_vocab_size, export_and_evaluation_host_bytes, run_shape
-from pretrain_bench.train.plan import cell_train, only_trains_further, plan_config
+from pretrain_bench.train.plan import PlanConfig, cell_settings, only_trains_further
 from pretrain_bench.workflow.experiment import Config
 
 FINAL_EXPORT_DTYPE = "fp32"  # train/hf holds the master weights exactly
@@ -117,10 +117,11 @@ class Pipeline:
         self.lm_eval_tasks = s.evaluate.lm_eval["tasks"]
         # 5) the benchmark matrix and the data products, decided here at DAG time
         try:
-            self.vocab_size = config_vocab_size(config)
-            self.matrix = plan_matrix(config, available_ranks=gpu_resource, vocab_size=self.vocab_size)
+            self.vocab_size = config_vocab_size(s.tokenizer, s.model)
+            self.matrix = plan_matrix(s.plan_config(), s.benchmark, available_ranks=gpu_resource,
+                                      vocab_size=self.vocab_size)
             # tokenizer.path, or model.init_from's own tokenizer: the tokenizer stage adopts it instead of training
-            self.adopted_tokenizer = adopted_tokenizer_path(config)
+            self.adopted_tokenizer = adopted_tokenizer_path(s.tokenizer.path, s.model.init_from)
         except ConfigError as error:
             raise PlanError(f"invalid configuration: {error}") from None
         self.data = DataProducts.from_settings(s.corpus, s.tokenizer, s.shards, self.adopted_tokenizer)
@@ -131,7 +132,7 @@ class Pipeline:
         # a timed cell takes every core, so nothing else (no other cell, no training, no evaluation) shares them
         self.bench_threads = 1 if s.benchmark.allow_concurrent else cores
         # 6) what an evaluation reruns for (pretrain_bench/evaluate/inputs.py)
-        self.main_plan_config = plan_config(config)
+        self.main_plan_config = s.plan_config()
         self.trains_further = only_trains_further(Path(f"results/{self.name}/train/plan.json"),
                                                   self.main_plan_config)
         e = s.evaluate
@@ -141,7 +142,7 @@ class Pipeline:
             "generation": e.generation, "lm_eval": e.lm_eval if self.lm_eval_tasks else None,
         }
         self.checkpoint_steps = s.train.checkpoint_steps(s.model.seq_len)
-        self._cell_plans: dict[str, dict] = {}  # cell → its plan config (cell_plan_config)
+        self._cell_plans: dict[str, PlanConfig] = {}  # cell → its plan config (cell_plan_config)
         self._rounds: dict[tuple[str, int], list] = {}  # (name, repeat) → the round before it (previous_round)
 
     # --- the pre-flight's memory: host RAM of one export or evaluation job, in mem_mb (10^6 bytes, as Snakemake
@@ -218,13 +219,13 @@ class Pipeline:
             raise PlanError(f"benchmark cell {cell} does not run: {reason}")
         return self.bench_cells[cell]
 
-    def cell_plan_config(self, cell: str) -> dict:
+    def cell_plan_config(self, cell: str) -> PlanConfig:
         """What plan_bench_cell hands its script for one cell: the main run's with the cell's train block. Worked out
         once per cell, however many repeats ask."""
         if cell not in self._cell_plans:
             entry = self.bench_cell(cell)
             overrides = Cell(**{axis: entry[axis] for axis in AXES}).train_overrides(self.settings.benchmark)
-            self._cell_plans[cell] = plan_config(self.config, train=cell_train(self.config, overrides))
+            self._cell_plans[cell] = self.settings.plan_config(cell_settings(self.settings.train, overrides))
         return self._cell_plans[cell]
 
     def previous_round(self, name: str, rep: int, ancient: Callable) -> list:

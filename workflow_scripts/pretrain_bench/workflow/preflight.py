@@ -27,7 +27,7 @@ def preflight(pipeline: Pipeline, info, warning):
         main_train = s.train
     matrix = pipeline.matrix
     info(preview_text(cost_preview(matrix, main_train, s.model, pipeline.vocab_size,
-                                   *planning_peak(pipeline.config, matrix["device"], name))))
+                                   *planning_peak(s.report, s.benchmark, matrix["device"], name))))
     info(cells_text(matrix))
     earlier = previous_recommendation_text(Path("results"), matrix["device"], s.model, pipeline.vocab_size)
     if earlier:

@@ -214,11 +214,11 @@ class DeepSpeedEngine(Engine):
 
         from pretrain_bench.train.engines.spec import deepspeed_config
 
-        self.config = deepspeed_config(settings, run.device, run.total_steps, fused_adam=fused_adam_prebuilt(),
+        self.ds_config = deepspeed_config(settings, run.device, run.total_steps, fused_adam=fused_adam_prebuilt(),
                                        pin_memory=run.pin_memory, comms_logger=run.measure_comm)
         if run.reshape:  # DDP's files and FSDP's DCP folder load at any world size; DeepSpeed's through a universal one
-            self.config["checkpoint"] = {"load_universal": True}
-        if self.config["optimizer"]["type"].lower() != "muon":
+            self.ds_config["checkpoint"] = {"load_universal": True}
+        if self.ds_config["optimizer"]["type"].lower() != "muon":
             skip_muon_import()
         if not settings.compile:
             optimizers_without_dynamo()
@@ -231,7 +231,7 @@ class DeepSpeedEngine(Engine):
         if run.config_dir is not None:
             self.write_config(run.config_dir)
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                    config=self.config,
+                                                    config=self.ds_config,
                                                     lr_scheduler=lr_schedule(settings, run.total_steps))
         if settings.zero_stage == 0 and self.engine.dp_world_size == 1:
             # Alone, ZeRO-0's backward would still flatten every gradient, all-reduce it with itself and copy it
@@ -243,7 +243,7 @@ class DeepSpeedEngine(Engine):
         """ds_config.json: the config DeepSpeed was given (train.deepspeed merged in)."""
         import json
 
-        (Path(folder) / "ds_config.json").write_text(json.dumps(self.config, indent=2))
+        (Path(folder) / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2))
 
     def __call__(self, **inputs):
         return self.engine(**inputs)

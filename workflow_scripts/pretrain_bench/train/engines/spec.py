@@ -327,7 +327,7 @@ def deepspeed_config(s, device: str, total_steps: int, fused_adam: bool = False,
             zero[key] = {"device": target, "pin_memory": device == "cuda" and pin_memory}
             if target == "nvme":
                 zero[key]["nvme_path"] = s.nvme_path
-    config = {
+    ds = {
         "train_micro_batch_size_per_gpu": s.micro_batch_size,
         "gradient_accumulation_steps": s.grad_accum_steps,
         "train_batch_size": s.derived_global_batch,
@@ -355,10 +355,10 @@ def deepspeed_config(s, device: str, total_steps: int, fused_adam: bool = False,
     }
     if s.precision == "fp16":
         # Dynamic loss scaling: loss_scale 0 means dynamic in DeepSpeed.
-        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+        ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                           "hysteresis": 2, "min_loss_scale": 1}
     elif s.precision == "bf16":
-        config["bf16"] = {"enabled": True}
+        ds["bf16"] = {"enabled": True}
     if s.activation_checkpointing:
-        config["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
-    return _merge(config, s.deepspeed)
+        ds["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
+    return _merge(ds, s.deepspeed)

@@ -39,7 +39,7 @@ from pretrain_bench.train.memory.model import (
     labelled,
     run_shape,
 )
-from pretrain_bench.train.settings import FIT_KEYS, ConfigError, TrainSettings
+from pretrain_bench.train.settings import FIT_KEYS, ConfigError, PlanConfig, TrainSettings
 
 
 @dataclass(frozen=True)
@@ -110,16 +110,17 @@ def _key(s: TrainSettings) -> tuple:
     return tuple(getattr(s, k) for k in FIT_KEYS)
 
 
-def checkpoint_disk(config: dict, settings: TrainSettings, parameters: int, state_dir: str, gpu_here: bool) -> dict:
+def checkpoint_disk(config: PlanConfig, settings: TrainSettings, parameters: int, state_dir: str,
+                    gpu_here: bool) -> dict:
     """Disk the kept checkpoints need at state_dir (the newest `keep_checkpoints`, plus the one being written
     before the oldest is pruned) against the free space there — or benchmark.disk_gib when planning a GPU run on a
     machine without its GPUs."""
-    steps = replace(settings, keep_checkpoints=None).checkpoint_steps(config["model"]["seq_len"])
+    steps = replace(settings, keep_checkpoints=None).checkpoint_steps(config.model.seq_len)
     kept = min(len(steps), settings.keep_checkpoints + 1) if settings.keep_checkpoints else len(steps)
     need = kept * checkpoint_bytes(parameters, settings.precision, settings.zero_stage, settings.engine)
-    bench = config["benchmark"]
-    if settings.device != "cpu" and not gpu_here and bench["disk_gib"]:
-        have, source = int(bench["disk_gib"] * GIB), "benchmark.disk_gib, no GPU detected here"
+    bench = config.benchmark
+    if settings.device != "cpu" and not gpu_here and bench.disk_gib:
+        have, source = int(bench.disk_gib * GIB), "benchmark.disk_gib, no GPU detected here"
     else:
         have, source = free_disk_bytes(state_dir), f"free at {state_dir}"
     return {"need_bytes": need, "have_bytes": have, "checkpoints": kept, "fits": need <= have,
@@ -132,13 +133,13 @@ def disk_size(value: float) -> str:
     return f"{gib(value)} GiB" if value >= GIB else f"{value / 2**20:,.1f} MiB"
 
 
-def fit_run(config: dict, settings: TrainSettings, vocab_size: int | None = None, *, what: str = "the training run",
-            nvme_path: str | None = None, budget: Budget | None = None,
+def fit_run(config: PlanConfig, settings: TrainSettings, vocab_size: int | None = None, *,
+            what: str = "the training run", nvme_path: str | None = None, budget: Budget | None = None,
             state_dir: str | None = None) -> tuple[TrainSettings, dict]:
     """The settings to run with and the pre-flight record; raises ConfigError when nothing fits (or, under
     `strict`, when the settings asked for do not), unless benchmark.force. With `state_dir` (a run that keeps
     checkpoints) the disk for them is checked too."""
-    bench = config["benchmark"]
+    bench = config.benchmark
     device = resolve_device_cheaply(settings.device)
     if settings.nvme_path is None and nvme_path is not None:
         settings = replace(settings, nvme_path=str(nvme_path))
@@ -178,7 +179,7 @@ def fit_run(config: dict, settings: TrainSettings, vocab_size: int | None = None
                              f"the choice {verdict.text}"
                              + (NVME_UNCHECKED if _uses_nvme(chosen) and budget.gpu_count is None else ""))
     elif not verdict.fits:
-        if not bench["force"]:
+        if not bench.force:
             message = explain(run, est, verdict, budget, what)
             if record["tried"]:
                 tried = "\n".join(f"  - {t['label']}: {t['text']}" + ("" if t["text"].startswith("skipped")
@@ -191,7 +192,7 @@ def fit_run(config: dict, settings: TrainSettings, vocab_size: int | None = None
     if state_dir is not None:
         disk = checkpoint_disk(config, chosen, run.parameters, state_dir, budget.gpu_count is not None)
         record["checkpoint_disk"] = disk
-        if not disk["fits"] and not bench["force"]:
+        if not disk["fits"] and not bench.force:
             raise ConfigError(f"pre-flight: {what}'s checkpoints do not fit on disk: {disk['text']}; keep fewer "
                               "(train.keep_checkpoints), checkpoint less often (train.checkpoint_every), or free "
                               "space")

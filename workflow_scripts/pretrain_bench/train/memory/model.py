@@ -15,12 +15,12 @@ import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from pretrain_bench.config.schema import ModelSettings
+from pretrain_bench.config.schema import BenchSettings, ModelSettings, TokenizerSettings
 from pretrain_bench.core import devices
 from pretrain_bench.train.engines.spec import engine_spec
 from pretrain_bench.train.models.llama import model_shape
 from pretrain_bench.train.models.registry import model_family
-from pretrain_bench.train.settings import ConfigError, TrainSettings
+from pretrain_bench.train.settings import ConfigError, PlanConfig, TrainSettings
 
 GIB = 1024**3
 GB = 10**9
@@ -486,29 +486,29 @@ def gib(value: float) -> str:
 
 # ---- from the config -------------------------------------------------------------------------------------------
 
-def config_vocab_size(config: dict) -> int:
+def config_vocab_size(tokenizer: TokenizerSettings, model: ModelSettings) -> int:
     """The vocabulary the model will have, known before the shards exist: an adopted tokenizer's (tokenizer.path, or
     model.init_from's own tokenizer; the same rows the tokenizer stage will report: largest id + 1, a pad token added
     when it has none), else the BPE's tokenizer.vocab_size."""
-    tokenizer = config["tokenizer"]
     from pretrain_bench.data.tokenizer import adopted_tokenizer_path
 
-    path = adopted_tokenizer_path(config)
+    path = adopted_tokenizer_path(tokenizer.path, model.init_from)
     if path:
         from pretrain_bench.data.tokenizer import adopt_tokenizer, tokenizer_info
 
-        key = "tokenizer.path" if tokenizer["path"] else "model.init_from's tokenizer"
+        key = "tokenizer.path" if tokenizer.path else "model.init_from's tokenizer"
         try:
             return tokenizer_info(*adopt_tokenizer(Path(path)))["vocab_size"]
         except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse
             raise ConfigError(f"{key} {path}: {error}") from error
-    return tokenizer["vocab_size"]
+    return tokenizer.vocab_size
 
 
-def run_shape(config: dict, settings: TrainSettings, device: str, vocab_size: int | None = None) -> RunShape:
-    # model.init_from: the shape of the model in its config.json, which the weights fix
-    model = ModelSettings.from_config(config["model"])
-    shape = model_shape(model, vocab_size or config_vocab_size(config))
+def run_shape(config: PlanConfig, settings: TrainSettings, device: str, vocab_size: int | None = None) -> RunShape:
+    """What the memory model needs of a run: the model of the plan config `config` (model.init_from: the shape of
+    the model in its config.json, which the weights fix) with the layout of `settings`."""
+    model = config.model
+    shape = model_shape(model, vocab_size or config_vocab_size(config.tokenizer, model))
     counts = model_family(shape).count_parameters(shape)
     head_dim = shape.hidden_size // shape.num_attention_heads
     return RunShape(parameters=counts["total"], layers=shape.num_hidden_layers, hidden_size=shape.hidden_size,
@@ -536,7 +536,7 @@ def free_disk_bytes(path: str | Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def detect_budget(device: str, bench: dict, nvme_path: str | Path | None = None) -> Budget:
+def detect_budget(device: str, bench: BenchSettings, nvme_path: str | Path | None = None) -> Budget:
     """Memory of this machine: nvidia-smi's free memory per GPU, physical RAM, free disk at `nvme_path`.
 
     When a CUDA run is planned on a machine without GPUs, the machine it is meant for is described by
@@ -564,19 +564,20 @@ def detect_budget(device: str, bench: dict, nvme_path: str | Path | None = None)
     return planned_budget(bench, nvme_path)
 
 
-def planned_budget(bench: dict, nvme_path: str | Path | None = None, why: str = "no GPU detected here") -> Budget:
+def planned_budget(bench: BenchSettings, nvme_path: str | Path | None = None,
+                   why: str = "no GPU detected here") -> Budget:
     """The GPU machine a run is planned for, as the benchmark keys describe it (device_memory_gib, host_memory_gib,
     disk_gib: the articles' box in config.yaml): what detect_budget uses where no GPU is detected. `why` says, in
     each figure's source, why the keys stand for the machine."""
     host, host_source = None, "no GPU here, set benchmark.host_memory_gib to check the GPU machine's RAM"
     disk, disk_source = None, "not checked"
-    if bench["host_memory_gib"]:
-        host, host_source = int(bench["host_memory_gib"] * GIB), f"benchmark.host_memory_gib, {why}"
-    if bench["disk_gib"]:
-        disk, disk_source = int(bench["disk_gib"] * GIB), f"benchmark.disk_gib, {why}"
+    if bench.host_memory_gib:
+        host, host_source = int(bench.host_memory_gib * GIB), f"benchmark.host_memory_gib, {why}"
+    if bench.disk_gib:
+        disk, disk_source = int(bench.disk_gib * GIB), f"benchmark.disk_gib, {why}"
     elif nvme_path is not None:
         disk, disk_source = None, "not checked: no GPU here, set benchmark.disk_gib"
-    return Budget("cuda", int(bench["device_memory_gib"] * GIB), f"benchmark.device_memory_gib, {why}", host,
+    return Budget("cuda", int(bench.device_memory_gib * GIB), f"benchmark.device_memory_gib, {why}", host,
                   host_source, None, disk, disk_source)
 
 

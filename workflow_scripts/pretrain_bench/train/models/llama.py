@@ -161,29 +161,29 @@ _SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num
 def shape_from_hf_config(folder: Path) -> ModelShape:
     """The ModelShape of an HF LLaMA-architecture model folder, read from its config.json."""
     path = Path(folder) / "config.json"
-    config = json.loads(path.read_text())
-    if config.get("model_type") != "llama":
-        raise InitFromError(f"{path}: model_type {config.get('model_type')!r} is not 'llama'; model.init_from "
+    hf = json.loads(path.read_text())
+    if hf.get("model_type") != "llama":
+        raise InitFromError(f"{path}: model_type {hf.get('model_type')!r} is not 'llama'; model.init_from "
                             "takes LLaMA-architecture models (LlamaForCausalLM)")
     for flag in ("attention_bias", "mlp_bias"):
-        if config.get(flag):
+        if hf.get(flag):
             raise InitFromError(f"{path}: {flag} is true; the pipeline's LLaMA shape has no bias terms")
-    missing = [key for key in _SHAPE_FIELDS[:6] if key not in config]
+    missing = [key for key in _SHAPE_FIELDS[:6] if key not in hf]
     if missing:
         raise InitFromError(f"{path}: no {missing} (not a LlamaConfig?)")
-    values = {key: config[key] for key in _SHAPE_FIELDS if key in config}
-    head_dim = config.get("head_dim")
+    values = {key: hf[key] for key in _SHAPE_FIELDS if key in hf}
+    head_dim = hf.get("head_dim")
     if head_dim is not None and head_dim != values["hidden_size"] // values["num_attention_heads"]:
         raise InitFromError(f"{path}: head_dim {head_dim} is not hidden_size / num_attention_heads")
-    rope = config.get("rope_parameters") or {}
-    values["rope_theta"] = float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    rope = hf.get("rope_parameters") or {}
+    values["rope_theta"] = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
     extra = {}
     if rope and rope.get("rope_type", "default") != "default":
         extra["rope_parameters"] = rope  # e.g. llama3 frequency scaling: changes the logits, not the weights
-    if config.get("rope_scaling"):
-        extra["rope_scaling"] = config["rope_scaling"]
-    if config.get("hidden_act", "silu") != "silu":
-        extra["hidden_act"] = config["hidden_act"]
+    if hf.get("rope_scaling"):
+        extra["rope_scaling"] = hf["rope_scaling"]
+    if hf.get("hidden_act", "silu") != "silu":
+        extra["hidden_act"] = hf["hidden_act"]
     return ModelShape(**values, extra=extra)
 
 
