@@ -26,6 +26,9 @@ $(STAMP): requirements.txt pyproject.toml
 	DS_BUILD_OPS=0 DS_IGNORE_CUDA_DETECTION=1 $(BIN)/python -m pip install --quiet --no-build-isolation -r requirements.txt
 	# the pretrain_bench library itself (workflow_scripts/pretrain_bench), editable: the rules, bench/ and tests import it
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	# the torch this environment ended up with (a venv kept from before, or a pip that resolved another): refused in one
+	# line naming the version to install, as `snakemake -n` refuses it
+	$(BIN)/python -m pretrain_bench.config.checks
 	# byte-compiled as pip compiles what it installs (an editable install is not): where PYTHONDONTWRITEBYTECODE is set,
 	# every process would compile the package's modules again (measured: 0.20 → 0.13 CPU-s for the launcher's imports)
 	$(BIN)/python -m compileall -q workflow_scripts > /dev/null

@@ -4,6 +4,7 @@ naming the version to install."""
 import ast
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,23 @@ def test_snakemake_dry_run_refuses_an_older_torch_in_one_line(tmp_path):
             "(the version requirements.txt pins)")
     output = proc.stdout + proc.stderr
     assert line in output.splitlines(), output[-3000:]
+
+
+def test_make_install_checks_the_torch_it_ended_up_with_in_one_line(tmp_path):
+    """The Makefile's install recipe runs `python -m pretrain_bench.config.checks` after installing: with an older
+    torch's record first on the path it exits 1 with the one line (no traceback); with the installed torch, 0."""
+    from pretrain_bench.config.checks import PINNED_TORCH
+
+    assert "$(BIN)/python -m pretrain_bench.config.checks\n" in (ROOT / "Makefile").read_text()
+    fake = tmp_path / "site" / "torch-2.10.0.dist-info"
+    fake.mkdir(parents=True)
+    (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.10.0\n")
+    command = [sys.executable, "-m", "pretrain_bench.config.checks"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT / "workflow_scripts")])}
+    old = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+    assert old.returncode == 1 and old.stdout == ""
+    assert old.stderr == (f"pretrain-bench: torch 2.10.0 is older than 2.11, the oldest this pipeline runs on: pip "
+                          f"install torch=={PINNED_TORCH} (the version requirements.txt pins)\n")
+    current = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(ROOT / "workflow_scripts")})
+    assert (current.returncode, current.stdout, current.stderr) == (0, "", "")

@@ -77,3 +77,20 @@ def check_torch_version(installed: str | None = None) -> None:
         oldest = ".".join(map(str, OLDEST_TORCH))
         raise ConfigError(f"torch {installed} is older than {oldest}, the oldest this pipeline runs on: "
                           f"pip install torch=={PINNED_TORCH} (the version requirements.txt pins)")
+
+
+def main() -> int:
+    """`python -m pretrain_bench.config.checks`: the torch check alone, as `make install` runs it after installing
+    (a venv that kept an older torch, or a pip that resolved another): one line and exit 1, no traceback."""
+    import sys
+
+    try:
+        check_torch_version()
+    except ConfigError as error:
+        print(f"pretrain-bench: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
