@@ -285,18 +285,3 @@ def test_the_pre_flight_budgets_the_free_memory_of_the_gpus(monkeypatch, tmp_pat
         devices._nvidia_smi_table.cache_clear()
     assert budget.device_bytes == 23012 * 1024**2 and budget.gpu_count == 2
     assert budget.device_source == "nvidia-smi memory.free: smallest of 2 GPU(s) (22.5 of 24.0 GiB free)"
-
-
-def test_a_cpu_rank_of_the_native_class_is_predicted_without_transformers_resident():
-    """The runtime term follows model.implementation on CPU (an idle rank's RSS: transformers' modules add ~0.13
-    GiB), and not on CUDA, where it is the CUDA context whatever class runs."""
-    config = load_config(ROOT / "config.yaml", ROOT / "config" / "tiny-cpu.yaml")
-    plan = plan_config(config)
-    settings = TrainSettings.from_config(config["train"])
-    assert plan.model.implementation == "native"  # the demo's
-    native = memory_model.run_shape(plan, settings, "cpu")
-    transformers = replace(native, implementation="transformers")
-    assert estimate(native).runtime == memory_model.RUNTIME_BYTES["cpu", "native"] < estimate(transformers).runtime
-    assert estimate(transformers).per_rank - estimate(native).per_rank == int(0.6 * GIB) - int(0.4 * GIB)
-    on_gpu = replace(native, device="cuda")
-    assert estimate(on_gpu).runtime == estimate(replace(on_gpu, implementation="transformers")).runtime == GIB

@@ -26,13 +26,9 @@ GIB = 1024**3
 GB = 10**9
 
 # Bytes a rank holds beyond tensors the model accounts for. CPU: peak RSS of an idle rank (interpreter, torch,
-# DeepSpeed, gloo, the trainer, and the model class of model.implementation), measured on Linux (2-core EPYC, torch
-# 2.13, DeepSpeed 0.19.8, after init_process_group): 0.38 GiB with the native class, 0.51 GiB with transformers'
-# LlamaForCausalLM imported (docs/benchmarks/2026-12-04-cpu-runtime-term.md); a running rank adds the loader and
-# allocator slack. CUDA: the CUDA context and allocator slack, which torch.cuda.max_memory_allocated does not count
-# but the device must still hold, whichever class runs.
-RUNTIME_BYTES = {("cpu", "native"): int(0.4 * GIB), ("cpu", "transformers"): int(0.6 * GIB),
-                 ("cuda", "native"): int(1.0 * GIB), ("cuda", "transformers"): int(1.0 * GIB)}
+# DeepSpeed, transformers, gloo) measured at ~0.45-0.65 GiB on Linux. CUDA: the CUDA context and allocator slack,
+# which torch.cuda.max_memory_allocated does not count but the device must still hold.
+RUNTIME_BYTES = {"cpu": int(0.6 * GIB), "cuda": int(1.0 * GIB)}
 # Host RAM of a CUDA rank process (CUDA libraries, pinned staging) besides the offloaded states.
 CUDA_RANK_HOST_BYTES = int(2.0 * GIB)
 # DeepSpeed's default reduce_bucket_size (elements): ZeRO-1/2 keep one gradient bucket of this size, two with
@@ -88,7 +84,6 @@ class RunShape:
     device: str = "cuda"  # cuda | cpu
     pinned_rounding: bool = False  # pinned host buffers rounded up to powers of two (see PINNED_ROUNDING)
     engine: str = "deepspeed"  # deepspeed | ddp | fsdp (train.engine)
-    implementation: str = "transformers"  # model.implementation: the class a rank imports (its runtime term on CPU)
 
     @property
     def largest_parameter(self) -> int:
@@ -416,8 +411,7 @@ def estimate(run: RunShape) -> Estimate:
         states, buffers = torch_engine_terms(run)
         return Estimate(params=int(states["params"]), grads=int(states["grads"]),
                         optimizer=int(states["optimizer"]), activations=activation_bytes(run),
-                        buffers=int(sum(v for v, _ in buffers.values())),
-                        runtime=RUNTIME_BYTES[run.device, run.implementation],
+                        buffers=int(sum(v for v, _ in buffers.values())), runtime=RUNTIME_BYTES[run.device],
                         # the whole model is built in fp32 on the rank's device before DDP/FSDP take it
                         init=4 * run.parameters, host_states=0, state_formula=spec.state_formula,
                         buffer_formula="; ".join(src for _, src in buffers.values()) or "none beyond the states")
@@ -429,8 +423,7 @@ def estimate(run: RunShape) -> Estimate:
     # DeepSpeed partitions it; nothing is built in fp32 first, on the host or elsewhere.
     init = (4 if run.precision == "fp32" else 2) * run.parameters
     return Estimate(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
-                    activations=activation_bytes(run), buffers=buffers,
-                    runtime=RUNTIME_BYTES[run.device, run.implementation],
+                    activations=activation_bytes(run), buffers=buffers, runtime=RUNTIME_BYTES[run.device],
                     init=init, host_states=states["host"], state_formula=states["formula"],
                     buffer_formula=buffer_formula, disk_states=states["disk"])
 
@@ -525,7 +518,7 @@ def run_shape(config: PlanConfig, settings: TrainSettings, device: str, vocab_si
                     zero_stage=settings.zero_stage, precision=settings.precision,
                     offload_optimizer=settings.offload_optimizer, offload_param=settings.offload_param,
                     activation_checkpointing=settings.activation_checkpointing, device=device,
-                    engine=settings.engine, implementation=model.implementation)
+                    engine=settings.engine)
 
 
 def host_memory_bytes() -> int:
@@ -673,10 +666,9 @@ def export_and_evaluation_host_bytes(run: RunShape, export_dtype: str, eval_prec
     gathered and cast; the checkpoint's files are mapped, and their pages are page cache the kernel can reclaim.
     Evaluation afterwards: AutoModelForCausalLM.from_pretrained loads the export in `eval_precision` on the host
     before moving it to its device, after the export's tensors are freed, so the larger of the two counts. Plus the
-    process itself (RUNTIME_BYTES["cpu", "transformers"]: export and evaluation load transformers). Evaluation
-    activations on a CPU device are not counted.
+    process itself (RUNTIME_BYTES["cpu"]). Evaluation activations on a CPU device are not counted.
     """
     bytes_of = {"fp32": 4, "bf16": 2, "fp16": 2}
     export = run.parameters * bytes_of[export_dtype] + 4 * run.largest_parameter
     loaded = run.parameters * bytes_of[eval_precision] if eval_precision else 0
-    return max(export, loaded) + RUNTIME_BYTES["cpu", "transformers"]
+    return max(export, loaded) + RUNTIME_BYTES["cpu"]
