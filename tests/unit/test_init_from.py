@@ -17,8 +17,10 @@ from pretrain_bench.train.models.llama import (
     build_model,
     llama_config,
     load_pretrained,
-    model_shape,
     resolve_shape,
+)
+from pretrain_bench.train.models.llama import (
+    init_from_shape as model_shape,
 )
 from pretrain_bench.workflow.experiment import load_config
 

@@ -12,7 +12,8 @@ from pretrain_bench.config.schema import ModelSettings
 from pretrain_bench.train.memory import offload as offload_time
 from pretrain_bench.train.memory.model import GIB
 from pretrain_bench.train.memory.offload import FORMULA, OffloadStep, offload_seconds, planned_cores, usable_cores
-from pretrain_bench.train.models.llama import count_parameters, model_shape
+from pretrain_bench.train.models.llama import count_parameters
+from pretrain_bench.train.models.registry import model_shape
 from pretrain_bench.train.settings import TrainSettings
 
 PSI = 6_910_365_696  # DeepSeek-7B

@@ -223,8 +223,7 @@ def time_estimate(entry: dict, model: ModelSettings, vocab_size: int, grad_accum
 
 
 def model_flops_per_token(model: ModelSettings, vocab_size: int) -> float:
-    from pretrain_bench.train.models.llama import model_shape
-    from pretrain_bench.train.models.registry import model_family
+    from pretrain_bench.train.models.registry import model_family, model_shape
 
     shape = model_shape(model, vocab_size)
     return model_family(shape).flops_per_token(shape, model.seq_len)
@@ -248,8 +247,7 @@ def cost_preview(matrix: dict, main: TrainSettings, model: ModelSettings, vocab_
     checkpointing (the main run's as chosen, each cell's own) adds a forward: × RECOMPUTE_FACTOR.
     """
     from pretrain_bench.train.memory.offload import OffloadStep, offload_seconds
-    from pretrain_bench.train.models.llama import model_shape
-    from pretrain_bench.train.models.registry import model_family
+    from pretrain_bench.train.models.registry import model_family, model_shape
 
     device = matrix["device"]
     shape = model_shape(model, vocab_size)

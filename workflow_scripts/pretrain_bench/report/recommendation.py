@@ -202,12 +202,13 @@ def this_machine(device: str) -> dict:
 def model_identity(model, vocab_size: int) -> dict:
     """The summary.json model keys that make two runs' models the same: preset, parameters, vocabulary, layers and
     width (`model`: ModelSettings)."""
-    from pretrain_bench.train.models.llama import model_shape
-    from pretrain_bench.train.models.registry import model_family
+    from pretrain_bench.train.models.registry import model_family, model_shape
 
     shape = model_shape(model, vocab_size)
-    return {"preset": model.preset, "parameters": model_family(shape).count_parameters(shape)["total"],
-            "vocab_size": vocab_size, "layers": shape.num_hidden_layers, "hidden_size": shape.hidden_size}
+    family = model_family(shape)
+    described = family.describe(shape)
+    return {"preset": model.preset, "parameters": family.count_parameters(shape)["total"], "vocab_size": vocab_size,
+            "layers": described["layers"], "hidden_size": described["hidden_size"]}
 
 
 def previous_recommendation_text(results: Path, device: str, model, vocab_size: int) -> str | None:

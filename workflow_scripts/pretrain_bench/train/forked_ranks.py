@@ -119,7 +119,7 @@ def preload(script: Path, rank_argv: list[str]) -> None:
     import importlib
 
     from pretrain_bench.train.launcher import skip_unchosen_trackers
-    from pretrain_bench.train.models.llama import model_libraries
+    from pretrain_bench.train.models.registry import model_libraries
     from pretrain_bench.train.plan import Plan
 
     plan = Plan.from_json(Path(rank_argv[rank_argv.index("--plan") + 1]))
@@ -130,7 +130,7 @@ def preload(script: Path, rank_argv: list[str]) -> None:
     engine_class(plan.train.engine).preload(plan.train)
     import pretrain_bench.train.trainer  # noqa: F401 -- what the rank imports next
 
-    for name in model_libraries(plan.model.implementation, plan.train.compile):
+    for name in model_libraries(plan.model, plan.train.compile):
         importlib.import_module(name)
 
 

@@ -216,7 +216,8 @@ def init_from_record(model: ModelSettings, tokenizer_vocab: int | None) -> dict:
     The weights are checked here, before launch: they exist, and each tensor's shape (from the safetensors headers)
     is the one the model of `model` (its config.json, with the vocabulary of the tokenizer) has."""
     from pretrain_bench.data.init_from import init_from_folder
-    from pretrain_bench.train.models.llama import check_init_from_weights, model_shape
+    from pretrain_bench.train.models.llama import check_init_from_weights
+    from pretrain_bench.train.models.registry import model_shape
 
     uri = model.init_from
     folder = init_from_folder(uri, weights=True)
@@ -232,7 +233,7 @@ def init_from_record(model: ModelSettings, tokenizer_vocab: int | None) -> dict:
 
 def plan_shape(plan: Plan, tokenizer_vocab: int | None):
     """The model shape of a plan: its preset, or its init_from folder's config.json."""
-    from pretrain_bench.train.models.llama import model_shape
+    from pretrain_bench.train.models.registry import model_shape
 
     folder = Path(plan.init_from["path"]) if plan.init_from else None
     return model_shape(plan.model, tokenizer_vocab, init_folder=folder)

@@ -59,7 +59,7 @@ from pretrain_bench.train.metrics import (
     summarise_steps,
 )
 from pretrain_bench.train.models.flops import model_flops_utilisation
-from pretrain_bench.train.models.llama import ModelShape, load_pretrained
+from pretrain_bench.train.models.llama import load_pretrained
 from pretrain_bench.train.models.registry import model_family
 from pretrain_bench.train.plan import Plan, RunContext, plan_shape
 from pretrain_bench.train.rank import (
@@ -126,7 +126,7 @@ class Trainer:
         self.preemption: Preemption | None = None  # setup(): SIGTERM/SIGINT as a flag
         self.lock = None  # setup(): the state lock, where this rank took it (started without the launcher)
         self.batches = None  # build_model(): this rank's RankBatches
-        self.shape: ModelShape | None = None  # build_model()
+        self.shape = None  # build_model(): the model family's shape (plan_shape)
         self.params: dict | None = None  # build_model(): count_parameters
         self.model = None  # build_model()
         self.loaded: dict | None = None  # build_model(): what load_pretrained read from model.init_from
@@ -471,9 +471,8 @@ class Trainer:
             "peak_mem_kind": peak_memory_bytes(self.device)[1],
             "model": {"preset": plan.model.preset, "parameters": params["total"],
                       "non_embedding_parameters": params["non_embedding"],
-                      "matmul_parameters": params["matmul"], "layers": shape.num_hidden_layers,
-                      "hidden_size": shape.hidden_size, "heads": shape.num_attention_heads,
-                      "vocab_size": shape.vocab_size, "attn_implementation": plan.model.attn_implementation,
+                      "matmul_parameters": params["matmul"], **self.family.describe(shape),
+                      "attn_implementation": plan.model.attn_implementation,
                       "implementation": plan.model.implementation},
             "flops_per_token": self.flops_token, "flops_formula": self.family.flops_formula,
             "peak_flops_per_rank": peak_flops, "peak_flops_source": peak_source,

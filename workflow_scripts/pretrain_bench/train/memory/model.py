@@ -18,8 +18,7 @@ from pathlib import Path
 from pretrain_bench.config.schema import BenchSettings, ModelSettings, TokenizerSettings
 from pretrain_bench.core import devices
 from pretrain_bench.train.engines.spec import engine_spec
-from pretrain_bench.train.models.llama import model_shape
-from pretrain_bench.train.models.registry import model_family
+from pretrain_bench.train.models.registry import model_family, model_shape
 from pretrain_bench.train.settings import ConfigError, PlanConfig, TrainSettings
 
 GIB = 1024**3
@@ -509,11 +508,9 @@ def run_shape(config: PlanConfig, settings: TrainSettings, device: str, vocab_si
     the model in its config.json, which the weights fix) with the layout of `settings`."""
     model = config.model
     shape = model_shape(model, vocab_size or config_vocab_size(config.tokenizer, model))
-    counts = model_family(shape).count_parameters(shape)
-    head_dim = shape.hidden_size // shape.num_attention_heads
-    return RunShape(parameters=counts["total"], layers=shape.num_hidden_layers, hidden_size=shape.hidden_size,
-                    kv_size=shape.num_key_value_heads * head_dim, ffn_size=shape.intermediate_size,
-                    vocab_size=shape.vocab_size, seq_len=model.seq_len,
+    family = model_family(shape)
+    counts = family.count_parameters(shape)
+    return RunShape(parameters=counts["total"], **family.memory_dims(shape), seq_len=model.seq_len,
                     micro_batch_size=settings.micro_batch_size, ranks=settings.world_size,
                     zero_stage=settings.zero_stage, precision=settings.precision,
                     offload_optimizer=settings.offload_optimizer, offload_param=settings.offload_param,

@@ -16,8 +16,30 @@ class ModelFamily:
     hf_architecture: str = ""  # the transformers class an export is saved as and loads back with
     flops_formula: str = ""  # flops_per_token's formula, as the report prints it
 
+    def resolve_shape(self, preset: str, overrides: dict | None = None, tokenizer_vocab: int | None = None):
+        """The shape of `preset` with model.overrides applied (the vocabulary the tokenizer's where the preset leaves
+        it open); raises ValueError naming the key of a shape that cannot be built."""
+        raise NotImplementedError
+
     def count_parameters(self, shape) -> dict[str, int]:
-        """Parameter counts: at least `total`, `non_embedding` and `matmul` (those in matrix multiplies, for FLOPs)."""
+        """Parameter counts: at least `total`, `non_embedding` and `matmul` (those in matrix multiplies, for FLOPs);
+        a family whose tokens see only some parameters (mixture of experts) adds `active` and `active_matmul`."""
+        raise NotImplementedError
+
+    def describe(self, shape) -> dict:
+        """What summary.json and the report name the shape by: layers, hidden_size, heads, vocab_size."""
+        return {"layers": shape.num_hidden_layers, "hidden_size": shape.hidden_size,
+                "heads": shape.num_attention_heads, "vocab_size": shape.vocab_size}
+
+    def memory_dims(self, shape) -> dict:
+        """What the memory model's activation term needs of a layer, as widths per token: `layers`, `hidden_size`,
+        `kv_size` (keys and values kept for attention's backward), `ffn_size` (the FFN width a token passes through)
+        and `vocab_size` (memory.model.activation_bytes, ACTIVATION_FORMULA)."""
+        raise NotImplementedError
+
+    def model_libraries(self, implementation: str, compile: bool) -> tuple[str, ...]:
+        """The modules a rank imports to build this family's class of model.implementation (and with train.compile,
+        the compiler's), imported once before CPU ranks are forked (forked_ranks.preload)."""
         raise NotImplementedError
 
     def flops_per_token(self, shape, seq_len: int) -> float:

@@ -187,12 +187,10 @@ def shape_from_hf_config(folder: Path) -> ModelShape:
     return ModelShape(**values, extra=extra)
 
 
-def model_shape(model: ModelSettings, tokenizer_vocab: int | None = None,
-                init_folder: Path | None = None) -> ModelShape:
-    """The shape of the model a `model:` block (config or plan) describes: model.init_from's config.json when
-    set (`init_folder`: where it was resolved to), else the preset with its overrides."""
-    if not model.init_from:
-        return resolve_shape(model.preset, model.overrides, tokenizer_vocab)
+def init_from_shape(model: ModelSettings, tokenizer_vocab: int | None = None,
+                    init_folder: Path | None = None) -> ModelShape:
+    """The shape of model.init_from's model, from its config.json (`init_folder`: where it was resolved to); the
+    LLaMA family is the one model.init_from continues."""
     shape = shape_from_hf_config(init_folder or init_from_folder(model.init_from, weights=False))
     if model.overrides:
         raise InitFromError("model.overrides cannot change a model.init_from model's shape: its weights fix it")
@@ -332,8 +330,20 @@ class LlamaFamily(ModelFamily):
     name, shape_type, presets, hf_architecture = "llama", ModelShape, PRESETS, "LlamaForCausalLM"
     flops_formula = flops.FLOPS_FORMULA
 
+    def resolve_shape(self, preset: str, overrides: dict | None = None, tokenizer_vocab: int | None = None):
+        return resolve_shape(preset, overrides, tokenizer_vocab)
+
     def count_parameters(self, shape: ModelShape) -> dict[str, int]:
         return count_parameters(shape)
+
+    def memory_dims(self, shape: ModelShape) -> dict:
+        head_dim = shape.hidden_size // shape.num_attention_heads
+        return {"layers": shape.num_hidden_layers, "hidden_size": shape.hidden_size,
+                "kv_size": shape.num_key_value_heads * head_dim, "ffn_size": shape.intermediate_size,
+                "vocab_size": shape.vocab_size}
+
+    def model_libraries(self, implementation: str, compile: bool) -> tuple[str, ...]:
+        return model_libraries(implementation, compile)
 
     def flops_per_token(self, shape: ModelShape, seq_len: int) -> float:
         return flops.flops_per_token(count_parameters(shape)["matmul"], shape.num_hidden_layers,
