@@ -15,6 +15,19 @@ Runs, each at world size 1 over the device's collective backend (nccl on CUDA, g
 6. fsdp: PyTorch FSDP2 with a bf16 mixed-precision policy.
 7. zero2-large-compile: zero2-large with train.compile (torch.compile per decoder block, inductor): the JSON's
    `compile` compares its steady-state tokens/s with zero2-large's and gives its compile time and break-even steps.
+Then the sections the runs above do not take:
+8. zero2-2-ranks: ZeRO-2 at world size 2 (NCCL on a machine with 2+ GPUs; with one GPU it is recorded as not
+   applicable, neither a pass nor a failure; the CPU twin runs 2 gloo ranks).
+9. gloo-on-cuda: comm_backend gloo with CUDA tensors (a matrix axis); on CPU every run is gloo already, so the twin
+   records it as not applicable.
+10. checkpoint-zero3, checkpoint-fsdp: save → resume → export. N steps uninterrupted, N/2 steps then resumed to N
+   from the N/2 checkpoint, under a constant learning rate; the per-step losses compared (bit for bit on CPU, within
+   LOSS_TOLERANCE on CUDA); the checkpoint exported by rule export_final's script and loaded with transformers: its
+   logits against the trained model's, its held-out loss against the engine's.
+Every run also records each rank's peak host RSS (on CUDA too) against the memory model's host prediction
+(HOST_PREDICTION). The JSON's `sections` lists every section with its status (pass | fail | not_applicable), reason,
+tokens/s, MFU, and device and host memory measured and predicted; `passed` and `failed_sections` sum them up, and the
+smoke exits 1 when any section failed.
 On CPU fp16 has no loss scaling (DeepSpeed's CPU accelerator lacks it), so those runs use bf16, and every bf16 run uses
 fp32 where the CPU only emulates bf16 (no AVX512-bf16 or AMX: devices.cpu_bf16_is_native); everything else is the
 same steps. The JSON's wall_s is the smoke's own time. Every run goes through the launcher with a plan file, exactly as
@@ -86,6 +99,34 @@ RUNS = [
 # (compile off, compile on): the pair of runs the JSON's `compile` compares
 COMPILE_PAIR = ("zero2-large", "zero2-large-compile")
 
+# The sections after RUNS, each a path the world-size-1 runs above do not take (see the module's docstring).
+# (name, which model, train settings as run on CUDA, ranks): ZeRO-2 at world size 2 over the device's backend
+MULTI_RANK = ("zero2-2-ranks", "small", {"engine": "deepspeed", "zero_stage": 2, "precision": "bf16"}, 2)
+# (name, which model, train settings as run on CUDA): comm_backend gloo with the tensors on the GPU
+GLOO_ON_CUDA = ("gloo-on-cuda", "small", {"engine": "deepspeed", "zero_stage": 2, "precision": "bf16",
+                                          "comm_backend": "gloo"})
+# (name, train settings as run on CUDA): save, resume and export, on the small model
+CHECKPOINT_SECTIONS = [
+    ("checkpoint-zero3", {"engine": "deepspeed", "zero_stage": 3, "precision": "fp16"}),
+    ("checkpoint-fsdp", {"engine": "fsdp", "zero_stage": 3, "precision": "bf16"}),
+]
+CHECKPOINT_MAX_STEPS = 8  # N of a checkpoint section: the size's steps, at most this, even
+EVAL_SAMPLES = 4  # val samples of the held-out loss the engine and the export both compute
+# Resumed vs uninterrupted per-step losses, max |Δ|: equal bit for bit on CPU (deterministic kernels); on CUDA
+# atomics in the backward pass (embedding, attention) make two uninterrupted runs differ already, by far less than
+# this (0.1 % of a loss of 10), while a resume that lost the optimizer's moments, the loss scale or the data position
+# moves the loss by more.
+LOSS_TOLERANCE = {"cpu": 0.0, "cuda": 1e-2}
+# The export (AutoModelForCausalLM, fp32) vs the class the trainer built with the checkpoint's fp32 weights, both on
+# the CPU: the same maths through another module, max |Δ logits|
+LOGITS_TOLERANCE = 1e-4
+# Held-out loss (nats) of the export (fp32) vs the engine's own at the last step, in the precision it trained in
+HELDOUT_TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2, "fp16": 5e-2}
+# The figures every section's entry in the JSON's `sections` carries (None where the section ran nothing)
+SECTION_FIGURES = ("world_size", "tokens_per_s", "mfu", "peak_memory_bytes", "predicted_memory_bytes",
+                   "measured_over_predicted", "peak_host_memory_bytes", "predicted_host_memory_bytes",
+                   "host_measured_over_predicted")
+
 
 # What default-setup takes from the default config's choice; the micro-batch and accumulation are the smoke's own.
 LAYOUT_KEYS = ("engine", "zero_stage", "offload_optimizer", "offload_param", "activation_checkpointing", "precision")
@@ -152,12 +193,13 @@ def build_data(work: Path, size: Size) -> tuple[Path, Path]:
     return shards / "index.json", tokenizer
 
 
-def smoke_config(name: str, preset: str, train: dict, size: Size, device: str) -> dict:
-    """config.yaml with one run's settings: one rank on `device`, the memory model's verdict kept as asked."""
+def smoke_config(name: str, preset: str, train: dict, size: Size, device: str, ranks: int = 1) -> dict:
+    """config.yaml with one run's settings: `ranks` ranks (one unless a section asks more) on `device`, the memory
+    model's verdict kept as asked."""
     config = default_config()
     config["name"] = f"gpu-smoke-{name}"
     config["model"].update(preset=preset, seq_len=size.seq_len, overrides={}, init_from=None)
-    config["train"].update(train, gpus=1, nodes=1, device=device, global_batch_size=None, grad_accum_steps=1,
+    config["train"].update(train, gpus=ranks, nodes=1, device=device, global_batch_size=None, grad_accum_steps=1,
                            micro_batch_size=size.micro_batch_size, max_steps=size.steps, max_tokens=None,
                            warmup_steps=1, warmup_timing_steps=size.timing_warmup, eval_every=None,
                            memory_fit="strict")
@@ -175,38 +217,71 @@ def predicted_memory_bytes(estimate: dict, device: str) -> int:
     return estimate["per_rank"] + estimate["host_states"]
 
 
+# What predicted_host_bytes predicts, as the JSON's host_memory_prediction says it.
+HOST_PREDICTION = {
+    "cuda": "host_states + CUDA_RANK_HOST_BYTES (memory/model.py: the offloaded states and pinned staging buffers, "
+            "plus a CUDA rank's host baseline, the per-rank term its host-RAM check uses)",
+    "cpu": "per_rank + host_states (the host is the device: the same prediction as the device memory's)",
+}
+
+
+def predicted_host_bytes(estimate: dict, device: str) -> int:
+    """What the memory model predicts a rank's peak RSS to be. CUDA: the host terms of memory/model.py's judge, per
+    rank: the offloaded states and their pinned staging buffers (`host_states`, 0 without offload) plus
+    CUDA_RANK_HOST_BYTES, its baseline for the host RAM of a CUDA rank (the CUDA libraries, pinned staging); the
+    model has no other host term (it builds the model on the device, so no host copy of the weights). CPU: the
+    device memory's prediction, the host being the device."""
+    if device == "cuda":
+        from pretrain_bench.train.memory.model import CUDA_RANK_HOST_BYTES
+
+        return estimate["host_states"] + CUDA_RANK_HOST_BYTES
+    return predicted_memory_bytes(estimate, device)
+
+
 def run_one(name: str, preset: str, train: dict, size: Size, device: str, peak: dict, index: Path,
-            tokenizer: Path, work: Path) -> dict:
-    """Plan and launch one run; its figures, or its exit code and log tail when it failed."""
+            tokenizer: Path, work: Path, *, ranks: int = 1, extra: dict | None = None, run_dir: Path | None = None,
+            state_dir: Path | None = None, resume: bool = False, save_checkpoints: bool = False) -> dict:
+    """Plan and launch one run; its figures, or its exit code and log tail when it failed. `extra`: train settings
+    beyond the size's (a checkpoint section's steps and schedule); `run_dir` (default work/name) holds its plan, log
+    and outputs, `state_dir` (default run_dir/state) its checkpoints; resume and save_checkpoints go to make_plan as
+    rule pretrain passes them."""
+    from pretrain_bench.train.metrics import one_record_per_step, peak_memory_per_rank
     from pretrain_bench.train.plan import make_plan
     from pretrain_bench.train.run_summary import RunSummary
     from pretrain_bench.workflow.experiment import plan_config
 
-    config = smoke_config(name, preset, train, size, device)
-    run_dir = work / name
+    config = smoke_config(name, preset, train, size, device, ranks)
+    config["train"].update(extra or {})
+    run_dir = run_dir or work / name
     plan = make_plan(plan_config(config), index=index, tokenizer=tokenizer, out_dir=run_dir / "out",
-                     state_dir=run_dir / "state", resume=False, save_checkpoints=False, peak=peak)
+                     state_dir=state_dir or run_dir / "state", resume=resume, save_checkpoints=save_checkpoints,
+                     peak=peak)
     plan_path = run_dir / "plan.json"
     plan.to_json(plan_path)
     settings = plan.train
     result = {"name": name, "preset": preset, "engine": settings.engine, "zero_stage": settings.zero_stage,
               "offload_optimizer": settings.offload_optimizer, "offload_param": settings.offload_param,
               "activation_checkpointing": settings.activation_checkpointing, "precision": settings.precision,
-              "comm_backend": settings.comm_backend, "device": device, "compile": settings.compile}
+              "comm_backend": settings.comm_backend, "device": device, "compile": settings.compile,
+              "world_size": settings.world_size}
     started = time.perf_counter()
     log = run_dir / "train.log"
     with open(log, "w") as out:
-        code = subprocess.call([sys.executable, str(ROOT / "workflow_scripts" / "launch.py"), "--ranks", "1",
+        code = subprocess.call([sys.executable, str(ROOT / "workflow_scripts" / "launch.py"), "--ranks", str(ranks),
                                 "--plan", str(plan_path), "--lock-dir", str(work / "slots")],
                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    result.update(exit_code=code, wall_s=time.perf_counter() - started)
+    result.update(exit_code=code, wall_s=time.perf_counter() - started, log=str(log))
     if code:
         return {**result, "log_tail": log.read_text()[-3000:]}
     summary = RunSummary.read(run_dir / "out" / "summary.json")
     estimate = plan.memory_fit["estimate"]
-    measured = summary.peak_mem_bytes[0]
+    measured = max(peak for peak in summary.peak_mem_bytes if peak is not None)  # the largest rank's
     predicted = predicted_memory_bytes(estimate, device)
     records = [json.loads(line) for line in (run_dir / "out" / "metrics.jsonl").read_text().splitlines()]
+    # each rank's peak RSS, from metrics.jsonl (the trainer records it every step, on CUDA too)
+    host = peak_memory_per_rank(one_record_per_step(records), summary.world_size, "peak_host_bytes")
+    host_measured = max((peak for peak in host if peak is not None), default=None)
+    host_predicted = predicted_host_bytes(estimate, device)
     result.update(
         tokens_per_s=summary.tokens_per_s, mfu=summary.mfu, mfu_note=summary.mfu_note,
         precision_note=summary.precision_note,
@@ -215,6 +290,11 @@ def run_one(name: str, preset: str, train: dict, size: Size, device: str, peak: 
         peak_memory_bytes=measured, peak_memory_kind=summary.peak_mem_kind,
         peak_memory_allocated_bytes=(summary.peak_mem_allocated_bytes or [None])[0],
         predicted_memory_bytes=predicted, measured_over_predicted=measured / predicted,
+        peak_memory_bytes_per_rank=summary.peak_mem_bytes,
+        peak_host_memory_bytes=host_measured, peak_host_memory_bytes_per_rank=host,
+        predicted_host_memory_bytes=host_predicted,
+        host_measured_over_predicted=host_measured / host_predicted if host_measured else None,
+        host_memory_prediction=HOST_PREDICTION[device], resumed_from_step=summary.resumed_from_step,
         memory_terms={k: estimate[k] for k in ("params", "grads", "optimizer", "activations", "buffers", "init",
                                                "runtime", "host_states")},
         skipped_steps=summary.skipped_steps, loss_scale=[r.get("loss_scale") for r in records][:10],
@@ -238,17 +318,238 @@ def compile_comparison(runs: list[dict]) -> dict | None:
             "break_even_steps": on["compile_time_s"] / saved if saved > 0 else None}
 
 
+def run_status(run: dict) -> dict:
+    """A run's {"status", "reason"}: "pass" when it ran and reported its throughput and its host memory, else "fail"
+    and why (a section that does not apply here is recorded by not_applicable instead)."""
+    if run.get("error"):
+        return {"status": "fail", "reason": f"not run: {run['error']}"}
+    if run.get("exit_code"):
+        return {"status": "fail", "reason": f"exit {run['exit_code']}, see {run.get('log') or run['name']}"}
+    if not run.get("tokens_per_s"):
+        return {"status": "fail", "reason": "no steady-state tokens/s in its summary.json"}
+    if not run.get("peak_host_memory_bytes"):
+        return {"status": "fail", "reason": "no peak host memory (peak_host_bytes) in its metrics.jsonl"}
+    return {"status": "pass", "reason": None}
+
+
+def not_applicable(name: str, preset: str, train: dict, device: str, ranks: int, reason: str) -> dict:
+    """The record of a run-like section that does not apply on this machine: neither a pass nor a failure."""
+    return {"name": name, "kind": "run", "preset": preset, "device": device, "world_size": ranks,
+            "offload_optimizer": "none", **train, "exit_code": None, "status": "not_applicable", "reason": reason}
+
+
+def multi_rank_reason(device: str, gpu_count: int, ranks: int) -> str | None:
+    """Why the multi-rank section does not apply here (None: it does). CPU: gloo ranks always apply."""
+    if device == "cuda" and gpu_count < ranks:
+        return f"{gpu_count} GPU" + ("s" if gpu_count != 1 else "") + f" (a {ranks}-rank nccl run needs {ranks})"
+    return None
+
+
+def gloo_on_cuda_reason(device: str) -> str | None:
+    """Why the gloo-on-CUDA section does not apply here (None: it does)."""
+    if device != "cuda":
+        return ("covered by the other runs: on CPU every run of the twin is comm_backend gloo on CPU tensors; "
+                "gloo with CUDA tensors needs a GPU")
+    return None
+
+
+def section_summary(section: dict) -> dict:
+    """A section's entry in the JSON's `sections`: its name, kind, status and reason, and SECTION_FIGURES."""
+    return {"name": section["name"], "kind": section.get("kind", "run"), "status": section["status"],
+            "reason": section.get("reason"), **{key: section.get(key) for key in SECTION_FIGURES}}
+
+
+def verdict(sections: list[dict]) -> tuple[bool, list[str]]:
+    """(passed, failed_sections): passed unless some section failed; one that does not apply fails nothing."""
+    failed = [section["name"] for section in sections if section["status"] == "fail"]
+    return not failed, failed
+
+
 def result_line(run: dict) -> str:
-    """One line per run for the terminal; every figure may be missing (a failed run, an MFU not reported)."""
-    text = f"{run['name']} ({run['precision']}, ZeRO-{run['zero_stage']}, {run['engine']}, {run['comm_backend']}): "
+    """One line per section for the terminal; every figure may be missing (a failed run, an MFU not reported)."""
+    if run.get("kind") == "checkpoint":
+        return checkpoint_line(run)
+    text = f"{run['name']} ({run['precision']}, ZeRO-{run['zero_stage']}, {run['engine']}, {run['comm_backend']}"
+    text += f", {run['world_size']} ranks): " if run.get("world_size", 1) > 1 else "): "
+    if run.get("status") == "not_applicable":
+        return text + f"not applicable: {run['reason']}"
     if run.get("error"):
         return text + f"not run: {run['error']}"
     if run["exit_code"]:
         return text + f"exit {run['exit_code']}, see {run['name']}/train.log"
     mfu = f"{run['mfu']:.1%}" if run["mfu"] is not None else f"n/a ({run['mfu_note']})"
-    return text + (f"{run['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, peak {run['peak_memory_bytes'] / 2**30:.2f} GiB "
-                   f"vs predicted {run['predicted_memory_bytes'] / 2**30:.2f} GiB "
-                   f"(×{run['measured_over_predicted']:.2f})")
+    text += (f"{run['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, peak {run['peak_memory_bytes'] / 2**30:.2f} GiB "
+             f"vs predicted {run['predicted_memory_bytes'] / 2**30:.2f} GiB (×{run['measured_over_predicted']:.2f})")
+    if run.get("peak_host_memory_bytes") and run["device"] == "cuda":  # on CPU the host is the device: said above
+        text += (f", host {run['peak_host_memory_bytes'] / 2**30:.2f} GiB vs predicted "
+                 f"{run['predicted_host_memory_bytes'] / 2**30:.2f} GiB (×{run['host_measured_over_predicted']:.2f})")
+    if run.get("status") == "fail":
+        text += f": FAILED: {run['reason']}"
+    return text
+
+
+def checkpoint_line(section: dict) -> str:
+    """A checkpoint section's line: its verdict and the three comparisons it made."""
+    text = f"{section['name']} ({section['precision']}, ZeRO-{section['zero_stage']}, {section['engine']}, " \
+           f"{section['comm_backend']}): {section['steps']} steps, resumed at {section['resumed_at']}: "
+    found = []
+    if section.get("loss_max_abs_difference") is not None:
+        found.append(f"losses resumed vs uninterrupted max |Δ| {section['loss_max_abs_difference']:.3g}")
+    if section.get("logits_max_abs_difference") is not None:
+        found.append(f"export logits max |Δ| {section['logits_max_abs_difference']:.3g}")
+    if section.get("heldout_loss_export") is not None and section.get("heldout_loss_engine") is not None:
+        found.append(f"held-out loss engine {section['heldout_loss_engine']:.4f} vs export "
+                     f"{section['heldout_loss_export']:.4f}")
+    verdict_text = "pass" if section["status"] == "pass" else f"FAILED: {section['reason']}"
+    return text + ", ".join(found) + ("; " if found else "") + verdict_text
+
+
+def checkpoint_steps(size: Size) -> int:
+    """N of a checkpoint section: the size's steps, at most CHECKPOINT_MAX_STEPS, even (N/2 is whole), at least 2."""
+    return max(2, min(size.steps, CHECKPOINT_MAX_STEPS) // 2 * 2)
+
+
+def checkpoint_extra(steps: int, seq_len: int) -> dict:
+    """The train settings of a checkpoint section's runs beyond the size's. A constant learning rate without warm-up:
+    the schedule of the N/2-step run is then the N-step run's, so resuming it to N retraces the uninterrupted run (a
+    cosine over N/2 steps would not). A checkpoint at N/2 and N, all kept; the held-out loss at the last step, on
+    EVAL_SAMPLES val samples, for the export to match."""
+    return {"lr_schedule": "constant", "warmup_steps": 0, "checkpoint_every": steps // 2, "keep_checkpoints": None,
+            "eval_every": steps, "eval_tokens": EVAL_SAMPLES * seq_len}
+
+
+def step_records(metrics: Path) -> list[dict]:
+    """A run's metrics.jsonl records, one per step in step order."""
+    from pretrain_bench.train.metrics import one_record_per_step
+
+    return one_record_per_step([json.loads(line) for line in metrics.read_text().splitlines() if line.strip()])
+
+
+def checkpoint_section(name: str, train: dict, size: Size, device: str, peak: dict, index: Path, tokenizer: Path,
+                       work: Path) -> dict:
+    """Save → resume → export for one engine: N steps uninterrupted, N/2 steps and then resumed to N from the
+    N/2 checkpoint (max_steps raised, as a run trained further is), all with checkpoints, through the launcher as
+    run_one plans them; the per-step losses of the two compared; the resumed run's checkpoint N exported by the
+    export rule's script and loaded back with transformers (check_export). Its figures are the uninterrupted run's."""
+    steps = checkpoint_steps(size)
+    half, folder = steps // 2, work / name
+    extra = checkpoint_extra(steps, size.seq_len)
+    args = (size.small, train, size, device, peak, index, tokenizer, work)
+    runs = {"uninterrupted": run_or_record(f"{name}-uninterrupted", *args, extra={**extra, "max_steps": steps},
+                                           run_dir=folder / "uninterrupted", save_checkpoints=True),
+            "first-half": run_or_record(f"{name}-first-half", *args, extra={**extra, "max_steps": half},
+                                        run_dir=folder / "first-half", save_checkpoints=True)}
+    if runs["first-half"]["status"] == "pass":
+        runs["resumed"] = run_or_record(f"{name}-resumed", *args, extra={**extra, "max_steps": steps},
+                                        run_dir=folder / "resumed", state_dir=folder / "first-half" / "state",
+                                        resume=True, save_checkpoints=True)
+    reference = runs["uninterrupted"]
+    section = {"name": name, "kind": "checkpoint", "preset": size.small, "device": device, **train,
+               "steps": steps, "resumed_at": half, "loss_tolerance": LOSS_TOLERANCE[device],
+               "logits_tolerance": LOGITS_TOLERANCE, "heldout_tolerance": HELDOUT_TOLERANCE[train["precision"]],
+               **{key: reference.get(key) for key in SECTION_FIGURES},
+               "runs": [{"role": role, **run} for role, run in runs.items()]}
+    problems = [f"the {role} run failed: {run['reason']}" for role, run in runs.items() if run["status"] != "pass"]
+    if "resumed" not in runs:
+        problems.append("not resumed: the first half did not finish")
+    elif runs["resumed"]["status"] == "pass":
+        resumed = step_records(folder / "resumed" / "out" / "metrics.jsonl")
+        section["losses_resumed"] = [r["loss"] for r in resumed]
+        if runs["resumed"]["resumed_from_step"] != half:
+            problems.append(f"the resumed run resumed from step {runs['resumed']['resumed_from_step']}, not {half}")
+        if reference["status"] == "pass":
+            uninterrupted = step_records(folder / "uninterrupted" / "out" / "metrics.jsonl")
+            section["losses_uninterrupted"] = [r["loss"] for r in uninterrupted]
+            expected = list(range(1, steps + 1))
+            if [r["step"] for r in resumed] != expected or [r["step"] for r in uninterrupted] != expected:
+                problems.append(f"steps recorded: resumed {[r['step'] for r in resumed]}, uninterrupted "
+                                f"{[r['step'] for r in uninterrupted]}, not 1 to {steps}")
+            else:
+                difference = max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed, uninterrupted))
+                section["loss_max_abs_difference"] = difference
+                if difference > LOSS_TOLERANCE[device]:
+                    problems.append(f"resumed losses differ from the uninterrupted run's by up to {difference:.3g} "
+                                    f"(tolerance {LOSS_TOLERANCE[device]})")
+        section["heldout_loss_engine"] = resumed[-1].get("val_loss")
+        export = check_export(folder / "resumed" / "plan.json", steps, folder / "hf")
+        section["export"] = export
+        problems += export_problems(section, export)
+    section.update(status="fail" if problems else "pass", reason="; ".join(problems) or None)
+    return section
+
+
+def export_problems(section: dict, export: dict) -> list[str]:
+    """What the export check found wrong (check_export's record against the section's tolerances)."""
+    if export.get("error"):
+        return [f"export: {export['error']}"]
+    section.update(logits_max_abs_difference=export["logits_max_abs_difference"],
+                   heldout_loss_export=export["heldout_loss"])
+    problems = []
+    if not export["logits_abs_max"] > 0:
+        problems.append("the trained model's logits are all zero")
+    if not export["logits_max_abs_difference"] <= LOGITS_TOLERANCE:
+        problems.append(f"export logits differ from the trained model's by up to "
+                        f"{export['logits_max_abs_difference']:.3g} (tolerance {LOGITS_TOLERANCE})")
+    engine, tolerance = section["heldout_loss_engine"], section["heldout_tolerance"]
+    if engine is None:
+        problems.append("no held-out loss from the engine at the last step (metrics.jsonl val_loss)")
+    elif not abs(engine - export["heldout_loss"]) <= tolerance:
+        problems.append(f"held-out loss of the export {export['heldout_loss']:.5f} vs the engine's {engine:.5f} "
+                        f"(tolerance {tolerance})")
+    return problems
+
+
+# The export of a checkpoint by the export rule's own script (workflow_scripts/export_final.py, fp32) and the
+# checks of what it wrote, in a child process (its models and threads stay out of the smoke's process): logits of
+# the export loaded with transformers against the class the trainer built with the checkpoint's fp32 weights, on the
+# first held-out sample, both on the CPU; the export's held-out loss on the slice the engine evaluated.
+_EXPORT_CHECK = """
+import json, sys, time
+from pathlib import Path
+import numpy as np
+import torch
+sys.path.insert(0, sys.argv[1])  # workflow_scripts: export_final.py, rule export_final's script
+import export_final
+from pretrain_bench.evaluate.evaluation import load_export
+from pretrain_bench.train.checkpoints.checkpointer import load_fp32_state_dict
+from pretrain_bench.train.heldout import HeldOutSlice
+from pretrain_bench.train.models.registry import model_family
+from pretrain_bench.train.plan import Plan, plan_shape
+
+plan_path, step, target = Path(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+started = time.perf_counter()
+export_final.main(plan_path, step, target, "fp32", torch.get_num_threads())
+export_s = time.perf_counter() - started
+plan = Plan.from_json(plan_path)
+shape = plan_shape(plan, json.loads(Path(plan.paths.index).read_text())["vocab_size"])
+model = model_family(shape).build(shape, plan.model.seq_len, plan.train.seed, "fp32", "cpu",
+                                  plan.model.attn_implementation, plan.model.implementation)
+model.load_state_dict(load_fp32_state_dict(Path(plan.paths.state_dir) / "checkpoints", step))
+model.eval()
+exported, _ = load_export(target, "cpu", "fp32")
+heldout = HeldOutSlice(Path(plan.paths.index), plan.model.seq_len, 0, 1, plan.train.eval_tokens)
+ids = torch.from_numpy(np.asarray(heldout.data[int(heldout.indices[0])][:-1], dtype=np.int64))[None]
+with torch.no_grad():
+    trained, loaded = model(input_ids=ids).logits.float(), exported(input_ids=ids).logits.float()
+nll, tokens = heldout.evaluate(exported, plan.train.micro_batch_size, "cpu", shape.vocab_size)
+print(json.dumps({"step": step, "export_s": export_s, "dtype": "fp32", "class": type(exported).__name__,
+                  "files": sorted(p.name for p in target.iterdir()),
+                  "logits_max_abs_difference": (trained - loaded).abs().max().item(),
+                  "logits_abs_max": trained.abs().max().item(), "heldout_loss": nll / tokens,
+                  "heldout_samples": heldout.samples}))
+"""
+
+
+def check_export(plan_path: Path, step: int, target: Path) -> dict:
+    """Export checkpoint `step` of the run planned at `plan_path` to `target` and check it (_EXPORT_CHECK): its
+    figures, or {"error": ...} with the child's last lines."""
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _EXPORT_CHECK, str(ROOT / "workflow_scripts"), str(plan_path),
+                           str(step), str(target)], capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - started
+    if proc.returncode:
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}", "wall_s": wall}
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "path": str(target), "wall_s": wall}
 
 
 # The device's peak and description, taken in a child process: a CUDA context and the peak matmul's cached blocks
@@ -260,12 +561,17 @@ from pretrain_bench.core.devices import hardware_description
 from pretrain_bench.bench.peak import measure_hardware_peak
 # the machine's one peak, as rule measure_peak takes it: a GPU's 16-bit figure, a CPU's faster of fp32 and bf16
 peak = measure_hardware_peak(sys.argv[2], lock_dir=Path(sys.argv[3]))
-print(json.dumps({"peak": peak, "hardware": hardware_description(peak["device"])}))
+gpus = 0
+if sys.argv[2] == "cuda":
+    import torch
+    gpus = torch.cuda.device_count()
+print(json.dumps({"peak": peak, "hardware": hardware_description(peak["device"]), "gpu_count": gpus}))
 """
 
 
 def machine_facts(device: str, work: Path) -> dict:
-    """{"peak": rule measure_peak's record for this device, "hardware": its description}."""
+    """{"peak": rule measure_peak's record for this device, "hardware": its description, "gpu_count": the GPUs
+    torch sees (0 on CPU)}."""
     proc = subprocess.run([sys.executable, "-c", _MACHINE_FACTS, str(ROOT / "workflow_scripts"), device,
                            str(work / "slots")], capture_output=True, text=True)
     if proc.returncode:
@@ -274,7 +580,7 @@ def machine_facts(device: str, work: Path) -> dict:
 
 
 def smoke(out: Path, device: str, size: Size, work: Path) -> int:
-    """Every run on `device`, the JSON rewritten after each; 0 when all ran."""
+    """Every section on `device`, the JSON rewritten after each; 0 unless a section failed."""
     from pretrain_bench.train.settings import ConfigError
 
     started = time.perf_counter()
@@ -283,8 +589,20 @@ def smoke(out: Path, device: str, size: Size, work: Path) -> int:
     facts = machine_facts(device, work)
     peak = facts["peak"]
     print(f"gpu-smoke on {device}: peak {peak['peak_flops'] / 1e12:,.3g} TFLOP/s ({peak['peak_source']})")
-    report = {"device": device, "hardware": facts["hardware"], "peak": peak, "size": vars(size), "runs": [],
-              "compile": None, "wall_s": None}
+    report = {"device": device, "hardware": facts["hardware"], "gpu_count": facts.get("gpu_count", 0), "peak": peak,
+              "size": vars(size), "passed": None, "failed_sections": [], "sections": [], "runs": [],
+              "checkpoint": [], "compile": None, "wall_s": None}
+
+    def record(section: dict, line: bool = True) -> None:
+        """A finished section into the JSON (rewritten) and, with `line`, its line onto the terminal."""
+        report["sections"].append(section_summary(section))
+        report["passed"], report["failed_sections"] = verdict(report["sections"])
+        report["compile"] = compile_comparison(report["runs"])
+        report["wall_s"] = time.perf_counter() - started  # the smoke's own time so far: data, peak and sections
+        out.write_text(json.dumps(report, indent=2))
+        if line:
+            print(result_line(section), flush=True)
+
     try:
         layout, why = default_setup(default_config())
         report["default_setup"] = {"layout": layout, "pre_flight": why}
@@ -293,15 +611,34 @@ def smoke(out: Path, device: str, size: Size, work: Path) -> int:
     except ConfigError as error:  # nothing the default could run: the other runs still go
         report["default_setup"] = {"layout": None, "pre_flight": str(error)}
         print(f"gpu-smoke default-setup: not run, config.yaml's pre-flight refused it: {error}")
+        record({"name": "default-setup", "status": "fail",
+                "reason": f"config.yaml's pre-flight refused it: {error}"}, line=False)
         runs = RUNS
     for name, model, train in runs:
         preset = size.large if model == "large" else size.small
         run = run_or_record(name, preset, device_settings(train, device), size, device, peak, index, tokenizer, work)
         report["runs"].append(run)
-        report["compile"] = compile_comparison(report["runs"])
-        report["wall_s"] = time.perf_counter() - started  # the smoke's own time so far: data, peak and runs
-        out.write_text(json.dumps(report, indent=2))
-        print(result_line(run), flush=True)
+        record(run)
+    name, model, train, ranks = MULTI_RANK
+    preset, train = size.large if model == "large" else size.small, device_settings(train, device)
+    reason = multi_rank_reason(device, report["gpu_count"], ranks)
+    run = (not_applicable(name, preset, train, device, ranks, reason) if reason else
+           run_or_record(name, preset, train, size, device, peak, index, tokenizer, work, ranks=ranks))
+    report["runs"].append(run)
+    record(run)
+    name, model, train = GLOO_ON_CUDA
+    preset, train = size.large if model == "large" else size.small, {**device_settings(train, device),
+                                                                     "comm_backend": train["comm_backend"]}
+    reason = gloo_on_cuda_reason(device)
+    run = (not_applicable(name, preset, train, device, 1, reason) if reason else
+           run_or_record(name, preset, train, size, device, peak, index, tokenizer, work))
+    report["runs"].append(run)
+    record(run)
+    for name, train in CHECKPOINT_SECTIONS:
+        section = checkpoint_or_record(name, device_settings(train, device), size, device, peak, index, tokenizer,
+                                       work)
+        report["checkpoint"].append(section)
+        record(section)
     for note in dict.fromkeys(run["precision_note"] for run in report["runs"] if run.get("precision_note")):
         print(f"gpu-smoke note: {note}")  # bf16 emulated on this CPU: its tokens/s and MFU are the emulation's
     if report["compile"]:
@@ -311,18 +648,34 @@ def smoke(out: Path, device: str, size: Size, work: Path) -> int:
               + (f", paid back after {c['break_even_steps']:,.0f} steps" if c["break_even_steps"] else
                  ", never paid back"))
     print(f"gpu-smoke: {report['wall_s']:.0f} s in all")
-    ran = report["default_setup"]["layout"] is not None and all(run["exit_code"] == 0 for run in report["runs"])
-    return 0 if ran else 1
+    statuses = [section["status"] for section in report["sections"]]
+    if report["passed"]:
+        print(f"gpu-smoke: passed: {statuses.count('pass')} sections passed, "
+              f"{statuses.count('not_applicable')} not applicable here")
+    else:
+        print(f"gpu-smoke: FAILED: {', '.join(report['failed_sections'])}")
+    return 0 if report["passed"] else 1
 
 
-def run_or_record(name: str, preset: str, train: dict, size: Size, device: str, *args) -> dict:
-    """run_one, or, where planning or reading the results raised, a record of the error: one run's refusal or fault
-    must not cost a GPU session the runs after it."""
+def run_or_record(name: str, preset: str, train: dict, size: Size, device: str, *args, **kwargs) -> dict:
+    """run_one with its status (run_status), or, where planning or reading the results raised, a record of the error:
+    one run's refusal or fault must not cost a GPU session the runs after it."""
     try:
-        return run_one(name, preset, train, size, device, *args)
+        run = run_one(name, preset, train, size, device, *args, **kwargs)
     except Exception as error:
-        return {"name": name, "preset": preset, "device": device, "offload_optimizer": "none", **train,
-                "exit_code": None, "error": f"{type(error).__name__}: {error}"}
+        run = {"name": name, "preset": preset, "device": device, "offload_optimizer": "none", **train,
+               "world_size": kwargs.get("ranks", 1), "exit_code": None, "error": f"{type(error).__name__}: {error}"}
+    return {"kind": "run", **run, **run_status(run)}
+
+
+def checkpoint_or_record(name: str, train: dict, size: Size, device: str, *args) -> dict:
+    """checkpoint_section, or, where it raised, a failed section with the error."""
+    try:
+        return checkpoint_section(name, train, size, device, *args)
+    except Exception as error:
+        return {"name": name, "kind": "checkpoint", "device": device, **train, "steps": checkpoint_steps(size),
+                "resumed_at": checkpoint_steps(size) // 2, "status": "fail",
+                "reason": f"{type(error).__name__}: {error}"}
 
 
 def main(argv=None) -> int:

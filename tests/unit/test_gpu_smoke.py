@@ -166,6 +166,8 @@ def test_a_run_that_cannot_be_planned_is_recorded_and_the_smoke_goes_on(monkeypa
                               tmp_path)
     assert run["exit_code"] is None
     assert run["error"] == "ConfigError: train.zero_stage 2 means nothing under train.engine ddp"
+    assert (run["status"], run["reason"]) == ("fail", "not run: ConfigError: train.zero_stage 2 means nothing under "
+                                                      "train.engine ddp")
     assert smoke.result_line(run) == ("ddp (fp16, ZeRO-2, ddp, nccl): not run: ConfigError: train.zero_stage 2 means "
                                       "nothing under train.engine ddp")
 
@@ -211,12 +213,261 @@ def test_a_default_setup_the_pre_flight_refuses_is_reported_and_the_other_runs_g
     monkeypatch.setattr(smoke, "build_data", lambda work, size: (tmp_path / "index.json", tmp_path))
     monkeypatch.setattr(smoke, "machine_facts", lambda device, work: {
         "peak": {"peak_flops": 1e12, "peak_source": "test"}, "hardware": {"device": device}})
-    monkeypatch.setattr(smoke, "run_or_record", lambda name, preset, train, *args: ran.append(name) or {
+    monkeypatch.setattr(smoke, "run_or_record", lambda name, preset, train, *args, **kwargs: ran.append(name) or {
         "name": name, "precision": train["precision"], "zero_stage": train["zero_stage"], "engine": train["engine"],
-        "comm_backend": train["comm_backend"], "exit_code": 0, "error": "not launched in this test"})
+        "comm_backend": train["comm_backend"], "exit_code": 0, "error": "not launched in this test", "status": "pass"})
+    monkeypatch.setattr(smoke, "checkpoint_or_record", lambda name, train, *args: ran.append(name) or {
+        "name": name, "kind": "checkpoint", **train, "steps": 2, "resumed_at": 1, "status": "pass"})
     out = tmp_path / "smoke.json"
     assert smoke.smoke(out, "cpu", smoke.SIZES["tiny"], tmp_path / "work") == 1, "the default's setup did not run"
-    assert ran == [name for name, _, _ in smoke.RUNS]
+    assert ran == [name for name, _, _ in smoke.RUNS] + ["zero2-2-ranks", "checkpoint-zero3", "checkpoint-fsdp"]
     report = json.loads(out.read_text())
     assert report["default_setup"] == {"layout": None, "pre_flight": "pre-flight: the default config's main run is "
                                                                      "predicted not to fit"}
+    assert report["passed"] is False and report["failed_sections"] == ["default-setup"]
+    assert report["sections"][0]["reason"] == ("config.yaml's pre-flight refused it: pre-flight: the default config's "
+                                               "main run is predicted not to fit")
+
+
+# --- item 9: host memory, the status of each section, save → resume → export, 2 ranks, gloo on CUDA -------------------
+def _figures(name, **changes):
+    """What run_one returns for a run that finished (its figures), with `changes`."""
+    return {"name": name, "preset": "tiny", "engine": "deepspeed", "zero_stage": 2, "precision": "bf16",
+            "comm_backend": "nccl", "device": "cuda", "world_size": 1, "offload_optimizer": "none", "exit_code": 0,
+            "tokens_per_s": 1000.0, "mfu": 0.3, "mfu_note": None, "peak_memory_bytes": 3 * 2**30,
+            "predicted_memory_bytes": 4 * 2**30, "measured_over_predicted": 0.75, "peak_host_memory_bytes": 5 * 2**30,
+            "predicted_host_memory_bytes": 4 * 2**30, "host_measured_over_predicted": 1.25, "resumed_from_step": None,
+            "step_time_s": {"median": 0.5}, "compile_time_s": 1.0, **changes}
+
+
+def test_a_run_passes_only_when_it_ran_and_reported_its_throughput_and_host_memory():
+    smoke = _smoke_module()
+    assert smoke.run_status(_figures("ddp")) == {"status": "pass", "reason": None}
+    assert smoke.run_status(_figures("ddp", exit_code=1, log="work/ddp/train.log")) == {
+        "status": "fail", "reason": "exit 1, see work/ddp/train.log"}
+    assert smoke.run_status(_figures("ddp", exit_code=None, error="ConfigError: no")) == {
+        "status": "fail", "reason": "not run: ConfigError: no"}
+    assert smoke.run_status(_figures("ddp", tokens_per_s=None))["status"] == "fail"
+    assert smoke.run_status(_figures("ddp", peak_host_memory_bytes=None)) == {
+        "status": "fail", "reason": "no peak host memory (peak_host_bytes) in its metrics.jsonl"}
+
+
+def test_cuda_predicts_host_rss_from_the_offloaded_states_and_a_ranks_host_baseline():
+    from pretrain_bench.train.memory.model import CUDA_RANK_HOST_BYTES
+
+    smoke = _smoke_module()
+    estimate = {"per_rank": 10, "runtime": 3, "host_states": 5}
+    assert smoke.predicted_host_bytes(estimate, "cuda") == 5 + CUDA_RANK_HOST_BYTES
+    assert smoke.predicted_host_bytes(estimate, "cpu") == 15 == smoke.predicted_memory_bytes(estimate, "cpu")
+    assert "CUDA_RANK_HOST_BYTES" in smoke.HOST_PREDICTION["cuda"]
+
+
+def test_the_multi_rank_section_does_not_apply_on_one_gpu_and_gloo_on_cuda_not_on_cpu():
+    smoke = _smoke_module()
+    assert smoke.multi_rank_reason("cuda", 1, 2) == "1 GPU (a 2-rank nccl run needs 2)"
+    assert smoke.multi_rank_reason("cuda", 0, 2).startswith("0 GPUs")
+    assert smoke.multi_rank_reason("cuda", 2, 2) is None and smoke.multi_rank_reason("cpu", 0, 2) is None
+    assert smoke.gloo_on_cuda_reason("cuda") is None
+    assert smoke.gloo_on_cuda_reason("cpu").startswith("covered by the other runs")
+
+
+def _fake_sections(monkeypatch, tmp_path, smoke, *, failing=(), gpus=1):
+    """smoke.smoke without launching: every run and checkpoint section passes but those named in `failing`; the
+    machine has `gpus` GPUs. Returns the names run_one was called with (and their ranks)."""
+    launched = []
+
+    def run_one(name, preset, train, size, device, *args, ranks=1, **kwargs):
+        launched.append((name, ranks, train["comm_backend"]))
+        return _figures(name, **train, world_size=ranks, exit_code=1 if name in failing else 0)
+
+    monkeypatch.setattr(smoke, "default_setup", lambda config: ({"engine": "deepspeed", "zero_stage": 2,
+                                                                 "offload_optimizer": "cpu", "offload_param": "none",
+                                                                 "activation_checkpointing": True,
+                                                                 "precision": "fp16"}, "test"))
+    monkeypatch.setattr(smoke, "build_data", lambda work, size: (tmp_path / "index.json", tmp_path))
+    monkeypatch.setattr(smoke, "machine_facts", lambda device, work: {
+        "peak": {"peak_flops": 1e15, "peak_source": "test"}, "hardware": {"device": device}, "gpu_count": gpus})
+    monkeypatch.setattr(smoke, "run_one", run_one)
+    monkeypatch.setattr(smoke, "checkpoint_section", lambda name, train, *args: {
+        "name": name, "kind": "checkpoint", **train, "steps": 8, "resumed_at": 4,
+        **({"status": "fail", "reason": "resumed losses differ"} if name in failing else
+           {"status": "pass", "reason": None})})
+    return launched
+
+
+def test_a_failed_section_fails_the_smoke_and_is_listed(monkeypatch, tmp_path, capsys):
+    smoke = _smoke_module()
+    _fake_sections(monkeypatch, tmp_path, smoke, failing=("ddp", "checkpoint-fsdp"))
+    out = tmp_path / "smoke.json"
+    assert smoke.smoke(out, "cuda", smoke.SIZES["tiny"], tmp_path / "work") == 1
+    report = json.loads(out.read_text())
+    assert report["passed"] is False and report["failed_sections"] == ["ddp", "checkpoint-fsdp"]
+    sections = {section["name"]: section for section in report["sections"]}
+    assert sections["ddp"]["reason"].startswith("exit 1, see ") and sections["checkpoint-fsdp"]["reason"] == \
+        "resumed losses differ"
+    assert "gpu-smoke: FAILED: ddp, checkpoint-fsdp" in capsys.readouterr().out
+
+
+def test_a_section_that_does_not_apply_neither_passes_nor_fails_the_smoke(monkeypatch, tmp_path, capsys):
+    smoke = _smoke_module()
+    launched = _fake_sections(monkeypatch, tmp_path, smoke, gpus=1)
+    out = tmp_path / "smoke.json"
+    assert smoke.smoke(out, "cuda", smoke.SIZES["tiny"], tmp_path / "work") == 0
+    report = json.loads(out.read_text())
+    assert report["passed"] is True and report["failed_sections"] == []
+    sections = {section["name"]: section for section in report["sections"]}
+    assert list(sections) == ["default-setup", *(name for name, _, _ in smoke.RUNS), "zero2-2-ranks", "gloo-on-cuda",
+                              "checkpoint-zero3", "checkpoint-fsdp"]
+    assert sections["zero2-2-ranks"] == {**dict.fromkeys(smoke.SECTION_FIGURES), "name": "zero2-2-ranks",
+                                         "kind": "run", "status": "not_applicable", "world_size": 2,
+                                         "reason": "1 GPU (a 2-rank nccl run needs 2)"}
+    assert [status for status in (s["status"] for s in report["sections"]) if status != "pass"] == ["not_applicable"]
+    # every section's figures: tokens/s, MFU, device and host memory against the prediction
+    assert sections["ddp"]["peak_host_memory_bytes"] == 5 * 2**30 and sections["ddp"]["mfu"] == 0.3
+    # gloo on CUDA tensors runs on a GPU machine; the 2-rank section was not launched on its one GPU
+    assert ("gloo-on-cuda", 1, "gloo") in launched and "zero2-2-ranks" not in [name for name, _, _ in launched]
+    printed = capsys.readouterr().out
+    assert "zero2-2-ranks (bf16, ZeRO-2, deepspeed, nccl, 2 ranks): not applicable: 1 GPU" in printed
+    assert "gpu-smoke: passed: 10 sections passed, 1 not applicable here" in printed
+    # with two GPUs it runs, 2 ranks over nccl
+    launched = _fake_sections(monkeypatch, tmp_path, smoke, gpus=2)
+    assert smoke.smoke(out, "cuda", smoke.SIZES["tiny"], tmp_path / "work") == 0
+    assert ("zero2-2-ranks", 2, "nccl") in launched
+    assert json.loads(out.read_text())["sections"][8]["status"] == "pass"
+
+
+def _fake_checkpoint_runs(monkeypatch, smoke, losses, *, export=None):
+    """run_one for a checkpoint section: writes each run's metrics.jsonl (its losses from `losses`, by role, the
+    resumed run's val_loss 5.0 at its last step) and returns its figures; check_export returns `export`."""
+    def run_one(name, preset, train, size, device, *args, run_dir, extra, resume=False, **kwargs):
+        role = name.rsplit("-", 1)[-1] if not name.endswith("first-half") else "first-half"
+        steps = list(range(1, extra["max_steps"] + 1))
+        records = [{"step": step, "loss": losses[role][step - 1]} for step in steps]
+        if role == "resumed":
+            records[-1]["val_loss"] = 5.0
+        (run_dir / "out").mkdir(parents=True)
+        (run_dir / "out" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return _figures(name, device=device, resumed_from_step=extra["max_steps"] // 2 if resume else None)
+
+    monkeypatch.setattr(smoke, "run_one", run_one)
+    monkeypatch.setattr(smoke, "check_export", lambda plan, step, target: export or {
+        "logits_max_abs_difference": 0.0, "logits_abs_max": 3.0, "heldout_loss": 5.0})
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_checkpoint_section_passes_when_the_resumed_losses_retrace_the_uninterrupted_run(monkeypatch, tmp_path,
+                                                                                          device):
+    smoke = _smoke_module()
+    size = smoke.Size(**{**vars(smoke.SIZES["tiny"]), "steps": 4})
+    curve = [7.0, 6.9, 6.8, 6.7]
+    _fake_checkpoint_runs(monkeypatch, smoke, {"uninterrupted": curve, "first-half": curve, "resumed": curve})
+    train = {"engine": "deepspeed", "zero_stage": 3, "precision": "bf16", "comm_backend": "gloo"}
+    section = smoke.checkpoint_section("checkpoint-zero3", train, size, device, {}, tmp_path, tmp_path, tmp_path)
+    assert (section["status"], section["reason"]) == ("pass", None)
+    assert section["steps"] == 4 and section["resumed_at"] == 2
+    assert [run["role"] for run in section["runs"]] == ["uninterrupted", "first-half", "resumed"]
+    assert section["losses_resumed"] == section["losses_uninterrupted"] == curve
+    assert section["loss_max_abs_difference"] == 0.0 and section["loss_tolerance"] == smoke.LOSS_TOLERANCE[device]
+    assert section["heldout_loss_engine"] == section["heldout_loss_export"] == 5.0
+    assert section["peak_host_memory_bytes"] == 5 * 2**30, "the figures of the uninterrupted run"
+
+
+def test_a_checkpoint_section_fails_on_a_resume_that_does_not_retrace_or_an_export_that_differs(monkeypatch,
+                                                                                                tmp_path):
+    smoke = _smoke_module()
+    size = smoke.Size(**{**vars(smoke.SIZES["tiny"]), "steps": 4})
+    train = {"engine": "fsdp", "zero_stage": 3, "precision": "fp32", "comm_backend": "gloo"}
+    curve = [7.0, 6.9, 6.8, 6.7]
+    # on CPU one ulp is a failure: the resume is bit for bit there
+    _fake_checkpoint_runs(monkeypatch, smoke, {"uninterrupted": curve, "first-half": curve,
+                                               "resumed": [7.0, 6.9, 6.8, 6.700001]})
+    section = smoke.checkpoint_section("checkpoint-fsdp", train, size, "cpu", {}, tmp_path, tmp_path, tmp_path / "a")
+    assert section["status"] == "fail" and section["reason"].startswith(
+        "resumed losses differ from the uninterrupted run's by up to 1e-06 (tolerance 0.0)")
+    # on CUDA that is within the tolerance; export logits that differ, or a held-out loss off, fail it
+    _fake_checkpoint_runs(monkeypatch, smoke, {"uninterrupted": curve, "first-half": curve,
+                                               "resumed": [7.0, 6.9, 6.8, 6.700001]},
+                          export={"logits_max_abs_difference": 0.5, "logits_abs_max": 3.0, "heldout_loss": 5.01})
+    section = smoke.checkpoint_section("checkpoint-fsdp", train, size, "cuda", {}, tmp_path, tmp_path, tmp_path / "b")
+    assert section["status"] == "fail"
+    assert section["reason"] == ("export logits differ from the trained model's by up to 0.5 (tolerance 0.0001); "
+                                 "held-out loss of the export 5.01000 vs the engine's 5.00000 (tolerance 0.001)")
+
+
+def test_checkpoint_sections_run_n_steps_halved_under_a_constant_learning_rate():
+    smoke = _smoke_module()
+    assert [smoke.checkpoint_steps(smoke.Size(**{**vars(smoke.SIZES["tiny"]), "steps": steps}))
+            for steps in (1, 2, 3, 5, 30)] == [2, 2, 2, 4, 8]
+    extra = smoke.checkpoint_extra(8, 64)
+    assert extra == {"lr_schedule": "constant", "warmup_steps": 0, "checkpoint_every": 4, "keep_checkpoints": None,
+                     "eval_every": 8, "eval_tokens": 4 * 64}
+    from pretrain_bench.train.settings import TrainSettings, learning_rate
+
+    half, whole = (TrainSettings.from_config({"max_steps": n, **extra}) for n in (4, 8))
+    assert [learning_rate(step, half, 4) for step in range(4)] == [learning_rate(step, whole, 8) for step in range(4)]
+
+
+def test_the_cuda_forms_of_the_new_sections_plan_as_the_gpu_runs_them(tmp_path):
+    """Planned here, without a GPU: 2 ranks over nccl, gloo on CUDA, and each checkpoint section's three plans."""
+    from pretrain_bench.train.plan import make_plan
+    from pretrain_bench.workflow.experiment import plan_config
+
+    smoke = _smoke_module()
+    index = tmp_path / "index.json"
+    index.write_text(json.dumps({"vocab_size": 32000, "splits": {"val": {"shards": [{"tokens": 1_000_000}]}}}))
+    size = smoke.SIZES["gpu"]
+
+    def plan(name, train, ranks=1, **extra):
+        config = smoke.smoke_config(name, size.small, train, size, "cuda", ranks)
+        config["train"].update(extra)
+        return make_plan(plan_config(config), index=index, tokenizer=tmp_path, out_dir=tmp_path / name / "out",
+                         state_dir=tmp_path / name / "state", resume=True, save_checkpoints=True, peak=None).train
+
+    name, _, train, ranks = smoke.MULTI_RANK
+    two = plan(name, smoke.device_settings(train, "cuda"), ranks)
+    assert (two.world_size, two.comm_backend, two.device, two.zero_stage) == (2, "nccl", "cuda", 2)
+    name, _, train = smoke.GLOO_ON_CUDA
+    gloo = plan(name, {**smoke.device_settings(train, "cuda"), "comm_backend": train["comm_backend"]})
+    assert (gloo.world_size, gloo.comm_backend, gloo.device) == (1, "gloo", "cuda")
+    for name, train in smoke.CHECKPOINT_SECTIONS:
+        for steps in (4, 8):
+            settings = plan(name, smoke.device_settings(train, "cuda"), **smoke.checkpoint_extra(8, size.seq_len),
+                            max_steps=steps)
+            assert settings.checkpoint_steps(size.seq_len) == [4, 8][:steps // 4] and settings.eval_every == 8
+
+
+def test_the_trainer_records_each_ranks_peak_host_rss_on_cuda_beside_the_device_peak(monkeypatch, tmp_path):
+    """Trainer.gather_step and record as on a GPU (torch.cuda's peaks monkeypatched, gathered over gloo): the step's
+    record holds the rank's peak RSS (peak_host_bytes), the offloads' host RAM, apart from the device's figures."""
+    import resource
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from pretrain_bench.train.checkpoints.checkpointer import Checkpointer
+    from pretrain_bench.train.metrics import peak_memory_per_rank
+    from pretrain_bench.train.settings import TrainSettings
+    from pretrain_bench.train.trainer import Trainer
+
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 7 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 6 * 2**30)
+    settings = TrainSettings()
+    trainer = Trainer.__new__(Trainer)
+    trainer.__dict__.update(
+        engine=types.SimpleNamespace(grad_norm=lambda: 1.5, skipped_steps=0, lr=lambda: 1e-3, loss_scale=lambda: None),
+        settings=settings, rank=0, world=1, device="cuda", run_device="cpu", inject_nan_step=0, start_step=0,
+        preemption=types.SimpleNamespace(requested=False), comm_steady_ms=0.0, steady_time_s=0.0,
+        tokens_per_step=100, heldout=None, flops_token=6.0e6, peak={"flops_per_rank": 1.0e12, "source": "test"},
+        checkpointer=Checkpointer(tmp_path, settings, seq_len=8, rank=0, world=1, run_device="cpu", fingerprint={},
+                                  saves=False, log=print))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        gathered = trainer.gather_step(1, torch.tensor([2.5]))
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    finally:
+        dist.destroy_process_group()
+    record = trainer.record(1, gathered, 1.0, dict.fromkeys(("forward", "backward", "optimizer")), None, 0)
+    assert record["peak_mem_bytes"] == [7 * 2**30] and record["grad_norm"] == 1.5
+    assert 0 < record["peak_host_bytes"][0] <= rss and record["peak_host_bytes"][0] > 50 * 2**20
+    assert peak_memory_per_rank([record], 1, "peak_host_bytes") == record["peak_host_bytes"]

@@ -28,9 +28,15 @@ def peak_memory_bytes(device: str) -> tuple[int, str]:
         import torch
 
         return int(torch.cuda.max_memory_reserved()), CUDA_PEAK_KIND
+    return peak_host_bytes(), "peak RSS of the rank process (getrusage)"
+
+
+def peak_host_bytes() -> int:
+    """This process's peak RSS (getrusage ru_maxrss): a CPU rank's whole memory, a CUDA rank's host RAM (offloaded
+    states, pinned buffers, the CUDA libraries), recorded per step as metrics.jsonl's peak_host_bytes."""
     # ru_maxrss is KiB on Linux, bytes on macOS.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024), "peak RSS of the rank process (getrusage)"
+    return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def load_average() -> list[float] | None:

@@ -54,6 +54,7 @@ from pretrain_bench.train.metrics import (
     load_average,
     one_record_per_step,
     peak_allocated_bytes,
+    peak_host_bytes,
     peak_memory_bytes,
     peak_memory_per_rank,
     summarise_steps,
@@ -83,6 +84,7 @@ class StepFigures(NamedTuple):
     loss: float  # the mean loss over the step's micro-batches
     peak_mem_bytes: float  # metrics.peak_memory_bytes
     peak_allocated_bytes: float  # metrics.peak_allocated_bytes (CUDA), 0 on CPU
+    peak_host_bytes: float  # metrics.peak_host_bytes: the rank's peak RSS, on CUDA too
     stop_requested: float  # 1.0 where a stop signal arrived (Preemption), else 0.0
     grad_norm: float | None  # the gradient norm, where the engine computed one
 
@@ -342,7 +344,8 @@ class Trainer:
         peak, _ = peak_memory_bytes(self.device)
         allocated = peak_allocated_bytes(self.device) or 0
         norm = self.engine.grad_norm()  # a device tensor, a number or None: read with the rest
-        values = [local_loss, float(peak), float(allocated), float(self.preemption.requested)] + (
+        values = [local_loss, float(peak), float(allocated), float(peak_host_bytes()),
+                  float(self.preemption.requested)] + (
             [norm] if norm is not None else [])
         gathered = [StepFigures.of(row) for row in gather_floats(values, self.run_device)]
         rank_losses = [rank.loss for rank in gathered]
@@ -369,6 +372,8 @@ class Trainer:
             "peak_mem_bytes": [int(rank.peak_mem_bytes) for rank in gathered],
             "peak_mem_allocated_bytes": [int(rank.peak_allocated_bytes) for rank in gathered]
             if self.device == "cuda" else None,
+            # each rank's peak RSS (on CPU the same figure as peak_mem_bytes): the host RAM offloads take on CUDA
+            "peak_host_bytes": [int(rank.peak_host_bytes) for rank in gathered],
             "skipped_steps": engine.skipped_steps, "overflow": overflow,
             "loss_scale": engine.loss_scale(),
             "after_resume": self.checkpointer.resumed_from is not None and step == self.start_step + 1,
