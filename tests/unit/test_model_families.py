@@ -33,9 +33,15 @@ def test_outside_the_models_package_every_model_question_goes_through_its_family
 
 
 def test_every_preset_has_one_family_and_a_shape_finds_its_family_by_type():
-    assert list(MODEL_FAMILIES) == ["llama"]
-    for preset, shape in PRESETS.items():
-        assert preset_family(preset).name == "llama" and model_family(shape) is MODEL_FAMILIES["llama"]
+    assert list(MODEL_FAMILIES) == ["llama", "deepseek"]
+    for family in MODEL_FAMILIES.values():
+        for preset, shape in family.presets.items():
+            assert preset_family(preset) is family and model_family(shape) is family
+    assert set(PRESETS) == set(MODEL_FAMILIES["llama"].presets)
+    # the schema's model.preset enum lists every family's presets, and only those
+    from pretrain_bench.config.schema import schema_enum
+
+    assert set(schema_enum("model", "preset")) == {p for f in MODEL_FAMILIES.values() for p in f.presets}
     with pytest.raises(KeyError, match="model.preset 'gpt-9' is not one of"):
         preset_family("gpt-9")
     with pytest.raises(TypeError, match="no registered model family has shapes of type dict"):

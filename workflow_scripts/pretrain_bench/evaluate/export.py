@@ -88,7 +88,7 @@ def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Pa
     # No weights of its own: the meta device allocates nothing, and assign=True takes the cast tensors as they are.
     with no_init_weights(), torch.device("meta"):
         family = model_family(shape)
-        model = family.hf_class()(family.hf_config(shape, seq_len))
+        model = family.hf_class(shape)(family.hf_config(shape, seq_len))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     del state
     missing = [k for k in missing if not (shape.tie_word_embeddings and k == "lm_head.weight")]

@@ -50,8 +50,8 @@ class ModelFamily:
         """The transformers config of this shape (the export's config.json)."""
         raise NotImplementedError
 
-    def hf_class(self):
-        """The transformers model class of hf_architecture, imported when asked."""
+    def hf_class(self, shape=None):
+        """The transformers model class a shape is exported as (by default hf_architecture), imported when asked."""
         import transformers
 
         return getattr(transformers, self.hf_architecture)

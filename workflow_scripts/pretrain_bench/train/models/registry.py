@@ -6,10 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from pretrain_bench.config.schema import ModelSettings
+from pretrain_bench.train.models.deepseek import DeepseekFamily
 from pretrain_bench.train.models.family import ModelFamily
 from pretrain_bench.train.models.llama import LlamaFamily, init_from_shape
 
-MODEL_FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LlamaFamily(),)}
+MODEL_FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LlamaFamily(), DeepseekFamily())}
 
 
 def model_family(shape) -> ModelFamily:
