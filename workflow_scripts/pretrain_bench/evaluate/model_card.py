@@ -55,14 +55,16 @@ def card_facts(plan, step: int, tokens: int | None, export: str | None = None) -
 
 def render_card(shape, facts: dict, dtype: str) -> str:
     """README.md text of an export folder."""
-    params = model_family(shape).count_parameters(shape)
+    family = model_family(shape)
+    params = family.count_parameters(shape)
     init = facts["init_from"]
     origin = (f"continued from `{init['uri']}`" + (f" (revision `{init['revision']}`)" if init.get("revision") else "")
               if init else f"trained from a random initialisation (preset `{facts['preset']}`)")
     lines = [
-        "---", "library_name: transformers", "pipeline_tag: text-generation", "tags: [llama, pretrain-bench]", "---",
+        "---", "library_name: transformers", "pipeline_tag: text-generation",
+        f"tags: [{family.name}, pretrain-bench]", "---",
         "", f"# {facts['name']} — step {facts['step']}", "",
-        f"A LLaMA-architecture causal language model pretrained with pretrain-bench, {origin}.", "",
+        f"A {family.title}-architecture causal language model pretrained with pretrain-bench, {origin}.", "",
         "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "model = AutoModelForCausalLM.from_pretrained(\"<this folder>\")",
         "tokenizer = AutoTokenizer.from_pretrained(\"<this folder>\")", "```", "",
@@ -70,8 +72,7 @@ def render_card(shape, facts: dict, dtype: str) -> str:
         "| | |", "|---|---|",
         f"| parameters | {params['total']:,} ({params['non_embedding']:,} without the embedding) |",
         f"| layers × hidden size | {shape.num_hidden_layers} × {shape.hidden_size} |",
-        f"| attention heads (key/value heads) | {shape.num_attention_heads} ({shape.num_key_value_heads}) |",
-        f"| FFN width (SwiGLU) | {shape.intermediate_size} |",
+        *(f"| {label} | {value} |" for label, value in family.card_rows(shape)),
         f"| vocabulary | {shape.vocab_size:,} |",
         f"| trained sequence length | {facts['seq_len']} tokens |",
         f"| tied embeddings | {'yes' if shape.tie_word_embeddings else 'no'} |",

@@ -58,10 +58,8 @@ def articles_run(gpus: int, zero_stage: int, offload: bool = False) -> RunShape:
     """The articles' 7B model (DeepSeek-LLM-7B shape) at their batch and sequence length, on CUDA."""
     family = preset_family(SETUP["model"])
     shape = family.presets[SETUP["model"]]
-    head_dim = shape.hidden_size // shape.num_attention_heads
-    return RunShape(parameters=family.count_parameters(shape)["total"], layers=shape.num_hidden_layers,
-                    hidden_size=shape.hidden_size, kv_size=shape.num_key_value_heads * head_dim,
-                    ffn_size=shape.intermediate_size, vocab_size=shape.vocab_size, seq_len=SETUP["seq_len"],
+    return RunShape(parameters=family.count_parameters(shape)["total"], **family.memory_dims(shape),
+                    seq_len=SETUP["seq_len"],
                     micro_batch_size=SETUP["micro_batch_size"], ranks=gpus, zero_stage=zero_stage,
                     precision=SETUP["precision"], offload_optimizer="cpu" if offload else "none", device="cuda")
 

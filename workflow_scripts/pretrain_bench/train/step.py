@@ -78,10 +78,13 @@ def train_step(engine, batches, *, micro_steps: int, vocab: int, run_device: str
         batch = to_device(batches.next_batch(), run_device)  # (B, T+1)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         timer.mark()
-        logits = engine(input_ids=inputs).logits  # (B, T, vocab)
+        output = engine(input_ids=inputs)
+        logits = output.logits  # (B, T, vocab)
         loss = F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+        # a mixture-of-experts model's balance loss (its coefficient applied), trained on, not reported as the loss
+        aux = getattr(output, "aux_loss", None)
         timer.mark()
-        engine.backward(loss)
+        engine.backward(loss if aux is None else loss + aux)
         timer.mark()
         engine.step()
         timer.mark()

@@ -170,8 +170,11 @@ class Trainer:
                     vocab=self.shape.vocab_size, run_device=self.run_device, timer=self.timer,
                     read=functools.partial(self.gather_step, step))
                 comm = max(0.0, self.engine.comm_ms() - comm_before) if comm_before is not None else None
+                routing = self.balance_experts()
                 # Everything below is bookkeeping outside the timed step.
                 record = self.record(step, gathered, step_time, phases, comm, skipped_before)
+                if routing:
+                    record.update(routing)
                 sink.write(record)
                 self.log_progress(step, record, step_time)
                 if self.checkpointer.due(step):
@@ -354,6 +357,26 @@ class Trainer:
             what = f"non-finite loss at step {step} on rank(s) {bad}"
             raise TrainingAborted(self.checkpointer.non_finite(what))
         return gathered
+
+    def balance_experts(self) -> dict | None:
+        """A mixture-of-experts model, after its optimizer step: the tokens each layer routed to each expert in this
+        step, summed over the ranks (one all-reduce), recorded (expert_load, and per layer max_violation: MaxVio,
+        (max − mean) ÷ mean), and handed to the model's auxiliary-loss-free bias update, which every rank applies
+        alike from the same sums (a no-op at bias_update_rate 0). None for a model without experts."""
+        model = self.model
+        if not hasattr(model, "update_router_biases"):
+            return None
+        import torch.distributed as dist
+
+        from pretrain_bench.train.models.native_deepseek import max_violation
+
+        load = model.expert_load().to(self.run_device)  # (MoE layers, experts)
+        if dist.is_initialized() and self.world > 1:
+            dist.all_reduce(load)
+        model.update_router_biases(load)
+        model.reset_expert_load()
+        load = load.cpu()
+        return {"expert_load": load.tolist(), "max_violation": max_violation(load).tolist()}
 
     def record(self, step: int, gathered: list[StepFigures], step_time: float, phases: dict, comm: float | None,
                skipped_before: int) -> dict:

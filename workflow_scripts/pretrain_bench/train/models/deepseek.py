@@ -321,7 +321,18 @@ class DeepseekFamily(ModelFamily):
     hf_model_type, or the native twin): every MoE preset."""
 
     name, shape_type, presets, hf_architecture = "deepseek", DeepseekShape, PRESETS, "DeepseekV3ForCausalLM"
-    flops_formula = FLOPS_FORMULA
+    flops_formula, title = FLOPS_FORMULA, "DeepSeek (MoE + MLA)"
+
+    def card_rows(self, shape: DeepseekShape) -> list[tuple[str, str]]:
+        counts = count_parameters(shape)
+        attention = ("multi-head latent attention" if shape.kv_lora_rank else "multi-head attention")
+        return [("active parameters per token", f"{counts['active']:,}"),
+                ("attention", f"{attention}, {shape.num_attention_heads} heads, kv_lora_rank {shape.kv_lora_rank}, "
+                              f"q_lora_rank {shape.q_lora_rank}"),
+                ("experts", f"{shape.n_routed_experts} routed ({shape.num_experts_per_tok} per token, "
+                            f"{shape.moe_intermediate_size} wide) + {shape.n_shared_experts} shared, from layer "
+                            f"{shape.first_k_dense_replace + 1}; {shape.scoring_func} router"),
+                ("dense FFN width (SwiGLU)", f"{shape.intermediate_size}")]
 
     def resolve_shape(self, preset: str, overrides: dict | None = None, tokenizer_vocab: int | None = None):
         return resolve_shape(preset, overrides, tokenizer_vocab)

@@ -11,6 +11,7 @@ class ModelFamily:
     """One model architecture family. Subclasses set the class attributes and implement the methods."""
 
     name: str = ""
+    title: str = ""  # how the model card names the architecture ("LLaMA")
     shape_type: type = object  # the dataclass of this family's shapes (a shape's type names its family)
     presets: dict = {}  # model.preset name → shape (the schema's model.preset enum lists every family's)
     hf_architecture: str = ""  # the transformers class an export is saved as and loads back with
@@ -30,6 +31,10 @@ class ModelFamily:
         """What summary.json and the report name the shape by: layers, hidden_size, heads, vocab_size."""
         return {"layers": shape.num_hidden_layers, "hidden_size": shape.hidden_size,
                 "heads": shape.num_attention_heads, "vocab_size": shape.vocab_size}
+
+    def card_rows(self, shape) -> list[tuple[str, str]]:
+        """The model card's architecture rows beyond parameters, layers, width and vocabulary: (label, value)."""
+        return []
 
     def memory_dims(self, shape) -> dict:
         """What the memory model's activation term needs of a layer, as widths per token: `layers`, `hidden_size`,

@@ -328,7 +328,11 @@ class LlamaFamily(ModelFamily):
     """The LLaMA architecture (transformers' LlamaForCausalLM, or its native twin): every dense preset."""
 
     name, shape_type, presets, hf_architecture = "llama", ModelShape, PRESETS, "LlamaForCausalLM"
-    flops_formula = flops.FLOPS_FORMULA
+    flops_formula, title = flops.FLOPS_FORMULA, "LLaMA"
+
+    def card_rows(self, shape: ModelShape) -> list[tuple[str, str]]:
+        return [("attention heads (key/value heads)", f"{shape.num_attention_heads} ({shape.num_key_value_heads})"),
+                ("FFN width (SwiGLU)", f"{shape.intermediate_size}")]
 
     def resolve_shape(self, preset: str, overrides: dict | None = None, tokenizer_vocab: int | None = None):
         return resolve_shape(preset, overrides, tokenizer_vocab)

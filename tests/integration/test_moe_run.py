@@ -1,0 +1,61 @@
+"""The DeepSeek family (tiny-moe: MLA + 8 routed experts, 2 per token) through the real launcher on 3 gloo ranks with
+DeepSpeed ZeRO-2: the balance loss and the auxiliary-loss-free bias update train, every step records each layer's
+tokens per expert summed over the ranks, and kill -9 past a checkpoint, then a rerun, gives every step the loss and
+the expert load it had: the router's bias is part of the checkpoint."""
+import json
+
+import pytest
+
+from pretrain_bench.train.plan import make_plan
+from pretrain_bench.workflow.experiment import plan_config
+from support import crash_after_first_checkpoint, losses, read_jsonl, recorded_losses, run
+
+pytestmark = pytest.mark.engine
+
+MOE = {"aux_loss_alpha": 0.01, "bias_update_rate": 0.01}  # both on, larger than DeepSeek-V3's so 12 steps move them
+
+
+def moe_plan(data, run_dir, **train):
+    config, results = data
+    overrides = {"max_steps": 12, "checkpoint_every": 4, "warmup_timing_steps": 1, "warmup_steps": 2,
+                 "lr": 3.0e-3, "min_lr": 3.0e-4, "rank_start": "exec", **train}
+    config = {**config, "model": {**config["model"], "preset": "tiny-moe", "implementation": "native",
+                                  "overrides": MOE},
+              "train": {**config["train"], **overrides}}
+    plan = make_plan(plan_config(config), index=results.shards / "index.json", tokenizer=results.tokenizer,
+                     out_dir=run_dir / "out", state_dir=run_dir / "state")
+    plan.to_json(run_dir / "plan.json")
+    return run_dir / "plan.json"
+
+
+def test_moe_run_records_the_expert_load_and_kill_9_then_rerun_repeats_it_bit_for_bit(data, tmp_path):
+    crashed = tmp_path / "crashed"
+    plan = moe_plan(data, crashed)
+    kept = crash_after_first_checkpoint(plan, crashed, tmp_path / "crash.log")
+    first = [record for record in read_jsonl(crashed / "state" / "metrics.jsonl")]
+    uninterrupted = recorded_losses(crashed)
+    assert len(uninterrupted) >= kept[-1] + 1
+    assert run(plan, 3, tmp_path / "resume.log") == 0, (tmp_path / "resume.log").read_text()[-3000:]
+    summary = json.loads((crashed / "out" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == kept[-1] and summary["model"]["preset"] == "tiny-moe"
+    resumed = losses(crashed)
+    assert len(resumed) == 12 and resumed[:len(uninterrupted)] == uninterrupted, "bit for bit"
+    records = read_jsonl(crashed / "state" / "metrics.jsonl")
+    by_step = {record["step"]: record for record in records}
+    # every step: 3 MoE layers × 8 experts, each layer's tokens summed over the 3 ranks: 4 samples × 128 tokens ×
+    # 3 ranks, each sent to 2 experts
+    for record in by_step.values():
+        load = record["expert_load"]
+        assert len(load) == 3 and all(len(layer) == 8 for layer in load)
+        assert all(sum(layer) == 4 * 128 * 3 * 2 for layer in load)
+        assert len(record["max_violation"]) == 3 and all(v >= 0 for v in record["max_violation"])
+    # the steps done again after the resume routed exactly as the first time (the biases were restored)
+    for record in first:
+        assert by_step[record["step"]]["expert_load"] == record["expert_load"], record["step"]
+    # the export of the last checkpoint is transformers' DeepseekV3ForCausalLM
+    from pretrain_bench.evaluate.export import export_checkpoint
+    from pretrain_bench.train.plan import Plan
+
+    export_checkpoint(Plan.from_json(plan), 12, crashed / "out" / "hf")
+    assert json.loads((crashed / "out" / "hf" / "config.json").read_text())["architectures"] == \
+        ["DeepseekV3ForCausalLM"]
