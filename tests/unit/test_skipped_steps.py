@@ -50,7 +50,8 @@ def recorded_run(overflows, step_times):
     for step, step_time in enumerate(step_times, start=1):
         skipped_before = engine.skipped_steps
         engine.step(step)
-        gathered = [types.SimpleNamespace(loss=5.0, grad_norm=1.0, peak_mem_bytes=2**20, peak_allocated_bytes=0)]
+        gathered = [types.SimpleNamespace(loss=5.0, grad_norm=1.0, peak_mem_bytes=2**20, peak_allocated_bytes=0,
+                                          peak_host_bytes=2**20)]
         records.append(trainer.record(step, gathered, step_time, dict.fromkeys(("forward", "backward", "optimizer")),
                                       None, skipped_before))
     return records, trainer
