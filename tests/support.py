@@ -393,3 +393,25 @@ def bare_plan_config(train, name: str = "run", preset: str = "tiny"):
 
     return PlanConfig.of(name, ModelSettings(preset=preset), train, TokenizerSettings(), BenchSettings(),
                          ReportSettings(), ShardSettings())
+
+
+def bare_cuda_trainer(tmp_path: Path, grad_norm=None):
+    """A Trainer with only what gather_step and record read, as on a 1-rank CUDA run whose device is the CPU (for a
+    test that fakes torch.cuda's memory figures); `grad_norm`: what its engine reports."""
+    import types
+
+    from pretrain_bench.train.checkpoints.checkpointer import Checkpointer
+    from pretrain_bench.train.settings import TrainSettings
+    from pretrain_bench.train.trainer import Trainer
+
+    settings = TrainSettings()
+    trainer = Trainer.__new__(Trainer)
+    trainer.__dict__.update(
+        engine=types.SimpleNamespace(grad_norm=lambda: grad_norm, skipped_steps=0, lr=lambda: 1e-3,
+                                     loss_scale=lambda: None),
+        settings=settings, rank=0, world=1, device="cuda", run_device="cpu", inject_nan_step=0, start_step=0,
+        preemption=types.SimpleNamespace(requested=False), comm_steady_ms=0.0, steady_time_s=0.0,
+        tokens_per_step=100, heldout=None, flops_token=6.0e6, peak={"flops_per_rank": 1.0e12, "source": "test"},
+        checkpointer=Checkpointer(tmp_path, settings, seq_len=8, rank=0, world=1, run_device="cpu", fingerprint={},
+                                  saves=False, log=print))
+    return trainer

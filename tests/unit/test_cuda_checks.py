@@ -49,24 +49,13 @@ def test_a_cuda_steps_peak_is_the_reserved_memory_with_the_allocated_beside_it(m
     """Trainer.gather_step and record as on a GPU (torch.cuda's peaks monkeypatched, gathered over gloo)."""
     import torch.distributed as dist
 
-    from pretrain_bench.train.checkpoints.checkpointer import Checkpointer
     from pretrain_bench.train.metrics import peak_memory_per_rank
-    from pretrain_bench.train.settings import TrainSettings
-    from pretrain_bench.train.trainer import Trainer
+    from support import bare_cuda_trainer
 
     reserved, allocated = 22 * 2**30 + 123 * 2**20, 19 * 2**30 + 5
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: reserved)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: allocated)
-    settings = TrainSettings()
-    trainer = Trainer.__new__(Trainer)
-    trainer.__dict__.update(
-        engine=types.SimpleNamespace(grad_norm=lambda: None, skipped_steps=0, lr=lambda: 1e-3,
-                                     loss_scale=lambda: None),
-        settings=settings, rank=0, world=1, device="cuda", run_device="cpu", inject_nan_step=0, start_step=0,
-        preemption=types.SimpleNamespace(requested=False), comm_steady_ms=0.0, steady_time_s=0.0,
-        tokens_per_step=100, heldout=None, flops_token=6.0e6, peak={"flops_per_rank": 1.0e12, "source": "test"},
-        checkpointer=Checkpointer(tmp_path, settings, seq_len=8, rank=0, world=1, run_device="cpu", fingerprint={},
-                                  saves=False, log=print))
+    trainer = bare_cuda_trainer(tmp_path, None)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         gathered = trainer.gather_step(1, torch.tensor([2.5]))

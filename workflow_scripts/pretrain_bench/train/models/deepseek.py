@@ -16,9 +16,9 @@ with aux_loss_alpha 0, a still bias and the router's own choice.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field
 
-from pretrain_bench.train.models.family import ModelFamily
+from pretrain_bench.train.models.family import ModelFamily, preset_with_overrides
 from pretrain_bench.train.models.llama import TORCH_DTYPES
 
 SCORING_FUNCS = ("softmax", "sigmoid")  # DeepSeek-V2 / DeepSeekMoE's softmax router, DeepSeek-V3's sigmoid router
@@ -111,20 +111,7 @@ PRESETS: dict[str, DeepseekShape] = {
 def resolve_shape(preset: str, overrides: dict | None = None, tokenizer_vocab: int | None = None) -> DeepseekShape:
     """Preset + overrides (keys that are not DeepseekShape fields go to `extra`); the vocabulary is the preset's, or
     the tokenizer's when the preset leaves it open; an invalid combination is refused naming its key."""
-    if preset not in PRESETS:
-        raise ValueError(f"model.preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    shape = PRESETS[preset]
-    known = {f.name for f in fields(DeepseekShape)} - {"extra"}
-    overrides = dict(overrides or {})
-    extra = {k: overrides.pop(k) for k in list(overrides) if k not in known}
-    shape = replace(shape, **overrides, extra={**shape.extra, **extra})
-    if shape.vocab_size is None:
-        shape = replace(shape, vocab_size=tokenizer_vocab)
-    if shape.vocab_size is not None and tokenizer_vocab is not None and shape.vocab_size < tokenizer_vocab:
-        raise ValueError(
-            f"model vocab_size {shape.vocab_size} is smaller than the tokenizer's {tokenizer_vocab}: "
-            "set model.overrides.vocab_size or tokenizer.vocab_size"
-        )
+    shape = preset_with_overrides(PRESETS, preset, overrides, tokenizer_vocab)
     check_shape(shape)
     return shape
 

@@ -6,6 +6,8 @@ shape's type, so no caller branches on an architecture.
 """
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 
 class ModelFamily:
     """One model architecture family. Subclasses set the class attributes and implement the methods."""
@@ -65,3 +67,22 @@ class ModelFamily:
               attn_implementation: str | None = None, implementation: str = "transformers"):
         """A freshly initialised model of this shape on `device`, in the training precision."""
         raise NotImplementedError
+
+
+def preset_with_overrides(presets: dict, preset: str, overrides: dict | None, tokenizer_vocab: int | None):
+    """A family's preset shape with model.overrides applied: keys that are not fields of the shape go to its `extra`
+    (the HF config's other fields), and the vocabulary is the preset's, or the tokenizer's when the preset leaves it
+    open (None); a vocabulary smaller than the tokenizer's is refused. The family checks the result."""
+    if preset not in presets:
+        raise ValueError(f"model.preset: unknown preset {preset!r}; choose one of {sorted(presets)}")
+    shape = presets[preset]
+    known = {f.name for f in fields(shape)} - {"extra"}
+    overrides = dict(overrides or {})
+    extra = {k: overrides.pop(k) for k in list(overrides) if k not in known}
+    shape = replace(shape, **overrides, extra={**shape.extra, **extra})
+    if shape.vocab_size is None:
+        shape = replace(shape, vocab_size=tokenizer_vocab)
+    if shape.vocab_size is not None and tokenizer_vocab is not None and shape.vocab_size < tokenizer_vocab:
+        raise ValueError(f"model vocab_size {shape.vocab_size} is smaller than the tokenizer's {tokenizer_vocab}: "
+                         "set model.overrides.vocab_size or tokenizer.vocab_size")
+    return shape

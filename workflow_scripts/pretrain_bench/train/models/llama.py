@@ -7,13 +7,13 @@ parameters for CPU runs. `model.init_from` takes the shape (and the weights) of 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from pretrain_bench.config.schema import ModelSettings
 from pretrain_bench.data.init_from import InitFromError, init_from_folder
 from pretrain_bench.train.models import flops
-from pretrain_bench.train.models.family import ModelFamily
+from pretrain_bench.train.models.family import ModelFamily, preset_with_overrides
 
 
 @dataclass(frozen=True)
@@ -42,20 +42,7 @@ PRESETS: dict[str, ModelShape] = {
 
 def resolve_shape(preset: str, overrides: dict | None = None, tokenizer_vocab: int | None = None) -> ModelShape:
     """Preset + overrides; the vocabulary is the preset's, or the tokenizer's when the preset leaves it open."""
-    if preset not in PRESETS:
-        raise ValueError(f"model.preset: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    shape = PRESETS[preset]
-    known = {f.name for f in fields(ModelShape)} - {"extra"}
-    overrides = dict(overrides or {})
-    extra = {k: overrides.pop(k) for k in list(overrides) if k not in known}
-    shape = replace(shape, **overrides, extra={**shape.extra, **extra})
-    if shape.vocab_size is None:
-        shape = replace(shape, vocab_size=tokenizer_vocab)
-    if shape.vocab_size is not None and tokenizer_vocab is not None and shape.vocab_size < tokenizer_vocab:
-        raise ValueError(
-            f"model vocab_size {shape.vocab_size} is smaller than the tokenizer's {tokenizer_vocab}: "
-            "set model.overrides.vocab_size or tokenizer.vocab_size"
-        )
+    shape = preset_with_overrides(PRESETS, preset, overrides, tokenizer_vocab)
     if shape.hidden_size % shape.num_attention_heads:
         raise ValueError(
             f"model: hidden_size {shape.hidden_size} is not divisible by num_attention_heads "
