@@ -46,7 +46,8 @@ MHA = {**V2, "kv_lora_rank": None, "qk_nope_head_dim": 0, "qk_rope_head_dim": 16
 SHAPES = {"v3": V3, "v2": V2, "v2-group": {**V2, "topk_method": "group_limited"}}
 # Published totals and activated parameters per token (the model cards / reports), and which count the activated
 # figure truncates: DeepSeekMoE's and V3's count the embeddings, V2-Lite's 2.4B leaves out the input embedding.
-PUBLISHED = {"deepseek-v3": (671e9, 37e9, 1e9, "active"), "deepseek-v2-lite": (15.7e9, 2.4e9, 0.1e9, "active_matmul"),
+PUBLISHED = {"deepseek-v3": (671e9, 37e9, 1e9, "active"), "deepseek-v2": (236e9, 21e9, 1e9, "active"),
+             "deepseek-v2-lite": (15.7e9, 2.4e9, 0.1e9, "active_matmul"),
              "deepseekmoe-16b": (16.4e9, 2.8e9, 0.1e9, "active")}
 
 

@@ -82,6 +82,47 @@ def test_a_bf16_export_holds_every_weight_of_the_checkpoint_cast(tmp_path):
         assert torch.equal(weights[name], tensor.to(torch.bfloat16)), name
 
 
+def test_a_bf16_export_of_a_deepseek_model_keeps_its_routers_fp32_and_loads_in_transformers(tmp_path):
+    """The router's weight and aux-loss-free bias stay float32 (bit for bit the checkpoint's), every other weight is
+    bf16, and AutoModelForCausalLM loads the folder back with the router still float32."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pretrain_bench.data.tokenizer import train_tokenizer
+    from pretrain_bench.train.models.deepseek import build_model as build_deepseek
+    from pretrain_bench.train.models.deepseek import resolve_shape
+
+    shape = resolve_shape("tiny-moe", {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
+                                       "intermediate_size": 64, "moe_intermediate_size": 16}, 300)
+    model = build_deepseek(shape, 16, seed=3, implementation="native")
+    with torch.no_grad():  # a bias that moved in training, at a step bf16 cannot hold
+        model.model.layers[1].mlp.gate.e_score_correction_bias += torch.linspace(-1e-3, 1e-3, 8) + 1e-5
+    folder = tmp_path / "checkpoints" / ckpt.tag_for(4)
+    folder.mkdir(parents=True)
+    torch.save({"module": model.state_dict()}, folder / "mp_rank_00_model_states.pt")
+    ckpt.write_marker(tmp_path / "checkpoints", 4, {"tokens": 1})
+    corpus = write_jsonl(tmp_path / "train.jsonl", [t for t in stdlib_texts(60_000) if t.isascii()])
+    train_tokenizer(corpus, tmp_path / "tokenizer", vocab_size=300, train_bytes=50_000)
+    export_hf(tmp_path / "checkpoints", 4, shape, 16, tmp_path / "tokenizer", tmp_path / "out", dtype="bf16")
+    weights = load_file(tmp_path / "out" / "model.safetensors")
+    router = {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
+    original = model.state_dict()
+    assert router <= set(weights)
+    for name, tensor in weights.items():
+        if name in router:
+            assert tensor.dtype == torch.float32 and torch.equal(tensor, original[name]), name
+        else:  # the fused experts are saved one per expert (the released layout): their dtype is checked
+            assert tensor.dtype == torch.bfloat16, name
+            if name in original:
+                assert torch.equal(tensor, original[name].to(torch.bfloat16)), name
+    assert weights["model.layers.0.mlp.gate_proj.weight"].dtype == torch.bfloat16  # the dense FFN's gate is not one
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    assert type(loaded).__name__ == "DeepseekV3ForCausalLM"
+    bias = loaded.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.dtype == torch.float32
+    assert torch.equal(bias, original["model.layers.1.mlp.gate.e_score_correction_bias"])
+
+
 @pytest.fixture(scope="module")
 def default_run():
     """The default config (validated, defaults filled) and the shape of its model."""

@@ -31,14 +31,15 @@ def torch_dtype(name: str):
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def read_checkpoint_weights(ckpt_root: Path, step: int, dtype: str = "fp32") -> dict:
-    """The weights of committed checkpoint `step` cast to `dtype`; any failure names the checkpoint folder."""
+def read_checkpoint_weights(ckpt_root: Path, step: int, dtype: str = "fp32", keep_fp32=None) -> dict:
+    """The weights of committed checkpoint `step` cast to `dtype` (but those `keep_fp32(name)` names, which stay
+    float32); any failure names the checkpoint folder."""
     from pretrain_bench.train.checkpoints.checkpointer import load_fp32_state_dict
 
     folder = Path(ckpt_root) / ckpt.tag_for(step)
     ckpt.read_marker(ckpt_root, step)  # missing or uncommitted: CheckpointError naming the folder
     try:
-        return cast_state_dict(load_fp32_state_dict(ckpt_root, step, lazy=True), torch_dtype(dtype))
+        return cast_state_dict(load_fp32_state_dict(ckpt_root, step, lazy=True), torch_dtype(dtype), keep_fp32)
     except ckpt.CheckpointError:
         raise
     except (OSError, ValueError, KeyError, RuntimeError, AssertionError) as error:
@@ -47,8 +48,9 @@ def read_checkpoint_weights(ckpt_root: Path, step: int, dtype: str = "fp32") -> 
                                    f"{type(error).__name__}: {error}") from error
 
 
-def cast_state_dict(state: dict, dtype) -> dict:
-    """The floating-point tensors of `state` in `dtype` (others as they are), converted one at a time and removed
+def cast_state_dict(state: dict, dtype, keep_fp32=None) -> dict:
+    """The floating-point tensors of `state` in `dtype` (others, and those whose name `keep_fp32(name)` accepts, as
+    they are), converted one at a time and removed
     from `state` as they go: the peak is the cast copy plus one source tensor (one ZeRO-3 parameter gathered from its
     partitions, or one tensor of a mapped file), not the whole fp32 dict beside its 16-bit copy. Names that share
     one tensor (tied weights, DeepSpeed's shared parameters) share the cast one."""
@@ -62,7 +64,8 @@ def cast_state_dict(state: dict, dtype) -> dict:
             state.pop(other)
         tensor = source.contiguous()  # a GatheredTensor concatenates its partitions here
         del source
-        converted = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        kept = keep_fp32 is not None and any(keep_fp32(name) for name in names)
+        converted = tensor.to(dtype) if tensor.is_floating_point() and not kept else tensor
         del tensor  # the fp32 original is freed before the next one is read
         cast.update(dict.fromkeys(names, converted))
     return cast
@@ -82,12 +85,12 @@ def export_hf(ckpt_root: Path, step: int, shape, seq_len: int, tokenizer_dir: Pa
     from pretrain_bench.train.models.registry import model_family
 
     target = Path(target)
-    state = read_checkpoint_weights(ckpt_root, step, dtype)
+    family = model_family(shape)
+    state = read_checkpoint_weights(ckpt_root, step, dtype, family.keeps_fp32)
     if shape.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     # No weights of its own: the meta device allocates nothing, and assign=True takes the cast tensors as they are.
     with no_init_weights(), torch.device("meta"):
-        family = model_family(shape)
         model = family.hf_class(shape)(family.hf_config(shape, seq_len))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     del state

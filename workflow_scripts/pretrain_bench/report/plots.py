@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from pretrain_bench.report.experts import coefficient_of_variation
 from pretrain_bench.report.tables import GIB, records
 
 DPI = 110
@@ -164,4 +165,78 @@ def communication_plot(communication: pd.DataFrame, path: Path) -> Path:
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([r["cell"] for r in rows], fontsize=7, rotation=20, ha="right")
     ax.set(ylabel="% of step time", title="Time in collectives (median over repeats)")
+    return _save(fig, path)
+
+
+MAX_LOAD_PANELS = 6  # MoE layers drawn in the expert-load heatmap: all up to this many, else evenly spaced ones
+
+
+def expert_load_plot(records: list[dict], first_moe_layer: int, path: Path) -> Path:
+    """Per MoE layer, a heatmap of each expert's share of the layer's routed tokens per step, as a multiple of the
+    balanced share (1 = every expert gets 1/E): rows experts, columns steps."""
+    plt = _pyplot()
+    import numpy as np
+
+    loads = [r for r in records if r.get("expert_load")]
+    layers = len(loads[0]["expert_load"])
+    shown = (list(range(layers)) if layers <= MAX_LOAD_PANELS
+             else sorted({round(i * (layers - 1) / (MAX_LOAD_PANELS - 1)) for i in range(MAX_LOAD_PANELS)}))
+    columns = min(3, len(shown))
+    rows = math.ceil(len(shown) / columns)
+    # constrained layout: room for the shared colour bar and the title (tight_layout leaves them overlapping)
+    fig, axes = plt.subplots(rows, columns, figsize=(11, 3.2 * rows + 0.6), squeeze=False, layout="constrained")
+    steps = [r["step"] for r in loads]
+    for ax in axes.flat[len(shown):]:
+        ax.set_visible(False)
+    image = None
+    for ax, layer in zip(axes.flat, shown):
+        load = np.array([r["expert_load"][layer] for r in loads], dtype=float).T  # (E, steps)
+        share = load / np.maximum(load.mean(axis=0, keepdims=True), 1e-12)
+        image = ax.imshow(share, aspect="auto", cmap="coolwarm", vmin=0, vmax=2, interpolation="nearest",
+                          extent=(steps[0] - 0.5, steps[-1] + 0.5, load.shape[0] - 0.5, -0.5))
+        ax.set(title=f"layer {first_moe_layer + layer}", xlabel="step", ylabel="expert")
+    fig.colorbar(image, ax=axes, shrink=0.8, label="tokens ÷ balanced share (1 = balanced)")
+    fig.suptitle("Expert load per MoE layer" + ("" if len(shown) == layers else f" ({len(shown)} of {layers})"))
+    fig.savefig(path, dpi=DPI)
+    _pyplot().close(fig)
+    return path
+
+
+def balance_plot(records: list[dict], first_moe_layer: int, path: Path) -> Path:
+    """MaxVio and the coefficient of variation of the expert load per MoE layer over the steps; the balance loss (as
+    trained on, α included) and each layer's router-bias norm where the run had them."""
+    plt = _pyplot()
+    loads = [r for r in records if r.get("expert_load")]
+    steps = [r["step"] for r in loads]
+    layers = len(loads[0]["expert_load"])
+    fig, axes = plt.subplots(2, 2, figsize=(11, 6.5))
+    (ax_vio, ax_cv), (ax_aux, ax_bias) = axes
+
+    for layer in range(layers):
+        label = f"layer {first_moe_layer + layer}"
+        ax_vio.plot(steps, [r["max_violation"][layer] for r in loads], lw=1, label=label)
+        ax_cv.plot(steps, [coefficient_of_variation(r["expert_load"][layer]) for r in loads], lw=1, label=label)
+    ax_vio.set(xlabel="step", ylabel="MaxVio = (max − mean) ÷ mean", title="Largest expert overload", ylim=(0, None))
+    ax_cv.set(xlabel="step", ylabel="std ÷ mean of tokens per expert", title="Coefficient of variation",
+              ylim=(0, None))
+    aux = [(r["step"], r["aux_loss"]) for r in loads if "aux_loss" in r]
+    if aux:
+        ax_aux.plot(*zip(*aux), lw=1, color="C3")
+        ax_aux.set(xlabel="step", ylabel="α × sequence-wise balance loss", title="Balance loss (trained on)")
+    else:
+        ax_aux.text(0.5, 0.5, "balance loss off (aux_loss_alpha 0)", ha="center", va="center",
+                    transform=ax_aux.transAxes)
+        ax_aux.set_axis_off()
+    biased = [r for r in loads if r.get("router_bias_norm")]
+    if biased:
+        for layer in range(layers):
+            ax_bias.plot([r["step"] for r in biased], [r["router_bias_norm"][layer] for r in biased], lw=1,
+                         label=f"layer {first_moe_layer + layer}")
+        ax_bias.set(xlabel="step", ylabel="‖b‖₂", title="Router bias norm (auxiliary-loss-free balancing)")
+    else:
+        ax_bias.text(0.5, 0.5, "no router bias (softmax router)", ha="center", va="center",
+                     transform=ax_bias.transAxes)
+        ax_bias.set_axis_off()
+    if layers <= 8:
+        ax_vio.legend(fontsize=7)
     return _save(fig, path)

@@ -22,6 +22,7 @@ from pretrain_bench.report import plots as plotting
 from pretrain_bench.report import tables as t
 from pretrain_bench.report.claims import CLAIMS, SETUP, check_claims, formula_texts
 from pretrain_bench.report.cost import cost_columns, cost_frame
+from pretrain_bench.report.experts import is_moe, load_records, moe_section
 from pretrain_bench.report.physical_checks import OTHER_CPU_LIMIT_PCT, peak_flag, run_busy_flag, run_contention_text
 from pretrain_bench.report.recommendation import ranking, recommend, rerun_benchmark_command
 from pretrain_bench.report.tables import GIB, ReportFrames, engine_label, format_frame, report_frames
@@ -213,6 +214,10 @@ def draw_plots(frames: ReportFrames, records: list[dict], evals: list[dict], plo
         paths["memory"] = plotting.memory_plot(frames.memory, frames.device, plot_dir / "memory.png")
     if not frames.communication.empty:
         paths["communication"] = plotting.communication_plot(frames.communication, plot_dir / "communication.png")
+    if is_moe(summary) and load_records(records):
+        first = summary.model["first_moe_layer"]
+        paths["expert_load"] = plotting.expert_load_plot(records, first, plot_dir / "expert_load.png")
+        paths["balance"] = plotting.balance_plot(records, first, plot_dir / "balance.png")
     return {key: {"name": p.name, "rel": f"plots/{p.name}", "data": base64.b64encode(p.read_bytes()).decode()}
             for key, p in paths.items()}
 
@@ -247,6 +252,7 @@ def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path],
         "main_engine": engine_label(vars(summary)),
         "plain_baseline": plain_baseline_text(matrix, set(runs_by_cell)), "labelled": labelled,
         "other_cpu_method": OTHER_CPU_METHOD, "other_cpu_limit": OTHER_CPU_LIMIT_PCT,
+        "moe": moe_section(summary, records),
         "peak_origin": peak_origin(frames.peak, Path(peak_path) if peak_path else None) if frames.peak else None,
     }
     out_md, out_html = Path(out_md), Path(out_html)

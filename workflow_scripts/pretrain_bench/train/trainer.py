@@ -371,12 +371,24 @@ class Trainer:
         from pretrain_bench.train.models.native_deepseek import max_violation
 
         load = model.expert_load().to(self.run_device)  # (MoE layers, experts)
+        aux = model.aux_loss_mean()  # this rank's mean balance loss over the step's micro-batches, or None
         if dist.is_initialized() and self.world > 1:
-            dist.all_reduce(load)
+            # one all-reduce for both: the counts in float64 stay exact (integers below 2**53)
+            packed = torch.cat([load.double().flatten(), (aux if aux is not None else torch.zeros(
+                (), dtype=torch.float64)).to(self.run_device).view(1)])
+            dist.all_reduce(packed)
+            load = packed[:-1].round().long().view_as(load)
+            aux = packed[-1] / self.world if aux is not None else None
         model.update_router_biases(load)
         model.reset_expert_load()
         load = load.cpu()
-        return {"expert_load": load.tolist(), "max_violation": max_violation(load).tolist()}
+        record = {"expert_load": load.tolist(), "max_violation": max_violation(load).tolist()}
+        if aux is not None:
+            record["aux_loss"] = float(aux)  # mean over the ranks and micro-batches, α included
+        norms = model.router_bias_norms()  # after this step's update: alike on every rank
+        if norms is not None:
+            record["router_bias_norm"] = norms
+        return record
 
     def record(self, step: int, gathered: list[StepFigures], step_time: float, phases: dict, comm: float | None,
                skipped_before: int) -> dict:

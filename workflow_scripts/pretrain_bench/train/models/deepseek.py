@@ -2,9 +2,10 @@
 `transformers`' DeepseekV3ForCausalLM / DeepseekV2ForCausalLM or the native twin), parameter counting and FLOPs.
 
 Presets name real shapes: `deepseek-v3` is DeepSeek-V3 (61 layers, 256 routed experts of which 8 per token, MLA with
-a compressed query), `deepseek-v2-lite` DeepSeek-V2-Lite (27 layers, 64 routed experts, 6 per token, MLA with a
-plain query), `deepseekmoe-16b` DeepSeekMoE-16B (28 layers, 64 routed experts, plain multi-head attention: it has no
-transformers class, so it trains with model.implementation native and is not exported), and `tiny-moe` a few million
+a compressed query), `deepseek-v2` DeepSeek-V2 (60 layers, 160 routed experts, 6 per token),
+`deepseek-v2-lite` DeepSeek-V2-Lite (27 layers, 64 routed experts, 6 per token, MLA with a plain query),
+`deepseekmoe-16b` DeepSeekMoE-16B (28 layers, 64 routed experts, plain multi-head attention: it has no transformers
+class, so it trains with model.implementation native and is not exported), and `tiny-moe` a few million
 parameters in DeepSeek-V3's style for CPU runs.
 
 Three fields are training knobs that belong to the model because its forward pass and its state carry them:
@@ -16,12 +17,14 @@ with aux_loss_alpha 0, a still bias and the router's own choice.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 
 from pretrain_bench.train.models.family import ModelFamily, preset_with_overrides
 from pretrain_bench.train.models.llama import TORCH_DTYPES
 
 SCORING_FUNCS = ("softmax", "sigmoid")  # DeepSeek-V2 / DeepSeekMoE's softmax router, DeepSeek-V3's sigmoid router
+ROUTER_WEIGHT = re.compile(r"\.mlp\.gate\.(weight|e_score_correction_bias)$")  # not the dense FFN's gate_proj
 TOPK_METHODS = ("greedy", "group_limited")  # top-k over all routed experts, or within the best topk_group groups
 HF_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", None)  # None: no transformers class (DeepSeekMoE's plain attention)
 # transformers' name for topk_method group_limited, by model type: V2's router ranks a group by its best score
@@ -82,6 +85,15 @@ PRESETS: dict[str, DeepseekShape] = {
                                  q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                                  v_head_dim=128, hf_model_type="deepseek_v3", aux_loss_alpha=0.0001,
                                  bias_update_rate=0.001),
+    # deepseek-ai/DeepSeek-V2, config.json (236B total, 21B activated; topk_method group_limited_greedy, 8 groups
+    # of which 3, norm_topk_prob false, scaling 16.0, aux_loss_alpha 0.003 with seq_aux true; yarn left out as
+    # above). Its published training cost is one of the report's claims (report/experts.py).
+    "deepseek-v2": DeepseekShape(60, 5120, 128, 102400, intermediate_size=12288, moe_intermediate_size=1536,
+                                 n_routed_experts=160, n_shared_experts=2, num_experts_per_tok=6,
+                                 first_k_dense_replace=1, routed_scaling_factor=16.0, norm_topk_prob=False,
+                                 scoring_func="softmax", topk_method="group_limited", n_group=8, topk_group=3,
+                                 q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                 v_head_dim=128, hf_model_type="deepseek_v2", aux_loss_alpha=0.003),
     # deepseek-ai/DeepSeek-V2-Lite, config.json (topk_method greedy, n_group 1, norm_topk_prob false, scaling 1.0,
     # aux_loss_alpha 0.001 with seq_aux true; yarn rope_scaling left out as above).
     "deepseek-v2-lite": DeepseekShape(27, 2048, 16, 102400, intermediate_size=10944, moe_intermediate_size=1408,
@@ -324,6 +336,17 @@ class DeepseekFamily(ModelFamily):
     def resolve_shape(self, preset: str, overrides: dict | None = None, tokenizer_vocab: int | None = None):
         return resolve_shape(preset, overrides, tokenizer_vocab)
 
+    def describe(self, shape: DeepseekShape) -> dict:
+        """The dense keys, and what the report's mixture-of-experts section reads: active and routed-expert
+        parameters, the MoE layers and their experts, and the balancing settings."""
+        counts = count_parameters(shape)
+        return {**super().describe(shape), "active_parameters": counts["active"],
+                "expert_parameters": counts["expert"], "moe_layers": counts["moe_layers"],
+                "first_moe_layer": shape.first_k_dense_replace, "routed_experts": shape.n_routed_experts,
+                "shared_experts": shape.n_shared_experts, "experts_per_token": shape.num_experts_per_tok,
+                "aux_loss_alpha": shape.aux_loss_alpha, "bias_update_rate": shape.bias_update_rate,
+                "force_balanced": shape.force_balanced}
+
     def count_parameters(self, shape: DeepseekShape) -> dict[str, int]:
         return count_parameters(shape)
 
@@ -347,6 +370,12 @@ class DeepseekFamily(ModelFamily):
 
     def hf_config(self, shape: DeepseekShape, seq_len: int, attn_implementation: str | None = None):
         return hf_config(shape, seq_len, attn_implementation)
+
+    def keeps_fp32(self, name: str) -> bool:
+        """The router's weight and its aux-loss-free bias (`model.layers.N.mlp.gate.weight`,
+        `...mlp.gate.e_score_correction_bias`): the native router computes in float32 and the bias moves in steps of
+        bias_update_rate, which bf16 cannot resolve; transformers loads them as saved."""
+        return bool(ROUTER_WEIGHT.search(name))
 
     def hf_class(self, shape: DeepseekShape | None = None):
         """The transformers class of `shape` (hf_architecture, DeepseekV3ForCausalLM, without one)."""

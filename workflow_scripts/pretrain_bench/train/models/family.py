@@ -57,6 +57,11 @@ class ModelFamily:
         """The transformers config of this shape (the export's config.json)."""
         raise NotImplementedError
 
+    def keeps_fp32(self, name: str) -> bool:
+        """Whether an exported weight stays float32 whatever the export dtype (a router's, whose choices a 16-bit
+        rounding would change); none by default."""
+        return False
+
     def hf_class(self, shape=None):
         """The transformers model class a shape is exported as (by default hf_architecture), imported when asked."""
         import transformers

@@ -21,6 +21,9 @@ GPU_PEAK_TFLOPS_16BIT = {
     "H100": 989.5,  # NVIDIA H100 Tensor Core GPU datasheet (2023), H100 SXM: BF16/FP16 1,979* TFLOPS
     "H100 PCIe": 756.5,  # same datasheet, H100 PCIe: 1,513* TFLOPS
     "H100 NVL": 835.5,  # same datasheet, H100 NVL: 1,671* TFLOPS (per GPU)
+    "H800": 989.5,  # NVIDIA H800 Tensor Core GPU datasheet (2023), H800 SXM5: BF16/FP16 1,979* TFLOPS (H100 SXM's
+                    # compute with NVLink at 400 GB/s): the GPU DeepSeek-V2 and V3 report their training costs on
+    "H800 PCIe": 756.5,  # same datasheet, H800 PCIe: 1,513* TFLOPS
     "A100": 312.0,  # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM and PCIe: BF16/FP16 312 (624*) TFLOPS
     "L40S": 362.05,  # NVIDIA L40S datasheet (2023): BF16/FP16 362.05 (733*) TFLOPS
     "L40": 181.05,  # NVIDIA L40 datasheet (2022): BF16/FP16 181.05 (362.1*) TFLOPS

@@ -495,6 +495,9 @@ class NativeDeepseekForCausalLM(nn.Module):
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.bias_update_rate = shape.bias_update_rate
+        # the balance loss of the training forward passes since the last reset: sum and count (plain tensors, as
+        # MoE.load: a report figure, not model state)
+        self.aux_sum, self.aux_passes = torch.zeros((), dtype=torch.float64), 0
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         """Recompute each decoder block's activations in the backward pass (train.activation_checkpointing), with
@@ -504,6 +507,8 @@ class NativeDeepseekForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> MoeCausalLMOutput:
         hidden, aux_loss = self.model(input_ids)
+        if aux_loss is not None and self.training:
+            self.record_aux(aux_loss)
         logits = self.lm_head(hidden)  # (B, T, vocab)
         loss = None
         if labels is not None:  # transformers' causal-LM loss: predict token t+1 from t, -100 ignored
@@ -513,6 +518,30 @@ class NativeDeepseekForCausalLM(nn.Module):
             if aux_loss is not None:
                 loss = loss + aux_loss
         return MoeCausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss)
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def record_aux(self, aux_loss: torch.Tensor) -> None:
+        """Add one training forward pass's balance loss (α applied) to the mean `aux_loss_mean` reports. This
+        forward runs once per micro-batch: activation checkpointing recomputes the blocks, not this."""
+        if self.aux_sum.device != aux_loss.device:
+            self.aux_sum = self.aux_sum.to(aux_loss.device)
+        self.aux_sum += aux_loss.detach().double()
+        self.aux_passes += 1
+
+    def aux_loss_mean(self) -> torch.Tensor | None:
+        """The mean balance loss (α × Σ over the MoE layers of the sequence-wise loss, as trained on) of the
+        training forward passes since the last reset, a 0-d float64 tensor; None when none computed one (the loss is
+        off at aux_loss_alpha 0)."""
+        return self.aux_sum / self.aux_passes if self.aux_passes else None
+
+    def router_bias_norms(self) -> list[float] | None:
+        """The L2 norm of each MoE layer's auxiliary-loss-free bias (e_score_correction_bias), in depth order; None
+        for routers without one (softmax scoring)."""
+        biases = [layer.gate.e_score_correction_bias for layer in self.moe_layers()]
+        if not biases or biases[0] is None:
+            return None
+        return [float(bias.norm()) for bias in biases]
 
     def moe_layers(self) -> list[MoE]:
         """The MoE layers, in depth order."""
@@ -526,9 +555,11 @@ class NativeDeepseekForCausalLM(nn.Module):
         return torch.stack([layer.load for layer in layers]) if layers else torch.zeros(0, 0, dtype=torch.int64)
 
     def reset_expert_load(self) -> None:
-        """Zero every MoE layer's token counts."""
+        """Zero every MoE layer's token counts, and the balance loss's running mean."""
         for layer in self.moe_layers():
             layer.load.zero_()
+        self.aux_sum.zero_()
+        self.aux_passes = 0
 
     @torch.no_grad()
     def update_router_biases(self, load: torch.Tensor | None = None) -> None:

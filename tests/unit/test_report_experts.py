@@ -1,0 +1,119 @@
+"""The report's mixture-of-experts section: parameters from the family's count, the expert balance recomputed from
+metrics.jsonl, the plots drawn, DeepSeek's published costs read as MFU by hand, nothing of it for a dense model; and
+the native model's balance-loss record the trainer writes to metrics.jsonl."""
+import json
+import statistics
+
+import pytest
+import torch
+from test_report import MATRIX, PNG, RUNS, summary, write_bench
+
+from pretrain_bench.report import experts
+from pretrain_bench.report.render import build_report
+from pretrain_bench.train.models.deepseek import PRESETS, count_parameters, resolve_shape
+from pretrain_bench.train.models.native_deepseek import NativeDeepseekForCausalLM, max_violation
+from pretrain_bench.train.models.registry import preset_family
+from pretrain_bench.train.run_summary import RunSummary
+
+VOCAB = 512
+
+
+def tiny_moe_summary() -> dict:
+    """summary(...) with the model block Trainer.summarise writes for tiny-moe (the family's describe)."""
+    family = preset_family("tiny-moe")
+    shape = resolve_shape("tiny-moe", None, VOCAB)
+    counts = count_parameters(shape)
+    main = summary(3)
+    main["model"] = {"preset": "tiny-moe", "parameters": counts["total"], "non_embedding_parameters":
+                     counts["non_embedding"], "matmul_parameters": counts["matmul"], **family.describe(shape),
+                     "attn_implementation": "sdpa", "implementation": "native"}
+    return main
+
+
+def load_records(steps: int = 24, layers: int = 3, experts_: int = 8) -> list[dict]:
+    """metrics.jsonl records whose load starts skewed (expert 0 takes half of each layer's tokens) and evens out."""
+    records = []
+    for step in range(1, steps + 1):
+        skew = 1.0 - (step - 1) / (steps - 1)
+        load = [[int(1024 * ((skew * 4 + 1) if e == 0 else 1)) for e in range(experts_)] for _ in range(layers)]
+        records.append({"step": step, "loss": 7.0, "tokens_per_s": 900.0, "step_time_s": 1.0, "after_resume": False,
+                        "expert_load": load, "max_violation": max_violation(torch.tensor(load)).tolist(),
+                        "aux_loss": 1e-4 * (2 - skew), "router_bias_norm": [0.001 * step] * layers})
+    return records
+
+
+def render(tmp_path, main: dict, records: list[dict]) -> tuple[str, str, dict]:
+    (tmp_path / "summary.json").write_text(json.dumps(main))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "matrix.json").write_text(json.dumps(MATRIX))
+    out = tmp_path / "report"
+    build_report(tmp_path / "summary.json", tmp_path / "metrics.jsonl", [], out / "report.md", out / "report.html",
+                 out / "plots", target_corpus_tokens=1e12, matrix_path=tmp_path / "matrix.json",
+                 bench_paths=write_bench(tmp_path, RUNS))
+    return (out / "report.md").read_text(), (out / "report.html").read_text(), out
+
+
+def test_a_moe_run_reports_its_parameters_balance_and_plots(tmp_path):
+    main, records = tiny_moe_summary(), load_records()
+    md, html, out = render(tmp_path, main, records)
+    counts = count_parameters(resolve_shape("tiny-moe", None, VOCAB))
+    assert "## 6b. Mixture of experts" in md and 'id="experts"' in html
+    assert f"| active per token | {experts.fmt(counts['active'])} |" in md
+    share = experts.fmt(100 * counts["expert"] / counts["total"], 1)
+    assert f"| routed experts | {experts.fmt(counts['expert'])} | {share} |" in md
+    # MaxVio over the first and last 10 steps, recomputed: expert 0 had 5× the others at step 1, 1× at the end
+    early = statistics.fmean(r["max_violation"][0] for r in records[:10])
+    late = statistics.fmean(r["max_violation"][0] for r in records[-10:])
+    assert early > 1.0 and late < 0.7 and late < early / 3
+    first = main["model"]["first_moe_layer"]
+    assert f"| {first} | {experts.fmt(early, 3)} | {experts.fmt(late, 3)} |" in md
+    assert "steps 1–10 and over steps 15–24" in md
+    assert "All-to-all: none in this run" in md
+    for name in ("expert_load", "balance"):
+        assert (out / "plots" / f"{name}.png").read_bytes()[:8] == PNG
+        assert f"](plots/{name}.png)" in md
+    assert html.count("data:image/png;base64,") == 7  # the dense report's five (no evaluation here) + two
+
+
+def test_a_dense_run_has_no_experts_section(tmp_path):
+    md, html, out = render(tmp_path, summary(3), [{"step": 1, "loss": 8.0, "tokens_per_s": 900.0,
+                                                   "step_time_s": 1.0, "after_resume": False}])
+    assert "Mixture of experts" not in md and "DeepSeek-V3 training cost" not in md
+    assert not (out / "plots" / "expert_load.png").exists()
+
+
+def test_deepseeks_published_costs_read_as_mfu_on_active_parameters_by_hand():
+    """DeepSeek-V3: 14.8T tokens in 2.664M H800 GPU-hours; FLOPs per token = 6 × active matmul parameters + 6 × L ×
+    heads × (Dqk + Dv) × T at T = 4096 (the report's formula, written out); ÷ 989.5 TFLOP/s."""
+    v3 = PRESETS["deepseek-v3"]
+    per_token = 6 * count_parameters(v3)["active_matmul"] + 6 * 61 * 128 * (128 + 64 + 128) * 4096
+    by_hand = 14.8e12 * per_token / (2.664e6 * 3600) / 989.5e12
+    implied = experts.implied_mfu(experts.DEEPSEEK_COSTS[0])
+    assert implied["mfu_16bit"] == pytest.approx(by_hand, rel=1e-9)
+    # the 6N bound alone (37B active) is 35 %; with attention about 44 %: possible, and half that against FP8
+    assert 0.40 < implied["mfu_16bit"] < 0.46 and implied["mfu_fp8"] == pytest.approx(by_hand / 2, rel=1e-9)
+    v2 = experts.implied_mfu(experts.DEEPSEEK_COSTS[1])
+    assert 0.28 < v2["mfu_16bit"] < 0.32  # 172.8K GPU-hours per trillion tokens, 21B active
+    rows = experts.cost_rows(RunSummary.from_dict(tiny_moe_summary()))
+    assert [r["verdict"].split(":")[0] for r in rows] == ["physically possible"] * 2
+    assert "MFU on active parameters 20.0%" in rows[0]["measured"]
+
+
+def test_the_native_model_reports_the_mean_balance_loss_of_its_training_passes():
+    shape = resolve_shape("tiny-moe", {"num_hidden_layers": 2, "aux_loss_alpha": 0.01}, VOCAB)
+    model = NativeDeepseekForCausalLM(shape).train()
+    batches = [torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    seen = [float(model(input_ids=b).aux_loss) for b in batches]
+    assert model.aux_loss_mean().item() == pytest.approx(statistics.fmean(seen), rel=1e-12)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=batches[0])  # evaluation passes are not counted
+    assert model.aux_loss_mean().item() == pytest.approx(statistics.fmean(seen), rel=1e-12)
+    assert model.router_bias_norms() == [0.0]  # one MoE layer, its bias still zero
+    model.update_router_biases(torch.tensor([[10, 0, 0, 0, 0, 0, 0, 6]]))
+    assert model.aux_loss_mean() is None  # the update restarts the counts and the mean
+    assert model.router_bias_norms()[0] > 0
+    off = NativeDeepseekForCausalLM(resolve_shape("tiny-moe", {"num_hidden_layers": 2, "aux_loss_alpha": 0.0},
+                                                  VOCAB)).train()
+    off(input_ids=batches[0])
+    assert off.aux_loss_mean() is None
