@@ -38,3 +38,32 @@ def test_offloaded_run_rss_matches_the_memory_model(data, tmp_path, zero_stage, 
     measured = summary["peak_mem_bytes"][0]
     assert estimate["host_states"] > estimate["params"], "the offloaded states dominate"
     assert 0.85 * predicted <= measured <= 1.15 * predicted, (measured / 2**30, predicted / 2**30)
+
+
+# tiny-moe widened until its states outweigh the rank's runtime term (RUNTIME_BYTES["cpu"], 0.6 GiB): 32 routed
+# experts of 512 (2 per token) in 3 MoE layers, H = 512, about 81M parameters of which 75M in the fused expert tensors
+MOE_OVERRIDES = {"hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 512, "n_routed_experts": 32,
+                 "n_group": 4, "topk_group": 2, "q_lora_rank": 128, "kv_lora_rank": 64, "qk_nope_head_dim": 64,
+                 "qk_rope_head_dim": 32, "v_head_dim": 64}
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_moe_run_rss_matches_the_memory_model(data, tmp_path, ranks):
+    # ZeRO-2 fp32 on CPU, no offload: peak RSS per rank holds the expert and the non-expert states (ZeRO's formula
+    # over each, the experts on their expert-data-parallel group), MoE and MLA activations, the buffers, the runtime
+    config, results = data
+    config = {**config, "model": {**config["model"], "preset": "tiny-moe", "implementation": "native",
+                                  "overrides": MOE_OVERRIDES, "seq_len": 64}}
+    plan_path = plan_for((config, results), tmp_path, gpus=ranks, global_batch_size=None, zero_stage=2,
+                         precision="fp32", micro_batch_size=4, grad_accum_steps=1, max_steps=2, warmup_steps=1,
+                         memory_fit="strict", eval_every=None, save_checkpoints=False)
+    assert run(plan_path, ranks, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    estimate = json.loads(plan_path.read_text())["memory_fit"]["estimate"]
+    assert estimate["expert_states"] > estimate["non_expert_states"] > 0
+    assert estimate["model_states"] > estimate["runtime"], "the model's terms, not the runtime, dominate"
+    predicted = estimate["per_rank"] + estimate["host_states"]
+    ratios = [measured / predicted for measured in summary["peak_mem_bytes"]]
+    print(f"tiny-moe ZeRO-2 fp32, {ranks} rank(s): measured ÷ predicted {[round(r, 3) for r in ratios]} "
+          f"(predicted {predicted / 2**30:.3f} GiB)")
+    assert all(0.85 <= ratio <= 1.15 for ratio in ratios), ratios

@@ -403,7 +403,11 @@ def test_a_model_block_with_a_deepseek_preset_resolves_through_its_family_for_th
     assert isinstance(resolved, DeepseekShape) and resolved.num_hidden_layers == 3 and resolved.vocab_size == 300
     dims = MODEL_FAMILIES["deepseek"].memory_dims(resolved)
     assert dims["layers"] == 3 and dims["hidden_size"] == resolved.hidden_size and dims["vocab_size"] == 300
-    # a MoE layer's FFN width per token: its K routed and its shared experts, wider than one expert
-    assert dims["ffn_size"] > resolved.moe_intermediate_size
+    # the dense layers' FFN width, and the MoE layers apart: their experts, split from the rest for the states
+    assert dims["ffn_size"] == resolved.intermediate_size
+    counts = count_parameters(resolved)
+    assert dims["moe"].dense_layers == 1 and dims["moe"].experts_per_token == resolved.num_experts_per_tok
+    assert (3 - 1) * dims["moe"].expert_parameters_per_layer == counts["expert"]
+    assert dims["attention"].kv_lora_rank == resolved.kv_lora_rank
     rows = dict(MODEL_FAMILIES["deepseek"].card_rows(resolved))
     assert rows["active parameters per token"] == f"{count_parameters(resolved)['active']:,}"

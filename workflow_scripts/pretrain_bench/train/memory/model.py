@@ -18,6 +18,7 @@ from pathlib import Path
 from pretrain_bench.config.schema import BenchSettings, ModelSettings, TokenizerSettings
 from pretrain_bench.core import devices
 from pretrain_bench.train.engines.spec import engine_spec
+from pretrain_bench.train.models.family import AttentionDims, MoeDims
 from pretrain_bench.train.models.registry import model_family, model_shape
 from pretrain_bench.train.settings import ConfigError, PlanConfig, TrainSettings
 
@@ -60,6 +61,18 @@ ACTIVATION_FORMULA = (
     "gate/up/act/product; logits plus their fp32 copy and log-softmax (adapted from Korthikanti et al. 2022 to "
     "LLaMA blocks without dropout); with activation checkpointing L × b·H layer inputs + one layer recomputed"
 )
+# A DeepSeek model (RunShape.moe / RunShape.attention set) replaces the per-layer term, layer by layer; the rest of
+# ACTIVATION_FORMULA (logits, embedding output, checkpointing) stays. Its text, for the report, beside its value in
+# moe_layer_activations / attention_activations.
+MOE_ACTIVATION_FORMULA = (
+    "per layer: attention (MLA: b·(2H + 2r_q + (r_kv + d_rope) + r_kv + 2·n_h·D_qk + n_h·(D_nope + D_v) + n_h·D_qk "
+    "+ n_h·D_v) + 4·(H + r_q + r_kv): norm input and output, the query latent and its norm, q_b's output and the "
+    "rotated q, the key/value latent with the shared rotary key and its norm, kv_b's keys and values, the rotated k, "
+    "the attention output; plain multi-head attention b·(2H + 4·n_h·D_qk + 2·n_h·D_v)) + FFN (dense: b·(2H + 4F) + "
+    "4H; MoE: b·(2H + K·(2H + 4I) + 4·I_s) + 4H + 4·(H if b = 2) + 4·E·(1 + balance loss): the K dispatched copies "
+    "of each token through its experts' SwiGLU, the shared experts' SwiGLU I_s = n_shared·I wide, the router's fp32 "
+    "input and scores); with activation checkpointing L × b·H layer inputs + the largest layer recomputed"
+)
 
 
 @dataclass(frozen=True)
@@ -83,12 +96,58 @@ class RunShape:
     device: str = "cuda"  # cuda | cpu
     pinned_rounding: bool = False  # pinned host buffers rounded up to powers of two (see PINNED_ROUNDING)
     engine: str = "deepspeed"  # deepspeed | ddp | fsdp (train.engine)
+    moe: MoeDims | None = None  # a mixture-of-experts model's layers (None: dense)
+    attention: AttentionDims | None = None  # DeepSeek's attention (None: LLaMA's, H wide with H_kv keys/values)
+    expert_parallel: int = 1  # EP: ranks each MoE layer's experts are split over (1: every rank holds all)
 
     @property
     def largest_parameter(self) -> int:
-        """Elements of the largest single parameter: the embedding / LM head (V × H) or an FFN matrix (H × F)."""
-        return max(self.vocab_size * self.hidden_size, self.hidden_size * self.ffn_size,
-                   self.hidden_size * self.hidden_size)
+        """Elements of the largest single parameter: the embedding / LM head (V × H), an FFN matrix (H × F), or a
+        MoE layer's fused gate_up_proj (E, 2I, H) of the experts a rank holds."""
+        dense = max(self.vocab_size * self.hidden_size, self.hidden_size * self.ffn_size,
+                    self.hidden_size * self.hidden_size)
+        return max(dense, self.held_experts(self.moe.largest_expert_tensor)) if self.moe else dense
+
+    # ---- mixture of experts: expert vs non-expert parameters --------------------------------------------------
+
+    def expert_group(self) -> tuple[int, int]:
+        """(EP, N/EP): with expert parallelism each rank holds 1/EP of every MoE layer's experts, replicated over the
+        N/EP ranks of its expert-data-parallel group, over which ZeRO and FSDP partition their states. The one place
+        EP enters the memory model (EP = 1 until an engine shards experts: every rank holds all of them)."""
+        if self.ranks % self.expert_parallel:
+            raise ValueError(f"{self.ranks} ranks do not divide into expert parallelism {self.expert_parallel}")
+        return self.expert_parallel, self.ranks // self.expert_parallel
+
+    def held_experts(self, elements: int) -> int:
+        """Of `elements` routed-expert parameters, those one rank's expert-parallel slice holds (÷ EP)."""
+        return elements // self.expert_group()[0]
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.moe.dense_layers if self.moe else 0
+
+    @property
+    def expert_parameters(self) -> int:
+        """Ψ_E, the routed experts' parameters of the whole model (0 for a dense model)."""
+        return self.moe_layers * self.moe.expert_parameters_per_layer if self.moe else 0
+
+    @property
+    def non_expert_parameters(self) -> int:
+        """Ψ − Ψ_E: embeddings, head, attention, dense FFNs, routers, shared experts, norms."""
+        return self.parameters - self.expert_parameters
+
+    @property
+    def gather_unit(self) -> int:
+        """Elements ZeRO-3 and FSDP gather at once for compute: the largest decoder layer, a MoE layer with all of its
+        routed experts this rank's slice holds (each layer's experts are one fused parameter pair, gathered whole)."""
+        moe = self.moe
+        if moe is None:
+            return _per_layer_params(self)
+        units = [moe.dense_layer_parameters] if moe.dense_layers else []
+        if self.moe_layers:
+            units.append(moe.moe_layer_parameters - moe.expert_parameters_per_layer
+                         + self.held_experts(moe.expert_parameters_per_layer))
+        return max(units)
 
 
 @dataclass(frozen=True)
@@ -106,10 +165,18 @@ class Estimate:
     state_formula: str
     buffer_formula: str
     disk_states: int = 0  # states per rank offloaded to NVMe (train.nvme_path)
+    # Of params + grads + optimizer (on the device) and host_states: the routed experts' share (0 for a dense model)
+    expert_states: int = 0
+    expert_host_states: int = 0
 
     @property
     def model_states(self) -> int:
         return self.params + self.grads + self.optimizer
+
+    @property
+    def non_expert_states(self) -> int:
+        """The device's model states of everything but the routed experts (all of them for a dense model)."""
+        return self.model_states - self.expert_states
 
     @property
     def per_rank(self) -> int:
@@ -117,7 +184,8 @@ class Estimate:
         return max(self.model_states + self.activations + self.buffers, self.init) + self.runtime
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "model_states": self.model_states, "per_rank": self.per_rank}
+        return {**asdict(self), "model_states": self.model_states, "non_expert_states": self.non_expert_states,
+                "per_rank": self.per_rank}
 
 
 @dataclass(frozen=True)
@@ -310,6 +378,43 @@ def model_state_bytes(psi: int, ranks: int, stage: int, precision: str, offload_
             "disk": int(offloaded["nvme"]), "formula": formula, "host_terms": host_terms}
 
 
+# Host terms sized by one largest tensor or sub-group, allocated once and reused by every parameter group: when the
+# expert and the non-expert states are added up, the larger of each counts, not both.
+SHARED_HOST_TERMS = ("grad_staging", "transient", "swap_buffers")
+
+
+def run_state_bytes(run: RunShape) -> dict:
+    """model_state_bytes of a run, ZeRO's formula over the non-expert parameters (N ranks) plus the same formula
+    over the routed experts a rank's expert-parallel slice holds (Ψ_E/EP, partitioned over its N/EP-rank
+    expert-data-parallel group; DeepSpeed's MoE param groups): states_ne(Ψ − Ψ_E, N) + states_e(Ψ_E/EP, N/EP). A
+    dense model is the first term alone. Adds `expert` and `expert_host`: the second term's device and host bytes."""
+    kwargs = dict(stage=run.zero_stage, precision=run.precision, offload_optimizer=run.offload_optimizer,
+                  offload_param=run.offload_param, pinned_rounding=run.pinned_rounding)
+    if run.moe is None:
+        return {**model_state_bytes(run.parameters, run.ranks, largest=run.largest_parameter, **kwargs),
+                "expert": 0, "expert_host": 0}
+    ep, expert_ranks = run.expert_group()
+    largest_expert = run.held_experts(run.moe.largest_expert_tensor)
+    dense = replace(run, moe=None)  # the non-expert parameters' largest tensor (V × H, a dense FFN matrix)
+    non_expert = model_state_bytes(run.non_expert_parameters, run.ranks, largest=dense.largest_parameter, **kwargs)
+    expert = model_state_bytes(run.held_experts(run.expert_parameters), expert_ranks, largest=largest_expert,
+                               **kwargs)
+    host_terms = None
+    if non_expert["host_terms"] is not None:
+        host_terms = {}
+        for name in dict.fromkeys([*non_expert["host_terms"], *expert["host_terms"]]):
+            a, source = non_expert["host_terms"].get(name, (0, None))
+            b, other = expert["host_terms"].get(name, (0, None))
+            host_terms[name] = (max(a, b) if name in SHARED_HOST_TERMS else a + b, source or other)
+    host = sum(v for v, _ in host_terms.values()) if host_terms else non_expert["host"] + expert["host"]
+    formula = (f"non-expert Ψ_ne = Ψ − Ψ_E: {non_expert['formula']}; routed experts Ψ_E ÷ EP {ep} over "
+               f"N/EP = {expert_ranks} rank{'s' * (expert_ranks > 1)}: {expert['formula']}")
+    merged = {key: non_expert[key] + expert[key] for key in ("params", "grads", "optimizer", "disk")}
+    return {**merged, "host": host, "formula": formula, "host_terms": host_terms,
+            "expert": expert["params"] + expert["grads"] + expert["optimizer"],
+            "expert_host": host - non_expert["host"]}  # what the experts add to the host
+
+
 def checkpoint_bytes(psi: int, precision: str, zero_stage: int, engine: str = "deepspeed") -> int:
     """Bytes of one checkpoint on disk, all ranks together (the engine's: EngineSpec.checkpoint_bytes)."""
     return engine_spec(engine).checkpoint_bytes(psi, precision, zero_stage)
@@ -320,35 +425,85 @@ def activation_bytes(run: RunShape) -> int:
     b = 4 if run.precision == "fp32" else 2
     tokens = run.micro_batch_size * run.seq_len
     h, kv, f = run.hidden_size, run.kv_size, run.ffn_size
-    per_layer = b * (6 * h + 2 * kv + 4 * f) + 4 * 2 * h
     logits = run.vocab_size * (b + 8) if b == 2 else run.vocab_size * 8  # fp32 logits need no .float() copy
-    if run.activation_checkpointing:
-        layers = run.layers * b * h + per_layer
+    if run.moe is not None or run.attention is not None:  # DeepSeek: attention + FFN, layer by layer
+        dense = attention_activations(run, b) + b * (2 * h + 4 * f) + 4 * h
+        moe = attention_activations(run, b) + moe_ffn_activations(run, b) if run.moe else 0
+        dense_layers = run.moe.dense_layers if run.moe else run.layers
+        largest = max([dense] * (dense_layers > 0) + [moe] * (run.layers > dense_layers))
+        all_layers = dense_layers * dense + (run.layers - dense_layers) * moe
     else:
-        layers = run.layers * per_layer
+        largest = b * (6 * h + 2 * kv + 4 * f) + 4 * 2 * h
+        all_layers = run.layers * largest
+    if run.activation_checkpointing:
+        layers = run.layers * b * h + largest  # every layer's input + the largest layer recomputed
+    else:
+        layers = all_layers
     return int(tokens * (layers + logits + 3 * b * h))  # + embedding output and final norm
+
+
+def attention_activations(run: RunShape, b: int) -> int:
+    """Bytes per token one DeepSeek attention block (with its pre-norm) keeps for the backward (MOE_ACTIVATION_FORMULA,
+    native_deepseek.LatentAttention / MultiHeadAttention; SDPA keeps no s² scores): b bytes per activation."""
+    h, a = run.hidden_size, run.attention
+    n, qk, rope, v = a.heads, a.qk_nope_head_dim + a.qk_rope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+    if a.kv_lora_rank is None:
+        # norm input and output; q and k projected, then rotated copies; v; the attention output
+        return b * (2 * h + 4 * n * qk + 2 * n * v) + 4 * h
+    r_q, r_kv = a.q_lora_rank or 0, a.kv_lora_rank
+    per_token = (2 * h  # norm input, normed x (q_a/q_proj and kv_a's input)
+                 + 2 * r_q  # q_a's output (the q_a_layernorm's input) and the normed query latent (q_b's input)
+                 + n * qk  # q_b's output, kept whole by the rotary's view of q_rot
+                 + (r_kv + rope)  # kv_a_proj_with_mqa's output: the latent and the shared rotary key
+                 + r_kv  # the normed latent (kv_b's input)
+                 + n * (a.qk_nope_head_dim + v)  # kv_b's output, k_nope and v (v a view SDPA keeps)
+                 + 2 * n * qk  # q and k concatenated with their rotated parts (SDPA's inputs)
+                 + n * v)  # the attention output (o_proj's input)
+    return b * per_token + 4 * (h + r_q + r_kv)  # fp32 copies in the three RMSNorms
+
+
+def moe_ffn_activations(run: RunShape, b: int) -> int:
+    """Bytes per token one MoE FFN block (with its pre-norm) keeps for the backward (MOE_ACTIVATION_FORMULA,
+    native_deepseek.MoE / Experts): each token dispatched K times, every copy through one expert's SwiGLU (its input
+    row, gate and up, silu, product, down's output, weighted in fp32 for the sum), the shared experts' SwiGLU over
+    every token, and the router's fp32 input and E scores per token."""
+    h, moe = run.hidden_size, run.moe
+    k, i, shared, experts = moe.experts_per_token, moe.expert_ffn_size, moe.shared_ffn_size, moe.routed_experts
+    routed = k * (2 * h + 4 * i)  # per dispatched copy: input row + down's output (H each), gate/up/silu/product
+    router = (4 * h if b != 4 else 0) + 4 * experts * (1 + moe.balance_loss)  # x.float(); scores (+ normalised)
+    return b * (2 * h + routed + 4 * shared) + 4 * h + router
 
 
 def buffer_terms(run: RunShape) -> dict:
     """DeepSpeed's working buffers on the device, term by term, as {term: (bytes, source)}."""
     grad_b = 4 if run.precision == "fp32" else 2
     psi, largest = run.parameters, run.largest_parameter
+    # A parameter's gradient is reduced whole, so the reduce bucket holds at least the largest one: with fused
+    # experts that is a MoE layer's gate_up_proj (E, 2I, H), far above 5e8 elements for DeepSeek-V3 (7.5e9).
+    reduce_elements = max(REDUCE_BUCKET_ELEMENTS, largest) if run.moe else REDUCE_BUCKET_ELEMENTS
     if run.zero_stage == 3:
-        elements = REDUCE_BUCKET_ELEMENTS + PREFETCH_BUCKET_ELEMENTS
+        # ZeRO-3 gathers a module's parameters whole before its forward, and prefetches up to 5e7 elements ahead; a
+        # MoE layer's experts are one fused parameter pair, so the gathered unit is that layer (gather_unit).
+        gathered = max(PREFETCH_BUCKET_ELEMENTS, run.gather_unit) if run.moe else PREFETCH_BUCKET_ELEMENTS
+        elements = reduce_elements + gathered
         if run.device == "cpu":
             elements = min(elements, psi)
         # coalesced_collectives.py:122 reduce_scatter_coalesced torch.cat's the bucket's gradients into one flat
         # copy for the reduce-scatter (stage3.py:1931), held while it runs
-        flat = min(REDUCE_BUCKET_ELEMENTS, psi)
-        return {"buckets": (elements * grad_b, "ZeRO-3 reduce + prefetch buckets (5e8 + 5e7 elements)"),
+        flat = min(reduce_elements, psi)
+        label = ("ZeRO-3 reduce bucket (5e8 elements, at least the largest gradient) + the gathered unit (a MoE "
+                 "layer with its fused experts, at least the 5e7-element prefetch bucket)" if run.moe
+                 else "ZeRO-3 reduce + prefetch buckets (5e8 + 5e7 elements)")
+        return {"buckets": (elements * grad_b, label),
                 "reduce_scatter_copy": (flat * grad_b, "flat copy of the reduce bucket for the reduce-scatter "
                                                        "(coalesced_collectives.py:122)")}
     copies = 2 if (run.device == "cuda" and run.zero_stage >= 1) else 1
-    elements = REDUCE_BUCKET_ELEMENTS if run.device == "cuda" else min(REDUCE_BUCKET_ELEMENTS, psi)
+    elements = reduce_elements if run.device == "cuda" else min(reduce_elements, psi)
     if run.zero_stage == 0:
-        elements = min(REDUCE_BUCKET_ELEMENTS, psi)
+        elements = min(reduce_elements, psi)
     label = "gradient bucket" + (" × 2 (overlap_comm)" if copies == 2 else "")
-    terms = {"buckets": (copies * elements * grad_b, f"{label}, reduce_bucket_size 5e8 elements")}
+    label += ", reduce_bucket_size 5e8 elements" + (" (at least the largest gradient)" if run.moe else "")
+    terms = {"buckets": (copies * elements * grad_b, label)}
     if run.zero_stage in (1, 2):
         if run.offload_optimizer == "cpu":
             # :659 a device buffer of the largest gradient for the copy to the host; :1886 its norm in fp64
@@ -373,6 +528,9 @@ def buffer_bytes(run: RunShape) -> tuple[int, str]:
 
 def root_parameters(run: RunShape) -> int:
     """Parameters outside the decoder layers: embeddings, LM head (unless tied) and the final norm."""
+    if run.moe:
+        return (run.parameters - run.moe.dense_layers * run.moe.dense_layer_parameters
+                - run.moe_layers * run.moe.moe_layer_parameters)
     return run.parameters - run.layers * _per_layer_params(run)
 
 
@@ -382,16 +540,23 @@ def torch_state_bytes(psi: int, ranks: int, engine: str) -> dict:
 
 
 def torch_engine_terms(run: RunShape) -> tuple[dict, dict]:
-    """(states, buffers) per rank of a DDP or FSDP run: states {term: bytes}, buffers {term: (bytes, source)}."""
-    psi, b = run.parameters, 4 if run.precision == "fp32" else 2
-    states = torch_state_bytes(psi, run.ranks, run.engine)
+    """(states, buffers) per rank of a DDP or FSDP run: states {term: bytes} (with `expert`, the routed experts'
+    share, for a MoE model), buffers {term: (bytes, source)}."""
+    b = 4 if run.precision == "fp32" else 2
+    states = torch_state_bytes(run.non_expert_parameters, run.ranks, run.engine)
+    if run.moe:  # the routed experts a rank's slice holds, sharded (FSDP) over its expert-data-parallel group
+        ep, expert_ranks = run.expert_group()
+        expert = engine_spec(run.engine).state_bytes(run.held_experts(run.expert_parameters), expert_ranks)
+        states = {key: states[key] + expert[key] for key in states} | {"expert": sum(expert.values())}
+    psi = run.non_expert_parameters + run.held_experts(run.expert_parameters)  # what one rank's model holds
     if not engine_spec(run.engine).shards_states:
         buffers = {}
         if run.precision != "fp32":
             # autocast casts each fp32 weight once per forward; the 16-bit copies are saved for the backward
             buffers["autocast_copies"] = (2 * psi, "autocast's 16-bit weight copies, 2Ψ, kept for the backward")
         return states, buffers
-    layer, root = _per_layer_params(run), root_parameters(run)
+    # FSDP2 wraps each decoder block: the unit it gathers is a layer, for a MoE layer with its fused experts
+    layer, root = run.gather_unit, root_parameters(run)
     buffers = {
         # the root module (embeddings, head, final norm) stays gathered from its forward to its backward
         "root_gathered": (root * b, f"root module gathered in {run.precision} (embeddings, head, norm)"),
@@ -406,25 +571,31 @@ def torch_engine_terms(run: RunShape) -> tuple[dict, dict]:
 
 def estimate(run: RunShape) -> Estimate:
     spec = engine_spec(run.engine)
+    local = run.non_expert_parameters + run.held_experts(run.expert_parameters)  # the model one rank builds
     if not spec.zero_partitioned:
         states, buffers = torch_engine_terms(run)
+        state_formula = spec.state_formula
+        if run.moe:
+            ep, expert_ranks = run.expert_group()
+            state_formula = (f"{spec.state_formula}; Ψ = Ψ_ne + Ψ_E, the routed experts Ψ_E ÷ EP {ep} over "
+                             f"N/EP = {expert_ranks} rank{'s' * (expert_ranks > 1)}")
         return Estimate(params=int(states["params"]), grads=int(states["grads"]),
                         optimizer=int(states["optimizer"]), activations=activation_bytes(run),
                         buffers=int(sum(v for v, _ in buffers.values())), runtime=RUNTIME_BYTES[run.device],
                         # the whole model is built in fp32 on the rank's device before DDP/FSDP take it
-                        init=4 * run.parameters, host_states=0, state_formula=spec.state_formula,
-                        buffer_formula="; ".join(src for _, src in buffers.values()) or "none beyond the states")
-    states = model_state_bytes(run.parameters, run.ranks, run.zero_stage, run.precision, run.offload_optimizer,
-                               run.offload_param, largest=run.largest_parameter,
-                               pinned_rounding=run.pinned_rounding)
+                        init=4 * local, host_states=0, state_formula=state_formula,
+                        buffer_formula="; ".join(src for _, src in buffers.values()) or "none beyond the states",
+                        expert_states=int(states.get("expert", 0)))
+    states = run_state_bytes(run)
     buffers, buffer_formula = buffer_bytes(run)
     # model.build_model builds the whole model on the rank's device in the training dtype (one copy, b·Ψ) before
     # DeepSpeed partitions it; nothing is built in fp32 first, on the host or elsewhere.
-    init = (4 if run.precision == "fp32" else 2) * run.parameters
+    init = (4 if run.precision == "fp32" else 2) * local
     return Estimate(params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
                     activations=activation_bytes(run), buffers=buffers, runtime=RUNTIME_BYTES[run.device],
                     init=init, host_states=states["host"], state_formula=states["formula"],
-                    buffer_formula=buffer_formula, disk_states=states["disk"])
+                    buffer_formula=buffer_formula, disk_states=states["disk"], expert_states=states["expert"],
+                    expert_host_states=states["expert_host"])
 
 
 # ---- figures the pre-flight assumed ------------------------------------------------------------------------------
@@ -600,8 +771,7 @@ def alternatives(run: RunShape, budget: Budget, max_gpus: int = 1024) -> list[di
         return sorted(options, key=lambda o: not o["fits"])
     layers = _max_layers(run, budget)
     if layers and layers < run.layers:
-        per_layer = _per_layer_params(run)
-        smaller = replace(run, layers=layers, parameters=run.parameters - (run.layers - layers) * per_layer)
+        smaller = _fewer_layers(run, layers)
         consider(f"fewer layers ({layers} of {run.layers})", smaller,
                  f"model.overrides: {{num_hidden_layers: {layers}}} ({smaller.parameters / 1e9:,.2f}e9 parameters)")
     if run.device == "cuda":
@@ -618,11 +788,22 @@ def _per_layer_params(run: RunShape) -> int:
     return 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
 
 
+def _fewer_layers(run: RunShape, layers: int) -> RunShape:
+    """The run with only its first `layers` decoder layers (model.overrides num_hidden_layers): a MoE model loses its
+    MoE layers first, which come after the dense ones."""
+    if run.moe is None:
+        return replace(run, layers=layers, parameters=run.parameters - (run.layers - layers) * _per_layer_params(run))
+    moe = run.moe
+    dense = min(moe.dense_layers, layers)
+    removed = ((moe.dense_layers - dense) * moe.dense_layer_parameters
+               + (run.moe_layers - (layers - dense)) * moe.moe_layer_parameters)
+    return replace(run, layers=layers, parameters=run.parameters - removed, moe=replace(moe, dense_layers=dense))
+
+
 def _max_layers(run: RunShape, budget: Budget) -> int:
-    per_layer = _per_layer_params(run)
     best = 0
     for layers in range(1, run.layers + 1):
-        smaller = replace(run, layers=layers, parameters=run.parameters - (run.layers - layers) * per_layer)
+        smaller = _fewer_layers(run, layers)
         if judge(estimate(smaller), smaller, budget).fits:
             best = layers
         else:

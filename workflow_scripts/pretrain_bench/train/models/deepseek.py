@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-from pretrain_bench.train.models.family import ModelFamily, preset_with_overrides
+from pretrain_bench.train.models.family import AttentionDims, ModelFamily, MoeDims, preset_with_overrides
 from pretrain_bench.train.models.llama import TORCH_DTYPES
 
 SCORING_FUNCS = ("softmax", "sigmoid")  # DeepSeek-V2 / DeepSeekMoE's softmax router, DeepSeek-V3's sigmoid router
@@ -351,19 +351,24 @@ class DeepseekFamily(ModelFamily):
         return count_parameters(shape)
 
     def memory_dims(self, shape: DeepseekShape) -> dict:
-        """The memory model's per-token widths, mapped onto its LLaMA-shaped activation formula (an approximation,
-        labelled as such where the estimate is printed): attention keeps each head's queries and keys (qk_nope +
-        qk_rope) and values (v_head), and the key/value latent; a MoE layer's FFN width is what one token passes
-        through (its K routed experts and the shared ones, moe_intermediate wide each) plus the K dispatched copies
-        of the token, averaged with the dense layers' over the depth."""
+        """The memory model's view of a DeepSeek model: the dense layers' widths (`ffn_size` the dense FFN's,
+        `kv_size` the keys and values every head keeps), the MoE layers (`moe`: experts, K, widths, parameters per
+        layer, so the states split into expert and non-expert parameters) and the attention's head dims and latents
+        (`attention`), from which memory.model.activation_bytes counts each layer."""
+        counts = count_parameters(shape)
         heads, qk_head = shape.num_attention_heads, shape.qk_nope_head_dim + shape.qk_rope_head_dim
-        kv = (heads * (qk_head + shape.v_head_dim) + (shape.kv_lora_rank or 0)) // 2
-        dense, moe = shape.first_k_dense_replace, shape.num_hidden_layers - shape.first_k_dense_replace
-        per_token = (shape.num_experts_per_tok + shape.n_shared_experts) * shape.moe_intermediate_size
-        dispatched = shape.num_experts_per_tok * shape.hidden_size // 2  # 2 bytes of each counted as a width of 4
-        ffn = (dense * shape.intermediate_size + moe * (per_token + dispatched)) // shape.num_hidden_layers
-        return {"layers": shape.num_hidden_layers, "hidden_size": shape.hidden_size, "kv_size": kv, "ffn_size": ffn,
-                "vocab_size": shape.vocab_size}
+        moe = MoeDims(dense_layers=shape.first_k_dense_replace, routed_experts=shape.n_routed_experts,
+                      experts_per_token=shape.num_experts_per_tok, expert_ffn_size=shape.moe_intermediate_size,
+                      shared_ffn_size=shape.n_shared_experts * shape.moe_intermediate_size,
+                      dense_layer_parameters=counts["per_dense_layer"], moe_layer_parameters=counts["per_moe_layer"],
+                      expert_parameters_per_layer=shape.n_routed_experts * counts["per_expert"],
+                      balance_loss=shape.aux_loss_alpha > 0)
+        attention = AttentionDims(heads=heads, qk_nope_head_dim=shape.qk_nope_head_dim,
+                                  qk_rope_head_dim=shape.qk_rope_head_dim, v_head_dim=shape.v_head_dim,
+                                  kv_lora_rank=shape.kv_lora_rank, q_lora_rank=shape.q_lora_rank)
+        return {"layers": shape.num_hidden_layers, "hidden_size": shape.hidden_size,
+                "kv_size": heads * (qk_head + shape.v_head_dim), "ffn_size": shape.intermediate_size,
+                "vocab_size": shape.vocab_size, "moe": moe, "attention": attention}
 
     def flops_per_token(self, shape: DeepseekShape, seq_len: int) -> float:
         return flops_per_token(shape, seq_len)

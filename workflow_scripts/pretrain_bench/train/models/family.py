@@ -6,7 +6,41 @@ shape's type, so no caller branches on an architecture.
 """
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class MoeDims:
+    """What the memory model (memory.model.RunShape.moe) needs of a mixture-of-experts model's layers: the first
+    `dense_layers` layers have a dense SwiGLU FFN (RunShape.ffn_size wide), every later one routed + shared experts."""
+
+    dense_layers: int  # layers with a dense FFN before the MoE layers (first_k_dense_replace)
+    routed_experts: int  # E, routed experts per MoE layer
+    experts_per_token: int  # K, routed experts each token is sent to
+    expert_ffn_size: int  # I, one expert's SwiGLU width (moe_intermediate_size)
+    shared_ffn_size: int  # I_s = n_shared × I: the shared experts, run as one SwiGLU FFN
+    dense_layer_parameters: int  # one dense layer: attention, FFN, norms
+    moe_layer_parameters: int  # one MoE layer: attention, router, shared experts, norms and all E routed experts
+    expert_parameters_per_layer: int  # E × 3·H·I: gate_up_proj (E, 2I, H) and down_proj (E, H, I), fused tensors
+    balance_loss: bool = False  # the sequence-wise balance loss keeps the router's normalised scores (aux_loss_alpha)
+
+    @property
+    def largest_expert_tensor(self) -> int:
+        """Elements of gate_up_proj (E, 2I, H), all experts' gate and up rows as one parameter: 2/3 of the layer's."""
+        return self.expert_parameters_per_layer // 3 * 2
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    """DeepSeek's attention as the activation term needs it: multi-head latent attention (DeepSeek-V2 §2.1), or
+    plain multi-head attention when kv_lora_rank is None; every head its own keys and values."""
+
+    heads: int  # n_h
+    qk_nope_head_dim: int  # D_nope, per-head query/key dims without rotary embedding
+    qk_rope_head_dim: int  # d_rope, per-head query/key dims with it (one shared rotary key in MLA)
+    v_head_dim: int  # D_v
+    kv_lora_rank: int | None  # r_kv, the key/value latent; None: plain multi-head attention
+    q_lora_rank: int | None  # r_q, the query latent; None: one q_proj
 
 
 class ModelFamily:
@@ -41,7 +75,8 @@ class ModelFamily:
     def memory_dims(self, shape) -> dict:
         """What the memory model's activation term needs of a layer, as widths per token: `layers`, `hidden_size`,
         `kv_size` (keys and values kept for attention's backward), `ffn_size` (the FFN width a token passes through)
-        and `vocab_size` (memory.model.activation_bytes, ACTIVATION_FORMULA)."""
+        and `vocab_size` (memory.model.activation_bytes, ACTIVATION_FORMULA); a mixture-of-experts family adds `moe`
+        (MoeDims) and one whose attention is not LLaMA's `attention` (AttentionDims)."""
         raise NotImplementedError
 
     def model_libraries(self, implementation: str, compile: bool) -> tuple[str, ...]:
