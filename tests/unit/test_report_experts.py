@@ -1,6 +1,7 @@
 """The report's mixture-of-experts section: parameters from the family's count, the expert balance recomputed from
 metrics.jsonl, the plots drawn, DeepSeek's published costs read as MFU by hand, nothing of it for a dense model; and
 the native model's balance-loss record the trainer writes to metrics.jsonl."""
+import copy
 import json
 import statistics
 
@@ -42,10 +43,19 @@ def load_records(steps: int = 24, layers: int = 3, experts_: int = 8) -> list[di
     return records
 
 
+def moe_matrix() -> dict:
+    """MATRIX with each estimate's model states (300 bytes) two thirds routed experts, as memory.model splits them."""
+    matrix = copy.deepcopy(MATRIX)
+    for entry in matrix["cells"]:
+        if entry["estimate"]:
+            entry["estimate"]["expert_states"] = 200
+    return matrix
+
+
 def render(tmp_path, main: dict, records: list[dict]) -> tuple[str, str, dict]:
     (tmp_path / "summary.json").write_text(json.dumps(main))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (tmp_path / "matrix.json").write_text(json.dumps(MATRIX))
+    (tmp_path / "matrix.json").write_text(json.dumps(moe_matrix()))
     out = tmp_path / "report"
     build_report(tmp_path / "summary.json", tmp_path / "metrics.jsonl", [], out / "report.md", out / "report.html",
                  out / "plots", target_corpus_tokens=1e12, matrix_path=tmp_path / "matrix.json",
@@ -69,6 +79,10 @@ def test_a_moe_run_reports_its_parameters_balance_and_plots(tmp_path):
     assert f"| {first} | {experts.fmt(early, 3)} | {experts.fmt(late, 3)} |" in md
     assert "steps 1–10 and over steps 15–24" in md
     assert "All-to-all: none in this run" in md
+    # expert vs non-expert model states per cell: 200 and 100 of the 300 predicted bytes
+    gib = experts.GIB
+    assert (f"| ranks1-zero2-fp32-gloo | 1 | {experts.fmt(300 / gib, 3)} | {experts.fmt(200 / gib, 3)} | "
+            f"{experts.fmt(100 / gib, 3)} | 66.7 |") in md
     for name in ("expert_load", "balance"):
         assert (out / "plots" / f"{name}.png").read_bytes()[:8] == PNG
         assert f"](plots/{name}.png)" in md

@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 
 from pretrain_bench.core.formats import fmt
+from pretrain_bench.train.memory.model import GIB
 from pretrain_bench.train.models.flops import GPU_PEAK_TFLOPS_16BIT
 from pretrain_bench.train.models.registry import preset_family
 
@@ -142,13 +143,25 @@ def cost_rows(summary) -> list[dict]:
     return rows
 
 
-def moe_section(summary, records: list[dict]) -> dict | None:
-    """The section's tables and captions, or None for a dense model."""
+def memory_rows(memory: list[dict]) -> list[dict]:
+    """Per benchmark cell the memory table shows: the predicted model states per rank split into the routed
+    experts' and the rest's (memory.model: each part by the cell's own state formula), beside the measured peak."""
+    return [{"cell": r["cell"], "ranks": str(r["ranks"]), "states_gib": fmt(r["states_bytes"] / GIB, 3),
+             "expert_gib": fmt(r["expert_states_bytes"] / GIB, 3),
+             "non_expert_gib": fmt((r["states_bytes"] - r["expert_states_bytes"]) / GIB, 3),
+             "expert_pct": fmt(100 * r["expert_states_bytes"] / r["states_bytes"], 1) if r["states_bytes"] else "n/a",
+             "measured_gib": fmt(r["measured_bytes"] / GIB, 3) if r["measured_bytes"] is not None else "n/a"}
+            for r in memory]
+
+
+def moe_section(summary, records: list[dict], memory: list[dict] = ()) -> dict | None:
+    """The section's tables and captions, or None for a dense model; `memory`: the memory table's rows."""
     if not is_moe(summary):
         return None
     loads = load_records(records)
     aux = [r["aux_loss"] for r in loads if "aux_loss" in r]
-    return {"parameters": parameter_rows(summary), "balance": balance_rows(records, summary.model["first_moe_layer"]),
+    return {"parameters": parameter_rows(summary), "memory": memory_rows(memory),
+            "balance": balance_rows(records, summary.model["first_moe_layer"]),
             "balance_steps": balance_steps(records), "costs": cost_rows(summary),
             "aux_first": fmt(aux[0], 4) if aux else None, "aux_last": fmt(aux[-1], 4) if aux else None,
             "bias_update_rate": summary.model.get("bias_update_rate"),
