@@ -49,9 +49,17 @@ def test_moe_run_records_the_expert_load_and_kill_9_then_rerun_repeats_it_bit_fo
         assert len(load) == 3 and all(len(layer) == 8 for layer in load)
         assert all(sum(layer) == 4 * 128 * 3 * 2 for layer in load)
         assert len(record["max_violation"]) == 3 and all(v >= 0 for v in record["max_violation"])
+        # the balance loss trained on (α = 0.01 of a sequence-wise loss near 1 per layer) and the biases' norms
+        assert 0.005 < record["aux_loss"] < 0.2
+        assert len(record["router_bias_norm"]) == 3 and all(n > 0 for n in record["router_bias_norm"])
+    # the bias moves by at most the rate per expert and step: its norm by at most 0.01 × √8
+    norms = [by_step[step]["router_bias_norm"][0] for step in sorted(by_step)]
+    assert all(abs(b - a) <= 0.01 * 8 ** 0.5 + 1e-9 for a, b in zip(norms, norms[1:]))
     # the steps done again after the resume routed exactly as the first time (the biases were restored)
     for record in first:
-        assert by_step[record["step"]]["expert_load"] == record["expert_load"], record["step"]
+        again = by_step[record["step"]]
+        assert again["expert_load"] == record["expert_load"], record["step"]
+        assert (again["aux_loss"], again["router_bias_norm"]) == (record["aux_loss"], record["router_bias_norm"])
     # the export of the last checkpoint is transformers' DeepseekV3ForCausalLM
     from pretrain_bench.evaluate.export import export_checkpoint
     from pretrain_bench.train.plan import Plan
