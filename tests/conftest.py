@@ -46,7 +46,8 @@ os.environ.update(extension_build_environment())
 # counts as UNLISTED_SECONDS, a unit test as 0), so no long unit is left for the end while the other worker idles.
 SHARED_GROUPS = {"test_benchmark_report": "pipeline", "test_evaluate": "pipeline", "test_tiny_pipeline": "pipeline",
                  "test_benchmark_search": "pipeline", "test_demo_learns": "pipeline"}
-ONE_TEST_UNITS = {"test_engine", "test_faults", "test_multinode", "test_export_zero", "test_memory_measured"}
+ONE_TEST_UNITS = {"test_engine", "test_faults", "test_multinode", "test_export_zero", "test_memory_measured",
+                  "test_moe_engines"}
 UNIT_SECONDS = {
     "pipeline": 1565, "test_declarative": 800, "test_evaluate_reruns": 550, "test_engines": 540, "test_slurm": 400,
     "test_gpu_smoke_cpu": 280, "test_data_products": 150, "test_pinned_ranks_run": 100, "test_workdirs": 30,
@@ -71,6 +72,8 @@ UNIT_SECONDS = {
     "test_memory_measured::test_offloaded_run_rss_matches_the_memory_model": 80,
     "test_multinode::test_two_nodes_on_one_machine_match_one_node_of_the_same_world_size": 60,
     "test_export_zero::test_a_bf16_export_of_a_zero_checkpoint_equals_its_fp32_weights_cast": 20,
+    # each engine of the parametrized test (zero3 also resumes reshaped, fsdp's steps are the slowest): 20-50 s
+    "test_moe_engines::test_moe_kill_9_then_rerun_repeats_losses_expert_load_and_router_bias_and_exports": 40,
 }
 UNLISTED_SECONDS = 60
 

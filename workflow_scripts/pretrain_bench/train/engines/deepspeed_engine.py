@@ -309,10 +309,27 @@ class DeepSpeedEngine(Engine):
         gives what outlives the load memory of its own, so a pruned checkpoint's disk is freed)."""
         with mmap_loads():
             loaded, _ = self.engine.load_checkpoint(str(folder.parent), tag=folder.name)
+            if loaded is not None and self.reshape:
+                self.load_buffers(folder)
         if loaded is None:  # DeepSpeed only warns when it finds nothing to load
             import torch.distributed as dist
 
             raise FileNotFoundError(f"DeepSpeed found no checkpoint files of rank {dist.get_rank()} in {folder}")
+
+    def load_buffers(self, folder: Path) -> None:
+        """The module's saved buffers (a DeepSeek router's auxiliary-loss-free bias) into the model, from universal
+        checkpoint `folder`. DeepSpeed 0.19.8 restores only parameters from a universal checkpoint (its engine skips
+        the module's state dict under checkpoint.load_universal), so without this a run resumed at another world size
+        would route with zero biases. ds_to_universal copies the model-states files, whose module state dict holds
+        every persistent buffer (the same on every rank: any file serves)."""
+        states = sorted(folder.glob("*model_states.pt"))
+        if not states:
+            raise FileNotFoundError(f"{folder} has no model-states file to restore the module's buffers from")
+        module = torch.load(states[0], map_location="cpu", weights_only=False, mmap=True)["module"]
+        with torch.no_grad():
+            for name, buffer in self.engine.module.named_buffers():
+                if name in module:
+                    buffer.copy_(module[name])
 
     @staticmethod
     def zero_partitioned(folder: Path) -> bool:
