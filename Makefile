@@ -101,6 +101,7 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/bench_compile.py bench-results/compile.json
 	$(BIN)/python bench/bench_model_implementation.py bench-results/model-implementation.json
 	$(BIN)/python bench/bench_pipeline.py bench-results/pipeline.json
+	$(BIN)/python bench/bench_moe_vs_dense.py bench-results/moe-vs-dense.json
 
 # The CUDA path on one GPU in a few minutes, nccl at world size 1: what config.yaml's pre-flight chooses for the
 # source articles' box (today ZeRO-2 + CPU optimizer offload + activation checkpointing, fp16), ZeRO-3 + CPU optimizer

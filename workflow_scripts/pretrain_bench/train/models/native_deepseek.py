@@ -322,21 +322,30 @@ class Experts(nn.Module):
         if kernel == "auto":
             kernel = "grouped_mm" if grouped_mm_usable(x, (self.gate_up_proj, self.down_proj)) else "loop"
         if kernel == "grouped_mm":
-            out = self.grouped(x, order, counts, top_k)  # (S, H), pairs in expert order
-            out = out * weights.reshape(-1)[order].unsqueeze(-1)  # (S, H) float32
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(order.numel(), device=order.device)
-            out = out[inverse]  # (S, H) back in (token, slot) order
-        else:
-            out = self.loop(x, order, counts, top_k, weights.reshape(-1))  # (S, H) float32
+            return self.grouped(x, order, counts, top_k, weights.reshape(-1)).to(x.dtype)  # (N, H)
+        out = self.loop(x, order, counts, top_k, weights.reshape(-1))  # (S, H) float32
         return out.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)  # (N, H)
 
-    def grouped(self, x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
-        """Both projections as grouped GEMMs over the expert-sorted pairs; (S, H) in that order."""
+    def grouped(self, x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int,
+                weights: torch.Tensor) -> torch.Tensor:
+        """Both projections as grouped GEMMs over the expert-sorted pairs, each pair's output weighted and added to
+        its token's row: (N, H) float32.
+
+        The gather is index_select and the combine index_add_ straight into the tokens' rows (their backward passes
+        are index_add_ and index_select): indexing the rows with x[...] and putting the pairs back in (token, slot)
+        order with out[inverse] had both backward passes run index_put_ with accumulation, 4.9 of a tiny-moe
+        step's 120 ms on 2 CPU threads (docs/benchmarks/2026-12-07-moe-vs-dense.md). A token's K outputs are
+        still summed in float32; with K = 2 the result is bit for bit the same (a + b = b + a). On CUDA index_add_
+        adds with atomics, as the index_put_ it replaces did in the backward pass: with K > 2 the order of a token's
+        sum may vary between runs unless torch.use_deterministic_algorithms is on."""
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E,) end of each expert's rows
-        rows = x[order // top_k].to(self.gate_up_proj.dtype)  # (S, H)
+        token_of_pair = order // top_k  # (S,) the token of each expert-sorted pair
+        rows = x.index_select(0, token_of_pair).to(self.gate_up_proj.dtype)  # (S, H)
         gate, up = GROUPED_MM(rows, self.gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)  # (S, I)
-        return GROUPED_MM(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)  # (S, H)
+        out = GROUPED_MM(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)  # (S, H)
+        out = out * weights.index_select(0, order).unsqueeze(-1)  # (S, H) float32
+        combined = torch.zeros(x.shape[0], out.shape[-1], dtype=out.dtype, device=out.device)  # (N, H)
+        return combined.index_add_(0, token_of_pair, out)
 
     def loop(self, x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int,
              weights: torch.Tensor) -> torch.Tensor:
