@@ -686,7 +686,7 @@ def run_shape(config: PlanConfig, settings: TrainSettings, device: str, vocab_si
                     zero_stage=settings.zero_stage, precision=settings.precision,
                     offload_optimizer=settings.offload_optimizer, offload_param=settings.offload_param,
                     activation_checkpointing=settings.activation_checkpointing, device=device,
-                    engine=settings.engine)
+                    engine=settings.engine, expert_parallel=settings.expert_parallel)
 
 
 def host_memory_bytes() -> int:
