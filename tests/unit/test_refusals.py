@@ -329,9 +329,10 @@ def _expert_parallel_config(model: dict | None = None, **train) -> dict:
      r"train.expert_parallel 4 does not divide the 6 routed experts per layer of model.preset tiny-moe \(model."
      "overrides n_routed_experts"),
     ({}, {"gpus": 3}, r"train.expert_parallel 2 does not divide the 3 ranks \(train.gpus 3 × train.nodes 1\)"),
-    ({}, {}, r"train.expert_parallel 2 is not supported with train.engine ddp yet \(no engine builds it yet\)"),
+    ({}, {"precision": "fp16", "device": "cuda", "comm_backend": "nccl"},
+     "train.expert_parallel 2 does not run with train.precision fp16"),
     ({}, {"engine": "fsdp", "zero_stage": 3},
-     "train.expert_parallel 2 is not supported with train.engine fsdp yet"),
+     r"train.expert_parallel 2 is not supported with train.engine fsdp yet \(use train.engine ddp\)"),
     ({}, {"engine": "deepspeed", "zero_stage": 2},
      "train.expert_parallel 2 is not supported with train.engine deepspeed yet"),
 ])
@@ -342,9 +343,10 @@ def test_expert_parallelism_is_refused_at_planning_naming_the_keys(model, train,
         Config.from_config(_expert_parallel_config(model, **train))
 
 
-def test_expert_parallel_one_plans_every_model_and_engine():
+def test_expert_parallel_one_plans_every_model_and_engine_and_two_plans_ddp():
     from pretrain_bench.workflow.experiment import Config
 
+    assert Config.from_config(_expert_parallel_config()).train.expert_parallel == 2
     for engine, stage in (("ddp", 0), ("fsdp", 3), ("deepspeed", 2)):
         Config.from_config(_expert_parallel_config({"preset": "tiny"}, expert_parallel=1, engine=engine,
                                                    zero_stage=stage))

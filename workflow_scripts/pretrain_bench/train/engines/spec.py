@@ -91,11 +91,17 @@ class EngineSpec:
 
     def check_expert_parallel(self, s) -> None:
         """train.expert_parallel above 1 only under an engine that splits the experts over the ranks."""
-        if s.expert_parallel > 1 and not self.expert_parallel:
+        if s.expert_parallel == 1:
+            return
+        if not self.expert_parallel:
             able = [spec.name for spec in ENGINE_SPECS.values() if spec.expert_parallel]
             where = f"use train.engine {' or '.join(able)}" if able else "no engine builds it yet"
             raise ConfigError(f"train.expert_parallel {s.expert_parallel} is not supported with train.engine "
                               f"{self.name} yet ({where}): set train.expert_parallel: 1")
+        if s.precision == "fp16":
+            raise ConfigError(f"train.expert_parallel {s.expert_parallel} does not run with train.precision fp16: "
+                              "its loss scaler would find an overflow in one rank's experts only and skip the step "
+                              "there alone; use bf16 or fp32")
 
     def layouts(self, device: str) -> list[tuple[int, str]]:
         """(ZeRO stage, optimizer offload) the benchmark's search tries under this engine."""
@@ -128,6 +134,7 @@ class EngineSpec:
 
 class DDPSpec(EngineSpec):
     name, title, fixed_stage, default_stage = "ddp", "DDP", 0, 0
+    expert_parallel = True  # train/engines/expert_shards.py
     layout = "DDP replicates parameters, gradients and optimizer states on every rank (ZeRO-0's layout)"
     state_formula = (
         "16Ψ (4Ψ fp32 params + 4Ψ fp32 grads, DDP's buckets themselves + 8Ψ AdamW), replicated on every rank")
