@@ -75,3 +75,9 @@ def test_a_failed_job_ends_the_terminal_with_its_cause_not_a_traceback(tmp_path)
     tail = out[out.index("What the stopped job(s) said"):]
     assert "rule download_corpus (logs/data/corpus-" in tail
     assert str(bad) in tail and "Traceback" not in tail and 'File "' not in tail
+
+
+def test_expert_parallelism_on_a_model_without_experts_is_refused_at_planning(tmp_path):
+    workdir = workflow_dir(tmp_path / "w")
+    text = refusal(dry_run(workdir, "--config", 'train={"expert_parallel": 3}'))
+    assert "train.expert_parallel 3 needs a model with routed experts, and model.preset tiny (LLaMA) has none" in text

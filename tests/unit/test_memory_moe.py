@@ -115,6 +115,19 @@ def test_fewer_layers_drop_moe_layers_first():
     assert two.moe_layers == 0 and two.moe.dense_layers == 2
 
 
+def test_a_ddp_run_takes_its_expert_parallel_size_from_the_config():
+    config = load_config(ROOT / "config.yaml", ROOT / "config/tiny-cpu.yaml")
+    config["model"].update(preset="tiny-moe", implementation="native")
+    config["train"].update(engine="ddp", zero_stage=0, gpus=4)
+    one = TrainSettings.from_config(config["train"])
+    two = replace(one, expert_parallel=2)
+    run_one, run_two = run_shape(plan_config(config), one, "cpu"), run_shape(plan_config(config), two, "cpu")
+    assert (run_one.expert_parallel, run_two.expert_parallel) == (1, 2)
+    # DDP replicates: 16 bytes per expert parameter a rank holds, half of them under EP 2
+    assert estimate(run_one).expert_states == 16 * run_one.expert_parameters
+    assert estimate(run_two).expert_states == 16 * run_one.expert_parameters // 2
+
+
 # ---- the pre-flight's verdicts ----------------------------------------------------------------------------------
 
 def preflight(preset, gpus, gpu_gib, host_gib, disk_gib):

@@ -310,3 +310,43 @@ def test_the_summary_fields_are_read_back_from_the_engine_that_ran():
     assert as_asked == {"precision": "fp32", "zero_stage": 2, "micro_batch_size": 2, "grad_accum_steps": 3,
                         "global_batch_size": 6}
     assert forced["precision"] == "bf16" and forced["zero_stage"] == 1
+
+
+def _expert_parallel_config(model: dict | None = None, **train) -> dict:
+    """The tiny config with tiny-moe (8 routed experts) native under DDP on 2 ranks, train.expert_parallel 2, and
+    `model` / `train` changes."""
+    config = tiny_config("ep")
+    config["model"].update({"preset": "tiny-moe", "implementation": "native", **(model or {})})
+    config["train"].update({"engine": "ddp", "zero_stage": 0, "gpus": 2, "expert_parallel": 2, **train})
+    return config
+
+
+@pytest.mark.parametrize("model, train, refusal", [
+    ({"preset": "tiny"}, {}, r"train.expert_parallel 2 needs a model with routed experts, and model.preset tiny "
+                             r"\(LLaMA\) has none"),
+    ({"implementation": "transformers"}, {}, "train.expert_parallel 2 needs model.implementation native"),
+    ({"overrides": {"n_routed_experts": 6, "n_group": 1, "topk_group": 1}}, {"expert_parallel": 4, "gpus": 4},
+     r"train.expert_parallel 4 does not divide the 6 routed experts per layer of model.preset tiny-moe \(model."
+     "overrides n_routed_experts"),
+    ({}, {"gpus": 3}, r"train.expert_parallel 2 does not divide the 3 ranks \(train.gpus 3 × train.nodes 1\)"),
+    ({}, {"precision": "fp16", "device": "cuda", "comm_backend": "nccl"},
+     "train.expert_parallel 2 does not run with train.precision fp16"),
+    ({}, {"engine": "fsdp", "zero_stage": 3},
+     r"train.expert_parallel 2 is not supported with train.engine fsdp yet \(use train.engine ddp\)"),
+    ({}, {"engine": "deepspeed", "zero_stage": 2},
+     "train.expert_parallel 2 is not supported with train.engine deepspeed yet"),
+])
+def test_expert_parallelism_is_refused_at_planning_naming_the_keys(model, train, refusal):
+    from pretrain_bench.workflow.experiment import Config
+
+    with pytest.raises(ConfigError, match=refusal):
+        Config.from_config(_expert_parallel_config(model, **train))
+
+
+def test_expert_parallel_one_plans_every_model_and_engine_and_two_plans_ddp():
+    from pretrain_bench.workflow.experiment import Config
+
+    assert Config.from_config(_expert_parallel_config()).train.expert_parallel == 2
+    for engine, stage in (("ddp", 0), ("fsdp", 3), ("deepspeed", 2)):
+        Config.from_config(_expert_parallel_config({"preset": "tiny"}, expert_parallel=1, engine=engine,
+                                                   zero_stage=stage))

@@ -50,6 +50,7 @@ class TrainSettings:
     engine: str = default_field("train", "engine")
     comm_backend: str = default_field("train", "comm_backend")
     zero_stage: int = default_field("train", "zero_stage", fit=True)  # null: the engine's (resolve_zero_stage)
+    expert_parallel: int = default_field("train", "expert_parallel")
     precision: str = default_field("train", "precision")
     offload_optimizer: str = default_field("train", "offload_optimizer", fit=True)
     offload_param: str = default_field("train", "offload_param", fit=True)
@@ -136,6 +137,10 @@ class TrainSettings:
         values = asdict(self)
         values["adam_betas"] = list(self.adam_betas)
         values["loggers"] = list(self.loggers)
+        if self.expert_parallel == 1:
+            # left out at its default, so the plan config and resume fingerprint of a run without expert
+            # parallelism are what they were before the key existed (its held checkpoints still resume)
+            del values["expert_parallel"]
         return values
 
 
@@ -184,6 +189,10 @@ def check_settings(s: TrainSettings, device: str | None = None, seq_len: int | N
             f"grad_accum_steps {s.grad_accum_steps} × ranks {s.world_size} (gpus {s.gpus} × nodes {s.nodes}) "
             f"= {s.derived_global_batch}: {hint}"
         )
+    if s.world_size % s.expert_parallel:
+        raise ConfigError(f"train.expert_parallel {s.expert_parallel} does not divide the {s.world_size} ranks "
+                          f"(train.gpus {s.gpus} × train.nodes {s.nodes}): each group of expert_parallel ranks "
+                          "splits the experts between them")
     check_engine(s)
     if s.verify_checkpoints not in VERIFY_MODES:
         raise ConfigError(f"train.verify_checkpoints {s.verify_checkpoints!r} is not one of {list(VERIFY_MODES)}")

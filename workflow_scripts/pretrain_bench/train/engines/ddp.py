@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from pretrain_bench.train.engines.base import engine_state_file, mmap_loads
+from pretrain_bench.train.engines.expert_shards import ExpertShards
 from pretrain_bench.train.engines.torch_engine import CommIntervals, CudaEventClock, HostClock, TorchEngine
 
 DDP_MODEL_FILE, DDP_OPTIMIZER_FILE = "model.pt", "optimizer.pt"
@@ -27,6 +28,10 @@ class DDPEngine(TorchEngine):
     def wrap(self, model):
         self.module = model  # what is saved and loaded: the model itself, wrapped or not
         self._comm = CommIntervals(CudaEventClock() if self.device == "cuda" else HostClock())
+        # train.expert_parallel: this rank keeps its slice of the routed experts (the model was built whole from
+        # the run's seed, so EP 1's experts, split), and they stay out of DDP's all-reduce
+        self.experts = ExpertShards(model, self.settings.expert_parallel) if self.settings.expert_parallel > 1 \
+            else None
         if self.alone():
             # Alone, DDP would all-reduce every gradient with itself (dividing it by 1), and under train.compile its
             # graph-splitting at the buckets (dynamo's DDPOptimizer, made for overlapping the all-reduces with the
@@ -51,6 +56,8 @@ class DDPEngine(TorchEngine):
         # gradient_as_bucket_view: the gradients are views into DDP's communication buckets, not a second copy
         # (the memory model counts 4Ψ of gradients, not 8Ψ)
         ids = [torch.cuda.current_device()] if self.device == "cuda" else None
+        if self.experts is not None:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, self.experts.names)
         ddp = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
         # Exact resume: DDP's first iteration reduces all gradients in one bucket, then rebuilds its buckets in the
         # order the first backward produced them. A resumed run would reduce its first step in the one bucket where
@@ -79,6 +86,18 @@ class DDPEngine(TorchEngine):
         """Milliseconds with at least one all-reduce in flight, over the run so far."""
         return self._comm.total_ms()
 
+    def reduce_gradients(self) -> None:
+        if self.experts is not None:
+            self.experts.reduce_gradients()
+
+    def clip_gradients(self, clip: float):
+        if self.experts is None:
+            return super().clip_gradients(clip)
+        params = list(self.model.parameters())
+        norm = self.experts.total_norm(params)
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+        return norm
+
     def sync_gradients(self, boundary: bool):
         return contextlib.nullcontext() if boundary or self.model is self.module else self.model.no_sync()
 
@@ -93,20 +112,27 @@ class DDPEngine(TorchEngine):
         import torch.distributed as dist
 
         rank = dist.get_rank()
-        if rank == 0:  # every rank holds the same states
-            writer.save({"module": self.module.state_dict(), "client_state": client_state},
-                        folder / DDP_MODEL_FILE)
-            writer.save({"optimizer": self.optimizer.state_dict()}, folder / DDP_OPTIMIZER_FILE)
+        module_state, optimizer_state = self.module.state_dict(), self.optimizer.state_dict()
+        if self.experts is not None:  # the whole experts, gathered from rank 0's expert-parallel group
+            whole = self.experts.whole_states(module_state, optimizer_state, saving=rank == 0)
+            module_state, optimizer_state = whole or (module_state, optimizer_state)
+        if rank == 0:  # every rank holds the same states (but its experts, gathered here)
+            writer.save({"module": module_state, "client_state": client_state}, folder / DDP_MODEL_FILE)
+            writer.save({"optimizer": optimizer_state}, folder / DDP_OPTIMIZER_FILE)
         writer.save(self.engine_state(), folder / engine_state_file(rank))
 
     def load(self, folder: Path) -> None:
         """Mapped, not read (mmap_loads gives what outlives the load memory of its own, so a pruned checkpoint's
         disk is freed)."""
         with mmap_loads():
-            model = torch.load(folder / DDP_MODEL_FILE, map_location="cpu", weights_only=False, mmap=True)
-            self.module.load_state_dict(model["module"])
-            self.optimizer.load_state_dict(torch.load(folder / DDP_OPTIMIZER_FILE, map_location="cpu",
-                                                      weights_only=False, mmap=True)["optimizer"])
+            module_state = torch.load(folder / DDP_MODEL_FILE, map_location="cpu", weights_only=False,
+                                      mmap=True)["module"]
+            optimizer_state = torch.load(folder / DDP_OPTIMIZER_FILE, map_location="cpu", weights_only=False,
+                                         mmap=True)["optimizer"]
+            if self.experts is not None:  # the checkpoint holds the whole experts: this rank's slice of them
+                module_state, optimizer_state = self.experts.own_states(module_state, optimizer_state)
+            self.module.load_state_dict(module_state)
+            self.optimizer.load_state_dict(optimizer_state)
             self.load_engine_state(folder)
 
     @classmethod

@@ -50,6 +50,8 @@ class EngineSpec:
     shards_states: bool = False  # a torch engine's states are sharded over the ranks (else replicated)
     # torch.compile may compile the whole native model (FSDP2 wraps each decoder block, so it compiles blocks)
     compiles_whole_model: bool = True
+    # splits the routed experts of a mixture-of-experts model over train.expert_parallel ranks
+    expert_parallel: bool = False
     state_formula: str = ""  # the memory model's formula of the states, for a torch engine
 
     def resolve_stage(self, zero_stage: int | None) -> int:
@@ -87,6 +89,20 @@ class EngineSpec:
             raise ConfigError(f"train.deepspeed {sorted(s.deepspeed)} means nothing under train.engine {self.name}: "
                               "it is merged into DeepSpeed's config; remove it or use train.engine: deepspeed")
 
+    def check_expert_parallel(self, s) -> None:
+        """train.expert_parallel above 1 only under an engine that splits the experts over the ranks."""
+        if s.expert_parallel == 1:
+            return
+        if not self.expert_parallel:
+            able = [spec.name for spec in ENGINE_SPECS.values() if spec.expert_parallel]
+            where = f"use train.engine {' or '.join(able)}" if able else "no engine builds it yet"
+            raise ConfigError(f"train.expert_parallel {s.expert_parallel} is not supported with train.engine "
+                              f"{self.name} yet ({where}): set train.expert_parallel: 1")
+        if s.precision == "fp16":
+            raise ConfigError(f"train.expert_parallel {s.expert_parallel} does not run with train.precision fp16: "
+                              "its loss scaler would find an overflow in one rank's experts only and skip the step "
+                              "there alone; use bf16 or fp32")
+
     def layouts(self, device: str) -> list[tuple[int, str]]:
         """(ZeRO stage, optimizer offload) the benchmark's search tries under this engine."""
         return [(self.fixed_stage, "none")]
@@ -118,6 +134,7 @@ class EngineSpec:
 
 class DDPSpec(EngineSpec):
     name, title, fixed_stage, default_stage = "ddp", "DDP", 0, 0
+    expert_parallel = True  # train/engines/expert_shards.py
     layout = "DDP replicates parameters, gradients and optimizer states on every rank (ZeRO-0's layout)"
     state_formula = (
         "16Ψ (4Ψ fp32 params + 4Ψ fp32 grads, DDP's buckets themselves + 8Ψ AdamW), replicated on every rank")
@@ -228,8 +245,11 @@ def resolve_zero_stage(engine: str, zero_stage: int | None) -> int | None:
 
 
 def check_engine(s) -> None:
-    """train.engine is known, and the keys that mean nothing under it are refused."""
-    engine_spec(s.engine).check(s)
+    """train.engine is known, the keys that mean nothing under it are refused, and so is expert parallelism where
+    the engine does not build it."""
+    spec = engine_spec(s.engine)
+    spec.check(s)
+    spec.check_expert_parallel(s)
 
 
 # ds_config keys that decide what trains (precision, ZeRO stage and offload, optimizer and schedule, batch, the

@@ -57,6 +57,14 @@ class TorchEngine(Engine):
     def make_scaler(self):
         return torch.amp.GradScaler(self.device)
 
+    def reduce_gradients(self) -> None:
+        """At the accumulation boundary, before clipping: reduce what the wrapper leaves unreduced (nothing here)."""
+
+    def clip_gradients(self, clip: float):
+        """Clip the gradients to a total norm of `clip`; returns the norm before clipping (a tensor)."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards
+
     def sync_gradients(self, boundary: bool):
         """A context for the forward (and the backward) of a micro-step: gradients are reduced only at the boundary."""
         return contextlib.nullcontext()
@@ -85,11 +93,11 @@ class TorchEngine(Engine):
         self.micro_step = (self.micro_step + 1) % self.accumulation
         if not boundary:
             return
+        self.reduce_gradients()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         clip = self.settings.grad_clip if self.settings.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards
+        norm = self.clip_gradients(clip)
         self._grad_norm = norm  # read (one synchronisation) only when the record asks for it
         if self.scaler is not None:
             self.scaler.step(self.optimizer)

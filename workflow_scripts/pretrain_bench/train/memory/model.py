@@ -113,7 +113,8 @@ class RunShape:
     def expert_group(self) -> tuple[int, int]:
         """(EP, N/EP): with expert parallelism each rank holds 1/EP of every MoE layer's experts, replicated over the
         N/EP ranks of its expert-data-parallel group, over which ZeRO and FSDP partition their states. The one place
-        EP enters the memory model (EP = 1 until an engine shards experts: every rank holds all of them)."""
+        EP enters the memory model (train.expert_parallel, which the DDP engine builds; 1: every rank holds all
+        of them)."""
         if self.ranks % self.expert_parallel:
             raise ValueError(f"{self.ranks} ranks do not divide into expert parallelism {self.expert_parallel}")
         return self.expert_parallel, self.ranks // self.expert_parallel
@@ -686,7 +687,7 @@ def run_shape(config: PlanConfig, settings: TrainSettings, device: str, vocab_si
                     zero_stage=settings.zero_stage, precision=settings.precision,
                     offload_optimizer=settings.offload_optimizer, offload_param=settings.offload_param,
                     activation_checkpointing=settings.activation_checkpointing, device=device,
-                    engine=settings.engine)
+                    engine=settings.engine, expert_parallel=settings.expert_parallel)
 
 
 def host_memory_bytes() -> int:

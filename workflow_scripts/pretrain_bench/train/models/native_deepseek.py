@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pretrain_bench.config.checks import check_native_kernel
+from pretrain_bench.train.models.expert_parallel import routed_across
 from pretrain_bench.train.models.native_llama import (
     INITIALIZER_RANGE,
     NEUTRAL_EXTRA,
@@ -312,8 +313,13 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * width, hidden))
         self.down_proj = nn.Parameter(torch.empty(count, hidden, width))
         self.kernel = "auto"
+        # expert parallelism (expert_parallel.shard_experts): this rank holds `count` of the layer's experts and
+        # exchanges the pairs with the ranks holding the others; None: every expert is here
+        self.parallel = None
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.parallel is not None:
+            return routed_across(self, x, indices, weights)
         tokens, top_k = indices.shape
         slots = indices.reshape(-1)  # (S,) the expert of each (token, slot) pair, S = N·K
         order = torch.sort(slots)[1]  # (S,) the pairs grouped by expert
@@ -346,6 +352,20 @@ class Experts(nn.Module):
         out = out * weights.index_select(0, order).unsqueeze(-1)  # (S, H) float32
         combined = torch.zeros(x.shape[0], out.shape[-1], dtype=out.dtype, device=out.device)  # (N, H)
         return combined.index_add_(0, token_of_pair, out)
+
+    def grouped_rows(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The unweighted outputs (R, H) of (R, H) `rows` already in expert order, `counts` (E,) rows per expert
+        (the rows expert parallelism received): grouped GEMMs, or one expert at a time."""
+        weights = (self.gate_up_proj, self.down_proj)
+        if self.kernel == "grouped_mm" or (self.kernel == "auto" and len(rows) and grouped_mm_usable(rows, weights)):
+            return self.grouped(rows, torch.arange(len(rows), device=rows.device), counts, 1)
+        parts, start = [], 0
+        for expert, end in enumerate(torch.cumsum(counts, dim=0).tolist()):  # one host sync per layer
+            if end > start:
+                gate, up = F.linear(rows[start:end], self.gate_up_proj[expert]).chunk(2, dim=-1)  # (n_e, I)
+                parts.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))  # (n_e, H)
+            start = end
+        return torch.cat(parts) if parts else rows.new_zeros(0, rows.shape[-1])
 
     def loop(self, x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int,
              weights: torch.Tensor) -> torch.Tensor:

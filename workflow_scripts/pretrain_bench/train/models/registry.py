@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pretrain_bench.config.schema import ModelSettings
+from pretrain_bench.config.schema import ConfigError, ModelSettings
 from pretrain_bench.train.models.deepseek import DeepseekFamily
 from pretrain_bench.train.models.family import ModelFamily
 from pretrain_bench.train.models.llama import LlamaFamily, init_from_shape
@@ -43,3 +43,28 @@ def model_libraries(model: ModelSettings, compile: bool) -> tuple[str, ...]:
     """What a rank imports to build the model of `model` (model.implementation of its preset's family)."""
     family = MODEL_FAMILIES["llama"] if model.init_from else preset_family(model.preset)
     return family.model_libraries(model.implementation, compile)
+
+
+def check_expert_parallel(model: ModelSettings, expert_parallel: int) -> None:
+    """train.expert_parallel above 1 needs routed experts to split (a mixture-of-experts preset), built by the
+    native model class (whose fused expert tensors a rank slices), and n_routed_experts divisible by it; refused
+    naming the keys. The engine and the ranks are train settings' own checks (settings.check_settings)."""
+    if expert_parallel == 1:
+        return
+    family = MODEL_FAMILIES["llama"] if model.init_from else preset_family(model.preset)
+    what = f"model.init_from {model.init_from}" if model.init_from else f"model.preset {model.preset}"
+    try:
+        # the experts do not depend on the vocabulary: any size stands in for a preset that leaves it to the tokenizer
+        moe = family.memory_dims(model_shape(model, tokenizer_vocab=2)).get("moe") if not model.init_from else None
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if moe is None:
+        raise ConfigError(f"train.expert_parallel {expert_parallel} needs a model with routed experts, and {what} "
+                          f"({family.title}) has none: set train.expert_parallel: 1")
+    if model.implementation != "native":
+        raise ConfigError(f"train.expert_parallel {expert_parallel} needs model.implementation native (it splits "
+                          f"the native model's fused expert tensors), not {model.implementation}")
+    if moe.routed_experts % expert_parallel:
+        raise ConfigError(f"train.expert_parallel {expert_parallel} does not divide the {moe.routed_experts} "
+                          f"routed experts per layer of {what} (model.overrides n_routed_experts): each rank of an "
+                          "expert-parallel group holds an equal share")

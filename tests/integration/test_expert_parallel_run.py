@@ -1,0 +1,98 @@
+"""Expert parallelism under DDP (train.expert_parallel 2, tiny-moe native on 2 gloo ranks) through the real launcher:
+the same per-step losses as EP 1 on the same 2 ranks (fp32, to a stated tolerance), kill -9 past a checkpoint then
+a rerun gives every step the loss it had bit for bit, the checkpoint holds the whole experts, and the export is EP
+1's export of the same training (to the same tolerance), loaded back as DeepseekV3ForCausalLM."""
+import json
+
+import pytest
+
+from pretrain_bench.train.plan import Plan, make_plan
+from pretrain_bench.workflow.experiment import plan_config
+from support import crash_after_first_checkpoint, losses, read_jsonl, recorded_losses, run
+
+pytestmark = pytest.mark.engine
+
+MOE = {"aux_loss_alpha": 0.01, "bias_update_rate": 0.01}  # both on: the router's bias moves with the global load
+STEPS = 8
+# fp32: EP 2 computes each expert's rows in other batches than EP 1 (its own and the other rank's pairs together),
+# sums the gradient norm in another order and averages the experts' gradients in its own all-reduce, so the last bits
+# differ from step 2 on, and AdamW amplifies them where a gradient is near 0 (m / √v). Measured over 8 steps on
+# 2 ranks: the first two losses equal, max |Δloss| 2.1e-5; weights max |Δ| 2.6e-4 (rarely seen embedding rows),
+# under a tenth of one step's largest move (lr 3e-3)
+LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-4, 1e-3
+
+
+def ep_plan(data, run_dir, expert_parallel):
+    config, results = data
+    overrides = {"engine": "ddp", "zero_stage": 0, "gpus": 2, "expert_parallel": expert_parallel,
+                 "max_steps": STEPS, "checkpoint_every": 4, "warmup_timing_steps": 1, "warmup_steps": 2,
+                 "lr": 3.0e-3, "min_lr": 3.0e-4, "rank_start": "exec", "eval_every": 4, "eval_tokens": 1024}
+    config = {**config, "model": {**config["model"], "preset": "tiny-moe", "implementation": "native",
+                                  "overrides": MOE},
+              "train": {**config["train"], **overrides}}
+    plan = make_plan(plan_config(config), index=results.shards / "index.json", tokenizer=results.tokenizer,
+                     out_dir=run_dir / "out", state_dir=run_dir / "state")
+    plan.to_json(run_dir / "plan.json")
+    return run_dir / "plan.json"
+
+
+def test_expert_parallel_trains_as_ep_1_resumes_bit_for_bit_and_exports_whole_experts(data, tmp_path):
+    import torch
+
+    from pretrain_bench.evaluate.export import export_checkpoint, read_checkpoint_weights
+
+    # EP 1 on 2 ranks, uninterrupted
+    whole = tmp_path / "ep1"
+    plan1 = ep_plan(data, whole, 1)
+    assert run(plan1, 2, tmp_path / "ep1.log") == 0, (tmp_path / "ep1.log").read_text()[-3000:]
+    # EP 2 on 2 ranks, killed past its first checkpoint and run again
+    split = tmp_path / "ep2"
+    plan2 = ep_plan(data, split, 2)
+    kept = crash_after_first_checkpoint(plan2, split, tmp_path / "crash.log", ranks=2)
+    before = recorded_losses(split)
+    assert len(before) >= kept[-1] + 1
+    assert run(plan2, 2, tmp_path / "ep2.log") == 0, (tmp_path / "ep2.log").read_text()[-3000:]
+    summary = json.loads((split / "out" / "summary.json").read_text())
+    assert summary["resumed_from_step"] == kept[-1]
+    resumed = losses(split)
+    assert len(resumed) == STEPS and resumed[:len(before)] == before, "bit for bit"
+    # the same training as EP 1
+    reference = losses(whole)
+    difference = max(abs(a - b) for a, b in zip(reference, resumed))
+    print(f"EP 1 vs EP 2 losses over {STEPS} steps: max |difference| {difference:.3e}")
+    assert difference < LOSS_TOLERANCE, (reference, resumed)
+    assert abs(resumed[0] - reference[0]) < 1e-6  # the same initial weights and data (the experts EP 1's, split)
+    # the held-out loss (every rank's forward passes exchange tokens too)
+    held_out = [[record["val_loss"] for record in read_jsonl(folder / "state" / "metrics.jsonl")
+                 if record.get("val_loss") is not None] for folder in (whole, split)]
+    assert len(held_out[1]) == 2 and max(abs(a - b) for a, b in zip(*held_out)) < LOSS_TOLERANCE, held_out
+    # the first step's gradient norm: the replicated parameters' and every rank's experts' together
+    norms = [[record["grad_norm"] for record in read_jsonl(folder / "state" / "metrics.jsonl")] for folder in
+             (whole, split)]
+    assert abs(norms[0][0] - norms[1][0]) < 1e-5 * norms[0][0], norms
+    # every rank counts its own tokens' routing, summed over both: 4 samples × 128 tokens × 2 ranks × 2 experts
+    for record in read_jsonl(split / "state" / "metrics.jsonl"):
+        assert all(sum(layer) == 4 * 128 * 2 * 2 for layer in record["expert_load"])
+    # the checkpoint holds the whole experts (8 per layer), as EP 1's; the exports agree
+    ep1 = read_checkpoint_weights(whole / "state" / "checkpoints", STEPS)
+    ep2 = read_checkpoint_weights(split / "state" / "checkpoints", STEPS)
+    assert ep1.keys() == ep2.keys()
+    assert ep2["model.layers.1.mlp.experts.gate_up_proj"].shape[0] == 8
+    weights = max(float((ep1[key].float() - ep2[key].float()).abs().max()) for key in ep1)
+    print(f"EP 1 vs EP 2 weights after {STEPS} steps: max |difference| {weights:.3e}")
+    assert weights < WEIGHT_TOLERANCE
+    export_checkpoint(Plan.from_json(plan2), STEPS, split / "out" / "hf")
+    import transformers
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(split / "out" / "hf", dtype=torch.float32)
+    assert type(exported).__name__ == "DeepseekV3ForCausalLM"
+    from pretrain_bench.train.models.native_deepseek import NativeDeepseekForCausalLM
+    from pretrain_bench.train.plan import plan_shape
+
+    plan = Plan.from_json(plan2)
+    native = NativeDeepseekForCausalLM(plan_shape(plan, exported.config.vocab_size))
+    native.load_state_dict(ep2)
+    ids = torch.randint(0, exported.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        gap = (exported.eval()(input_ids=ids).logits - native.eval()(input_ids=ids).logits).abs().max()
+    assert float(gap) < 1e-4, float(gap)
