@@ -54,6 +54,13 @@ def test_expert_parallel_trains_as_ep_1_resumes_bit_for_bit_and_exports_whole_ex
     assert run(plan2, 2, tmp_path / "ep2.log") == 0, (tmp_path / "ep2.log").read_text()[-3000:]
     summary = json.loads((split / "out" / "summary.json").read_text())
     assert summary["resumed_from_step"] == kept[-1]
+    # the all-to-alls were timed like the all-reduces: every step's, and their share of the steady steps' time
+    assert summary["expert_parallel"] == 2 and 0 < summary["all_to_all_fraction"] < 1
+    assert all(0 < record["all_to_all_s"] < record["step_time_s"]
+               for record in read_jsonl(split / "state" / "metrics.jsonl"))
+    whole_summary = json.loads((whole / "out" / "summary.json").read_text())
+    assert whole_summary["expert_parallel"] == 1 and whole_summary["all_to_all_fraction"] is None
+    assert all("all_to_all_s" not in record for record in read_jsonl(whole / "state" / "metrics.jsonl"))
     resumed = losses(split)
     assert len(resumed) == STEPS and resumed[:len(before)] == before, "bit for bit"
     # the same training as EP 1

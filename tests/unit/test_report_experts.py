@@ -131,3 +131,11 @@ def test_the_native_model_reports_the_mean_balance_loss_of_its_training_passes()
                                                   VOCAB)).train()
     off(input_ids=batches[0])
     assert off.aux_loss_mean() is None
+
+
+def test_an_expert_parallel_run_reports_its_all_to_all_share(tmp_path):
+    main = {**tiny_moe_summary(), "expert_parallel": 3, "all_to_all_fraction": 0.25}
+    md, html, out = render(tmp_path, main, load_records())
+    assert "split over 3 ranks (train.expert_parallel)" in md
+    assert "by all-to-all: 25.0% of the main run's step time (measured:" in md
+    assert "All-to-all: none" not in md and "3 in this run" in md

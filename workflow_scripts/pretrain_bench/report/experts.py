@@ -164,6 +164,8 @@ def moe_section(summary, records: list[dict], memory: list[dict] = ()) -> dict |
             "balance": balance_rows(records, summary.model["first_moe_layer"]),
             "balance_steps": balance_steps(records), "costs": cost_rows(summary),
             "aux_first": fmt(aux[0], 4) if aux else None, "aux_last": fmt(aux[-1], 4) if aux else None,
+            "all_to_all_pct": (fmt(100 * summary.all_to_all_fraction, 1) if summary.all_to_all_fraction is not None
+                               else None),
             "bias_update_rate": summary.model.get("bias_update_rate"),
             "aux_loss_alpha": summary.model.get("aux_loss_alpha"),
             "flops_formula": summary.flops_formula}

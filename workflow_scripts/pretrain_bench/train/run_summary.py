@@ -14,7 +14,7 @@ from pathlib import Path
 from pretrain_bench.core.io import key_differences
 
 # Raised whenever the fields below change (a key added, renamed or given another meaning).
-SUMMARY_VERSION = 4
+SUMMARY_VERSION = 5
 
 
 class SummaryError(ValueError):
@@ -68,6 +68,10 @@ class RunSummary:
     mfu_note: str | None
     comm_fraction: float | None  # communication time ÷ step time; None with comm_method saying why
     comm_method: str
+    expert_parallel: int  # train.expert_parallel: ranks each MoE layer's routed experts are split over (1: none)
+    # a MoE model's all-to-all time (dispatch and combine, forward and backward) ÷ step time, timed like the
+    # all-reduces; None where no experts are split over ranks
+    all_to_all_fraction: float | None
     loss: dict  # {first, last, min}
     skipped_steps: int  # optimizer steps skipped for an fp16 loss-scale overflow; left out of every timed figure
     oversubscribed: bool  # more ranks than CPU cores
@@ -123,8 +127,8 @@ class RunSummary:
 # What only the process that trained the steps measures: its communication time, its compile time, its CPU placement,
 # and the machine's load around its loop. A job that resumes a finished run at its final checkpoint trains nothing, so
 # it keeps these from the run that trained (run_state.kept_summary) instead of measuring them over no step.
-MEASURED_WHILE_TRAINING = ("comm_fraction", "comm_method", "resumed_from_step", "compile", "oversubscribed",
-                           "threads_per_rank")
+MEASURED_WHILE_TRAINING = ("comm_fraction", "comm_method", "all_to_all_fraction", "resumed_from_step", "compile",
+                           "oversubscribed", "threads_per_rank")
 PROVENANCE_MEASURED_WHILE_TRAINING = ("load_before", "load_after", "other_cpu", "placement", "hardware",
                                       "slurm_job_id")
 

@@ -123,6 +123,7 @@ class Trainer:
         self.inject_nan_step = int(os.environ.get("PRETRAIN_BENCH_INJECT_NAN_AT_STEP", "0"))  # see the docstring
         self.start_step = 0  # the step resumed from (0: a fresh start)
         self.comm_steady_ms, self.steady_time_s = 0.0, 0.0  # communication and step time over steady-state steps
+        self.all_to_all_steady_ms = 0.0  # a MoE model's all-to-alls over the steady-state steps (expert parallelism)
         self.run_start = 0.0  # perf_counter() when the loop started, for the ETA
         # Set by the named steps of run(), in this order:
         self.preemption: Preemption | None = None  # setup(): SIGTERM/SIGINT as a flag
@@ -165,14 +166,17 @@ class Trainer:
             for step in range(self.start_step + 1, self.total_steps + 1):
                 skipped_before = self.engine.skipped_steps
                 comm_before = self.engine.comm_ms() if self.measure_comm else None
+                all_to_all_before = self.engine.all_to_all_ms()  # None without expert parallelism
                 gathered, step_time, phases = train_step(  # ends with the step's one read: gather_step
                     self.engine, self.batches, micro_steps=self.settings.grad_accum_steps,
                     vocab=self.shape.vocab_size, run_device=self.run_device, timer=self.timer,
                     read=functools.partial(self.gather_step, step))
                 comm = max(0.0, self.engine.comm_ms() - comm_before) if comm_before is not None else None
+                all_to_all = (max(0.0, self.engine.all_to_all_ms() - all_to_all_before)
+                              if all_to_all_before is not None else None)
                 routing = self.balance_experts()
                 # Everything below is bookkeeping outside the timed step.
-                record = self.record(step, gathered, step_time, phases, comm, skipped_before)
+                record = self.record(step, gathered, step_time, phases, comm, skipped_before, all_to_all)
                 if routing:
                     record.update(routing)
                 sink.write(record)
@@ -391,12 +395,15 @@ class Trainer:
         return record
 
     def record(self, step: int, gathered: list[StepFigures], step_time: float, phases: dict, comm: float | None,
-               skipped_before: int) -> dict:
-        """The step's metrics.jsonl record, with the held-out evaluation when train.eval_every asks for one."""
+               skipped_before: int, all_to_all: float | None = None) -> dict:
+        """The step's metrics.jsonl record, with the held-out evaluation when train.eval_every asks for one;
+        `comm` and `all_to_all`: milliseconds in flight of the step's gradient collectives and of its MoE
+        all-to-alls (None: not measured)."""
         settings, engine, tokens_per_step = self.settings, self.engine, self.tokens_per_step
         overflow = engine.skipped_steps > skipped_before  # fp16 loss-scale overflow: no update, out of the timing
         if step > settings.warmup_timing_steps and step != self.start_step + 1 and not overflow:  # steady state
             self.comm_steady_ms += comm or 0.0
+            self.all_to_all_steady_ms += all_to_all or 0.0
             self.steady_time_s += step_time
         record = {
             "step": step, "loss": sum(rank.loss for rank in gathered) / self.world, "lr": engine.lr(),
@@ -404,6 +411,7 @@ class Trainer:
             "forward_s": phases["forward"], "backward_s": phases["backward"], "optimizer_s": phases["optimizer"],
             "tokens_per_s": tokens_per_step / step_time, "tokens": step * tokens_per_step,
             "comm_s": comm / 1000.0 if comm is not None else None,
+            **({"all_to_all_s": all_to_all / 1000.0} if all_to_all is not None else {}),
             "peak_mem_bytes": [int(rank.peak_mem_bytes) for rank in gathered],
             "peak_mem_allocated_bytes": [int(rank.peak_allocated_bytes) for rank in gathered]
             if self.device == "cuda" else None,
@@ -467,6 +475,13 @@ class Trainer:
             return (self.comm_steady_ms / 1000.0) / self.steady_time_s, self.engine.comm_method
         return None, "no steady-state steps in this process (resumed at the end)"
 
+    def all_to_all_fraction(self) -> float | None:
+        """The MoE layers' all-to-all time ÷ step time over the steady-state steps, timed as DDP's all-reduces are
+        (the engine's all_to_all_ms); None where no experts are split over ranks."""
+        if self.engine.all_to_all_ms() is None or self.steady_time_s <= 0:
+            return None
+        return (self.all_to_all_steady_ms / 1000.0) / self.steady_time_s
+
     def summarise(self) -> dict | None:
         """summary.json's contents (rank 0; None elsewhere). A job that resumed a finished run at its final checkpoint
         trained nothing, so measured nothing: it keeps the summary of the run that trained (run_state.kept_summary),
@@ -519,6 +534,7 @@ class Trainer:
             **dict(zip(("mfu", "mfu_note"), model_flops_utilisation(tokens_per_s, self.flops_token, peak_flops, world,
                                                                     peak_source))),
             "comm_fraction": comm_fraction, "comm_method": comm_note,
+            "expert_parallel": settings.expert_parallel, "all_to_all_fraction": self.all_to_all_fraction(),
             "loss": steady["loss"], "skipped_steps": records[-1]["skipped_steps"],
             "oversubscribed": self.launch.oversubscribed,
             "threads_per_rank": self.launch.threads_per_rank, "resumed_from_step": self.checkpointer.resumed_from,

@@ -142,6 +142,11 @@ class Engine(abc.ABC):
         """Milliseconds spent in collectives on this rank so far (None: not timed)."""
         return None
 
+    def all_to_all_ms(self) -> float | None:
+        """Milliseconds a mixture-of-experts model's all-to-alls were in flight on this rank so far (None: the
+        engine splits no experts over ranks, or does not time them)."""
+        return None
+
     @abc.abstractmethod
     def save(self, folder: Path, writer, client_state: dict) -> None:
         """Write this rank's part of a checkpoint into `folder` (which files pass through `writer`: see the engine)."""

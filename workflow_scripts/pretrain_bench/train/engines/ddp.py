@@ -30,8 +30,10 @@ class DDPEngine(TorchEngine):
         self._comm = CommIntervals(CudaEventClock() if self.device == "cuda" else HostClock())
         # train.expert_parallel: this rank keeps its slice of the routed experts (the model was built whole from
         # the run's seed, so EP 1's experts, split), and they stay out of DDP's all-reduce
-        self.experts = ExpertShards(model, self.settings.expert_parallel) if self.settings.expert_parallel > 1 \
-            else None
+        # and its MoE layers' all-to-alls timed as the all-reduces are (on rank 0, the same clock)
+        self._all_to_all = CommIntervals(CudaEventClock() if self.device == "cuda" else HostClock())
+        self.experts = ExpertShards(model, self.settings.expert_parallel, self._all_to_all) \
+            if self.settings.expert_parallel > 1 else None
         if self.alone():
             # Alone, DDP would all-reduce every gradient with itself (dividing it by 1), and under train.compile its
             # graph-splitting at the buckets (dynamo's DDPOptimizer, made for overlapping the all-reduces with the
@@ -85,6 +87,11 @@ class DDPEngine(TorchEngine):
     def comm_ms(self) -> float:
         """Milliseconds with at least one all-reduce in flight, over the run so far."""
         return self._comm.total_ms()
+
+    def all_to_all_ms(self) -> float | None:
+        """Milliseconds with a MoE layer's all-to-all in flight (dispatch and combine, forward and backward, and the
+        count exchanges), over the run so far; None without expert parallelism."""
+        return self._all_to_all.total_ms() if self.experts is not None else None
 
     def reduce_gradients(self) -> None:
         if self.experts is not None:

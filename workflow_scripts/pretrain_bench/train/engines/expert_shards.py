@@ -21,12 +21,13 @@ from pretrain_bench.train.models.expert_parallel import (
 class ExpertShards:
     """This rank's slice of every MoE layer's routed experts, and the groups it shares them with."""
 
-    def __init__(self, model, size: int):
+    def __init__(self, model, size: int, intervals=None):
+        """`intervals`: where the MoE layers mark their all-to-alls' time in flight (a CommIntervals), or None."""
         import torch.distributed as dist
 
         self.world, self.size = dist.get_world_size(), size
         self.group, self.data_group = expert_groups(self.world, size)
-        self.place = shard_experts(model, self.group, size, dist.get_rank() % size)
+        self.place = shard_experts(model, self.group, size, dist.get_rank() % size, intervals)
         self.names = expert_parameter_names(model)
         self.params = [getattr(experts, part) for _, experts in expert_layers(model)
                        for part in ("gate_up_proj", "down_proj")]

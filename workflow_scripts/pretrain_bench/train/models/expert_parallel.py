@@ -25,6 +25,8 @@ class ExpertGroup:
     size: int  # EP
     index: int  # this rank's position in the group
     first: int  # the global index of this rank's first expert
+    # where the all-to-alls' time in flight is marked (the engine's CommIntervals: launched(), completed(span)), or None
+    intervals: object = None
 
 
 def expert_groups(world: int, size: int):
@@ -61,12 +63,13 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
 
 
 @torch.no_grad()
-def shard_experts(model: nn.Module, group, size: int, index: int) -> ExpertGroup:
+def shard_experts(model: nn.Module, group, size: int, index: int, intervals=None) -> ExpertGroup:
     """Keep this rank's E/EP experts of every MoE layer (rows index·E/EP … of the fused tensors) and route through
-    the group. The model was built whole from the run's seed, so the experts are the slices of EP 1's."""
+    the group, its all-to-alls timed by `intervals` (when given). The model was built whole from the run's seed, so
+    the experts are the slices of EP 1's."""
     layers = expert_layers(model)
     count = layers[0][1].count // size
-    place = ExpertGroup(group, size, index, index * count)
+    place = ExpertGroup(group, size, index, index * count, intervals)
     for _, experts in layers:
         rows = slice(place.first, place.first + count)
         experts.gate_up_proj = nn.Parameter(experts.gate_up_proj[rows].clone())
@@ -75,12 +78,33 @@ def shard_experts(model: nn.Module, group, size: int, index: int) -> ExpertGroup
     return place
 
 
-def _exchange(x: torch.Tensor, receive: list[int], send: list[int], group) -> torch.Tensor:
-    """All-to-all of the rows of `x` (send[r] rows to rank r, in order) that carries gradients back the same way."""
+def _exchange(x: torch.Tensor, receive: list[int], send: list[int], group, intervals=None) -> torch.Tensor:
+    """All-to-all of the rows of `x` (send[r] rows to rank r, in order) that carries gradients back the same way.
+    With `intervals`, both directions are timed: the forward from launch to its wait, the backward's (autograd's
+    reverse all-to-all) from when the output's gradient is ready, which launches it, to when `x`'s gradient is, which
+    it produces."""
     from torch.distributed import _functional_collectives as funcol
 
+    span = intervals.launched() if intervals is not None else None
     out = funcol.all_to_all_single_autograd(x.contiguous(), receive, send, group)
-    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    out = out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    if span is not None:
+        intervals.completed(span)
+        if out.requires_grad and x.requires_grad:
+            backward = []
+            out.register_hook(lambda grad: backward.append(intervals.launched()))
+            x.register_hook(lambda grad: intervals.completed(backward.pop()) if backward else None)
+    return out
+
+
+def _counts_exchange(out: torch.Tensor, send: torch.Tensor, group, intervals, *splits) -> None:
+    """A plain (no gradient) all-to-all of `send` into `out`, timed by `intervals` when given."""
+    import torch.distributed as dist
+
+    span = intervals.launched() if intervals is not None else None
+    dist.all_to_all_single(out, send, *splits, group=group)
+    if span is not None:
+        intervals.completed(span)
 
 
 def _inverse(order: torch.Tensor) -> torch.Tensor:
@@ -94,8 +118,6 @@ def routed_across(experts, x: torch.Tensor, indices: torch.Tensor, weights: torc
     """The routed experts' output (N, H) for (N, H) tokens `x` whose (N, K) `indices` name global experts, with the
     experts split over the expert-parallel group (`experts.parallel`). Each pair's output is weighted in float32 and
     a token's K outputs summed in float32, in the (token, slot) order the unsplit layer sums them in."""
-    import torch.distributed as dist
-
     place = experts.parallel
     tokens, top_k = indices.shape
     slots = indices.reshape(-1)  # (S,) global expert of each (token, slot) pair
@@ -103,19 +125,19 @@ def routed_across(experts, x: torch.Tensor, indices: torch.Tensor, weights: torc
     # 1) how many pairs go to each rank, and which expert each is for (no gradient)
     send_counts = torch.bincount(slots // experts.count, minlength=place.size)  # (EP,)
     receive_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(receive_counts, send_counts, group=place.group)
+    _counts_exchange(receive_counts, send_counts, place.group, place.intervals)
     send, receive = send_counts.tolist(), receive_counts.tolist()
     sent_experts = slots[order]  # (S,)
     got_experts = sent_experts.new_empty(sum(receive))  # (R,)
-    dist.all_to_all_single(got_experts, sent_experts, receive, send, group=place.group)
+    _counts_exchange(got_experts, sent_experts, place.group, place.intervals, receive, send)
     # 2) dispatch: the pairs' token rows to the ranks of their experts
-    rows = _exchange(x[order // top_k], receive, send, place.group)  # (R, H) by source rank, then expert
+    rows = _exchange(x[order // top_k], receive, send, place.group, place.intervals)  # (R, H) by source rank, expert
     local = got_experts - place.first  # (R,) this rank's expert of each received row
     arrange = torch.sort(local, stable=True)[1]  # (R,) by expert across source ranks
     out = experts.grouped_rows(rows[arrange], torch.bincount(local, minlength=experts.count))  # (R, H)
     if rows.requires_grad and not out.requires_grad:  # no row came here: the backward's all-to-all still runs
         out = out + rows.sum() * 0
     # 3) combine: the outputs back to the pairs' ranks, weighted, summed per token
-    back = _exchange(out[_inverse(arrange)], send, receive, place.group)  # (S, H) in `order`
+    back = _exchange(out[_inverse(arrange)], send, receive, place.group, place.intervals)  # (S, H) in `order`
     weighted = back.float() * weights.reshape(-1)[order].unsqueeze(-1)  # (S, H) float32
     return weighted[_inverse(order)].view(tokens, top_k, -1).sum(dim=1).to(x.dtype)  # (N, H)

@@ -358,7 +358,8 @@ class Experts(nn.Module):
         (the rows expert parallelism received): grouped GEMMs, or one expert at a time."""
         weights = (self.gate_up_proj, self.down_proj)
         if self.kernel == "grouped_mm" or (self.kernel == "auto" and len(rows) and grouped_mm_usable(rows, weights)):
-            return self.grouped(rows, torch.arange(len(rows), device=rows.device), counts, 1)
+            ones = torch.ones(len(rows), dtype=torch.float32, device=rows.device)  # × 1 and + 0: exact
+            return self.grouped(rows, torch.arange(len(rows), device=rows.device), counts, 1, ones).to(rows.dtype)
         parts, start = [], 0
         for expert, end in enumerate(torch.cumsum(counts, dim=0).tolist()):  # one host sync per layer
             if end > start:
