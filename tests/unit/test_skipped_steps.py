@@ -41,7 +41,7 @@ def recorded_run(overflows, step_times):
     trainer = Trainer.__new__(Trainer)
     trainer.__dict__.update(
         engine=engine, settings=settings, rank=0, world=1, device="cpu", start_step=0, comm_steady_ms=0.0,
-        steady_time_s=0.0,
+        all_to_all_steady_ms=0.0, steady_time_s=0.0,
         tokens_per_step=TOKENS_PER_STEP, heldout=None, flops_token=6.0e6,
         peak={"flops_per_rank": 1.0e12, "source": "test"},
         checkpointer=Checkpointer(Path("state/checkpoints"), settings, seq_len=8, rank=0, world=1, run_device="cpu",
