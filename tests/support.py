@@ -410,7 +410,8 @@ def bare_cuda_trainer(tmp_path: Path, grad_norm=None):
         engine=types.SimpleNamespace(grad_norm=lambda: grad_norm, skipped_steps=0, lr=lambda: 1e-3,
                                      loss_scale=lambda: None),
         settings=settings, rank=0, world=1, device="cuda", run_device="cpu", inject_nan_step=0, start_step=0,
-        preemption=types.SimpleNamespace(requested=False), comm_steady_ms=0.0, steady_time_s=0.0,
+        preemption=types.SimpleNamespace(requested=False), comm_steady_ms=0.0, all_to_all_steady_ms=0.0,
+        steady_time_s=0.0,
         tokens_per_step=100, heldout=None, flops_token=6.0e6, peak={"flops_per_rank": 1.0e12, "source": "test"},
         checkpointer=Checkpointer(tmp_path, settings, seq_len=8, rank=0, world=1, run_device="cpu", fingerprint={},
                                   saves=False, log=print))

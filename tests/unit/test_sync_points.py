@@ -38,6 +38,7 @@ def trainer_for(engine, settings) -> Trainer:
     trainer.__dict__.update(
         engine=engine, settings=settings, rank=0, world=1, device="cpu", run_device="cpu", inject_nan_step=0,
         preemption=types.SimpleNamespace(requested=False, received=None), start_step=0, comm_steady_ms=0.0,
+        all_to_all_steady_ms=0.0,
         steady_time_s=0.0, tokens_per_step=B * T, heldout=None, flops_token=6.0e6,
         peak={"flops_per_rank": 1.0e12, "source": "test"},
         checkpointer=Checkpointer(Path("state/checkpoints"), settings, seq_len=T, rank=0, world=1, run_device="cpu",

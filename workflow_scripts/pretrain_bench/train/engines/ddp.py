@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 
 from pretrain_bench.train.engines.base import engine_state_file, mmap_loads
-from pretrain_bench.train.engines.expert_shards import ExpertShards
 from pretrain_bench.train.engines.torch_engine import CommIntervals, CudaEventClock, HostClock, TorchEngine
 
 DDP_MODEL_FILE, DDP_OPTIMIZER_FILE = "model.pt", "optimizer.pt"
@@ -32,8 +31,13 @@ class DDPEngine(TorchEngine):
         # the run's seed, so EP 1's experts, split), and they stay out of DDP's all-reduce
         # and its MoE layers' all-to-alls timed as the all-reduces are (on rank 0, the same clock)
         self._all_to_all = CommIntervals(CudaEventClock() if self.device == "cuda" else HostClock())
-        self.experts = ExpertShards(model, self.settings.expert_parallel, self._all_to_all) \
-            if self.settings.expert_parallel > 1 else None
+        self.experts = None
+        if self.settings.expert_parallel > 1:
+            # imported here: the MoE dispatch's torch.compiler.disable imports torch._dynamo, which an eager rank
+            # without experts never loads (tests/unit/test_engine_choice.py)
+            from pretrain_bench.train.engines.expert_shards import ExpertShards
+
+            self.experts = ExpertShards(model, self.settings.expert_parallel, self._all_to_all)
         if self.alone():
             # Alone, DDP would all-reduce every gradient with itself (dividing it by 1), and under train.compile its
             # graph-splitting at the buckets (dynamo's DDPOptimizer, made for overlapping the all-reduces with the
