@@ -362,3 +362,22 @@ def test_a_matrix_that_measures_scaling_gets_a_plain_single_device_baseline(monk
 
     assert (f"  {plain['cell']} [plain single-device baseline]: predicted not to fit: needs "
             in cells_text(box))
+
+
+def test_the_expert_parallel_axis_splits_a_moe_models_experts_and_refuses_what_cannot_split():
+    """tiny-moe on DDP: the -ep2 cells run where the ranks divide into EP 2, their expert states halved against the
+    same cell at EP 1; on 1 rank, under DeepSpeed and for a dense model the cell is unsupported with the reason."""
+    moe = yaml.safe_load((ROOT / "config" / "tiny-moe-cpu.yaml").read_text())
+    config = merged(yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text()), moe, {"benchmark": {"matrix": {
+        "gpus": [1, 2], "engine": ["ddp", "deepspeed"], "zero_stage": [2], "expert_parallel": [1, 2]}}})
+    entries = {e["cell"]: e for e in plan_matrix(config, budget=CPU_BUDGET)["cells"]}
+    split, whole = entries["ddp-ranks2-fp32-gloo-ep2"], entries["ddp-ranks2-fp32-gloo"]
+    assert split["status"] == whole["status"] == "run" and split["expert_parallel"] == 2
+    assert split["estimate"]["expert_states"] == pytest.approx(whole["estimate"]["expert_states"] / 2, rel=0.01)
+    assert split["estimate"]["non_expert_states"] == whole["estimate"]["non_expert_states"]
+    assert entries["ddp-ranks1-fp32-gloo-ep2"]["status"] == "unsupported"
+    assert "does not divide the 1 ranks" in entries["ddp-ranks1-fp32-gloo-ep2"]["reason"]
+    assert "not supported with engine deepspeed" in entries["ranks2-zero2-fp32-gloo-ep2"]["reason"]
+    dense = tiny(matrix={"gpus": [2], "engine": ["ddp"], "comm_backend": ["gloo"], "expert_parallel": [2]})
+    (entry,) = [e for e in plan_matrix(dense, budget=CPU_BUDGET)["cells"] if e["origin"] == "declared"]
+    assert entry["status"] == "unsupported" and "needs a model with routed experts" in entry["reason"]

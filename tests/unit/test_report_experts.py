@@ -52,14 +52,14 @@ def moe_matrix() -> dict:
     return matrix
 
 
-def render(tmp_path, main: dict, records: list[dict]) -> tuple[str, str, dict]:
+def render(tmp_path, main: dict, records: list[dict], extra_runs: dict | None = None) -> tuple[str, str, dict]:
     (tmp_path / "summary.json").write_text(json.dumps(main))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (tmp_path / "matrix.json").write_text(json.dumps(moe_matrix()))
     out = tmp_path / "report"
     build_report(tmp_path / "summary.json", tmp_path / "metrics.jsonl", [], out / "report.md", out / "report.html",
                  out / "plots", target_corpus_tokens=1e12, matrix_path=tmp_path / "matrix.json",
-                 bench_paths=write_bench(tmp_path, RUNS))
+                 bench_paths=write_bench(tmp_path, {**RUNS, **(extra_runs or {})}))
     return (out / "report.md").read_text(), (out / "report.html").read_text(), out
 
 
@@ -135,7 +135,10 @@ def test_the_native_model_reports_the_mean_balance_loss_of_its_training_passes()
 
 def test_an_expert_parallel_run_reports_its_all_to_all_share(tmp_path):
     main = {**tiny_moe_summary(), "expert_parallel": 3, "all_to_all_fraction": 0.25}
-    md, html, out = render(tmp_path, main, load_records())
+    split = [RunSummary.from_dict({**summary(3, comm=c), "expert_parallel": 3, "all_to_all_fraction": a})
+             for c, a in ((0.1, 0.2), (0.12, 0.3))]
+    md, html, out = render(tmp_path, main, load_records(), {"ranks3-zero2-fp32-gloo-ep3": split})
+    assert "| ranks3-zero2-fp32-gloo-ep3 | 3 | 3 | 25.0 (20.0–30.0) | 11.0 (10.0–12.0) |" in md
     assert "split over 3 ranks (train.expert_parallel)" in md
     assert "by all-to-all: 25.0% of the main run's step time (measured:" in md
     assert "All-to-all: none" not in md and "3 in this run" in md

@@ -26,6 +26,7 @@ from pretrain_bench.train.memory.model import (
     run_shape,
 )
 from pretrain_bench.train.memory.offload import planned_cores
+from pretrain_bench.train.models.registry import check_expert_parallel
 from pretrain_bench.train.plan import cell_settings
 from pretrain_bench.train.settings import PlanConfig, TrainSettings, check_settings
 
@@ -42,10 +43,11 @@ class Cell:
     offload_optimizer: str
     engine: str = "deepspeed"
     activation_checkpointing: bool = False
+    expert_parallel: int = 1  # the matrix's expert_parallel axis (left out: the main run's train.expert_parallel)
 
     def name(self, main: TrainSettings) -> str:
         """`ranks3-zero2-fp32-gloo` (DeepSpeed) or `ddp-ranks3-fp32-gloo`, plus `-mb<n>` / `-offload` / `-ckpt` (or
-        `-no-ckpt`) where the cell differs from the main run (`main`) there."""
+        `-no-ckpt`) where the cell differs from the main run (`main`) there, and `-ep<n>` for expert parallelism."""
         name = engine_spec(self.engine).cell_name(self.gpus, self.zero_stage, self.precision, self.comm_backend)
         if self.micro_batch_size != main.micro_batch_size:
             name += f"-mb{self.micro_batch_size}"
@@ -53,6 +55,8 @@ class Cell:
             name += "-offload"
         if self.activation_checkpointing != main.activation_checkpointing:
             name += "-ckpt" if self.activation_checkpointing else "-no-ckpt"
+        if self.expert_parallel > 1:
+            name += f"-ep{self.expert_parallel}"
         return name
 
     def train_overrides(self, bench: BenchSettings) -> dict:
@@ -130,6 +134,7 @@ def judge_cell(config: PlanConfig, cell: Cell, bench: BenchSettings, device: str
     try:
         settings = cell_settings(config.train, cell.train_overrides(bench))
         check_settings(settings, device)
+        check_expert_parallel(config.model, settings.expert_parallel)
     except ConfigError as error:
         return {**entry, "status": "unsupported", "reason": str(error).replace("train.", "")}
     if device == "cuda" and budget.gpu_count is not None and cell.gpus > budget.gpu_count:

@@ -177,7 +177,7 @@ class EvaluateSettings:
 
 # The benchmark matrix's axes: train keys a cell may set (an axis benchmark.matrix leaves out: the main run's value).
 AXES = ("gpus", "zero_stage", "precision", "comm_backend", "micro_batch_size", "offload_optimizer", "engine",
-        "activation_checkpointing")
+        "activation_checkpointing", "expert_parallel")
 
 
 @dataclasses.dataclass(frozen=True)

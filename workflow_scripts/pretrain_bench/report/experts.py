@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 
 from pretrain_bench.core.formats import fmt
+from pretrain_bench.report.tables import spread
 from pretrain_bench.train.memory.model import GIB
 from pretrain_bench.train.models.flops import GPU_PEAK_TFLOPS_16BIT
 from pretrain_bench.train.models.registry import preset_family
@@ -154,13 +155,31 @@ def memory_rows(memory: list[dict]) -> list[dict]:
             for r in memory]
 
 
-def moe_section(summary, records: list[dict], memory: list[dict] = ()) -> dict | None:
-    """The section's tables and captions, or None for a dense model; `memory`: the memory table's rows."""
+def all_to_all_rows(runs_by_cell: dict) -> list[dict]:
+    """Per benchmark cell that split its experts (expert_parallel above 1): the all-to-alls' share of the step time
+    beside the gradient collectives', median (min–max) over the cell's repeats."""
+    rows = []
+    for cell, runs in sorted(runs_by_cell.items()):
+        if runs[0].expert_parallel <= 1:
+            continue
+        a2a = [r.all_to_all_fraction for r in runs if r.all_to_all_fraction is not None]
+        comm = [r.comm_fraction for r in runs if r.comm_fraction is not None]
+        rows.append({"cell": cell, "ranks": str(runs[0].world_size), "expert_parallel": str(runs[0].expert_parallel),
+                     "all_to_all_pct": spread(a2a, 1, 100) if a2a else "not measured",
+                     "comm_pct": spread(comm, 1, 100) if comm else "not measured"})
+    return rows
+
+
+def moe_section(summary, records: list[dict], memory: list[dict] = (), runs_by_cell: dict | None = None
+                ) -> dict | None:
+    """The section's tables and captions, or None for a dense model; `memory`: the memory table's rows;
+    `runs_by_cell`: the benchmark's summaries by cell."""
     if not is_moe(summary):
         return None
     loads = load_records(records)
     aux = [r["aux_loss"] for r in loads if "aux_loss" in r]
     return {"parameters": parameter_rows(summary), "memory": memory_rows(memory),
+            "all_to_all": all_to_all_rows(runs_by_cell or {}),
             "balance": balance_rows(records, summary.model["first_moe_layer"]),
             "balance_steps": balance_steps(records), "costs": cost_rows(summary),
             "aux_first": fmt(aux[0], 4) if aux else None, "aux_last": fmt(aux[-1], 4) if aux else None,

@@ -252,7 +252,7 @@ def build_report(summary_path: Path, metrics_path: Path, eval_paths: list[Path],
         "main_engine": engine_label(vars(summary)),
         "plain_baseline": plain_baseline_text(matrix, set(runs_by_cell)), "labelled": labelled,
         "other_cpu_method": OTHER_CPU_METHOD, "other_cpu_limit": OTHER_CPU_LIMIT_PCT,
-        "moe": moe_section(summary, records, t.records(frames.memory)),
+        "moe": moe_section(summary, records, t.records(frames.memory), runs_by_cell),
         "peak_origin": peak_origin(frames.peak, Path(peak_path) if peak_path else None) if frames.peak else None,
     }
     out_md, out_html = Path(out_md), Path(out_html)
