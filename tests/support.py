@@ -217,6 +217,18 @@ def plan_for(data, run_dir: Path, save_checkpoints: bool = True, **train):
     return path
 
 
+# tiny-moe's balance loss and bias update both on, larger than DeepSeek-V3's so that a few steps move them
+MOE_OVERRIDES = {"aux_loss_alpha": 0.01, "bias_update_rate": 0.01}
+
+
+def moe_plan_for(data, run_dir: Path, **train):
+    """plan_for with the model tiny-moe, native (the class with the balance loss, the bias update and the load
+    counts), and MOE_OVERRIDES."""
+    config, results = data
+    model = {**config["model"], "preset": "tiny-moe", "implementation": "native", "overrides": MOE_OVERRIDES}
+    return plan_for(({**config, "model": model}, results), run_dir, **train)
+
+
 def rank_startups(log: Path) -> list[dict]:
     """The start-up records (pretrain_bench.core.logs.log_startup) that a launch's ranks wrote to its log `log`."""
     from pretrain_bench.core.logs import read_startups

@@ -6,13 +6,11 @@ import json
 
 import pytest
 
-from pretrain_bench.train.plan import Plan, make_plan
-from pretrain_bench.workflow.experiment import plan_config
-from support import crash_after_first_checkpoint, losses, read_jsonl, recorded_losses, run
+from pretrain_bench.train.plan import Plan
+from support import crash_after_first_checkpoint, losses, moe_plan_for, read_jsonl, recorded_losses, run
 
 pytestmark = pytest.mark.engine
 
-MOE = {"aux_loss_alpha": 0.01, "bias_update_rate": 0.01}  # both on: the router's bias moves with the global load
 STEPS = 8
 # fp32: EP 2 computes each expert's rows in other batches than EP 1 (its own and the other rank's pairs together),
 # sums the gradient norm in another order and averages the experts' gradients in its own all-reduce, so the last bits
@@ -23,17 +21,8 @@ LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-4, 1e-3
 
 
 def ep_plan(data, run_dir, expert_parallel):
-    config, results = data
-    overrides = {"engine": "ddp", "zero_stage": 0, "gpus": 2, "expert_parallel": expert_parallel,
-                 "max_steps": STEPS, "checkpoint_every": 4, "warmup_timing_steps": 1, "warmup_steps": 2,
-                 "lr": 3.0e-3, "min_lr": 3.0e-4, "rank_start": "exec", "eval_every": 4, "eval_tokens": 1024}
-    config = {**config, "model": {**config["model"], "preset": "tiny-moe", "implementation": "native",
-                                  "overrides": MOE},
-              "train": {**config["train"], **overrides}}
-    plan = make_plan(plan_config(config), index=results.shards / "index.json", tokenizer=results.tokenizer,
-                     out_dir=run_dir / "out", state_dir=run_dir / "state")
-    plan.to_json(run_dir / "plan.json")
-    return run_dir / "plan.json"
+    return moe_plan_for(data, run_dir, engine="ddp", zero_stage=0, gpus=2, expert_parallel=expert_parallel,
+                        max_steps=STEPS, checkpoint_every=4, rank_start="exec", eval_every=4, eval_tokens=1024)
 
 
 def test_expert_parallel_trains_as_ep_1_resumes_bit_for_bit_and_exports_whole_experts(data, tmp_path):

@@ -12,13 +12,13 @@ import pytest
 
 from pretrain_bench.train.checkpoints.checkpointer import load_fp32_state_dict
 from pretrain_bench.train.plan import Plan
-from support import crash_after_first_checkpoint, losses, plan_for, read_jsonl, recorded_losses, run
+from support import MOE_OVERRIDES, crash_after_first_checkpoint, losses, moe_plan_for, read_jsonl, recorded_losses, run
 
 pytestmark = pytest.mark.engine
 
 RANKS, STEPS, EVERY = 2, 6, 3
 MICRO_BATCH, SEQ_LEN, TOP_K = 4, 128, 2  # the tiny config's batch and length; tiny-moe's experts per token
-RATE = 0.01  # bias_update_rate, larger than DeepSeek-V3's so that 6 steps move the biases
+RATE = MOE_OVERRIDES["bias_update_rate"]  # larger than DeepSeek-V3's so that 6 steps move the biases
 ENGINES = {"ddp": {"engine": "ddp", "zero_stage": 0}, "fsdp": {"engine": "fsdp", "zero_stage": 3},
            "zero0": {"zero_stage": 0}, "zero1": {"zero_stage": 1}, "zero3": {"zero_stage": 3}}
 # also resumed at another world size (train.allow_reshape): ZeRO-3, through DeepSpeed's universal checkpoint
@@ -26,11 +26,7 @@ RESHAPED = {"zero3"}
 
 
 def moe_plan(data, run_dir, **train):
-    config, results = data
-    model = {**config["model"], "preset": "tiny-moe", "implementation": "native",
-             "overrides": {"aux_loss_alpha": 0.01, "bias_update_rate": RATE}}
-    return plan_for(({**config, "model": model}, results), run_dir, max_steps=STEPS, checkpoint_every=EVERY,
-                    eval_every=None, **train)
+    return moe_plan_for(data, run_dir, max_steps=STEPS, checkpoint_every=EVERY, eval_every=None, **train)
 
 
 def biases_from_loads(records: list[dict]):

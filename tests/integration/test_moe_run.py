@@ -6,26 +6,12 @@ import json
 
 import pytest
 
-from pretrain_bench.train.plan import make_plan
-from pretrain_bench.workflow.experiment import plan_config
-from support import crash_after_first_checkpoint, losses, read_jsonl, recorded_losses, run
+from support import crash_after_first_checkpoint, losses, moe_plan_for, read_jsonl, recorded_losses, run
 
 pytestmark = pytest.mark.engine
 
-MOE = {"aux_loss_alpha": 0.01, "bias_update_rate": 0.01}  # both on, larger than DeepSeek-V3's so 12 steps move them
-
-
 def moe_plan(data, run_dir, **train):
-    config, results = data
-    overrides = {"max_steps": 12, "checkpoint_every": 4, "warmup_timing_steps": 1, "warmup_steps": 2,
-                 "lr": 3.0e-3, "min_lr": 3.0e-4, "rank_start": "exec", **train}
-    config = {**config, "model": {**config["model"], "preset": "tiny-moe", "implementation": "native",
-                                  "overrides": MOE},
-              "train": {**config["train"], **overrides}}
-    plan = make_plan(plan_config(config), index=results.shards / "index.json", tokenizer=results.tokenizer,
-                     out_dir=run_dir / "out", state_dir=run_dir / "state")
-    plan.to_json(run_dir / "plan.json")
-    return run_dir / "plan.json"
+    return moe_plan_for(data, run_dir, max_steps=12, rank_start="exec", **train)
 
 
 def test_moe_run_records_the_expert_load_and_kill_9_then_rerun_repeats_it_bit_for_bit(data, tmp_path):
