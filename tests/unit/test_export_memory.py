@@ -60,13 +60,13 @@ def test_names_sharing_one_tensor_share_the_cast_one():
     assert torch.equal(cast["head.weight"], embedding.to(torch.bfloat16))
 
 
-def test_a_bf16_export_holds_every_weight_of_the_checkpoint_cast(tmp_path):
+def export_bf16(model, shape, tmp_path) -> dict:
+    """`model`'s weights as checkpoint step 4 (a ZeRO-0/1/2 model file), exported in bf16 with a 300-token tokenizer:
+    the export's safetensors, as loaded."""
     from safetensors.torch import load_file
 
     from pretrain_bench.data.tokenizer import train_tokenizer
 
-    shape = ModelShape(2, 32, 2, 2, 64, 300, tie_word_embeddings=False)
-    model = build_model(shape, 16, seed=3)
     folder = tmp_path / "checkpoints" / ckpt.tag_for(4)
     folder.mkdir(parents=True)
     torch.save({"module": model.state_dict()}, folder / "mp_rank_00_model_states.pt")
@@ -74,7 +74,13 @@ def test_a_bf16_export_holds_every_weight_of_the_checkpoint_cast(tmp_path):
     corpus = write_jsonl(tmp_path / "train.jsonl", [t for t in stdlib_texts(60_000) if t.isascii()])
     train_tokenizer(corpus, tmp_path / "tokenizer", vocab_size=300, train_bytes=50_000)
     export_hf(tmp_path / "checkpoints", 4, shape, 16, tmp_path / "tokenizer", tmp_path / "out", dtype="bf16")
-    weights = load_file(tmp_path / "out" / "model.safetensors")
+    return load_file(tmp_path / "out" / "model.safetensors")
+
+
+def test_a_bf16_export_holds_every_weight_of_the_checkpoint_cast(tmp_path):
+    shape = ModelShape(2, 32, 2, 2, 64, 300, tie_word_embeddings=False)
+    model = build_model(shape, 16, seed=3)
+    weights = export_bf16(model, shape, tmp_path)
     expected = {name: tensor for name, tensor in model.state_dict().items() if tensor.is_floating_point()}
     assert set(weights) == set(expected)
     for name, tensor in expected.items():
@@ -85,10 +91,8 @@ def test_a_bf16_export_holds_every_weight_of_the_checkpoint_cast(tmp_path):
 def test_a_bf16_export_of_a_deepseek_model_keeps_its_routers_fp32_and_loads_in_transformers(tmp_path):
     """The router's weight and aux-loss-free bias stay float32 (bit for bit the checkpoint's), every other weight is
     bf16, and AutoModelForCausalLM loads the folder back with the router still float32."""
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from pretrain_bench.data.tokenizer import train_tokenizer
     from pretrain_bench.train.models.deepseek import build_model as build_deepseek
     from pretrain_bench.train.models.deepseek import resolve_shape
 
@@ -97,14 +101,7 @@ def test_a_bf16_export_of_a_deepseek_model_keeps_its_routers_fp32_and_loads_in_t
     model = build_deepseek(shape, 16, seed=3, implementation="native")
     with torch.no_grad():  # a bias that moved in training, at a step bf16 cannot hold
         model.model.layers[1].mlp.gate.e_score_correction_bias += torch.linspace(-1e-3, 1e-3, 8) + 1e-5
-    folder = tmp_path / "checkpoints" / ckpt.tag_for(4)
-    folder.mkdir(parents=True)
-    torch.save({"module": model.state_dict()}, folder / "mp_rank_00_model_states.pt")
-    ckpt.write_marker(tmp_path / "checkpoints", 4, {"tokens": 1})
-    corpus = write_jsonl(tmp_path / "train.jsonl", [t for t in stdlib_texts(60_000) if t.isascii()])
-    train_tokenizer(corpus, tmp_path / "tokenizer", vocab_size=300, train_bytes=50_000)
-    export_hf(tmp_path / "checkpoints", 4, shape, 16, tmp_path / "tokenizer", tmp_path / "out", dtype="bf16")
-    weights = load_file(tmp_path / "out" / "model.safetensors")
+    weights = export_bf16(model, shape, tmp_path)
     router = {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
     original = model.state_dict()
     assert router <= set(weights)
