@@ -245,3 +245,18 @@ def test_a_stopped_job_ends_the_terminal_with_the_saved_step_and_the_command_tha
     crashed = tmp_path / "crashed.log"
     crashed.write_text(FAILED_LOG)  # a checkpoint saved before a crash is no stop: no "continue" line for a bug
     assert closing_lines([SimpleNamespace(rule=job.rule, log=[str(crashed)])], argv) is None
+
+
+def test_the_workflow_plans_without_importing_torch():
+    """What the Snakefile imports to plan (pretrain_bench.workflow.pipeline and all it imports) loads no torch:
+    importing it took 1.3 of a 2.9 s `snakemake -n` (docs/benchmarks/2026-12-07-dry-run.md). In a fresh process, as
+    Snakemake's own."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; import pretrain_bench.workflow.pipeline; "
+             "print(sorted(name for name in sys.modules if name == 'torch' or name.startswith('torch.')))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "workflow_scripts")}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

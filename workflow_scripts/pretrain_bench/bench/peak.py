@@ -32,11 +32,11 @@ from typing import NamedTuple
 from pretrain_bench.core.devices import (
     GPU_LOCK_DIR,
     cpu_bf16_is_native,
+    evaluation_device,
     gpu_names,
     hardware_description,
     usable_cpu_count,
 )
-from pretrain_bench.evaluate.evaluation import evaluation_device
 from pretrain_bench.train.metrics import OtherCpu, load_average
 from pretrain_bench.train.run_context import usable_cpus
 

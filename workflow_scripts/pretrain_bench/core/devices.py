@@ -171,6 +171,27 @@ def gpu_slots(count: int, lock_dir: Path = GPU_LOCK_DIR, *, timeout_s: float = 3
 
 
 @contextlib.contextmanager
+def evaluation_device(requested: str, lock_dir: Path):
+    """'cpu', or 'cuda:<index>' holding one GPU slot (gpu_slots) for the duration of the block: an evaluation's or
+    the peak measurement's one device. Here, beside the slots, so that a module naming it imports no torch (the
+    workflow plans without it: `snakemake -n` spent 1.3 s importing torch through the peak module).
+
+    A scheduler's CUDA_VISIBLE_DEVICES is respected: the job then uses the first device it was given.
+    """
+    device = resolve_device(requested)
+    if device != "cuda":
+        yield "cpu"
+        return
+    import torch
+
+    with gpu_slots(1, Path(lock_dir)) as ids:
+        # torch numbers the visible devices 0..N-1: the slot's position in the visible list is its index
+        index = 0 if ids is None else visible_device_ids().index(ids[0])
+        torch.cuda.set_device(index)  # so that current_device() (hardware_description) names this GPU
+        yield f"cuda:{index}"
+
+
+@contextlib.contextmanager
 def allocate_slots(count: int, devices: int | list[str], lock_dir: Path, *, timeout_s: float = 3600.0):
     """Hold `count` of `devices` (ids, or a count: ids 0..N-1) with lock files in lock_dir for the with-block.
 

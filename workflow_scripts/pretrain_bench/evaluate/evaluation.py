@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain_bench.config.schema import default_field
-from pretrain_bench.core.devices import GPU_LOCK_DIR
+from pretrain_bench.core.devices import GPU_LOCK_DIR, evaluation_device
 from pretrain_bench.core.io import atomic_write_json
 from pretrain_bench.core.logs import log_startup
 from pretrain_bench.train.heldout import eval_sample_indices
@@ -175,25 +175,6 @@ def generate_continuations(model, tokenizer, prompts, settings: GenerationSettin
                 "stopped_at_eos": bool(new) and new[-1] == tokenizer.eos_token_id,
             })
     return records
-
-
-@contextlib.contextmanager
-def evaluation_device(requested: str, lock_dir: Path):
-    """'cpu', or 'cuda:<index>' holding one GPU slot (devices.gpu_slots) for the duration of the block.
-
-    A scheduler's CUDA_VISIBLE_DEVICES is respected: the job then uses the first device it was given.
-    """
-    from pretrain_bench.core.devices import gpu_slots, resolve_device, visible_device_ids
-
-    device = resolve_device(requested)
-    if device != "cuda":
-        yield "cpu"
-        return
-    with gpu_slots(1, Path(lock_dir)) as ids:
-        # torch numbers the visible devices 0..N-1: the slot's position in the visible list is its index
-        index = 0 if ids is None else visible_device_ids().index(ids[0])
-        torch.cuda.set_device(index)  # so that current_device() (hardware_description) names this GPU
-        yield f"cuda:{index}"
 
 
 def supported_precision(precision: str, device: str) -> tuple[str, str | None]:
