@@ -70,21 +70,25 @@ def parameter_rows(summary) -> list[dict]:
             for part, count, what in rows]
 
 
-def balance_rows(records: list[dict], first_moe_layer: int = 0) -> list[dict]:
-    """Per MoE layer (numbered as decoder layers from 0, the first MoE one `first_moe_layer`): MaxVio and CV of the
-    load, mean over the first and over the last EARLY_LATE_STEPS steps, and the router bias's norm at the end."""
-    loads = load_records(records)
+def early_and_late(loads: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The first and the last EARLY_LATE_STEPS of the records with an expert load (half of them each, when fewer)."""
+    span = min(EARLY_LATE_STEPS, max(1, len(loads) // 2))
+    return loads[:span], loads[-span:]
+
+
+def balance_rows(loads: list[dict], first_moe_layer: int = 0) -> list[dict]:
+    """Per MoE layer of the records with an expert load (numbered as decoder layers from 0, the first MoE one
+    `first_moe_layer`): MaxVio and CV of the load, mean over the first and over the last steps (early_and_late), and
+    the router bias's norm at the end."""
     if not loads:
         return []
-    span = min(EARLY_LATE_STEPS, max(1, len(loads) // 2))
-    early, late = loads[:span], loads[-span:]
+    parts = dict(zip(("early", "late"), early_and_late(loads)))
     bias = loads[-1].get("router_bias_norm")
     rows = []
     for layer in range(len(loads[0]["expert_load"])):
-        maxvio = {part: statistics.fmean(r["max_violation"][layer] for r in steps)
-                  for part, steps in (("early", early), ("late", late))}
+        maxvio = {part: statistics.fmean(r["max_violation"][layer] for r in steps) for part, steps in parts.items()}
         cv = {part: statistics.fmean(coefficient_of_variation(r["expert_load"][layer]) for r in steps)
-              for part, steps in (("early", early), ("late", late))}
+              for part, steps in parts.items()}
         rows.append({"layer": first_moe_layer + layer,
                      "maxvio_early": fmt(maxvio["early"], 3), "maxvio_late": fmt(maxvio["late"], 3),
                      "cv_early": fmt(cv["early"], 3), "cv_late": fmt(cv["late"], 3),
@@ -92,14 +96,13 @@ def balance_rows(records: list[dict], first_moe_layer: int = 0) -> list[dict]:
     return rows
 
 
-def balance_steps(records: list[dict]) -> dict:
+def balance_steps(loads: list[dict]) -> dict:
     """The step ranges balance_rows compares, for the table's caption."""
-    loads = load_records(records)
-    span = min(EARLY_LATE_STEPS, max(1, len(loads) // 2))
     if not loads:
         return {}
-    return {"early": f"{loads[0]['step']}–{loads[span - 1]['step']}",
-            "late": f"{loads[-span]['step']}–{loads[-1]['step']}", "steps": len(loads)}
+    early, late = early_and_late(loads)
+    return {"early": f"{early[0]['step']}–{early[-1]['step']}", "late": f"{late[0]['step']}–{late[-1]['step']}",
+            "steps": len(loads)}
 
 
 def implied_mfu(cost: dict) -> dict:
@@ -180,8 +183,8 @@ def moe_section(summary, records: list[dict], memory: list[dict] = (), runs_by_c
     aux = [r["aux_loss"] for r in loads if "aux_loss" in r]
     return {"parameters": parameter_rows(summary), "memory": memory_rows(memory),
             "all_to_all": all_to_all_rows(runs_by_cell or {}),
-            "balance": balance_rows(records, summary.model["first_moe_layer"]),
-            "balance_steps": balance_steps(records), "costs": cost_rows(summary),
+            "balance": balance_rows(loads, summary.model["first_moe_layer"]),
+            "balance_steps": balance_steps(loads), "costs": cost_rows(summary),
             "aux_first": fmt(aux[0], 4) if aux else None, "aux_last": fmt(aux[-1], 4) if aux else None,
             "all_to_all_pct": (fmt(100 * summary.all_to_all_fraction, 1) if summary.all_to_all_fraction is not None
                                else None),

@@ -171,13 +171,13 @@ def communication_plot(communication: pd.DataFrame, path: Path) -> Path:
 MAX_LOAD_PANELS = 6  # MoE layers drawn in the expert-load heatmap: all up to this many, else evenly spaced ones
 
 
-def expert_load_plot(records: list[dict], first_moe_layer: int, path: Path) -> Path:
+def expert_load_plot(loads: list[dict], first_moe_layer: int, path: Path) -> Path:
     """Per MoE layer, a heatmap of each expert's share of the layer's routed tokens per step, as a multiple of the
-    balanced share (1 = every expert gets 1/E): rows experts, columns steps."""
+    balanced share (1 = every expert gets 1/E): rows experts, columns steps (`loads`: the records with an
+    expert load, experts.load_records)."""
     plt = _pyplot()
     import numpy as np
 
-    loads = [r for r in records if r.get("expert_load")]
     layers = len(loads[0]["expert_load"])
     shown = (list(range(layers)) if layers <= MAX_LOAD_PANELS
              else sorted({round(i * (layers - 1) / (MAX_LOAD_PANELS - 1)) for i in range(MAX_LOAD_PANELS)}))
@@ -202,11 +202,11 @@ def expert_load_plot(records: list[dict], first_moe_layer: int, path: Path) -> P
     return path
 
 
-def balance_plot(records: list[dict], first_moe_layer: int, path: Path) -> Path:
+def balance_plot(loads: list[dict], first_moe_layer: int, path: Path) -> Path:
     """MaxVio and the coefficient of variation of the expert load per MoE layer over the steps; the balance loss (as
-    trained on, α included) and each layer's router-bias norm where the run had them."""
+    trained on, α included) and each layer's router-bias norm where the run had them (`loads`: the records with an
+    expert load, experts.load_records)."""
     plt = _pyplot()
-    loads = [r for r in records if r.get("expert_load")]
     steps = [r["step"] for r in loads]
     layers = len(loads[0]["expert_load"])
     fig, axes = plt.subplots(2, 2, figsize=(11, 6.5))

@@ -214,10 +214,11 @@ def draw_plots(frames: ReportFrames, records: list[dict], evals: list[dict], plo
         paths["memory"] = plotting.memory_plot(frames.memory, frames.device, plot_dir / "memory.png")
     if not frames.communication.empty:
         paths["communication"] = plotting.communication_plot(frames.communication, plot_dir / "communication.png")
-    if is_moe(summary) and load_records(records):
+    loads = load_records(records) if is_moe(summary) else []
+    if loads:
         first = summary.model["first_moe_layer"]
-        paths["expert_load"] = plotting.expert_load_plot(records, first, plot_dir / "expert_load.png")
-        paths["balance"] = plotting.balance_plot(records, first, plot_dir / "balance.png")
+        paths["expert_load"] = plotting.expert_load_plot(loads, first, plot_dir / "expert_load.png")
+        paths["balance"] = plotting.balance_plot(loads, first, plot_dir / "balance.png")
     return {key: {"name": p.name, "rel": f"plots/{p.name}", "data": base64.b64encode(p.read_bytes()).decode()}
             for key, p in paths.items()}
 
