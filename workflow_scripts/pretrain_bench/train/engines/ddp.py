@@ -27,16 +27,16 @@ class DDPEngine(TorchEngine):
     def wrap(self, model):
         self.module = model  # what is saved and loaded: the model itself, wrapped or not
         self._comm = CommIntervals(CudaEventClock() if self.device == "cuda" else HostClock())
-        # train.expert_parallel: this rank keeps its slice of the routed experts (the model was built whole from
-        # the run's seed, so EP 1's experts, split), and they stay out of DDP's all-reduce
-        # and its MoE layers' all-to-alls timed as the all-reduces are (on rank 0, the same clock)
-        self._all_to_all = CommIntervals(CudaEventClock() if self.device == "cuda" else HostClock())
         self.experts = None
         if self.settings.expert_parallel > 1:
-            # imported here: the MoE dispatch's torch.compiler.disable imports torch._dynamo, which an eager rank
-            # without experts never loads (tests/unit/test_engine_choice.py)
+            # train.expert_parallel: this rank keeps its slice of the routed experts (the model was built whole from
+            # the run's seed, so EP 1's experts, split), they stay out of DDP's all-reduce, and the MoE layers'
+            # all-to-alls are timed as the all-reduces are. Imported here: the MoE dispatch's
+            # torch.compiler.disable imports torch._dynamo, which an eager rank without experts never loads
+            # (tests/unit/test_engine_choice.py).
             from pretrain_bench.train.engines.expert_shards import ExpertShards
 
+            self._all_to_all = CommIntervals(CudaEventClock() if self.device == "cuda" else HostClock())
             self.experts = ExpertShards(model, self.settings.expert_parallel, self._all_to_all)
         if self.alone():
             # Alone, DDP would all-reduce every gradient with itself (dividing it by 1), and under train.compile its
