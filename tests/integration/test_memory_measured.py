@@ -47,17 +47,16 @@ MOE_OVERRIDES = {"hidden_size": 512, "intermediate_size": 1024, "moe_intermediat
                  "qk_rope_head_dim": 32, "v_head_dim": 64}
 
 
-# 2 ranks only: at 1 rank the model over-predicts this run by 15 % (measured ÷ predicted 0.847 and 0.848 on a quiet
-# machine, 0.868 under load; docs/benchmarks/2026-12-07-moe-memory.md), below the 0.85 floor: which term is too
-# large there is not known yet, and the floor is not lowered to hide it
-@pytest.mark.parametrize("ranks", [2])
-def test_moe_run_rss_matches_the_memory_model(data, tmp_path, ranks):
-    # ZeRO-2 fp32 on CPU, no offload: peak RSS per rank holds the expert and the non-expert states (ZeRO's formula
-    # over each, the experts on their expert-data-parallel group), MoE and MLA activations, the buffers, the runtime
+@pytest.mark.parametrize("ranks,engine,expert_parallel", [(1, "deepspeed", 1), (2, "deepspeed", 1), (2, "ddp", 2)])
+def test_moe_run_rss_matches_the_memory_model(data, tmp_path, ranks, engine, expert_parallel):
+    # fp32 on CPU, no offload: peak RSS per rank holds the expert and the non-expert states (ZeRO-2's formula over
+    # each, the experts on their expert-data-parallel group; DDP's 16 bytes per parameter a rank holds, half the
+    # experts at EP 2), MoE and MLA activations (the busiest expert-parallel rank's), the buffers, the runtime
     config, results = data
     config = {**config, "model": {**config["model"], "preset": "tiny-moe", "implementation": "native",
                                   "overrides": MOE_OVERRIDES, "seq_len": 64}}
-    plan_path = plan_for((config, results), tmp_path, gpus=ranks, global_batch_size=None, zero_stage=2,
+    plan_path = plan_for((config, results), tmp_path, gpus=ranks, global_batch_size=None, engine=engine,
+                         zero_stage=2 if engine == "deepspeed" else 0, expert_parallel=expert_parallel,
                          precision="fp32", micro_batch_size=4, grad_accum_steps=1, max_steps=2, warmup_steps=1,
                          memory_fit="strict", eval_every=None, save_checkpoints=False)
     assert run(plan_path, ranks, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-3000:]
@@ -67,6 +66,6 @@ def test_moe_run_rss_matches_the_memory_model(data, tmp_path, ranks):
     assert estimate["model_states"] > estimate["runtime"], "the model's terms, not the runtime, dominate"
     predicted = estimate["per_rank"] + estimate["host_states"]
     ratios = [measured / predicted for measured in summary["peak_mem_bytes"]]
-    print(f"tiny-moe ZeRO-2 fp32, {ranks} rank(s): measured ÷ predicted {[round(r, 3) for r in ratios]} "
-          f"(predicted {predicted / 2**30:.3f} GiB)")
+    print(f"tiny-moe {engine} EP {expert_parallel} fp32, {ranks} rank(s): measured ÷ predicted "
+          f"{[round(r, 3) for r in ratios]} (predicted {predicted / 2**30:.3f} GiB)")
     assert all(0.85 <= ratio <= 1.15 for ratio in ratios), ratios

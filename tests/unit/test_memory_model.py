@@ -135,6 +135,23 @@ def test_gpu_buffers_count_the_norm_copies_of_the_largest_gradient():
     assert total == sum(v for v, _ in offload.values()) and "stage_1_and_2.py:1886" in formula
 
 
+def test_cpu_norm_copy_counts_only_beyond_the_freed_bucket():
+    # on CPU the backward's bucket is freed (its pages leave the RSS) before the step's fp64 norm copy is made, so
+    # the copy adds only what it exceeds the bucket by; CUDA keeps both (the caching allocator's reserve)
+    shape = dict(layers=4, hidden_size=256, kv_size=256, ffn_size=688, vocab_size=4096, seq_len=128,
+                 micro_batch_size=8, ranks=1, zero_stage=2, precision="fp32", device="cpu")
+    small = memory_model.buffer_terms(memory_model.RunShape(parameters=10_000_000, **shape))
+    assert small["buckets"][0] == 4 * 10_000_000 and small["norm_copies"][0] == 0  # 8 × 1.05M < 40 MB
+    # a bucket capped at 5e8 elements under a larger fp64 piece: the excess counts
+    big = memory_model.RunShape(parameters=3 * 10**9, **{**shape, "vocab_size": 300_000, "hidden_size": 4096})
+    terms = memory_model.buffer_terms(big)
+    assert terms["buckets"][0] == 4 * 500_000_000
+    assert terms["norm_copies"][0] == 8 * big.largest_parameter - 4 * 500_000_000 > 0
+    assert "beyond the bucket" in terms["norm_copies"][1]
+    gpu = memory_model.buffer_terms(replace(big, device="cuda"))
+    assert gpu["norm_copies"][0] == 8 * big.largest_parameter
+
+
 def run(**kw):
     base = dict(parameters=10_000_000, layers=4, hidden_size=256, kv_size=256, ffn_size=688, vocab_size=4096,
                 seq_len=128, micro_batch_size=8, ranks=2, zero_stage=2, precision="fp32", device="cpu")

@@ -128,6 +128,29 @@ def test_a_ddp_run_takes_its_expert_parallel_size_from_the_config():
     assert estimate(run_two).expert_states == 16 * run_one.expert_parameters // 2
 
 
+
+def test_expert_parallel_receive_buffers_and_all_to_all_bytes():
+    # tiny-moe: E 8, K 2, 3 MoE layers. At EP 4 a rank holds 2 experts, so a token sends it at most 2 pairs: f = 4
+    one = moe_run(ranks=4, engine="ddp", zero_stage=0)
+    four = replace(one, expert_parallel=4)
+    assert one.receive_factor == 1.0 and four.receive_factor == 4.0
+    assert replace(four, expert_parallel=2).receive_factor == 2.0  # 4 experts per rank, K 2: 2·2/2
+    # force-balanced routing: every rank receives its share
+    assert replace(four, moe=replace(four.moe, force_balanced=True)).receive_factor == 1.0
+    b, h, moe = 4, four.hidden_size, four.moe
+    k, i = moe.experts_per_token, moe.expert_ffn_size
+    assert memory_model.moe_ffn_activations(four, b) - memory_model.moe_ffn_activations(one, b) == \
+        b * k * (2 * h + 4 * i) * 3  # the busiest rank runs f = 4 times its own pairs through its experts
+    # the dispatch's send and receive buffers
+    pairs = 2 * 64 * k  # micro-batch 2 × seq 64 × K
+    terms = memory_model.torch_engine_terms(four)[1]
+    assert terms["ep_exchange"][0] == pairs * h * b * (1 + 4) and "ep_exchange" not in \
+        memory_model.torch_engine_terms(one)[1]
+    # all-to-all: 4 exchanges (dispatch, combine, both backward) × MoE layers × pairs × H × b × (EP-1)/EP
+    assert one.all_to_all_bytes() == 0 and estimate(one).all_to_all_bytes == 0
+    assert four.all_to_all_bytes() == 4 * 3 * pairs * h * b * 3 // 4 == estimate(four).all_to_all_bytes
+
+
 # ---- the pre-flight's verdicts ----------------------------------------------------------------------------------
 
 def preflight(preset, gpus, gpu_gib, host_gib, disk_gib):

@@ -138,7 +138,23 @@ def test_an_expert_parallel_run_reports_its_all_to_all_share(tmp_path):
     split = [RunSummary.from_dict({**summary(3, comm=c), "expert_parallel": 3, "all_to_all_fraction": a})
              for c, a in ((0.1, 0.2), (0.12, 0.3))]
     md, html, out = render(tmp_path, main, load_records(), {"ranks3-zero2-fp32-gloo-ep3": split})
-    assert "| ranks3-zero2-fp32-gloo-ep3 | 3 | 3 | 25.0 (20.0–30.0) | 11.0 (10.0–12.0) |" in md
+    # the cell is not in the matrix: no prediction of its bytes, so no rate
+    assert "| ranks3-zero2-fp32-gloo-ep3 | 3 | 3 | 25.0 (20.0–30.0) | 11.0 (10.0–12.0) | n/a | not measured |" in md
     assert "split over 3 ranks (train.expert_parallel)" in md
     assert "by all-to-all: 25.0% of the main run's step time (measured:" in md
     assert "All-to-all: none" not in md and "3 in this run" in md
+
+
+def test_all_to_all_rows_put_the_predicted_bytes_over_the_measured_time():
+    split = [RunSummary.from_dict({**summary(3, comm=0.1), "expert_parallel": 3, "all_to_all_fraction": a})
+             for a in (0.2, 0.4)]
+    cell = "ranks3-zero2-fp32-gloo-ep3"
+    per_micro_batch = 3 * 2**20
+    rows = experts.all_to_all_rows({cell: split, "ranks3-dense": [RunSummary.from_dict(summary(3))]},
+                                   [{"cell": cell, "all_to_all_bytes": per_micro_batch}])
+    assert [r["cell"] for r in rows] == [cell]  # only the cells that split their experts
+    run = split[0]
+    per_step = per_micro_batch * run.grad_accum_steps
+    assert rows[0]["sent_mib"] == f"{per_step / 2**20:.2f}"
+    rates = sorted(per_step / (a * run.step_time_s["median"]) / 1e6 for a in (0.2, 0.4))
+    assert rows[0]["rate_mb_s"] == f"{statistics.median(rates):.0f} ({rates[0]:.0f}–{rates[1]:.0f})"

@@ -158,18 +158,27 @@ def memory_rows(memory: list[dict]) -> list[dict]:
             for r in memory]
 
 
-def all_to_all_rows(runs_by_cell: dict) -> list[dict]:
+def all_to_all_rows(runs_by_cell: dict, memory: list[dict] = ()) -> list[dict]:
     """Per benchmark cell that split its experts (expert_parallel above 1): the all-to-alls' share of the step time
-    beside the gradient collectives', median (min–max) over the cell's repeats."""
+    beside the gradient collectives', median (min–max) over the cell's repeats; the bytes a rank sends by all-to-all
+    per step, *predicted* (memory.model RunShape.all_to_all_bytes per micro-batch × grad_accum_steps, a balanced
+    load), and that ÷ the measured all-to-all time per step (its share × the median step time): an effective rate,
+    waiting for the slowest rank included."""
+    sent = {r["cell"]: r.get("all_to_all_bytes") or 0 for r in memory}
     rows = []
     for cell, runs in sorted(runs_by_cell.items()):
         if runs[0].expert_parallel <= 1:
             continue
         a2a = [r.all_to_all_fraction for r in runs if r.all_to_all_fraction is not None]
         comm = [r.comm_fraction for r in runs if r.comm_fraction is not None]
+        per_step = sent.get(cell, 0) * runs[0].grad_accum_steps
+        rates = [per_step / (r.all_to_all_fraction * r.step_time_s["median"]) for r in runs
+                 if per_step and r.all_to_all_fraction and r.step_time_s.get("median")]
         rows.append({"cell": cell, "ranks": str(runs[0].world_size), "expert_parallel": str(runs[0].expert_parallel),
                      "all_to_all_pct": spread(a2a, 1, 100) if a2a else "not measured",
-                     "comm_pct": spread(comm, 1, 100) if comm else "not measured"})
+                     "comm_pct": spread(comm, 1, 100) if comm else "not measured",
+                     "sent_mib": fmt(per_step / 2**20, 2) if per_step else "n/a",
+                     "rate_mb_s": spread(rates, 0, 1e-6) if rates else "not measured"})
     return rows
 
 
@@ -182,7 +191,7 @@ def moe_section(summary, records: list[dict], memory: list[dict] = (), runs_by_c
     loads = load_records(records)
     aux = [r["aux_loss"] for r in loads if "aux_loss" in r]
     return {"parameters": parameter_rows(summary), "memory": memory_rows(memory),
-            "all_to_all": all_to_all_rows(runs_by_cell or {}),
+            "all_to_all": all_to_all_rows(runs_by_cell or {}, memory),
             "balance": balance_rows(loads, summary.model["first_moe_layer"]),
             "balance_steps": balance_steps(loads), "costs": cost_rows(summary),
             "aux_first": fmt(aux[0], 4) if aux else None, "aux_last": fmt(aux[-1], 4) if aux else None,

@@ -421,13 +421,13 @@ def memory_frame(matrix: dict, cells: pd.DataFrame) -> pd.DataFrame:
             "ranks": entry["gpus"], "precision": entry["precision"], "measured_bytes": measured,
             "measured_bytes_values": cell["mem_bytes_values"], "predicted_bytes": predicted,
             "states_bytes": est["model_states"], "expert_states_bytes": est.get("expert_states", 0),
-            "activations_bytes": est["activations"],
+            "activations_bytes": est["activations"], "all_to_all_bytes": est.get("all_to_all_bytes", 0),
             "other_bytes": predicted - est["model_states"] - est["activations"],
             "ratio": measured / predicted if predicted else None, "formula": est["state_formula"],
         })
     return frame(rows, ("cell", "engine", "zero_stage", "ranks", "precision", "measured_bytes",
                         "measured_bytes_values", "predicted_bytes", "states_bytes", "expert_states_bytes",
-                        "activations_bytes", "other_bytes", "ratio", "formula"))
+                        "activations_bytes", "all_to_all_bytes", "other_bytes", "ratio", "formula"))
 
 
 MEMORY_COLUMNS = {

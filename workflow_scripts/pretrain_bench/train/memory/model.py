@@ -69,8 +69,9 @@ MOE_ACTIVATION_FORMULA = (
     "+ n_h·D_v) + 4·(H + r_q + r_kv): norm input and output, the query latent and its norm, q_b's output and the "
     "rotated q, the key/value latent with the shared rotary key and its norm, kv_b's keys and values, the rotated k, "
     "the attention output; plain multi-head attention b·(2H + 4·n_h·D_qk + 2·n_h·D_v)) + FFN (dense: b·(2H + 4F) + "
-    "4H; MoE: b·(2H + K·(2H + 4I) + 4·I_s) + 4H + 4·(H if b = 2) + 4·E·(1 + balance loss): the K dispatched copies "
-    "of each token through its experts' SwiGLU, the shared experts' SwiGLU I_s = n_shared·I wide, the router's fp32 "
+    "4H; MoE: b·(2H + f·K·(2H + 4I) + 4·I_s) + 4H + 4·(H if b = 2) + 4·E·(1 + balance loss): the K dispatched "
+    "copies of each token through its experts' SwiGLU, f = EP·min(K, E/EP)/K on the busiest expert-parallel rank (1 "
+    "without expert parallelism), the shared experts' SwiGLU I_s = n_shared·I wide, the router's fp32 "
     "input and scores); with activation checkpointing L × b·H layer inputs + the largest layer recomputed"
 )
 
@@ -118,6 +119,29 @@ class RunShape:
         if self.ranks % self.expert_parallel:
             raise ValueError(f"{self.ranks} ranks do not divide into expert parallelism {self.expert_parallel}")
         return self.expert_parallel, self.ranks // self.expert_parallel
+
+    @property
+    def receive_factor(self) -> float:
+        """f: the most (token, slot) pairs one rank's experts can receive in a MoE layer, ÷ the balanced share (the
+        pairs its own tokens send). The dispatch drops no token (no capacity factor), so nothing bounds a rank below
+        every token of its EP group sending it min(K, E/EP) pairs: f = EP·min(K, E/EP)/K. 1 without expert
+        parallelism or with force-balanced routing. Not a rare case early in training: in the tiny-moe demo at EP 2
+        the busiest rank of some layer received every pair of a step (docs/benchmarks/2026-12-08-moe-memory.md)."""
+        if not self.moe or self.expert_parallel == 1 or self.moe.force_balanced:
+            return 1.0
+        k = self.moe.experts_per_token
+        return self.expert_parallel * min(k, self.moe.routed_experts // self.expert_parallel) / k
+
+    def all_to_all_bytes(self) -> int:
+        """Bytes one rank sends by all-to-all in one micro-batch with expert parallelism (0 without): every MoE
+        layer's dispatch and combine, forward and backward, each moving the rank's tokens × K rows of H elements, of
+        which the 1/EP bound for its own experts stay; a balanced load (the count exchange's few bytes left out)."""
+        if not self.moe or self.expert_parallel == 1:
+            return 0
+        b = 4 if self.precision == "fp32" else 2
+        pairs = self.micro_batch_size * self.seq_len * self.moe.experts_per_token
+        moe_layers = self.layers - self.moe.dense_layers
+        return int(4 * moe_layers * pairs * self.hidden_size * b * (self.expert_parallel - 1) / self.expert_parallel)
 
     def held_experts(self, elements: int) -> int:
         """Of `elements` routed-expert parameters, those one rank's expert-parallel slice holds (÷ EP)."""
@@ -169,6 +193,7 @@ class Estimate:
     # Of params + grads + optimizer (on the device) and host_states: the routed experts' share (0 for a dense model)
     expert_states: int = 0
     expert_host_states: int = 0
+    all_to_all_bytes: int = 0  # sent by all-to-all per micro-batch with expert parallelism (RunShape.all_to_all_bytes)
 
     @property
     def model_states(self) -> int:
@@ -470,9 +495,11 @@ def moe_ffn_activations(run: RunShape, b: int) -> int:
     every token, and the router's fp32 input and E scores per token."""
     h, moe = run.hidden_size, run.moe
     k, i, shared, experts = moe.experts_per_token, moe.expert_ffn_size, moe.shared_ffn_size, moe.routed_experts
-    routed = k * (2 * h + 4 * i)  # per dispatched copy: input row + down's output (H each), gate/up/silu/product
+    # per dispatched copy: input row + down's output (H each), gate/up/silu/product; with expert parallelism the
+    # busiest rank computes up to receive_factor times its own tokens' pairs
+    routed = k * (2 * h + 4 * i) * run.receive_factor
     router = (4 * h if b != 4 else 0) + 4 * experts * (1 + moe.balance_loss)  # x.float(); scores (+ normalised)
-    return b * (2 * h + routed + 4 * shared) + 4 * h + router
+    return int(b * (2 * h + routed + 4 * shared) + 4 * h + router)
 
 
 def buffer_terms(run: RunShape) -> dict:
@@ -514,10 +541,20 @@ def buffer_terms(run: RunShape) -> dict:
             terms["norm_copies"] = (largest * (8 + 4), "fp64 norm + fp32 copy of the largest gradient "
                                                        "(stage_1_and_2.py:1886, get_norm_dtype)")
         else:
-            # :2684 the gradient norm casts each partition piece to fp64 (get_norm_dtype)
+            # :2684 the gradient norm casts each partition piece to fp64 (get_norm_dtype), at the optimizer step
             piece = min(largest, -(-psi // run.ranks))
-            terms["norm_copies"] = (piece * 8, "fp64 copy of the largest gradient piece for the norm "
-                                               "(stage_1_and_2.py:2684, get_norm_dtype)")
+            if run.device == "cpu":
+                # The bucket is freed at the end of the backward (:924 _release_ipg_buffers, from backward_epilogue),
+                # before the step makes this copy, and on CPU the freed pages leave the RSS: the two never add, so
+                # the copy counts only by what it exceeds the bucket by (a ZeRO-2 fp32 rank's RSS rose by the bucket
+                # in the backward and not again in the step: docs/benchmarks/2026-12-08-moe-memory.md).
+                # CUDA's caching allocator keeps the bucket's block reserved, and a larger copy cannot reuse it.
+                terms["norm_copies"] = (max(0, piece * 8 - terms["buckets"][0]),
+                                        "fp64 copy of the largest gradient piece for the norm at the step, beyond "
+                                        "the bucket the backward freed (stage_1_and_2.py:2684, get_norm_dtype)")
+            else:
+                terms["norm_copies"] = (piece * 8, "fp64 copy of the largest gradient piece for the norm "
+                                                   "(stage_1_and_2.py:2684, get_norm_dtype)")
     return {name: (int(value), source) for name, (value, source) in terms.items()}
 
 
@@ -550,15 +587,21 @@ def torch_engine_terms(run: RunShape) -> tuple[dict, dict]:
         expert = engine_spec(run.engine).state_bytes(run.held_experts(run.expert_parameters), expert_ranks)
         states = {key: states[key] + expert[key] for key in states} | {"expert": sum(expert.values())}
     psi = run.non_expert_parameters + run.held_experts(run.expert_parameters)  # what one rank's model holds
+    buffers = {}
+    if run.moe and run.expert_parallel > 1:
+        # the dispatch's rows to send and the rows received, held together while it runs (one layer at a time)
+        pairs = run.micro_batch_size * run.seq_len * run.moe.experts_per_token
+        buffers["ep_exchange"] = (int(pairs * run.hidden_size * b * (1 + run.receive_factor)),
+                                  f"expert-parallel dispatch: the rank's token × K rows sent and up to "
+                                  f"{run.receive_factor:g}× as many received (receive_factor), H wide")
     if not engine_spec(run.engine).shards_states:
-        buffers = {}
         if run.precision != "fp32":
             # autocast casts each fp32 weight once per forward; the 16-bit copies are saved for the backward
             buffers["autocast_copies"] = (2 * psi, "autocast's 16-bit weight copies, 2Ψ, kept for the backward")
         return states, buffers
     # FSDP2 wraps each decoder block: the unit it gathers is a layer, for a MoE layer with its fused experts
     layer, root = run.gather_unit, root_parameters(run)
-    buffers = {
+    buffers |= {
         # the root module (embeddings, head, final norm) stays gathered from its forward to its backward
         "root_gathered": (root * b, f"root module gathered in {run.precision} (embeddings, head, norm)"),
         # one decoder layer gathered for compute and the next prefetched
@@ -586,7 +629,7 @@ def estimate(run: RunShape) -> Estimate:
                         # the whole model is built in fp32 on the rank's device before DDP/FSDP take it
                         init=4 * local, host_states=0, state_formula=state_formula,
                         buffer_formula="; ".join(src for _, src in buffers.values()) or "none beyond the states",
-                        expert_states=int(states.get("expert", 0)))
+                        expert_states=int(states.get("expert", 0)), all_to_all_bytes=run.all_to_all_bytes())
     states = run_state_bytes(run)
     buffers, buffer_formula = buffer_bytes(run)
     # model.build_model builds the whole model on the rank's device in the training dtype (one copy, b·Ψ) before
@@ -596,7 +639,7 @@ def estimate(run: RunShape) -> Estimate:
                     activations=activation_bytes(run), buffers=buffers, runtime=RUNTIME_BYTES[run.device],
                     init=init, host_states=states["host"], state_formula=states["formula"],
                     buffer_formula=buffer_formula, disk_states=states["disk"], expert_states=states["expert"],
-                    expert_host_states=states["expert_host"])
+                    expert_host_states=states["expert_host"], all_to_all_bytes=run.all_to_all_bytes())
 
 
 # ---- figures the pre-flight assumed ------------------------------------------------------------------------------

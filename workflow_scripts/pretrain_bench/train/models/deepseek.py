@@ -362,7 +362,7 @@ class DeepseekFamily(ModelFamily):
                       shared_ffn_size=shape.n_shared_experts * shape.moe_intermediate_size,
                       dense_layer_parameters=counts["per_dense_layer"], moe_layer_parameters=counts["per_moe_layer"],
                       expert_parameters_per_layer=shape.n_routed_experts * counts["per_expert"],
-                      balance_loss=shape.aux_loss_alpha > 0)
+                      balance_loss=shape.aux_loss_alpha > 0, force_balanced=shape.force_balanced)
         attention = AttentionDims(heads=heads, qk_nope_head_dim=shape.qk_nope_head_dim,
                                   qk_rope_head_dim=shape.qk_rope_head_dim, v_head_dim=shape.v_head_dim,
                                   kv_lora_rank=shape.kv_lora_rank, q_lora_rank=shape.q_lora_rank)

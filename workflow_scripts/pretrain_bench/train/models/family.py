@@ -23,6 +23,7 @@ class MoeDims:
     moe_layer_parameters: int  # one MoE layer: attention, router, shared experts, norms and all E routed experts
     expert_parameters_per_layer: int  # E × 3·H·I: gate_up_proj (E, 2I, H) and down_proj (E, H, I), fused tensors
     balance_loss: bool = False  # the sequence-wise balance loss keeps the router's normalised scores (aux_loss_alpha)
+    force_balanced: bool = False  # routing forced to an even spread (train benchmarks): every rank receives its share
 
     @property
     def largest_expert_tensor(self) -> int:
