@@ -1,7 +1,7 @@
-"""Expert parallelism under DDP (train.expert_parallel 2, tiny-moe native on 2 gloo ranks) through the real launcher:
-the same per-step losses as EP 1 on the same 2 ranks (fp32, to a stated tolerance), kill -9 past a checkpoint then
-a rerun gives every step the loss it had bit for bit, the checkpoint holds the whole experts, and the export is EP
-1's export of the same training (to the same tolerance), loaded back as DeepseekV3ForCausalLM."""
+"""Expert parallelism under DDP and FSDP2 (train.expert_parallel 2, tiny-moe native on 2 gloo ranks) through the
+real launcher: the same per-step losses as EP 1 on the same 2 ranks (fp32, to a stated tolerance), kill -9 past a
+checkpoint then a rerun gives every step the loss it had bit for bit, the checkpoint holds the whole experts, and the
+export is EP 1's export of the same training (to the same tolerance), loaded back as DeepseekV3ForCausalLM."""
 import json
 
 import pytest
@@ -20,23 +20,25 @@ STEPS = 8
 LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-4, 1e-3
 
 
-def ep_plan(data, run_dir, expert_parallel):
-    return moe_plan_for(data, run_dir, engine="ddp", zero_stage=0, gpus=2, expert_parallel=expert_parallel,
-                        max_steps=STEPS, checkpoint_every=4, rank_start="exec", eval_every=4, eval_tokens=1024)
+def ep_plan(data, run_dir, expert_parallel, engine="ddp"):
+    return moe_plan_for(data, run_dir, engine=engine, zero_stage=0 if engine == "ddp" else 3, gpus=2,
+                        expert_parallel=expert_parallel, max_steps=STEPS, checkpoint_every=4, rank_start="exec",
+                        eval_every=4, eval_tokens=1024)
 
 
-def test_expert_parallel_trains_as_ep_1_resumes_bit_for_bit_and_exports_whole_experts(data, tmp_path):
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_expert_parallel_trains_as_ep_1_resumes_bit_for_bit_and_exports_whole_experts(data, tmp_path, engine):
     import torch
 
     from pretrain_bench.evaluate.export import export_checkpoint, read_checkpoint_weights
 
     # EP 1 on 2 ranks, uninterrupted
     whole = tmp_path / "ep1"
-    plan1 = ep_plan(data, whole, 1)
+    plan1 = ep_plan(data, whole, 1, engine)
     assert run(plan1, 2, tmp_path / "ep1.log") == 0, (tmp_path / "ep1.log").read_text()[-3000:]
     # EP 2 on 2 ranks, killed past its first checkpoint and run again
     split = tmp_path / "ep2"
-    plan2 = ep_plan(data, split, 2)
+    plan2 = ep_plan(data, split, 2, engine)
     kept = crash_after_first_checkpoint(plan2, split, tmp_path / "crash.log", ranks=2)
     before = recorded_losses(split)
     assert len(before) >= kept[-1] + 1

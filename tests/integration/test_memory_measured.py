@@ -47,7 +47,8 @@ MOE_OVERRIDES = {"hidden_size": 512, "intermediate_size": 1024, "moe_intermediat
                  "qk_rope_head_dim": 32, "v_head_dim": 64}
 
 
-@pytest.mark.parametrize("ranks,engine,expert_parallel", [(1, "deepspeed", 1), (2, "deepspeed", 1), (2, "ddp", 2)])
+@pytest.mark.parametrize("ranks,engine,expert_parallel", [(1, "deepspeed", 1), (2, "deepspeed", 1), (2, "ddp", 2),
+                                                         (2, "fsdp", 2)])
 def test_moe_run_rss_matches_the_memory_model(data, tmp_path, ranks, engine, expert_parallel):
     # fp32 on CPU, no offload: peak RSS per rank holds the expert and the non-expert states (ZeRO-2's formula over
     # each, the experts on their expert-data-parallel group; DDP's 16 bytes per parameter a rank holds, half the
@@ -56,7 +57,7 @@ def test_moe_run_rss_matches_the_memory_model(data, tmp_path, ranks, engine, exp
     config = {**config, "model": {**config["model"], "preset": "tiny-moe", "implementation": "native",
                                   "overrides": MOE_OVERRIDES, "seq_len": 64}}
     plan_path = plan_for((config, results), tmp_path, gpus=ranks, global_batch_size=None, engine=engine,
-                         zero_stage=2 if engine == "deepspeed" else 0, expert_parallel=expert_parallel,
+                         zero_stage={"deepspeed": 2, "ddp": 0, "fsdp": 3}[engine], expert_parallel=expert_parallel,
                          precision="fp32", micro_batch_size=4, grad_accum_steps=1, max_steps=2, warmup_steps=1,
                          memory_fit="strict", eval_every=None, save_checkpoints=False)
     assert run(plan_path, ranks, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-3000:]

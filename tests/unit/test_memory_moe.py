@@ -151,6 +151,23 @@ def test_expert_parallel_receive_buffers_and_all_to_all_bytes():
     assert four.all_to_all_bytes() == 4 * 3 * pairs * h * b * 3 // 4 == estimate(four).all_to_all_bytes
 
 
+
+def test_fsdp_keeps_split_experts_whole_outside_its_shards():
+    # EP 1: FSDP shards the experts with everything else over the 4 ranks; EP 2: each rank keeps its half of the
+    # experts whole (16 bytes per parameter), and a MoE layer's gathered unit no longer holds them
+    one = moe_run(ranks=4, engine="fsdp", zero_stage=3)
+    two = replace(one, expert_parallel=2)
+    assert estimate(one).expert_states == 16 * one.expert_parameters // 4
+    assert estimate(two).expert_states == 16 * (one.expert_parameters // 2)
+    assert estimate(two).non_expert_states == estimate(one).non_expert_states
+    assert "kept whole outside FSDP" in estimate(two).state_formula
+    gathered = {name: memory_model.torch_engine_terms(run)[1]["layers_gathered"][0] for name, run in
+                (("one", one), ("two", two))}
+    moe = one.moe
+    unit = max(moe.moe_layer_parameters - moe.expert_parameters_per_layer, moe.dense_layer_parameters)
+    assert gathered["two"] == 2 * unit * 4 < gathered["one"]
+
+
 # ---- the pre-flight's verdicts ----------------------------------------------------------------------------------
 
 def preflight(preset, gpus, gpu_gib, host_gib, disk_gib):

@@ -133,8 +133,9 @@ def test_fsdp_wraps_the_native_model_per_block_and_keeps_its_logits(tmp_path):
         expected = native(input_ids=batch).logits
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
-        engine = FSDPEngine.__new__(FSDPEngine)  # wrap needs only the device and the precision
-        engine.device, engine.settings = "cpu", type("Settings", (), {"precision": "fp32"})()
+        engine = FSDPEngine.__new__(FSDPEngine)  # wrap needs only the device, the precision and EP
+        engine.device = "cpu"
+        engine.settings = type("Settings", (), {"precision": "fp32", "expert_parallel": 1})()
         wrapped = engine.wrap(native)
         assert isinstance(wrapped, FSDPModule)
         assert all(isinstance(block, FSDPModule) for block in wrapped.model.layers)

@@ -331,10 +331,8 @@ def _expert_parallel_config(model: dict | None = None, **train) -> dict:
     ({}, {"gpus": 3}, r"train.expert_parallel 2 does not divide the 3 ranks \(train.gpus 3 × train.nodes 1\)"),
     ({}, {"precision": "fp16", "device": "cuda", "comm_backend": "nccl"},
      "train.expert_parallel 2 does not run with train.precision fp16"),
-    ({}, {"engine": "fsdp", "zero_stage": 3},
-     r"train.expert_parallel 2 is not supported with train.engine fsdp yet \(use train.engine ddp\)"),
     ({}, {"engine": "deepspeed", "zero_stage": 2},
-     "train.expert_parallel 2 is not supported with train.engine deepspeed yet"),
+     r"train.expert_parallel 2 is not supported with train.engine deepspeed yet \(use train.engine ddp or fsdp\)"),
 ])
 def test_expert_parallelism_is_refused_at_planning_naming_the_keys(model, train, refusal):
     from pretrain_bench.workflow.experiment import Config
@@ -343,10 +341,11 @@ def test_expert_parallelism_is_refused_at_planning_naming_the_keys(model, train,
         Config.from_config(_expert_parallel_config(model, **train))
 
 
-def test_expert_parallel_one_plans_every_model_and_engine_and_two_plans_ddp():
+def test_expert_parallel_one_plans_every_model_and_engine_and_two_plans_ddp_and_fsdp():
     from pretrain_bench.workflow.experiment import Config
 
     assert Config.from_config(_expert_parallel_config()).train.expert_parallel == 2
+    assert Config.from_config(_expert_parallel_config(engine="fsdp", zero_stage=3)).train.expert_parallel == 2
     for engine, stage in (("ddp", 0), ("fsdp", 3), ("deepspeed", 2)):
         Config.from_config(_expert_parallel_config({"preset": "tiny"}, expert_parallel=1, engine=engine,
                                                    zero_stage=stage))

@@ -27,17 +27,7 @@ class DDPEngine(TorchEngine):
     def wrap(self, model):
         self.module = model  # what is saved and loaded: the model itself, wrapped or not
         self._comm = CommIntervals(CudaEventClock() if self.device == "cuda" else HostClock())
-        self.experts = None
-        if self.settings.expert_parallel > 1:
-            # train.expert_parallel: this rank keeps its slice of the routed experts (the model was built whole from
-            # the run's seed, so EP 1's experts, split), they stay out of DDP's all-reduce, and the MoE layers'
-            # all-to-alls are timed as the all-reduces are. Imported here: the MoE dispatch's
-            # torch.compiler.disable imports torch._dynamo, which an eager rank without experts never loads
-            # (tests/unit/test_engine_choice.py).
-            from pretrain_bench.train.engines.expert_shards import ExpertShards
-
-            self._all_to_all = CommIntervals(CudaEventClock() if self.device == "cuda" else HostClock())
-            self.experts = ExpertShards(model, self.settings.expert_parallel, self._all_to_all)
+        self.split_experts(model)
         if self.alone():
             # Alone, DDP would all-reduce every gradient with itself (dividing it by 1), and under train.compile its
             # graph-splitting at the buckets (dynamo's DDPOptimizer, made for overlapping the all-reduces with the
@@ -91,23 +81,6 @@ class DDPEngine(TorchEngine):
     def comm_ms(self) -> float:
         """Milliseconds with at least one all-reduce in flight, over the run so far."""
         return self._comm.total_ms()
-
-    def all_to_all_ms(self) -> float | None:
-        """Milliseconds with a MoE layer's all-to-all in flight (dispatch and combine, forward and backward, and the
-        count exchanges), over the run so far; None without expert parallelism."""
-        return self._all_to_all.total_ms() if self.experts is not None else None
-
-    def reduce_gradients(self) -> None:
-        if self.experts is not None:
-            self.experts.reduce_gradients()
-
-    def clip_gradients(self, clip: float):
-        if self.experts is None:
-            return super().clip_gradients(clip)
-        params = list(self.model.parameters())
-        norm = self.experts.total_norm(params)
-        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
-        return norm
 
     def sync_gradients(self, boundary: bool):
         return contextlib.nullcontext() if boundary or self.model is self.module else self.model.no_sync()

@@ -1,10 +1,12 @@
-"""The routed experts split over expert-parallel ranks under the DDP engine (train.expert_parallel): which parameters
-they are, their gradients averaged over the ranks holding the same experts, the total gradient norm over all ranks'
-experts, and checkpoints that hold the whole experts (gathered on save, sliced on load), so a checkpoint of an
-expert-parallel run reads, exports and resumes like one of EP 1.
+"""The routed experts split over expert-parallel ranks under the DDP and FSDP engines (train.expert_parallel): which
+parameters they are, their gradients averaged over the ranks holding the same experts, the total gradient norm over
+all ranks' experts, and checkpoints that hold the whole experts (gathered on save, sliced on load), so a checkpoint of
+an expert-parallel run reads, exports and resumes like one of EP 1.
 
-DDP itself knows nothing of experts that differ between ranks: it would average them over all ranks. They are left
-out of its all-reduce (DistributedDataParallel's parameters to ignore) and reduced here, once per optimizer step.
+Neither wrapper knows experts that differ between ranks: DDP would average them over all ranks, and FSDP would shard
+and gather them as one tensor of the whole world. They are left out of both (DistributedDataParallel's parameters to
+ignore, fully_shard's ignored_params), kept whole on the ranks that hold them, and reduced here, once per optimizer
+step.
 """
 from __future__ import annotations
 
@@ -66,7 +68,9 @@ class ExpertShards:
         shared = [p.grad for p in params if p.grad is not None and id(p) not in ids]
         own = torch.nn.utils.get_total_norm([p.grad for p in self.params], 2.0).float() ** 2
         dist.all_reduce(own, group=self.group)
-        return (torch.nn.utils.get_total_norm(shared, 2.0).float() ** 2 + own).sqrt()
+        rest = torch.nn.utils.get_total_norm(shared, 2.0)
+        rest = rest.full_tensor() if hasattr(rest, "full_tensor") else rest  # FSDP: a DTensor over the shards
+        return (rest.float() ** 2 + own).sqrt()
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
 
@@ -96,6 +100,31 @@ class ExpertShards:
             state[index] = {key: self.gather(value, saving) if torch.is_tensor(value) and value.dim() else value
                             for key, value in state[index].items()}
         return (module_state, {**optimizer_state, "state": state}) if saving else None
+
+    def whole_named(self, module_state: dict, optimizer_state: dict, saving: bool) -> dict | None:
+        """Takes the experts out of FQN-keyed state dicts (torch.distributed.checkpoint.state_dict's, which FSDP
+        saves with torch.distributed.checkpoint: a plain tensor there is taken for one replicated on every rank, so
+        one rank's slice would stand for all) and returns them whole on the saving rank: {"module": {name: tensor},
+        "optimizer": {name: {key: value}}} (None elsewhere). The dicts are changed in place."""
+        import torch.distributed as dist
+
+        module = {name: module_state.pop(name) for name in self.names}
+        optimizer = {name: optimizer_state["state"].pop(name) for name in self.names
+                     if name in optimizer_state["state"]}  # no state before the first step
+        if dist.get_rank() >= self.size:  # not in the saving rank's expert-parallel group
+            return None
+        whole = {"module": {name: self.gather(tensor, saving) for name, tensor in module.items()},
+                 "optimizer": {name: {key: self.gather(value, saving) if torch.is_tensor(value) and value.dim()
+                                      else value for key, value in sorted(state.items())}
+                               for name, state in optimizer.items()}}
+        return whole if saving else None
+
+    def own_named(self, whole: dict) -> tuple[dict, dict]:
+        """whole_named's whole experts cut to this rank's slice: ({name: tensor}, {name: optimizer state})."""
+        rows = self.rows()
+        return ({name: tensor[rows].clone() for name, tensor in whole["module"].items()},
+                {name: {key: value[rows].clone() if torch.is_tensor(value) and value.dim() else value
+                        for key, value in state.items()} for name, state in whole["optimizer"].items()})
 
     def own_states(self, module_state: dict, optimizer_state: dict) -> tuple[dict, dict]:
         """Whole state dicts (a checkpoint's) with every expert tensor cut to this rank's slice (copies: nothing

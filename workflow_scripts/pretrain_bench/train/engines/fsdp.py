@@ -11,6 +11,8 @@ from pretrain_bench.train.engines.base import engine_state_file
 from pretrain_bench.train.engines.torch_engine import TorchEngine
 
 DCP_FOLDER = "dcp"
+# train.expert_parallel: the routed experts, whole (every rank's slice gathered on rank 0), with their AdamW states
+EXPERTS_FILE = "experts.pt"
 
 
 class FSDPEngine(TorchEngine):
@@ -28,10 +30,23 @@ class FSDPEngine(TorchEngine):
         mesh = init_device_mesh(self.device, (dist.get_world_size(),))
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.settings.precision]
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        self.split_experts(model)
+        # split experts stay whole on their ranks, outside FSDP (expert_shards.py); 16-bit compute casts them in
+        # the MoE layer (native_deepseek.Experts.grouped_rows) as FSDP's policy casts the rest
+        ignored = set(self.experts.params) if self.experts is not None else None
         for layer in model.model.layers:  # one all-gather per decoder layer, freed after its use
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)  # embeddings, final norm and head
+            fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)  # embeddings, final norm and head
         return model
+
+    def optimizer_params(self):
+        """Split experts apart from the rest: AdamW's fused (and foreach) kernels take one param group's tensors in
+        one call, and cannot mix FSDP's DTensors with the experts' plain tensors."""
+        if self.experts is None:
+            return self.model.parameters()
+        ids = {id(p) for p in self.experts.params}
+        return [{"params": [p for p in self.model.parameters() if id(p) not in ids]},
+                {"params": list(self.experts.params)}]
 
     def optimizer_kwargs(self) -> dict:
         # fp16: ShardedGradScaler hands a fused optimizer a found_inf of shape (1,) where fused AdamW expects a
@@ -63,10 +78,15 @@ class FSDPEngine(TorchEngine):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        experts = None
+        if self.experts is not None:  # out of the DCP folder, whole, into EXPERTS_FILE
+            experts = self.experts.whole_named(model_state, optimizer_state, saving=dist.get_rank() == 0)
         try:
             dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(folder / DCP_FOLDER))
         except CheckpointException as error:  # a BaseException: carry it as the error the save expects
             raise OSError(f"torch.distributed.checkpoint failed writing {folder / DCP_FOLDER}: {error}") from None
+        if experts is not None:
+            writer.save(experts, folder / EXPERTS_FILE)
         writer.save(self.engine_state(), folder / engine_state_file(dist.get_rank()))
 
     def load(self, folder: Path) -> None:
@@ -76,11 +96,20 @@ class FSDPEngine(TorchEngine):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        if self.experts is not None:  # not in the DCP folder: this rank's slice of EXPERTS_FILE's whole experts
+            for name in self.experts.names:
+                model_state.pop(name)
+                optimizer_state["state"].pop(name, None)
         state = {"model": model_state, "optim": optimizer_state}
         try:
             dcp.load(state, checkpoint_id=str(folder / DCP_FOLDER))  # resharded to this world size as needed
         except CheckpointException as error:
             raise RuntimeError(f"torch.distributed.checkpoint failed reading {folder / DCP_FOLDER}: {error}") from None
+        if self.experts is not None:
+            modules, optimizers = self.experts.own_named(torch.load(folder / EXPERTS_FILE, map_location="cpu",
+                                                                    weights_only=False))
+            state["model"].update(modules)
+            state["optim"]["state"].update(optimizers)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.load_engine_state(folder)
@@ -91,7 +120,12 @@ class FSDPEngine(TorchEngine):
 
     @classmethod
     def read_model_state(cls, folder: Path, *, lazy: bool) -> dict:
-        return read_dcp_model(folder / DCP_FOLDER)
+        """The whole model: the DCP folder's tensors, and an expert-parallel run's experts from EXPERTS_FILE."""
+        state = read_dcp_model(folder / DCP_FOLDER)
+        if (folder / EXPERTS_FILE).is_file():
+            state.update(torch.load(folder / EXPERTS_FILE, map_location="cpu", weights_only=False,
+                                    mmap=True)["module"])
+        return state
 
 
 def read_dcp_model(folder: Path) -> dict:

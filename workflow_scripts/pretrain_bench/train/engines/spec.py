@@ -151,6 +151,7 @@ PLAIN_BASELINE = "ddp"
 
 class FSDPSpec(EngineSpec):
     name, title, fixed_stage, default_stage = "fsdp", "FSDP2", 3, 3
+    expert_parallel = True  # train/engines/expert_shards.py (the split experts outside fully_shard)
     layout = "FSDP shards parameters, gradients and optimizer states across the ranks (ZeRO-3's layout)"
     shards_states = True
     compiles_whole_model = False

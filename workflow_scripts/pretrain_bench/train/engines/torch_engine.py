@@ -17,6 +17,7 @@ class TorchEngine(Engine):
 
     # non-reentrant recomputation: what DDP's and FSDP's gradient hooks need
     gradient_checkpointing_kwargs = {"use_reentrant": False}
+    experts = None  # the routed experts split over expert-parallel ranks (split_experts), or None
 
     @staticmethod
     def init_distributed(backend: str, timeout: timedelta) -> None:
@@ -38,7 +39,7 @@ class TorchEngine(Engine):
         self._grad_norm: float | None = None
         self.model = self.wrap(model)
         # torch.optim.AdamW as DeepSpeed's torch_adam path builds it (fused), so ZeRO-0 and DDP match
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, betas=tuple(settings.adam_betas),
+        self.optimizer = torch.optim.AdamW(self.optimizer_params(), lr=settings.lr, betas=tuple(settings.adam_betas),
                                            eps=settings.adam_eps, weight_decay=settings.weight_decay,
                                            **self.optimizer_kwargs())
         self.scheduler = lr_schedule(settings, total_steps)(self.optimizer)
@@ -50,6 +51,10 @@ class TorchEngine(Engine):
     def wrap(self, model):
         raise NotImplementedError
 
+    def optimizer_params(self):
+        """What AdamW steps: the wrapped model's parameters (or param groups)."""
+        return self.model.parameters()
+
     def optimizer_kwargs(self) -> dict:
         """How torch.optim.AdamW runs its update (fused or foreach) under this engine's loss scaler."""
         return TORCH_ADAMW_KWARGS
@@ -57,11 +62,42 @@ class TorchEngine(Engine):
     def make_scaler(self):
         return torch.amp.GradScaler(self.device)
 
+    def split_experts(self, model) -> None:
+        """train.expert_parallel: this rank keeps its slice of the routed experts (the model was built whole from the
+        run's seed, so EP 1's experts, split), the wrapper leaves them out of its reduction (`self.experts.params`)
+        and `reduce_gradients` averages them; the MoE layers' all-to-alls are timed as the wrapper's collectives are.
+        `self.experts` None without expert parallelism. The import is here: the MoE dispatch's
+        torch.compiler.disable imports torch._dynamo, which an eager rank without experts never loads
+        (tests/unit/test_engine_choice.py)."""
+        self.experts = None
+        if self.settings.expert_parallel > 1:
+            from pretrain_bench.train.engines.expert_shards import ExpertShards
+
+            self._all_to_all = CommIntervals(CudaEventClock() if self.device == "cuda" else HostClock())
+            self.experts = ExpertShards(model, self.settings.expert_parallel, self._all_to_all)
+
+    def all_to_all_ms(self) -> float | None:
+        """Milliseconds with a MoE layer's all-to-all in flight (dispatch and combine, forward and backward, and the
+        count exchanges), over the run so far; None without expert parallelism."""
+        return self._all_to_all.total_ms() if self.experts is not None else None
+
     def reduce_gradients(self) -> None:
-        """At the accumulation boundary, before clipping: reduce what the wrapper leaves unreduced (nothing here)."""
+        """At the accumulation boundary, before clipping: reduce what the wrapper leaves unreduced (the routed
+        experts split over expert-parallel ranks)."""
+        if self.experts is not None:
+            self.experts.reduce_gradients()
 
     def clip_gradients(self, clip: float):
-        """Clip the gradients to a total norm of `clip`; returns the norm before clipping (a tensor)."""
+        """Clip the gradients to a total norm of `clip`; returns the norm before clipping (a tensor). With split
+        experts: the norm over every rank's experts and the wrapper's parameters together."""
+        if self.experts is not None:
+            params = list(self.model.parameters())
+            norm = self.experts.total_norm(params)
+            ids = {id(p) for p in self.experts.params}
+            for group in ([p for p in params if id(p) not in ids], self.experts.params):
+                # apart: FSDP's parameters are DTensors, the experts plain tensors, and one foreach op takes one kind
+                torch.nn.utils.clip_grads_with_norm_(group, clip, norm)
+            return norm
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards
 

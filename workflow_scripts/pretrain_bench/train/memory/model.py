@@ -582,9 +582,11 @@ def torch_engine_terms(run: RunShape) -> tuple[dict, dict]:
     share, for a MoE model), buffers {term: (bytes, source)}."""
     b = 4 if run.precision == "fp32" else 2
     states = torch_state_bytes(run.non_expert_parameters, run.ranks, run.engine)
-    if run.moe:  # the routed experts a rank's slice holds, sharded (FSDP) over its expert-data-parallel group
+    if run.moe:  # the routed experts a rank's slice holds: FSDP shards them over the N ranks at EP 1; split over EP
+        # ranks, both engines keep the slice whole, replicated over its expert-data-parallel group (ExpertShards)
         ep, expert_ranks = run.expert_group()
-        expert = engine_spec(run.engine).state_bytes(run.held_experts(run.expert_parameters), expert_ranks)
+        expert = engine_spec(run.engine).state_bytes(run.held_experts(run.expert_parameters),
+                                                     expert_ranks if ep == 1 else 1)
         states = {key: states[key] + expert[key] for key in states} | {"expert": sum(expert.values())}
     psi = run.non_expert_parameters + run.held_experts(run.expert_parameters)  # what one rank's model holds
     buffers = {}
@@ -599,8 +601,12 @@ def torch_engine_terms(run: RunShape) -> tuple[dict, dict]:
             # autocast casts each fp32 weight once per forward; the 16-bit copies are saved for the backward
             buffers["autocast_copies"] = (2 * psi, "autocast's 16-bit weight copies, 2Ψ, kept for the backward")
         return states, buffers
-    # FSDP2 wraps each decoder block: the unit it gathers is a layer, for a MoE layer with its fused experts
+    # FSDP2 wraps each decoder block: the unit it gathers is a layer, for a MoE layer with its fused experts (split
+    # over expert-parallel ranks, the experts stay outside FSDP and are not gathered)
     layer, root = run.gather_unit, root_parameters(run)
+    if run.moe and run.expert_parallel > 1:
+        layer = max(run.gather_unit - run.held_experts(run.moe.expert_parameters_per_layer),
+                    run.moe.dense_layer_parameters if run.moe.dense_layers else 0)
     buffers |= {
         # the root module (embeddings, head, final norm) stays gathered from its forward to its backward
         "root_gathered": (root * b, f"root module gathered in {run.precision} (embeddings, head, norm)"),
@@ -623,6 +629,10 @@ def estimate(run: RunShape) -> Estimate:
             ep, expert_ranks = run.expert_group()
             state_formula = (f"{spec.state_formula}; Ψ = Ψ_ne + Ψ_E, the routed experts Ψ_E ÷ EP {ep} over "
                              f"N/EP = {expert_ranks} rank{'s' * (expert_ranks > 1)}")
+            if ep > 1 and spec.shards_states:
+                state_formula = (f"{spec.state_formula} over the non-expert Ψ_ne; the routed experts Ψ_E ÷ EP {ep} "
+                                 f"kept whole outside FSDP, 16 bytes each, on each of the N/EP = {expert_ranks} "
+                                 f"rank{'s' * (expert_ranks > 1)} holding them")
         return Estimate(params=int(states["params"]), grads=int(states["grads"]),
                         optimizer=int(states["optimizer"]), activations=activation_bytes(run),
                         buffers=int(sum(v for v, _ in buffers.values())), runtime=RUNTIME_BYTES[run.device],

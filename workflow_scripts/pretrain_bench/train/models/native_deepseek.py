@@ -333,7 +333,7 @@ class Experts(nn.Module):
         return out.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)  # (N, H)
 
     def grouped(self, x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int,
-                weights: torch.Tensor) -> torch.Tensor:
+                weights: torch.Tensor, projections: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Both projections as grouped GEMMs over the expert-sorted pairs, each pair's output weighted and added to
         its token's row: (N, H) float32.
 
@@ -344,27 +344,33 @@ class Experts(nn.Module):
         still summed in float32; with K = 2 the result is bit for bit the same (a + b = b + a). On CUDA index_add_
         adds with atomics, as the index_put_ it replaces did in the backward pass: with K > 2 the order of a token's
         sum may vary between runs unless torch.use_deterministic_algorithms is on."""
+        gate_up_proj, down_proj = projections or (self.gate_up_proj, self.down_proj)  # (cast: grouped_rows)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)  # (E,) end of each expert's rows
         token_of_pair = order // top_k  # (S,) the token of each expert-sorted pair
-        rows = x.index_select(0, token_of_pair).to(self.gate_up_proj.dtype)  # (S, H)
-        gate, up = GROUPED_MM(rows, self.gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)  # (S, I)
-        out = GROUPED_MM(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)  # (S, H)
+        rows = x.index_select(0, token_of_pair).to(gate_up_proj.dtype)  # (S, H)
+        gate, up = GROUPED_MM(rows, gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)  # (S, I)
+        out = GROUPED_MM(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)  # (S, H)
         out = out * weights.index_select(0, order).unsqueeze(-1)  # (S, H) float32
         combined = torch.zeros(x.shape[0], out.shape[-1], dtype=out.dtype, device=out.device)  # (N, H)
         return combined.index_add_(0, token_of_pair, out)
 
     def grouped_rows(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The unweighted outputs (R, H) of (R, H) `rows` already in expert order, `counts` (E,) rows per expert
-        (the rows expert parallelism received): grouped GEMMs, or one expert at a time."""
+        (the rows expert parallelism received): grouped GEMMs, or one expert at a time. Rows in 16 bits without
+        autocast (FSDP's mixed precision, which leaves the split experts out and so fp32) take the weights cast to
+        their dtype, as FSDP casts every other parameter."""
         weights = (self.gate_up_proj, self.down_proj)
+        if rows.dtype != weights[0].dtype and not torch.is_autocast_enabled(rows.device.type):
+            weights = tuple(w.to(rows.dtype) for w in weights)
         if self.kernel == "grouped_mm" or (self.kernel == "auto" and len(rows) and grouped_mm_usable(rows, weights)):
             ones = torch.ones(len(rows), dtype=torch.float32, device=rows.device)  # × 1 and + 0: exact
-            return self.grouped(rows, torch.arange(len(rows), device=rows.device), counts, 1, ones).to(rows.dtype)
+            return self.grouped(rows, torch.arange(len(rows), device=rows.device), counts, 1, ones,
+                                weights).to(rows.dtype)
         parts, start = [], 0
         for expert, end in enumerate(torch.cumsum(counts, dim=0).tolist()):  # one host sync per layer
             if end > start:
-                gate, up = F.linear(rows[start:end], self.gate_up_proj[expert]).chunk(2, dim=-1)  # (n_e, I)
-                parts.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))  # (n_e, H)
+                gate, up = F.linear(rows[start:end], weights[0][expert]).chunk(2, dim=-1)  # (n_e, I)
+                parts.append(F.linear(F.silu(gate) * up, weights[1][expert]))  # (n_e, H)
             start = end
         return torch.cat(parts) if parts else rows.new_zeros(0, rows.shape[-1])
 
