@@ -20,25 +20,30 @@ STEPS = 8
 LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-4, 1e-3
 
 
-def ep_plan(data, run_dir, expert_parallel, engine="ddp"):
-    return moe_plan_for(data, run_dir, engine=engine, zero_stage=0 if engine == "ddp" else 3, gpus=2,
+def ep_plan(data, run_dir, expert_parallel, engine="ddp", zero_stage=0):
+    # DeepSpeed's AutoEP layer has no balance loss: both of its runs train without it (the bias update stays on)
+    return moe_plan_for(data, run_dir, {"aux_loss_alpha": 0.0} if engine == "deepspeed" else None, engine=engine,
+                        zero_stage=zero_stage, gpus=2,
                         expert_parallel=expert_parallel, max_steps=STEPS, checkpoint_every=4, rank_start="exec",
                         eval_every=4, eval_tokens=1024)
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
-def test_expert_parallel_trains_as_ep_1_resumes_bit_for_bit_and_exports_whole_experts(data, tmp_path, engine):
+# DeepSpeed: AutoEP at ZeRO-2 (its experts in files of their own) and ZeRO-3 (in the partitions), both merged for
+# the export by ds_to_universal
+@pytest.mark.parametrize("engine,zero_stage", [("ddp", 0), ("fsdp", 3), ("deepspeed", 2), ("deepspeed", 3)])
+def test_expert_parallel_trains_as_ep_1_resumes_bit_for_bit_and_exports_whole_experts(data, tmp_path, engine,
+                                                                                      zero_stage):
     import torch
 
     from pretrain_bench.evaluate.export import export_checkpoint, read_checkpoint_weights
 
     # EP 1 on 2 ranks, uninterrupted
     whole = tmp_path / "ep1"
-    plan1 = ep_plan(data, whole, 1, engine)
+    plan1 = ep_plan(data, whole, 1, engine, zero_stage)
     assert run(plan1, 2, tmp_path / "ep1.log") == 0, (tmp_path / "ep1.log").read_text()[-3000:]
     # EP 2 on 2 ranks, killed past its first checkpoint and run again
     split = tmp_path / "ep2"
-    plan2 = ep_plan(data, split, 2, engine)
+    plan2 = ep_plan(data, split, 2, engine, zero_stage)
     kept = crash_after_first_checkpoint(plan2, split, tmp_path / "crash.log", ranks=2)
     before = recorded_losses(split)
     assert len(before) >= kept[-1] + 1
@@ -71,6 +76,9 @@ def test_expert_parallel_trains_as_ep_1_resumes_bit_for_bit_and_exports_whole_ex
     # every rank counts its own tokens' routing, summed over both: 4 samples × 128 tokens × 2 ranks × 2 experts
     for record in read_jsonl(split / "state" / "metrics.jsonl"):
         assert all(sum(layer) == 4 * 128 * 2 * 2 for layer in record["expert_load"])
+    # the auxiliary-loss-free bias moved from those counts, as at EP 1 (under DeepSpeed: AutoEP's router's bias)
+    biases = [read_jsonl(folder / "state" / "metrics.jsonl")[-1]["router_bias_norm"] for folder in (whole, split)]
+    assert min(biases[1]) > 0 and biases[1] == pytest.approx(biases[0], rel=1e-6), biases
     # the checkpoint holds the whole experts (8 per layer), as EP 1's; the exports agree
     ep1 = read_checkpoint_weights(whole / "state" / "checkpoints", STEPS)
     ep2 = read_checkpoint_weights(split / "state" / "checkpoints", STEPS)

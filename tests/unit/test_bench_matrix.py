@@ -377,7 +377,17 @@ def test_the_expert_parallel_axis_splits_a_moe_models_experts_and_refuses_what_c
     assert split["estimate"]["non_expert_states"] == whole["estimate"]["non_expert_states"]
     assert entries["ddp-ranks1-fp32-gloo-ep2"]["status"] == "unsupported"
     assert "does not divide the 1 ranks" in entries["ddp-ranks1-fp32-gloo-ep2"]["reason"]
-    assert "not supported with engine deepspeed" in entries["ranks2-zero2-fp32-gloo-ep2"]["reason"]
+    # DeepSpeed's AutoEP layer has no balance loss, which tiny-moe trains with
+    assert "trains without the sequence-wise balance loss" in entries["ranks2-zero2-fp32-gloo-ep2"]["reason"]
+    moe["model"]["overrides"]["aux_loss_alpha"] = 0.0
+    config = merged(yaml.safe_load((ROOT / "config" / "tiny-cpu.yaml").read_text()), moe, {"benchmark": {"matrix": {
+        "gpus": [2], "engine": ["deepspeed"], "zero_stage": [2], "expert_parallel": [1, 2]}}})
+    entries = {e["cell"]: e for e in plan_matrix(config, budget=CPU_BUDGET)["cells"]}
+    split, whole = entries["ranks2-zero2-fp32-gloo-ep2"], entries["ranks2-zero2-fp32-gloo"]
+    assert split["status"] == whole["status"] == "run"
+    # ZeRO-2 fp32 over the experts: 4Ψ_E + 16Ψ_E/2 at EP 1; half the experts on a 1-rank group at EP 2: (4 + 16)Ψ_E/2
+    assert split["estimate"]["expert_states"] == pytest.approx(whole["estimate"]["expert_states"] * 10 / 12, rel=0.01)
+    assert "EP 2 over N/EP = 1 rank" in split["estimate"]["state_formula"]
     dense = tiny(matrix={"gpus": [2], "engine": ["ddp"], "comm_backend": ["gloo"], "expert_parallel": [2]})
     (entry,) = [e for e in plan_matrix(dense, budget=CPU_BUDGET)["cells"] if e["origin"] == "declared"]
     assert entry["status"] == "unsupported" and "needs a model with routed experts" in entry["reason"]

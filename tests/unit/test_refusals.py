@@ -332,7 +332,20 @@ def _expert_parallel_config(model: dict | None = None, **train) -> dict:
     ({}, {"precision": "fp16", "device": "cuda", "comm_backend": "nccl"},
      "train.expert_parallel 2 does not run with train.precision fp16"),
     ({}, {"engine": "deepspeed", "zero_stage": 2},
-     r"train.expert_parallel 2 is not supported with train.engine deepspeed yet \(use train.engine ddp or fsdp\)"),
+     r"train.expert_parallel 2 under train.engine deepspeed trains without the sequence-wise balance loss "
+     r"\(DeepSpeed's AutoEP layer has none\), and model.preset tiny-moe has model.overrides aux_loss_alpha 0.0001: "
+     "set it to 0"),
+    ({"overrides": {"aux_loss_alpha": 0, "force_balanced": True}}, {"engine": "deepspeed", "zero_stage": 2},
+     "train.expert_parallel 2 under train.engine deepspeed cannot force balanced routing"),
+    ({"overrides": {"aux_loss_alpha": 0, "bias_update_rate": 0, "scoring_func": "softmax", "topk_method": "greedy",
+                    "hf_model_type": None}},
+     {"engine": "deepspeed", "zero_stage": 2},
+     "train.expert_parallel 2 under train.engine deepspeed takes DeepSeek-V3's sigmoid router"),
+    ({"overrides": {"aux_loss_alpha": 0}}, {"engine": "deepspeed", "zero_stage": 0},
+     r"train.expert_parallel 2 under train.engine deepspeed needs train.zero_stage 1, 2 or 3"),
+    ({"overrides": {"aux_loss_alpha": 0}}, {"engine": "deepspeed", "zero_stage": 2, "offload_optimizer": "cpu",
+                                            "device": "cuda", "comm_backend": "nccl"},
+     "train.expert_parallel 2 under train.engine deepspeed does not run with train.offload_optimizer"),
 ])
 def test_expert_parallelism_is_refused_at_planning_naming_the_keys(model, train, refusal):
     from pretrain_bench.workflow.experiment import Config
@@ -341,11 +354,13 @@ def test_expert_parallelism_is_refused_at_planning_naming_the_keys(model, train,
         Config.from_config(_expert_parallel_config(model, **train))
 
 
-def test_expert_parallel_one_plans_every_model_and_engine_and_two_plans_ddp_and_fsdp():
+def test_expert_parallel_one_plans_every_model_and_engine_and_two_plans_every_engine():
     from pretrain_bench.workflow.experiment import Config
 
     assert Config.from_config(_expert_parallel_config()).train.expert_parallel == 2
     assert Config.from_config(_expert_parallel_config(engine="fsdp", zero_stage=3)).train.expert_parallel == 2
+    assert Config.from_config(_expert_parallel_config({"overrides": {"aux_loss_alpha": 0}}, engine="deepspeed",
+                                                      zero_stage=3)).train.expert_parallel == 2
     for engine, stage in (("ddp", 0), ("fsdp", 3), ("deepspeed", 2)):
         Config.from_config(_expert_parallel_config({"preset": "tiny"}, expert_parallel=1, engine=engine,
                                                    zero_stage=stage))

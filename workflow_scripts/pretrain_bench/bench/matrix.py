@@ -134,7 +134,8 @@ def judge_cell(config: PlanConfig, cell: Cell, bench: BenchSettings, device: str
     try:
         settings = cell_settings(config.train, cell.train_overrides(bench))
         check_settings(settings, device)
-        check_expert_parallel(config.model, settings.expert_parallel)
+        check_expert_parallel(config.model, settings.expert_parallel,
+                              engine_spec(settings.engine).check_expert_model)
     except ConfigError as error:
         return {**entry, "status": "unsupported", "reason": str(error).replace("train.", "")}
     if device == "cuda" and budget.gpu_count is not None and cell.gpus > budget.gpu_count:

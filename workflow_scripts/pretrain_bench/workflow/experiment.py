@@ -24,6 +24,7 @@ from pretrain_bench.config.schema import (
     project_schema,
 )
 from pretrain_bench.config.validation import validate_config
+from pretrain_bench.train.engines.spec import engine_spec
 from pretrain_bench.train.models.registry import check_expert_parallel
 from pretrain_bench.train.plan import PlanConfig
 from pretrain_bench.train.settings import TrainSettings, check_settings, resolve_gpus, resolve_zero_stage
@@ -50,8 +51,8 @@ class Config:
         Snakemake's `--resources gpu=N` when given), so the dict says what the settings do."""
         fill_resolved_defaults(config, gpu_resource)
         model, train = ModelSettings.from_config(config["model"]), TrainSettings.from_config(config["train"])
-        check_expert_parallel(model, train.expert_parallel)
-        check_settings(train, seq_len=model.seq_len)
+        check_settings(train, seq_len=model.seq_len)  # first: it names an unknown train.engine
+        check_expert_parallel(model, train.expert_parallel, engine_spec(train.engine).check_expert_model)
         check_attention(model.attn_implementation, train.precision, model.implementation)
         return cls(name=config["name"], corpus=CorpusSettings.from_config(config["corpus"]),
                    tokenizer=TokenizerSettings.from_config(config["tokenizer"]),

@@ -54,6 +54,14 @@ def describe_cpu_once() -> dict | None:
 
 
 _comm_total_ms = 0.0  # deepspeed_comm_ms's running total: what earlier calls took out of DeepSpeed's logger
+_all_to_all_total_ms = 0.0  # of which AutoEP's all-to-alls (kept apart: all_to_all_ms)
+ALL_TO_ALL_OPS = ("all_to_all_single", "all_to_all")  # deepspeed.comm op names (AutoEP's dispatch and combine)
+
+
+def deepspeed_all_to_all_ms() -> float:
+    """Total milliseconds of deepspeed.comm all-to-alls on this rank so far (within deepspeed_comm_ms's total)."""
+    deepspeed_comm_ms()
+    return _all_to_all_total_ms
 
 
 def deepspeed_comm_ms() -> float:
@@ -66,13 +74,16 @@ def deepspeed_comm_ms() -> float:
     collective costs more with every one before it. So each call takes the per-op totals, resets those timers and
     empties the logger, and keeps the sum here: called every step, the records held stay one step's worth.
     """
-    global _comm_total_ms
+    global _comm_total_ms, _all_to_all_total_ms
     from deepspeed.comm import comm as ds_comm
 
     logger = getattr(ds_comm, "comms_logger", None)
     recorded = getattr(logger, "comms_dict", {})
     for name, by_size in recorded.items():
-        _comm_total_ms += max((max(record[1]) for record in by_size.values() if record[1]), default=0.0)
+        spent = max((max(record[1]) for record in by_size.values() if record[1]), default=0.0)
+        _comm_total_ms += spent
+        if name in ALL_TO_ALL_OPS:
+            _all_to_all_total_ms += spent
         ds_comm.timers(name).reset()  # the logger's record names are the timers' names (comm.timed_op)
     if logger is not None:
         logger.reset_data()
@@ -216,6 +227,10 @@ class DeepSpeedEngine(Engine):
 
         self.ds_config = deepspeed_config(settings, run.device, run.total_steps, fused_adam=fused_adam_prebuilt(),
                                        pin_memory=run.pin_memory, comms_logger=run.measure_comm)
+        if "expert_parallel" in self.ds_config:
+            # the router's scale, given: AutoEP otherwise reads it off model.config into its route_scale and then
+            # warns, once per MoE layer and rank, that the value it read overrides the one it set
+            self.ds_config["expert_parallel"]["routed_scaling_factor"] = model.config.routed_scaling_factor
         if run.reshape:  # DDP's files and FSDP's DCP folder load at any world size; DeepSpeed's through a universal one
             self.ds_config["checkpoint"] = {"load_universal": True}
         if self.ds_config["optimizer"]["type"].lower() != "muon":
@@ -227,12 +242,16 @@ class DeepSpeedEngine(Engine):
         # per rank in every training log, about a call the user cannot change.
         warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
                                 category=FutureWarning)
-        self.settings, self.reshape = settings, run.reshape
+        self.settings, self.reshape, self.measure_comm = settings, run.reshape, run.measure_comm
         if run.config_dir is not None:
             self.write_config(run.config_dir)
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                     config=self.ds_config,
                                                     lr_scheduler=lr_schedule(settings, run.total_steps))
+        if settings.expert_parallel > 1:  # AutoEP replaced the MoE layers: the model's balancing follows
+            from pretrain_bench.train.engines.autoep import attach
+
+            attach(self.engine.module)
         if settings.zero_stage == 0 and self.engine.dp_world_size == 1:
             # Alone, ZeRO-0's backward would still flatten every gradient, all-reduce it with itself and copy it
             # back: about 7 % of a step on CPU (bench/bench_trainer.py), for an average over one rank, which is the
@@ -249,7 +268,14 @@ class DeepSpeedEngine(Engine):
         return self.engine(**inputs)
 
     def comm_ms(self) -> float:
-        return deepspeed_comm_ms()
+        """The collectives' milliseconds but AutoEP's all-to-alls (all_to_all_ms)."""
+        return deepspeed_comm_ms() - (deepspeed_all_to_all_ms() if self.settings.expert_parallel > 1 else 0.0)
+
+    def all_to_all_ms(self) -> float | None:
+        """AutoEP's all-to-alls (dispatch and combine, forward and backward, and the count exchanges) in
+        milliseconds so far, timed by DeepSpeed's comms logger as the other collectives; None without expert
+        parallelism or where the comms logger is off (EngineRun.measure_comm)."""
+        return deepspeed_all_to_all_ms() if self.settings.expert_parallel > 1 and self.measure_comm else None
 
     def backward(self, loss) -> None:
         self.engine.backward(loss)
@@ -343,7 +369,12 @@ class DeepSpeedEngine(Engine):
 
     @classmethod
     def read_model_state(cls, folder: Path, *, lazy: bool) -> dict:
-        """ZeRO-1/2/3: the partitions merged by DeepSpeed's zero_to_fp32; ZeRO-0: the model file's module."""
+        """ZeRO-1/2/3: the partitions merged by DeepSpeed's zero_to_fp32 (with AutoEP's experts: by
+        ds_to_universal, autoep.consolidate); ZeRO-0: the model file's module."""
+        from pretrain_bench.train.engines.autoep import consolidate, is_autoep_checkpoint
+
+        if is_autoep_checkpoint(folder):
+            return consolidate(folder)
         if cls.zero_partitioned(folder):
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

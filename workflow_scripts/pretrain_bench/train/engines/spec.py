@@ -103,6 +103,10 @@ class EngineSpec:
                               "its loss scaler would find an overflow in one rank's experts only and skip the step "
                               "there alone; use bf16 or fp32")
 
+    def check_expert_model(self, expert_parallel: int, shape, what: str) -> None:
+        """What splitting the experts under this engine asks of the model `shape` (named `what`) beyond routed
+        experts (models.registry.check_expert_parallel): nothing here."""
+
     def layouts(self, device: str) -> list[tuple[int, str]]:
         """(ZeRO stage, optimizer offload) the benchmark's search tries under this engine."""
         return [(self.fixed_stage, "none")]
@@ -175,10 +179,42 @@ class DeepSpeedSpec(EngineSpec):
     def cell_name(self, gpus, zero_stage, precision, comm_backend):
         return f"ranks{gpus}-zero{zero_stage}-{precision}-{comm_backend}"
 
+    expert_parallel = True  # DeepSpeed's AutoEP (engines/autoep.py)
+
     def check(self, s) -> None:
         owned = owned_deepspeed_keys(s.deepspeed)
         if owned:
             raise ConfigError("train.deepspeed sets what the pipeline owns: " + "; ".join(owned))
+
+    def check_expert_parallel(self, s) -> None:
+        super().check_expert_parallel(s)
+        if s.expert_parallel == 1:
+            return
+        # AutoEP is tested here at ZeRO 1-3 without offload (tests/integration/test_expert_parallel_run.py)
+        if s.zero_stage == 0:
+            raise ConfigError(f"train.expert_parallel {s.expert_parallel} under train.engine deepspeed needs "
+                              "train.zero_stage 1, 2 or 3 (DeepSpeed's AutoEP splits the experts through ZeRO's "
+                              "expert param groups; at ZeRO-0 use train.engine ddp)")
+        if s.offload_optimizer != "none" or s.offload_param != "none":
+            raise ConfigError(f"train.expert_parallel {s.expert_parallel} under train.engine deepspeed does not run "
+                              "with train.offload_optimizer or train.offload_param (not built with DeepSpeed's "
+                              "AutoEP here): set them to none")
+
+    def check_expert_model(self, expert_parallel: int, shape, what: str) -> None:
+        """AutoEP's layer routes as the native one does (and takes its bias) with DeepSeek-V3's sigmoid router, but
+        has no balance loss and no forced routing: they would be dropped without a word, so they are refused."""
+        where = f"train.expert_parallel {expert_parallel} under train.engine deepspeed"
+        if shape.scoring_func != "sigmoid":
+            raise ConfigError(f"{where} takes DeepSeek-V3's sigmoid router (DeepSpeed's AutoEP preset deepseek_v3), "
+                              f"and {what} scores with {shape.scoring_func}: use train.engine ddp or fsdp")
+        if shape.aux_loss_alpha > 0:
+            raise ConfigError(f"{where} trains without the sequence-wise balance loss (DeepSpeed's AutoEP layer has "
+                              f"none), and {what} has model.overrides aux_loss_alpha {shape.aux_loss_alpha}: set it "
+                              "to 0 (the bias update, bias_update_rate, still balances) or use train.engine ddp or "
+                              "fsdp")
+        if shape.force_balanced:
+            raise ConfigError(f"{where} cannot force balanced routing (DeepSpeed's AutoEP layer routes by its "
+                              "scores): set model.overrides force_balanced: false or use train.engine ddp or fsdp")
 
     def layouts(self, device):
         # CPU optimizer offload at stages 1-3 on CUDA only: on a CPU run the states live in host RAM already
@@ -382,4 +418,9 @@ def deepspeed_config(s, device: str, total_steps: int, fused_adam: bool = False,
         ds["bf16"] = {"enabled": True}
     if s.activation_checkpointing:
         ds["activation_checkpointing"] = {"partition_activations": False, "contiguous_memory_optimization": False}
+    if s.expert_parallel > 1:
+        # DeepSpeed's AutoEP replaces each MoE layer (model.layers.N.mlp: a `gate` router and fused 3-D `experts`,
+        # transformers' DeepseekV3 layout, which the native model keeps) with its own, the experts split over
+        # expert_parallel ranks (engines/autoep.py keeps the model's load counts and bias update on it)
+        ds["expert_parallel"] = {"enabled": True, "autoep_size": s.expert_parallel, "preset_model": "deepseek_v3"}
     return _merge(ds, s.deepspeed)

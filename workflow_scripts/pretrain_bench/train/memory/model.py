@@ -505,7 +505,8 @@ def moe_ffn_activations(run: RunShape, b: int) -> int:
 def buffer_terms(run: RunShape) -> dict:
     """DeepSpeed's working buffers on the device, term by term, as {term: (bytes, source)}."""
     grad_b = 4 if run.precision == "fp32" else 2
-    psi, largest = run.parameters, run.largest_parameter
+    # the parameters whose gradients this rank reduces: with expert parallelism its own slice of the experts
+    psi, largest = run.non_expert_parameters + run.held_experts(run.expert_parameters), run.largest_parameter
     # A parameter's gradient is reduced whole, so the reduce bucket holds at least the largest one: with fused
     # experts that is a MoE layer's gate_up_proj (E, 2I, H), far above 5e8 elements for DeepSeek-V3 (7.5e9).
     reduce_elements = max(REDUCE_BUCKET_ELEMENTS, largest) if run.moe else REDUCE_BUCKET_ELEMENTS
@@ -555,7 +556,18 @@ def buffer_terms(run: RunShape) -> dict:
             else:
                 terms["norm_copies"] = (piece * 8, "fp64 copy of the largest gradient piece for the norm "
                                                    "(stage_1_and_2.py:2684, get_norm_dtype)")
+    if run.moe and run.expert_parallel > 1:
+        terms["ep_exchange"] = ep_exchange(run, grad_b)
     return {name: (int(value), source) for name, (value, source) in terms.items()}
+
+
+def ep_exchange(run: RunShape, b: int) -> tuple[int, str]:
+    """The expert-parallel dispatch's rows to send and the rows received, held together while it runs (one layer
+    at a time): the rank's tokens × K rows, and up to receive_factor times as many received, H wide."""
+    pairs = run.micro_batch_size * run.seq_len * run.moe.experts_per_token
+    return (int(pairs * run.hidden_size * b * (1 + run.receive_factor)),
+            f"expert-parallel dispatch: the rank's token × K rows sent and up to {run.receive_factor:g}× as many "
+            "received (receive_factor), H wide")
 
 
 def buffer_bytes(run: RunShape) -> tuple[int, str]:
@@ -591,11 +603,7 @@ def torch_engine_terms(run: RunShape) -> tuple[dict, dict]:
     psi = run.non_expert_parameters + run.held_experts(run.expert_parameters)  # what one rank's model holds
     buffers = {}
     if run.moe and run.expert_parallel > 1:
-        # the dispatch's rows to send and the rows received, held together while it runs (one layer at a time)
-        pairs = run.micro_batch_size * run.seq_len * run.moe.experts_per_token
-        buffers["ep_exchange"] = (int(pairs * run.hidden_size * b * (1 + run.receive_factor)),
-                                  f"expert-parallel dispatch: the rank's token × K rows sent and up to "
-                                  f"{run.receive_factor:g}× as many received (receive_factor), H wide")
+        buffers["ep_exchange"] = ep_exchange(run, b)
     if not engine_spec(run.engine).shards_states:
         if run.precision != "fp32":
             # autocast casts each fp32 weight once per forward; the 16-bit copies are saved for the backward

@@ -534,6 +534,9 @@ class NativeDeepseekForCausalLM(nn.Module):
         # the balance loss of the training forward passes since the last reset: sum and count (plain tensors, as
         # MoE.load: a report figure, not model state)
         self.aux_sum, self.aux_passes = torch.zeros((), dtype=torch.float64), 0
+        # MoE layers an engine replaced with its own (DeepSpeed's AutoEP: engines.autoep.ReplacedMoE), each with the
+        # `load` and `gate.e_score_correction_bias` the balancing reads; empty while the model's own layers run
+        self.moe_stand_ins: list = []
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         """Recompute each decoder block's activations in the backward pass (train.activation_checkpointing), with
@@ -580,8 +583,8 @@ class NativeDeepseekForCausalLM(nn.Module):
         return [float(bias.norm()) for bias in biases]
 
     def moe_layers(self) -> list[MoE]:
-        """The MoE layers, in depth order."""
-        return [block.mlp for block in self.model.layers if isinstance(block.mlp, MoE)]
+        """The MoE layers, in depth order (or what stands in for them where an engine replaced them)."""
+        return [block.mlp for block in self.model.layers if isinstance(block.mlp, MoE)] or self.moe_stand_ins
 
     def expert_load(self) -> torch.Tensor:
         """(MoE layers, routed experts) int64: tokens routed to each expert in training forward passes since the

@@ -45,10 +45,12 @@ def model_libraries(model: ModelSettings, compile: bool) -> tuple[str, ...]:
     return family.model_libraries(model.implementation, compile)
 
 
-def check_expert_parallel(model: ModelSettings, expert_parallel: int) -> None:
+def check_expert_parallel(model: ModelSettings, expert_parallel: int, check_engine_model=None) -> None:
     """train.expert_parallel above 1 needs routed experts to split (a mixture-of-experts preset), built by the
-    native model class (whose fused expert tensors a rank slices), and n_routed_experts divisible by it; refused
-    naming the keys. The engine and the ranks are train settings' own checks (settings.check_settings)."""
+    native model class (whose fused expert tensors a rank slices), and n_routed_experts divisible by it; and what
+    the engine asks of the model (`check_engine_model(expert_parallel, shape, what)`: the engine spec's
+    check_expert_model). Refused naming the keys. The engine and the ranks are train settings' own checks
+    (settings.check_settings)."""
     if expert_parallel == 1:
         return
     family = MODEL_FAMILIES["llama"] if model.init_from else preset_family(model.preset)
@@ -68,3 +70,5 @@ def check_expert_parallel(model: ModelSettings, expert_parallel: int) -> None:
         raise ConfigError(f"train.expert_parallel {expert_parallel} does not divide the {moe.routed_experts} "
                           f"routed experts per layer of {what} (model.overrides n_routed_experts): each rank of an "
                           "expert-parallel group holds an equal share")
+    if check_engine_model is not None:
+        check_engine_model(expert_parallel, model_shape(model, tokenizer_vocab=2), what)
