@@ -102,3 +102,35 @@ def test_expert_parallel_trains_as_ep_1_resumes_bit_for_bit_and_exports_whole_ex
     with torch.no_grad():
         gap = (exported.eval()(input_ids=ids).logits - native.eval()(input_ids=ids).logits).abs().max()
     assert float(gap) < 1e-4, float(gap)
+
+
+@pytest.mark.parametrize("engine,zero_stage", [("ddp", 0), ("fsdp", 3), ("deepspeed", 2)])
+def test_four_ranks_average_each_experts_gradients_over_its_group_and_resume_from_two(data, tmp_path, engine,
+                                                                                   zero_stage):
+    # 4 ranks at EP 2: two expert-parallel groups, and each expert on 2 ranks whose gradients are averaged over
+    # them (the expert-data-parallel group, which 2 ranks at EP 2 do not have): EP 1's losses on the same 4 ranks
+    overrides = {"aux_loss_alpha": 0.0} if engine == "deepspeed" else None
+    common = dict(engine=engine, zero_stage=zero_stage, checkpoint_every=4, eval_every=None, rank_start="exec",
+                  global_batch_size=None)
+    runs = {}
+    for ep in (1, 2):
+        plan = moe_plan_for(data, tmp_path / f"ep{ep}", overrides, gpus=4, expert_parallel=ep, max_steps=4, **common)
+        assert run(plan, 4, tmp_path / f"ep{ep}.log") == 0, (tmp_path / f"ep{ep}.log").read_text()[-3000:]
+        runs[ep] = read_jsonl(tmp_path / f"ep{ep}" / "state" / "metrics.jsonl")
+    difference = max(abs(a["loss"] - b["loss"]) for a, b in zip(runs[1], runs[2]))
+    assert difference < LOSS_TOLERANCE, difference
+    assert runs[2][-1]["router_bias_norm"] == pytest.approx(runs[1][-1]["router_bias_norm"], rel=1e-6)
+    assert all(sum(layer) == 4 * 128 * 4 * 2 for record in runs[2] for layer in record["expert_load"])
+    # a run at EP 2 on 2 ranks resumed on 4 (train.allow_reshape): the whole experts (DDP, FSDP) or DeepSpeed's
+    # universal copy give each of the 4 ranks its slice; the 2-rank steps are kept
+    reshaped = tmp_path / "reshaped"
+    common.update(expert_parallel=2, allow_reshape=True)
+    plan = moe_plan_for(data, reshaped, overrides, gpus=2, max_steps=4, **common)
+    assert run(plan, 2, tmp_path / "two.log") == 0, (tmp_path / "two.log").read_text()[-3000:]
+    before = losses(reshaped)
+    plan = moe_plan_for(data, reshaped, overrides, gpus=4, max_steps=8, **common)
+    assert run(plan, 4, tmp_path / "four.log") == 0, (tmp_path / "four.log").read_text()[-3000:]
+    summary = json.loads((reshaped / "out" / "summary.json").read_text())
+    assert (summary["world_size"], summary["resumed_from_step"], summary["expert_parallel"]) == (4, 4, 2)
+    after = losses(reshaped)
+    assert len(after) == 8 and after[:4] == before and after[-1] < after[3]
