@@ -20,6 +20,7 @@ from pretrain_bench.config.schema import (
 )
 from pretrain_bench.core.devices import resolve_device_cheaply
 from pretrain_bench.core.io import atomic_write_json, key_differences
+from pretrain_bench.train.engines.spec import engine_spec
 from pretrain_bench.train.memory.fit import fit_run
 from pretrain_bench.train.models.flops import plan_peak
 from pretrain_bench.train.models.registry import check_expert_parallel
@@ -166,8 +167,8 @@ def make_plan(config: PlanConfig, *, index: Path, tokenizer: Path, out_dir: Path
     settings, model = config.train, config.model
     if settings.nvme_path is None:
         settings = dataclasses.replace(settings, nvme_path=str(Path(state_dir) / "nvme"))
-    check_expert_parallel(model, settings.expert_parallel)
-    check_settings(settings, seq_len=model.seq_len)
+    check_settings(settings, seq_len=model.seq_len)  # first: it names an unknown train.engine
+    check_expert_parallel(model, settings.expert_parallel, engine_spec(settings.engine).check_expert_model)
     # Pre-flight: stop (or, under train.memory_fit auto, change the settings) before anything is allocated when
     # the run is predicted not to fit; benchmark.force launches anyway. What it chooses needs no second check: its
     # rungs (memory_fit.ladder) change only the layout keys, each into a combination that check_settings accepts.
