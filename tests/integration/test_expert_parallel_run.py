@@ -92,6 +92,7 @@ def test_expert_parallel_trains_as_ep_1_resumes_bit_for_bit_and_exports_whole_ex
 
     exported = transformers.AutoModelForCausalLM.from_pretrained(split / "out" / "hf", dtype=torch.float32)
     assert type(exported).__name__ == "DeepseekV3ForCausalLM"
+    assert exported.config.num_nextn_predict_layers == 0  # what is exported: no multi-token prediction module
     from pretrain_bench.train.models.native_deepseek import NativeDeepseekForCausalLM
     from pretrain_bench.train.plan import plan_shape
 

@@ -349,7 +349,10 @@ def test_resolve_shape_takes_overrides_and_the_tokenizers_vocabulary_and_refuses
                "bias_update_rate": {**V2, "bias_update_rate": 0.001},
                "norm_topk_prob": {**V2, "norm_topk_prob": True},
                "kv_lora_rank": {**V3, "kv_lora_rank": None, "q_lora_rank": None},
-               "topk_method": {"topk_method": "noaux_tc"}}
+               "topk_method": {"topk_method": "noaux_tc"},
+               # no multi-token prediction module: an export may not claim one
+               "num_nextn_predict_layers": {"num_nextn_predict_layers": 1},
+               "num_mtp_layers": {"num_mtp_layers": 1}}
     for key, overrides in refused.items():
         with pytest.raises(ValueError, match=f"model.overrides.{key}:"):
             resolve_shape("tiny-moe", overrides, VOCAB)

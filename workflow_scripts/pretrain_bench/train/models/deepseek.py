@@ -179,6 +179,12 @@ def check_shape(shape: DeepseekShape) -> None:
         if shape.norm_topk_prob:
             refuse("norm_topk_prob", "transformers' DeepseekV2 router ignores it (set hf_model_type: null to train "
                                      "it natively without an export)")
+    for key in ("num_nextn_predict_layers", "num_mtp_layers"):
+        if shape.extra.get(key, 0):
+            # transformers' classes have no multi-token prediction module, nor has the native model: trained
+            # without one, an export saying it had one would describe something other than what ran
+            refuse(key, f"{shape.extra[key]}: multi-token prediction (DeepSeek-V3 §2.2) is not built here, so the "
+                        "model trains and exports without it; set it to 0")
     if shape.hf_model_type is not None and shape.kv_lora_rank is None:
         refuse("kv_lora_rank", f"transformers' {HF_ARCHITECTURES[shape.hf_model_type]} has latent attention only: "
                                "plain multi-head attention needs hf_model_type null")
