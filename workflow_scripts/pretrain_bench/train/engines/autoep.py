@@ -11,7 +11,7 @@ balance loss, no load counts the model can read and no bias update. So:
 - `attach`: a forward hook on each replaced layer's router counts its tokens per expert as MoE.record_load does (the
   same guard against activation checkpointing's recomputation), and the router's bias is the one the model's
   auxiliary-loss-free update moves (NativeDeepseekForCausalLM.moe_stand_ins); the balance loss and force-balanced
-  routing are refused at planning (models.registry.check_expert_parallel).
+  routing are refused at planning (engines.spec DeepSpeedSpec.check_expert_model).
 - `consolidate`: AutoEP's checkpoints hold the experts in files of their own, split into w1/w2/w3 and under AutoEP's
   names, which DeepSpeed's zero_to_fp32 cannot read. DeepSpeed's ds_to_universal can (it knows AutoEP's layouts at
   every ZeRO stage); its per-parameter fp32 master weights are renamed and fused back into the native (and
