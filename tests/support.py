@@ -221,13 +221,13 @@ def plan_for(data, run_dir: Path, save_checkpoints: bool = True, **train):
 MOE_OVERRIDES = {"aux_loss_alpha": 0.01, "bias_update_rate": 0.01}
 
 
-def moe_plan_for(data, run_dir: Path, overrides: dict | None = None, **train):
+def moe_plan_for(data, run_dir: Path, overrides: dict | None = None, save_checkpoints: bool = True, **train):
     """plan_for with the model tiny-moe, native (the class with the balance loss, the bias update and the load
     counts), and MOE_OVERRIDES (updated by `overrides`)."""
     config, results = data
     model = {**config["model"], "preset": "tiny-moe", "implementation": "native",
              "overrides": {**MOE_OVERRIDES, **(overrides or {})}}
-    return plan_for(({**config, "model": model}, results), run_dir, **train)
+    return plan_for(({**config, "model": model}, results), run_dir, save_checkpoints, **train)
 
 
 def rank_startups(log: Path) -> list[dict]:
