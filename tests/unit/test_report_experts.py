@@ -158,3 +158,23 @@ def test_all_to_all_rows_put_the_predicted_bytes_over_the_measured_time():
     assert rows[0]["sent_mib"] == f"{per_step / 2**20:.2f}"
     rates = sorted(per_step / (a * run.step_time_s["median"]) / 1e6 for a in (0.2, 0.4))
     assert rows[0]["rate_mb_s"] == f"{statistics.median(rates):.0f} ({rates[0]:.0f}–{rates[1]:.0f})"
+
+
+def test_an_expert_parallel_cell_is_a_scaling_series_of_its_own_and_says_so():
+    # beside EP 1's 1- and 2-rank cells, the 2-rank cell at EP 2 is not a second point of their series: it has no
+    # 1-rank cell of its own (one rank cannot split the experts), and its setup names the split
+    from pretrain_bench.report.recommendation import scaling_entries, setup_text
+    from pretrain_bench.report.tables import cell_table, engine_label, records, scaling_frame
+
+    split = RunSummary.from_dict({**summary(2, tokens_per_s=1500.0), "expert_parallel": 2})
+    runs = {"ranks1": [RunSummary.from_dict(summary(1))], "ranks2": [RunSummary.from_dict(summary(2))],
+            "ranks2-ep2": [split]}
+    matrix = scaling_entries(runs)
+    rows = {row["cell"]: row for row in records(scaling_frame(matrix, cell_table(matrix, runs), 1.0))}
+    assert rows["ranks2"]["baseline_cell"] == "ranks1" and rows["ranks2"]["speedup"] == pytest.approx(1.0)
+    assert rows["ranks2-ep2"]["baseline_cell"] is None and rows["ranks2-ep2"]["speedup"] is None
+    assert rows["ranks2-ep2"]["speedup_best"] == pytest.approx(1.5)  # against the fastest 1-rank cell
+    assert rows["ranks2-ep2"]["series"].endswith(", expert parallel 2")
+    assert rows["ranks2"]["series"] != rows["ranks2-ep2"]["series"]
+    assert engine_label(vars(split)) == "DeepSpeed ZeRO-2 + expert parallel 2"
+    assert "DeepSpeed ZeRO-2 + expert parallel 2, fp32" in setup_text(split)

@@ -39,7 +39,8 @@ def setup_text(run: RunSummary) -> str:
 def scaling_entries(runs_by_cell: dict[str, list[RunSummary]]) -> dict:
     """A matrix holding what the scaling checks read of each cell (its ranks, engine and settings), from the cell's
     first summary: the same checks for the report and for the dry run, which has no matrix.json."""
-    keys = ("engine", "zero_stage", "precision", "comm_backend", "micro_batch_size", "offload_optimizer")
+    keys = ("engine", "zero_stage", "precision", "comm_backend", "micro_batch_size", "offload_optimizer",
+            "expert_parallel")
     return {"cells": [{"cell": cell, "gpus": runs[0].world_size, **{key: getattr(runs[0], key) for key in keys}}
                       for cell, runs in runs_by_cell.items() if runs]}
 

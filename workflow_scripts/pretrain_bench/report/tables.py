@@ -290,14 +290,22 @@ def cell_table(matrix: dict, runs_by_cell: dict[str, list[RunSummary]]) -> pd.Da
 
 
 def engine_label(entry: dict) -> str:
-    """'DeepSpeed ZeRO-2', 'DeepSpeed ZeRO-2 + optimizer offload', 'DDP' or 'FSDP2'."""
-    return engine_spec(entry["engine"]).label(entry["zero_stage"], entry["offload_optimizer"])
+    """'DeepSpeed ZeRO-2', 'DeepSpeed ZeRO-2 + optimizer offload', 'DDP', 'FSDP2', and with the experts split over
+    ranks 'DDP + expert parallel 2'."""
+    label = engine_spec(entry["engine"]).label(entry["zero_stage"], entry["offload_optimizer"])
+    return label + expert_parallel_suffix(entry, " + ")
+
+
+def expert_parallel_suffix(entry: dict, joint: str) -> str:
+    """'<joint>expert parallel N' for a run or cell whose experts are split over N ranks; '' otherwise."""
+    ep = entry.get("expert_parallel") or 1
+    return f"{joint}expert parallel {ep}" if ep > 1 else ""
 
 
 def group_key(entry: dict) -> tuple:
-    """Cells that differ only in their rank count form one scaling series."""
+    """Cells that differ only in their rank count form one scaling series (experts split over the same EP)."""
     return (entry["engine"], entry["zero_stage"], entry["precision"], entry["comm_backend"],
-            entry["micro_batch_size"], entry["offload_optimizer"])
+            entry["micro_batch_size"], entry["offload_optimizer"], entry.get("expert_parallel") or 1)
 
 
 def group_label(entry: dict) -> str:
@@ -306,7 +314,7 @@ def group_label(entry: dict) -> str:
     label += f", micro batch {entry['micro_batch_size']}"
     if entry["offload_optimizer"] != "none":
         label += ", optimizer offload"
-    return label
+    return label + expert_parallel_suffix(entry, ", ")
 
 
 def _ran(matrix: dict, cells: pd.DataFrame) -> list[dict]:
