@@ -143,6 +143,12 @@ class RunShape:
         moe_layers = self.layers - self.moe.dense_layers
         return int(4 * moe_layers * pairs * self.hidden_size * b * (self.expert_parallel - 1) / self.expert_parallel)
 
+    @property
+    def held_parameters(self) -> int:
+        """The parameters one rank's model holds: every non-expert one and its expert-parallel slice of the experts
+        (Ψ at EP 1)."""
+        return self.non_expert_parameters + self.held_experts(self.expert_parameters)
+
     def held_experts(self, elements: int) -> int:
         """Of `elements` routed-expert parameters, those one rank's expert-parallel slice holds (÷ EP)."""
         return elements // self.expert_group()[0]
@@ -506,7 +512,7 @@ def buffer_terms(run: RunShape) -> dict:
     """DeepSpeed's working buffers on the device, term by term, as {term: (bytes, source)}."""
     grad_b = 4 if run.precision == "fp32" else 2
     # the parameters whose gradients this rank reduces: with expert parallelism its own slice of the experts
-    psi, largest = run.non_expert_parameters + run.held_experts(run.expert_parameters), run.largest_parameter
+    psi, largest = run.held_parameters, run.largest_parameter
     # A parameter's gradient is reduced whole, so the reduce bucket holds at least the largest one: with fused
     # experts that is a MoE layer's gate_up_proj (E, 2I, H), far above 5e8 elements for DeepSeek-V3 (7.5e9).
     reduce_elements = max(REDUCE_BUCKET_ELEMENTS, largest) if run.moe else REDUCE_BUCKET_ELEMENTS
@@ -600,7 +606,7 @@ def torch_engine_terms(run: RunShape) -> tuple[dict, dict]:
         expert = engine_spec(run.engine).state_bytes(run.held_experts(run.expert_parameters),
                                                      expert_ranks if ep == 1 else 1)
         states = {key: states[key] + expert[key] for key in states} | {"expert": sum(expert.values())}
-    psi = run.non_expert_parameters + run.held_experts(run.expert_parameters)  # what one rank's model holds
+    psi = run.held_parameters
     buffers = {}
     if run.moe and run.expert_parallel > 1:
         buffers["ep_exchange"] = ep_exchange(run, b)
@@ -629,7 +635,7 @@ def torch_engine_terms(run: RunShape) -> tuple[dict, dict]:
 
 def estimate(run: RunShape) -> Estimate:
     spec = engine_spec(run.engine)
-    local = run.non_expert_parameters + run.held_experts(run.expert_parameters)  # the model one rank builds
+    local = run.held_parameters  # the model one rank builds
     if not spec.zero_partitioned:
         states, buffers = torch_engine_terms(run)
         state_formula = spec.state_formula
