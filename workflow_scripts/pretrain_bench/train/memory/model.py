@@ -132,6 +132,11 @@ class RunShape:
         k = self.moe.experts_per_token
         return self.expert_parallel * min(k, self.moe.routed_experts // self.expert_parallel) / k
 
+    @property
+    def dispatched_pairs(self) -> int:
+        """The (token, slot) pairs one rank's micro-batch sends through a MoE layer's dispatch: tokens × K."""
+        return self.micro_batch_size * self.seq_len * self.moe.experts_per_token
+
     def all_to_all_bytes(self) -> int:
         """Bytes one rank sends by all-to-all in one micro-batch with expert parallelism (0 without): every MoE
         layer's dispatch and combine, forward and backward, each moving the rank's tokens × K rows of H elements, of
@@ -139,9 +144,9 @@ class RunShape:
         if not self.moe or self.expert_parallel == 1:
             return 0
         b = 4 if self.precision == "fp32" else 2
-        pairs = self.micro_batch_size * self.seq_len * self.moe.experts_per_token
         moe_layers = self.layers - self.moe.dense_layers
-        return int(4 * moe_layers * pairs * self.hidden_size * b * (self.expert_parallel - 1) / self.expert_parallel)
+        away = (self.expert_parallel - 1) / self.expert_parallel  # the pairs bound for other ranks' experts
+        return int(4 * moe_layers * self.dispatched_pairs * self.hidden_size * b * away)
 
     @property
     def held_parameters(self) -> int:
@@ -570,8 +575,7 @@ def buffer_terms(run: RunShape) -> dict:
 def ep_exchange(run: RunShape, b: int) -> tuple[int, str]:
     """The expert-parallel dispatch's rows to send and the rows received, held together while it runs (one layer
     at a time): the rank's tokens × K rows, and up to receive_factor times as many received, H wide."""
-    pairs = run.micro_batch_size * run.seq_len * run.moe.experts_per_token
-    return (int(pairs * run.hidden_size * b * (1 + run.receive_factor)),
+    return (int(run.dispatched_pairs * run.hidden_size * b * (1 + run.receive_factor)),
             f"expert-parallel dispatch: the rank's token × K rows sent and up to {run.receive_factor:g}× as many "
             "received (receive_factor), H wide")
 
